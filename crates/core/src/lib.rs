@@ -1,0 +1,13 @@
+//! Types every Manta actor shares.
+//!
+//! A [`Sample`] is one episode as the trainer needs it; it is produced by a rollout
+//! actor, travels to the driver (in-process or as `manta.common.Sample` protobuf), and
+//! is trained on by trainer actors together with its group advantage.
+
+pub mod advantage;
+pub mod sample;
+pub mod wire;
+
+pub use advantage::{group_advantages, AdvantageOptions};
+pub use sample::{EpisodeMetadata, Sample, SampleStatus};
+pub use wire::WireError;

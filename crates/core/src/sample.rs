@@ -1,0 +1,101 @@
+//! The sample: token ids, loss mask and log-probs of one episode.
+
+use serde::{Deserialize, Serialize};
+
+/// How an episode ended (slime/Miles' statuses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SampleStatus {
+    /// The episode ended normally (terminal tool result or engine stop).
+    Completed,
+    /// A token budget or `max_turns` cut it short.
+    Truncated,
+    /// Generation was aborted (for example by a weight update).
+    Aborted,
+    /// The environment or engine failed; the sample is never trained on.
+    Failed,
+}
+
+/// What happened during the episode, for metrics, traces and uploads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeMetadata {
+    pub environment: String,
+    pub task_hash: String,
+    pub stop_reason: String,
+    pub num_turns: u32,
+    pub num_tool_calls: u32,
+    pub num_failed_tool_calls: u32,
+    pub step_rewards: Vec<f64>,
+    /// Set when `status` is `Failed`: what went wrong.
+    pub error: Option<String>,
+}
+
+/// One episode. `tokens` = prompt + response; `loss_mask` and `rollout_log_probs`
+/// cover the response part only (`response_length` entries each).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Unique within a run; lets the driver detect lost or duplicated samples.
+    pub id: u64,
+    /// Which prompt group this belongs to (advantages are computed per group).
+    pub group_index: u32,
+    /// Position within its group.
+    pub index: u32,
+    pub tokens: Vec<u32>,
+    pub response_length: usize,
+    /// 1 on tokens the policy generated, 0 on tokens the environment or template added.
+    pub loss_mask: Vec<u8>,
+    /// The engine's log-prob of each response token (0 where `loss_mask` is 0).
+    pub rollout_log_probs: Vec<f32>,
+    pub reward: f64,
+    pub status: SampleStatus,
+    /// Weight version of the engine that generated it (the oldest, if it changed mid-episode).
+    pub weight_version: u64,
+    pub metadata: EpisodeMetadata,
+}
+
+impl Sample {
+    /// Number of prompt tokens.
+    pub fn prompt_length(&self) -> usize {
+        self.tokens.len() - self.response_length
+    }
+
+    /// Number of tokens the policy generated (the ones that are trained).
+    pub fn generated_tokens(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m != 0).count()
+    }
+
+    /// Checks the invariants the trainer relies on; the message names the broken field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.response_length > self.tokens.len() {
+            return Err(format!(
+                "sample {}: response_length {} exceeds tokens length {}",
+                self.id,
+                self.response_length,
+                self.tokens.len()
+            ));
+        }
+        if self.loss_mask.len() != self.response_length {
+            return Err(format!(
+                "sample {}: loss_mask has {} entries, response_length is {}",
+                self.id,
+                self.loss_mask.len(),
+                self.response_length
+            ));
+        }
+        if self.rollout_log_probs.len() != self.response_length {
+            return Err(format!(
+                "sample {}: rollout_log_probs has {} entries, response_length is {}",
+                self.id,
+                self.rollout_log_probs.len(),
+                self.response_length
+            ));
+        }
+        if let Some(bad) = self.loss_mask.iter().find(|&&m| m > 1) {
+            return Err(format!("sample {}: loss_mask value {bad} is not 0 or 1", self.id));
+        }
+        if !self.reward.is_finite() {
+            return Err(format!("sample {}: reward {} is not finite", self.id, self.reward));
+        }
+        Ok(())
+    }
+}
