@@ -113,16 +113,24 @@ impl TrainOverrides {
     /// Checks values that parse but make no sense; `prefix` is the key's table (`train.`
     /// in cluster.toml, `--` on the command line).
     pub fn validate(&self, origin: &Path, prefix: &str) -> Result<(), ConfigError> {
+        // On the command line keys are flags: `--n-samples`, not `n_samples`.
+        let key = |k: &str| {
+            if prefix == "--" {
+                format!("--{}", k.replace('_', "-"))
+            } else {
+                format!("{prefix}{k}")
+            }
+        };
         let positive_f = [
             ("lr", self.lr),
             ("temperature", self.temperature),
             ("adam_eps", self.adam_eps),
             ("clip_grad", self.clip_grad),
         ];
-        for (key, value) in positive_f {
+        for (name, value) in positive_f {
             if let Some(v) = value {
                 if !(v.is_finite() && v > 0.0) {
-                    return Err(ConfigError::invalid(origin, format!("{prefix}{key}"), v, "must be a finite number > 0"));
+                    return Err(ConfigError::invalid(origin, key(name), v, "must be a finite number > 0"));
                 }
             }
         }
@@ -133,10 +141,10 @@ impl TrainOverrides {
             ("eps_clip_high", self.eps_clip_high),
             ("weight_decay", self.weight_decay),
         ];
-        for (key, value) in unit {
+        for (name, value) in unit {
             if let Some(v) = value {
                 if !(0.0..1.0).contains(&v) {
-                    return Err(ConfigError::invalid(origin, format!("{prefix}{key}"), v, "must be in [0, 1)"));
+                    return Err(ConfigError::invalid(origin, key(name), v, "must be in [0, 1)"));
                 }
             }
         }
@@ -148,9 +156,9 @@ impl TrainOverrides {
             ("num_rollout", self.num_rollout),
             ("context_len", self.context_len),
         ];
-        for (key, value) in at_least_one {
+        for (name, value) in at_least_one {
             if value == Some(0) {
-                return Err(ConfigError::invalid(origin, format!("{prefix}{key}"), 0, "must be at least 1"));
+                return Err(ConfigError::invalid(origin, key(name), 0, "must be at least 1"));
             }
         }
         Ok(())
@@ -216,7 +224,7 @@ mod tests {
             ..Default::default()
         };
         let err = o.validate(Path::new("command line"), "--").unwrap_err().to_string();
-        assert!(err.contains("--n_samples") && err.contains("at least 1"), "{err}");
+        assert!(err.contains("--n-samples") && err.contains("at least 1"), "{err}");
         let o = TrainOverrides {
             adam_beta2: Some(1.5),
             ..Default::default()

@@ -6,6 +6,7 @@
 
 pub mod advantage;
 pub mod sample;
+pub mod pyjson;
 pub mod wire;
 
 pub use advantage::{group_advantages, AdvantageOptions};

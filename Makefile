@@ -1,0 +1,51 @@
+# Manta — `make run` trains the tiny local model; `make test` runs the CPU test suite.
+# Both set up what they need on first use (Python venv with torch==2.11.0 for libtorch,
+# plus transformers / openreward / tensorboard for interop tests) and are idempotent.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := $(CURDIR)/.venv
+VENV_PY := $(VENV)/bin/python
+TORCH_LIB := $(VENV)/lib/python3.11/site-packages/torch/lib
+SETUP_STAMP := $(VENV)/.manta-setup-v1
+
+# torch-sys finds libtorch through the venv's python; binaries find it at run time here.
+export PATH := $(VENV)/bin:$(PATH)
+export LIBTORCH_USE_PYTORCH := 1
+export LD_LIBRARY_PATH := $(TORCH_LIB):$(LD_LIBRARY_PATH)
+export MANTA_PYTHON := $(VENV_PY)
+
+CARGO_TEST_FLAGS ?=
+
+.PHONY: run test setup build lint fmt clean-runs help
+
+help:
+	@echo "make run    - train the tiny model locally on CPU (default cluster.toml)"
+	@echo "make test   - run the whole CPU test suite"
+	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard)"
+	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets"
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): requirements-dev.txt
+	@echo "== setting up $(VENV) (first run downloads torch, ~4.6 GB)"
+	@test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	@$(VENV_PY) -c "import torch; assert torch.__version__.startswith('2.11.0'), torch.__version__"
+	@touch $@
+
+build: setup
+	cargo build --release --bin driver
+
+run: build
+	./target/release/driver --cluster cluster.toml
+
+test: setup
+	cargo test --workspace $(CARGO_TEST_FLAGS)
+
+lint: setup
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+clean-runs:
+	rm -rf runs checkpoints

@@ -1,0 +1,139 @@
+//! The command line: run.sh's flag names, so a cookbook user's habits carry over.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use manta_config::TrainOverrides;
+
+/// Manta's driver: runs GRPO training of an LLM on OpenReward environments.
+///
+/// With the default cluster.toml it trains a tiny model locally on the CPU against
+/// Manta's built-in environments: no GPU, no network. Flags override cluster.toml's
+/// `[train]` table, which overrides the OpenReward cookbook's defaults.
+#[derive(Debug, Parser)]
+#[command(name = "driver", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train (the default when no subcommand is given).
+    Train(TrainArgs),
+}
+
+/// Options of a training run.
+#[derive(Debug, Args, Clone)]
+pub struct TrainArgs {
+    /// Cluster description: where actors run, engine kind, defaults for the flags below.
+    #[arg(long, default_value = "cluster.toml")]
+    pub cluster: PathBuf,
+    /// Environment settings (the cookbook's train_config.yaml). Default: cluster.toml's
+    /// `cluster.train_config`.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model directory in Hugging Face layout (config.json, tokenizer.json, weights).
+    /// Without weights, the model is randomly initialised from --seed.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Learning rate [cookbook: 1e-5].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Samples per prompt: the GRPO group size [16].
+    #[arg(long)]
+    pub n_samples: Option<usize>,
+    /// Prompts per step [32].
+    #[arg(long)]
+    pub rollout_batch_size: Option<usize>,
+    /// Most tokens per generate call [4096].
+    #[arg(long)]
+    pub max_response_len: Option<usize>,
+    /// Training tokens per micro-batch per GPU [8192].
+    #[arg(long)]
+    pub max_tokens_per_gpu: Option<usize>,
+    /// Sampling temperature [1.0].
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Directory for checkpoints (HF weights + optimizer + trainer state).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Resume from the latest checkpoint in this directory.
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Steps between checkpoints [10]; 0 saves only at the end.
+    #[arg(long)]
+    pub save_interval: Option<usize>,
+    /// Number of training steps [3000].
+    #[arg(long)]
+    pub num_rollout: Option<usize>,
+    /// Seed for model init, task order and sampling [42].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// AdamW weight decay [0.0].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// AdamW beta1 [0.9].
+    #[arg(long)]
+    pub adam_beta1: Option<f64>,
+    /// AdamW beta2 [0.999].
+    #[arg(long)]
+    pub adam_beta2: Option<f64>,
+    /// AdamW epsilon [1e-8].
+    #[arg(long)]
+    pub adam_eps: Option<f64>,
+    /// PPO clip range [0.2].
+    #[arg(long)]
+    pub eps_clip: Option<f64>,
+    /// Upper clip range [= --eps-clip].
+    #[arg(long)]
+    pub eps_clip_high: Option<f64>,
+    /// Gradient norm clip [1.0].
+    #[arg(long)]
+    pub clip_grad: Option<f64>,
+    /// Whole-episode token budget: prompt plus all turns [8192].
+    #[arg(long)]
+    pub context_len: Option<usize>,
+    /// tasks.jsonl to train from (from `prepare-tasks`); default: list tasks from the servers.
+    #[arg(long)]
+    pub task_data: Option<PathBuf>,
+    /// Name of this run's folder under --runs-dir [a timestamp].
+    #[arg(long)]
+    pub run_name: Option<String>,
+    /// Where runs/<run>/metrics.jsonl and the plot go [runs].
+    #[arg(long)]
+    pub runs_dir: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// The flags as the top configuration layer.
+    pub fn overrides(&self) -> TrainOverrides {
+        TrainOverrides {
+            model: self.model.clone(),
+            lr: self.lr,
+            n_samples: self.n_samples,
+            rollout_batch_size: self.rollout_batch_size,
+            max_response_len: self.max_response_len,
+            max_tokens_per_gpu: self.max_tokens_per_gpu,
+            temperature: self.temperature,
+            save: self.save.clone(),
+            load: self.load.clone(),
+            save_interval: self.save_interval,
+            num_rollout: self.num_rollout,
+            seed: self.seed,
+            weight_decay: self.weight_decay,
+            adam_beta1: self.adam_beta1,
+            adam_beta2: self.adam_beta2,
+            adam_eps: self.adam_eps,
+            eps_clip: self.eps_clip,
+            eps_clip_high: self.eps_clip_high,
+            clip_grad: self.clip_grad,
+            context_len: self.context_len,
+            task_data: self.task_data.clone(),
+            run_name: self.run_name.clone(),
+            runs_dir: self.runs_dir.clone(),
+        }
+    }
+}

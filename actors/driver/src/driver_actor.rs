@@ -1,0 +1,204 @@
+//! `DriverActor`: owns the training loop. Each step is a `Step` message it sends
+//! itself, so a stop request is seen between steps and the mailbox stays the single
+//! place where the run advances.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use manta_rollout::GenerationSettings;
+use manta_telemetry::MetricsWriter;
+use manta_trainer::TrainerMsg;
+use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tracing::{info, warn};
+
+use crate::step::{run_step, StepActors};
+use crate::tasks::TaskSampler;
+
+/// How a run ended.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub run_dir: PathBuf,
+    pub steps_done: u64,
+    pub last_step: u64,
+    pub interrupted: bool,
+    /// Sample ids trained on, in step order.
+    pub trained_ids: Vec<u64>,
+    pub final_weight_version: u64,
+}
+
+pub enum DriverMsg {
+    /// Start the loop; the reply comes when the run ends.
+    Run(RpcReplyPort<Result<RunSummary, String>>),
+    /// Internal: run the next step.
+    Step,
+}
+
+/// Everything the loop needs.
+pub struct RunPlan {
+    pub actors: StepActors,
+    pub sampler: TaskSampler,
+    pub rollout_batch_size: usize,
+    pub n_samples: usize,
+    pub generation: GenerationSettings,
+    /// First step to run (1 on a fresh run; checkpoint step + 1 on resume).
+    pub first_step: u64,
+    pub last_step: u64,
+    pub save: Option<PathBuf>,
+    pub save_interval: usize,
+    pub metrics: MetricsWriter,
+    pub run_dir: PathBuf,
+    /// Set by Ctrl-C: finish the current step, save, stop.
+    pub stop_requested: Arc<AtomicBool>,
+}
+
+pub struct DriverState {
+    plan: RunPlan,
+    next_step: u64,
+    steps_done: u64,
+    trained_ids: Vec<u64>,
+    reply: Option<RpcReplyPort<Result<RunSummary, String>>>,
+    started: Instant,
+}
+
+pub struct DriverActor;
+
+impl Actor for DriverActor {
+    type Msg = DriverMsg;
+    type State = DriverState;
+    type Arguments = RunPlan;
+
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, plan: RunPlan) -> Result<DriverState, ActorProcessingErr> {
+        Ok(DriverState {
+            next_step: plan.first_step,
+            plan,
+            steps_done: 0,
+            trained_ids: Vec::new(),
+            reply: None,
+            started: Instant::now(),
+        })
+    }
+
+    async fn handle(&self, myself: ActorRef<Self::Msg>, message: DriverMsg, state: &mut DriverState) -> Result<(), ActorProcessingErr> {
+        match message {
+            DriverMsg::Run(reply) => {
+                state.reply = Some(reply);
+                state.started = Instant::now();
+                myself.send_message(DriverMsg::Step)?;
+            }
+            DriverMsg::Step => {
+                let interrupted = state.plan.stop_requested.load(Ordering::SeqCst);
+                if interrupted || state.next_step > state.plan.last_step {
+                    let result = finish(state, interrupted).await.map_err(|e| format!("{e:#}"));
+                    if let Some(reply) = state.reply.take() {
+                        let _ = reply.send(result);
+                    }
+                    return Ok(());
+                }
+                match one_step(state).await {
+                    Ok(()) => myself.send_message(DriverMsg::Step)?,
+                    Err(e) => {
+                        if let Some(reply) = state.reply.take() {
+                            let _ = reply.send(Err(format!("step {}: {e:#}", state.next_step)));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
+    let plan = &mut state.plan;
+    let step = state.next_step;
+    let start = (step - 1) * plan.rollout_batch_size as u64;
+    let tasks = plan.sampler.draw(start, plan.rollout_batch_size);
+    let outcome = run_step(&plan.actors, step, &tasks, plan.n_samples, plan.generation).await?;
+    let m = &outcome.metrics;
+    plan.metrics
+        .write_step(step, m)
+        .with_context(|| format!("writing {}", plan.metrics.path().display()))?;
+    println!(
+        "step {step:>5}/{}  reward {:.3}  loss {:+.4}  time {:.2}s",
+        plan.last_step,
+        m.get("rollout/raw_reward").copied().unwrap_or(f64::NAN),
+        m.get("train/loss").copied().unwrap_or(f64::NAN),
+        m.get("perf/step_time").copied().unwrap_or(f64::NAN),
+    );
+    if m.get("rollout/failed_count").copied().unwrap_or(0.0) > 0.0 {
+        warn!(step, failed = m["rollout/failed_count"], "some episodes failed and were left out of training");
+    }
+    state.trained_ids.extend(outcome.trained_ids);
+    state.steps_done += 1;
+    state.next_step += 1;
+    if let Some(dir) = &plan.save {
+        if plan.save_interval > 0 && step % plan.save_interval as u64 == 0 && step < plan.last_step {
+            save_checkpoint(&plan.actors.trainer, dir, step).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<RunSummary> {
+    let plan = &state.plan;
+    let last_done = state.next_step - 1;
+    if let Some(dir) = &plan.save {
+        if state.steps_done > 0 {
+            save_checkpoint(&plan.actors.trainer, dir, last_done).await?;
+        }
+    }
+    if interrupted {
+        warn!(step = last_done, "stopped on request after step {last_done}");
+    }
+    let png = plan.run_dir.join("reward_loss.png");
+    match manta_telemetry::plot_reward_and_loss(plan.metrics.path(), &png) {
+        Ok(()) => info!(plot = %png.display(), "wrote the reward/loss plot"),
+        Err(e) => warn!(error = %e, "no plot written"),
+    }
+    let version = call!(plan.actors.weight_sync, manta_weight_sync::WeightSyncMsg::Version).unwrap_or(0);
+    info!(
+        steps = state.steps_done,
+        seconds = state.started.elapsed().as_secs_f64(),
+        metrics = %plan.metrics.path().display(),
+        "run finished"
+    );
+    Ok(RunSummary {
+        run_dir: plan.run_dir.clone(),
+        steps_done: state.steps_done,
+        last_step: last_done,
+        interrupted,
+        trained_ids: state.trained_ids.clone(),
+        final_weight_version: version,
+    })
+}
+
+/// Saves `dir/step_NNNNNN` and then points `dir/latest` at it (written atomically), so
+/// `--load dir` always finds a complete checkpoint.
+pub async fn save_checkpoint(trainer: &ActorRef<TrainerMsg>, dir: &std::path::Path, step: u64) -> anyhow::Result<()> {
+    let name = format!("step_{step:06}");
+    let target = dir.join(&name);
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    call!(trainer, TrainerMsg::SaveCheckpoint, target.clone(), step)
+        .context("the trainer did not answer")?
+        .with_context(|| format!("saving checkpoint {}", target.display()))?;
+    let tmp = dir.join("latest.tmp");
+    std::fs::write(&tmp, &name).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, dir.join("latest")).with_context(|| format!("updating {}/latest", dir.display()))?;
+    info!(checkpoint = %target.display(), "checkpoint saved");
+    Ok(())
+}
+
+/// The checkpoint `dir/latest` points at.
+pub fn latest_checkpoint(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let latest = dir.join("latest");
+    let name = std::fs::read_to_string(&latest)
+        .with_context(|| format!("--load {}: no `latest` file (is this a Manta checkpoint directory?)", dir.display()))?;
+    let path = dir.join(name.trim());
+    if !path.is_dir() {
+        anyhow::bail!("--load {}: `latest` names {}, which does not exist", dir.display(), path.display());
+    }
+    Ok(path)
+}

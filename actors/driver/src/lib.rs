@@ -1,0 +1,9 @@
+//! The driver: configuration, placement, the step loop, checkpoints and metrics.
+//! `main.rs` is the `driver` binary; everything else is here so tests can drive it.
+
+pub mod cli;
+pub mod driver_actor;
+pub mod local;
+pub mod run;
+pub mod step;
+pub mod tasks;

@@ -1,0 +1,202 @@
+//! Local mode: the driver hosts one in-process worker — a trainer, rollout actors with
+//! native engines, a weight-sync actor — plus Manta's built-in environment server when
+//! train_config.yaml asks for it (`url: builtin`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
+use manta_rollout::actor::RolloutArgs;
+use manta_rollout::chat::ChatFormat;
+use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
+use manta_rollout::ors::{OrsClient, OrsClientOptions};
+use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg};
+use manta_tokenizer::Tokenizer;
+use manta_trainer::loss::ClipRange;
+use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
+use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
+use ractor::{Actor, ActorRef};
+use tch::Device;
+use tracing::info;
+
+/// The value of an environment's `url` that means "Manta's built-in server".
+pub const BUILTIN_URL: &str = "builtin";
+/// Where environments live when train_config.yaml names no `url`.
+pub const DEFAULT_SESSION_URL: &str = "https://sessions.openreward.ai";
+
+/// Handles to everything local mode started.
+pub struct LocalWorker {
+    pub trainer: ActorRef<TrainerMsg>,
+    pub rollouts: Vec<ActorRef<RolloutMsg>>,
+    pub weight_sync: ActorRef<WeightSyncMsg>,
+    /// One client per environment, for listing tasks.
+    pub env_clients: BTreeMap<String, OrsClient>,
+    env_server: Option<manta_envs::ServerHandle>,
+}
+
+impl LocalWorker {
+    /// Stops actors and the environment server.
+    pub async fn shutdown(self) {
+        for r in &self.rollouts {
+            r.stop(None);
+        }
+        self.weight_sync.stop(None);
+        self.trainer.stop(None);
+        if let Some(server) = self.env_server {
+            server.shutdown().await;
+        }
+    }
+}
+
+/// Resolves each environment's server URL and builds one ORS client for it.
+fn environment_clients(
+    train: &TrainConfig,
+    builtin_url: Option<&str>,
+) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
+    let mut out = BTreeMap::new();
+    for (name, env) in &train.environments {
+        let builtin = env.url.as_deref() == Some(BUILTIN_URL);
+        let base_url = match env.url.as_deref() {
+            Some(BUILTIN_URL) => builtin_url
+                .context("the built-in environment server is not running")?
+                .to_string(),
+            Some(url) => url.to_string(),
+            None => std::env::var("OPENREWARD_SESSION_URL").unwrap_or_else(|_| DEFAULT_SESSION_URL.to_string()),
+        };
+        let options = OrsClientOptions {
+            base_url,
+            api_key: std::env::var("OPENREWARD_API_KEY").ok(),
+            deployment: (!builtin).then(|| name.clone()),
+            variant: env.variant.clone(),
+            secrets: train.resolved_secrets(name),
+            request_timeout: Duration::from_secs(120),
+            ..OrsClientOptions::new(String::new())
+        };
+        let client = OrsClient::new(options).with_context(|| format!("environment {name}"))?;
+        out.insert(name.clone(), (client, builtin));
+    }
+    Ok(out)
+}
+
+/// Token ids that end a generate call: the end of a turn, the end of a tool call, EOS.
+fn stop_token_ids(tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut ids: Vec<u32> = ["<|im_end|>", "</tool_call>", "<|endoftext|>"]
+        .iter()
+        .filter_map(|t| tokenizer.token_to_id(t))
+        .chain(tokenizer.eos_token_id())
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Starts the local worker's actors.
+pub async fn start(cluster: &ClusterConfig, train: &TrainConfig, settings: &TrainSettings) -> anyhow::Result<LocalWorker> {
+    let model_dir = settings.model.as_path();
+    check_model_dir(model_dir)?;
+    let needs_builtin = train.environments.values().any(|e| e.url.as_deref() == Some(BUILTIN_URL));
+    let env_server = if needs_builtin {
+        let server = manta_envs::serve("127.0.0.1:0".parse()?, manta_envs::builtin_environments())
+            .await
+            .context("starting the built-in environment server")?;
+        info!(url = %server.base_url(), "built-in environment server started");
+        Some(server)
+    } else {
+        None
+    };
+    let builtin_url = env_server.as_ref().map(|s| s.base_url());
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(model_dir).with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
+    );
+    let device = Device::Cpu;
+    let trainer_opts = TrainerOptions {
+        model_dir: model_dir.to_path_buf(),
+        seed: settings.seed,
+        device,
+        adam: AdamWConfig {
+            lr: settings.lr,
+            beta1: settings.adam_beta1,
+            beta2: settings.adam_beta2,
+            eps: settings.adam_eps,
+            weight_decay: settings.weight_decay,
+        },
+        clip: ClipRange {
+            eps_clip: settings.eps_clip,
+            eps_clip_high: settings.eps_clip_high,
+        },
+        clip_grad: settings.clip_grad,
+        temperature: settings.temperature,
+        max_tokens_per_gpu: settings.max_tokens_per_gpu,
+        use_rollout_logprobs: false,
+        logprob_chunk: 1024,
+    };
+    let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, trainer_opts)
+        .await
+        .context("starting the trainer")?;
+    let mut rollouts = Vec::new();
+    let env_clients = environment_clients(train, builtin_url.as_deref())?;
+    for i in 0..cluster.rollout.engines {
+        let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
+            model_dir: model_dir.to_path_buf(),
+            seed: settings.seed,
+            device,
+            max_batch_size: cluster.rollout.max_batch_size,
+        })
+        .context("starting the native engine")?;
+        let environments = environment_clients(train, builtin_url.as_deref())?
+            .into_iter()
+            .map(|(name, (client, _))| {
+                let config = train.environments[&name].clone();
+                (name.clone(), EnvironmentHandle { name, client, config })
+            })
+            .collect();
+        let context = EpisodeContext {
+            engine,
+            chat: ChatFormat::new(tokenizer.clone(), train.thinking),
+            system_prompt_template: train.system_prompt_template.clone(),
+            stop_token_ids: stop_token_ids(&tokenizer),
+        };
+        let args = RolloutArgs {
+            context,
+            environments,
+            max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
+        };
+        let (rollout, _) = Actor::spawn(Some(format!("rollout-{i}")), RolloutActor, args)
+            .await
+            .context("starting a rollout actor")?;
+        rollouts.push(rollout);
+    }
+    let (weight_sync, _) = Actor::spawn(
+        Some("weight-sync".into()),
+        WeightSyncActor,
+        WeightSyncArgs {
+            trainer: trainer.clone(),
+            engines: rollouts.clone(),
+        },
+    )
+    .await
+    .context("starting weight sync")?;
+    Ok(LocalWorker {
+        trainer,
+        rollouts,
+        weight_sync,
+        env_clients: env_clients.into_iter().map(|(k, (c, _))| (k, c)).collect(),
+        env_server,
+    })
+}
+
+fn check_model_dir(dir: &Path) -> anyhow::Result<()> {
+    for file in ["config.json", "tokenizer.json"] {
+        if !dir.join(file).is_file() {
+            anyhow::bail!(
+                "model directory {} has no {file} (pass --model DIR with a Hugging Face model directory)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}

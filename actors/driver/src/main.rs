@@ -1,0 +1,44 @@
+//! `driver`: trains an LLM with GRPO on OpenReward environments.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use clap::Parser;
+use manta_driver::cli::{Cli, Command};
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    manta_telemetry::init_logging();
+    let args = match cli.command {
+        Some(Command::Train(args)) => args,
+        None => cli.train,
+    };
+    // First Ctrl-C: finish the current step, checkpoint, stop. Second: exit now.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            if flag.swap(true, Ordering::SeqCst) {
+                eprintln!("second Ctrl-C: exiting now");
+                std::process::exit(130);
+            }
+            eprintln!("Ctrl-C: stopping after the current step (press again to exit now)");
+        }
+    });
+    match manta_driver::run::train(&args, stop).await {
+        Ok(summary) => {
+            println!(
+                "done: {} steps, metrics in {}",
+                summary.steps_done,
+                summary.run_dir.join("metrics.jsonl").display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Setting up and running a training job: configuration layers, the local worker,
+//! tasks, resume, then the DriverActor's loop.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
+use manta_rollout::{GenerationSettings, TaskRef};
+use manta_telemetry::MetricsWriter;
+use manta_trainer::TrainerMsg;
+use manta_weight_sync::WeightSyncMsg;
+use ractor::{call, Actor};
+use tracing::info;
+
+use crate::cli::TrainArgs;
+use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
+use crate::local::{self, LocalWorker};
+use crate::step::StepActors;
+use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
+
+/// Configuration after all layers are applied.
+pub struct ResolvedConfig {
+    pub cluster: ClusterConfig,
+    pub train: TrainConfig,
+    pub settings: TrainSettings,
+}
+
+/// Reads cluster.toml and train_config.yaml and applies the flags on top.
+pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
+    let cluster = ClusterConfig::from_file(&args.cluster)?;
+    let flags = args.overrides();
+    flags.validate(Path::new("command line"), "--")?;
+    let settings = flags.over(cluster.train.clone()).resolve();
+    let config_path = args.config.clone().or_else(|| cluster.train_config.clone()).with_context(|| {
+        format!(
+            "no train_config.yaml: pass --config FILE or set `train_config` under [cluster] in {}",
+            args.cluster.display()
+        )
+    })?;
+    let train = TrainConfig::from_file(&config_path)?;
+    Ok(ResolvedConfig {
+        cluster,
+        train,
+        settings,
+    })
+}
+
+/// Lists every configured split of every environment from its server, shuffled with
+/// the cookbook's seed 42 and capped by `num_samples`.
+async fn list_tasks(worker: &LocalWorker, train: &TrainConfig) -> anyhow::Result<Vec<TaskRef>> {
+    let mut tasks = Vec::new();
+    for (name, env) in &train.environments {
+        let client = &worker.env_clients[name];
+        for split in &env.splits {
+            let listed = client
+                .list_tasks(split)
+                .await
+                .with_context(|| format!("listing tasks of {name} split {split}"))?;
+            let server_env = listed.env_name.clone();
+            let refs: Vec<TaskRef> = listed
+                .tasks
+                .into_iter()
+                .map(|spec| TaskRef {
+                    environment: name.clone(),
+                    split: split.clone(),
+                    task_hash: task_hash(&spec),
+                    task_spec: spec,
+                    server_env: server_env.clone(),
+                })
+                .collect();
+            info!(environment = %name, split = %split, tasks = refs.len(), "tasks listed");
+            tasks.extend(shuffle_and_cap(refs, 42, env.num_samples));
+        }
+    }
+    Ok(tasks)
+}
+
+fn default_run_name() -> String {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format!("run-{secs}")
+}
+
+/// Runs a whole training job in local mode. `stop` is polled between steps.
+pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<RunSummary> {
+    let ResolvedConfig {
+        cluster,
+        train,
+        settings,
+    } = resolve_config(args)?;
+    info!(
+        model = %settings.model.display(),
+        steps = settings.num_rollout,
+        prompts = settings.rollout_batch_size,
+        n_samples = settings.n_samples,
+        lr = settings.lr,
+        "starting local training"
+    );
+    let worker = local::start(&cluster, &train, &settings).await?;
+    let result = run_with_worker(&worker, &train, &settings, stop).await;
+    worker.shutdown().await;
+    result
+}
+
+async fn run_with_worker(
+    worker: &LocalWorker,
+    train: &TrainConfig,
+    settings: &TrainSettings,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<RunSummary> {
+    let tasks = match &settings.task_data {
+        Some(path) => read_tasks_jsonl(path)?,
+        None => list_tasks(worker, train).await?,
+    };
+    if let Some(t) = tasks.iter().find(|t| !train.environments.contains_key(&t.environment)) {
+        anyhow::bail!(
+            "task {} names environment {}, which {} does not configure",
+            t.task_hash,
+            t.environment,
+            train.path.display()
+        );
+    }
+    if tasks.is_empty() {
+        anyhow::bail!("no tasks to train on");
+    }
+    let mut first_step = 1;
+    if let Some(dir) = &settings.load {
+        let checkpoint = latest_checkpoint(dir)?;
+        let step = call!(worker.trainer, TrainerMsg::LoadCheckpoint, checkpoint.clone())
+            .context("the trainer did not answer")?
+            .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
+        call!(worker.weight_sync, WeightSyncMsg::Sync, step)
+            .context("weight sync did not answer")?
+            .context("syncing resumed weights to the engines")?;
+        info!(checkpoint = %checkpoint.display(), step, "resumed");
+        first_step = step + 1;
+    }
+    let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
+    let run_dir: PathBuf = settings.runs_dir.join(&run_name);
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    std::fs::write(run_dir.join("settings.json"), serde_json::to_string_pretty(settings)?)
+        .with_context(|| format!("writing {}/settings.json", run_dir.display()))?;
+    let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))
+        .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
+    info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");
+    let plan = RunPlan {
+        actors: StepActors {
+            trainer: worker.trainer.clone(),
+            rollouts: worker.rollouts.clone(),
+            weight_sync: worker.weight_sync.clone(),
+        },
+        sampler: TaskSampler::new(tasks, settings.seed),
+        rollout_batch_size: settings.rollout_batch_size,
+        n_samples: settings.n_samples,
+        generation: GenerationSettings {
+            temperature: settings.temperature,
+            max_response_len: settings.max_response_len,
+            context_len: settings.context_len,
+        },
+        first_step,
+        last_step: settings.num_rollout as u64,
+        save: settings.save.clone(),
+        save_interval: settings.save_interval,
+        metrics,
+        run_dir,
+        stop_requested: stop,
+    };
+    let (driver, handle) = Actor::spawn(Some("driver".into()), DriverActor, plan)
+        .await
+        .context("starting the driver actor")?;
+    let summary = call!(driver, DriverMsg::Run).context("the driver actor stopped unexpectedly")?;
+    driver.stop(None);
+    let _ = handle.await;
+    summary.map_err(|e| anyhow::anyhow!(e))
+}

@@ -1,0 +1,204 @@
+//! One synchronous training step: rollouts → advantages → GRPO step → weight sync.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::Context;
+use futures::future::join_all;
+use manta_core::advantage::is_zero_std;
+use manta_core::{group_advantages, AdvantageOptions, Sample, SampleStatus};
+use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg, TaskRef};
+use manta_telemetry::StepMetrics;
+use manta_trainer::{TrainBatch, TrainerMsg};
+use manta_weight_sync::WeightSyncMsg;
+use ractor::{call, ActorRef};
+use tracing::warn;
+
+/// The actors a step talks to.
+pub struct StepActors {
+    pub trainer: ActorRef<TrainerMsg>,
+    pub rollouts: Vec<ActorRef<RolloutMsg>>,
+    pub weight_sync: ActorRef<WeightSyncMsg>,
+}
+
+/// What a step produced.
+pub struct StepOutcome {
+    pub metrics: StepMetrics,
+    /// Sample ids trained on, in order (for accounting and tests).
+    pub trained_ids: Vec<u64>,
+}
+
+/// Runs step `step` (1-based) on `tasks` (one group each, `n_samples` per group).
+pub async fn run_step(
+    actors: &StepActors,
+    step: u64,
+    tasks: &[TaskRef],
+    n_samples: usize,
+    generation: GenerationSettings,
+) -> anyhow::Result<StepOutcome> {
+    let started = Instant::now();
+    let per_step = (tasks.len() * n_samples) as u64;
+    let mut requests = Vec::with_capacity(per_step as usize);
+    for (g, task) in tasks.iter().enumerate() {
+        for i in 0..n_samples {
+            requests.push(EpisodeRequest {
+                sample_id: (step - 1) * per_step + (g * n_samples + i) as u64,
+                group_index: g as u32,
+                index: i as u32,
+                task: task.clone(),
+            });
+        }
+    }
+    // Whole groups go to one rollout actor, round robin.
+    let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); actors.rollouts.len()];
+    for (k, request) in requests.into_iter().enumerate() {
+        let group = k / n_samples;
+        shares[group % actors.rollouts.len()].push(request);
+    }
+    let calls = actors
+        .rollouts
+        .iter()
+        .zip(shares)
+        .filter(|(_, share)| !share.is_empty())
+        .map(|(actor, share)| async move { call!(actor, RolloutMsg::RunEpisodes, share, generation) });
+    let mut samples: Vec<Sample> = Vec::new();
+    for result in join_all(calls).await {
+        samples.extend(result.context("a rollout actor failed")?);
+    }
+    let rollout_time = started.elapsed().as_secs_f64();
+
+    let mut m = rollout_metrics(&samples);
+    let (batch, trained_ids, zero_std) = build_batch(samples, n_samples);
+    m.insert("rollout/zero_std/count".into(), zero_std as f64);
+
+    let train_started = Instant::now();
+    if batch.samples.is_empty() {
+        warn!(step, "no sample to train on (all episodes failed); skipping the optimizer step");
+    } else {
+        let tokens: usize = batch.samples.iter().map(|s| s.tokens.len()).sum();
+        let train = call!(actors.trainer, TrainerMsg::TrainStep, batch)
+            .context("the trainer did not answer")?
+            .context("training step failed")?;
+        m.extend(train);
+        let train_time = train_started.elapsed().as_secs_f64();
+        m.insert("perf/train_time".into(), train_time);
+        m.insert("perf/tokens_per_gpu_per_sec".into(), tokens as f64 / train_time.max(1e-9));
+    }
+    let sync_started = Instant::now();
+    let report = call!(actors.weight_sync, WeightSyncMsg::Sync, step)
+        .context("weight sync did not answer")?
+        .context("weight sync failed")?;
+    m.insert("perf/update_weights_time".into(), sync_started.elapsed().as_secs_f64());
+    m.insert("weights/version".into(), report.version as f64);
+    let step_time = started.elapsed().as_secs_f64();
+    m.insert("perf/rollout_time".into(), rollout_time);
+    m.insert("perf/step_time".into(), step_time);
+    m.insert("perf/wait_time_ratio".into(), rollout_time / step_time.max(1e-9));
+    Ok(StepOutcome {
+        metrics: m,
+        trained_ids,
+    })
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        sum / n as f64
+    }
+}
+
+/// `rollout/*` metrics over the episodes that did not fail, plus the failure count.
+fn rollout_metrics(samples: &[Sample]) -> StepMetrics {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.status != SampleStatus::Failed).collect();
+    let mut m = BTreeMap::new();
+    m.insert("rollout/raw_reward".into(), mean(ok.iter().map(|s| s.reward)));
+    m.insert("rollout/response_len/mean".into(), mean(ok.iter().map(|s| s.response_length as f64)));
+    m.insert(
+        "rollout/truncated_ratio".into(),
+        mean(ok.iter().map(|s| (s.status == SampleStatus::Truncated) as u8 as f64)),
+    );
+    m.insert("rollout/num_turns/mean".into(), mean(ok.iter().map(|s| s.metadata.num_turns as f64)));
+    m.insert(
+        "rollout/failed_tool_calls/mean".into(),
+        mean(ok.iter().map(|s| s.metadata.num_failed_tool_calls as f64)),
+    );
+    m.insert("rollout/failed_count".into(), (samples.len() - ok.len()) as f64);
+    m
+}
+
+/// Drops failed samples, computes each group's advantages over its remaining samples,
+/// and returns the batch, the trained ids and how many groups had zero reward spread.
+fn build_batch(samples: Vec<Sample>, n_samples: usize) -> (TrainBatch, Vec<u64>, usize) {
+    let mut groups: BTreeMap<u32, Vec<Sample>> = BTreeMap::new();
+    for s in samples {
+        if s.status != SampleStatus::Failed {
+            groups.entry(s.group_index).or_default().push(s);
+        }
+    }
+    let opts = AdvantageOptions {
+        normalize_std: n_samples > 1,
+        ..Default::default()
+    };
+    let mut batch = TrainBatch {
+        samples: Vec::new(),
+        advantages: Vec::new(),
+        global_samples: 0,
+    };
+    let mut zero_std = 0;
+    for (_, mut group) in groups {
+        group.sort_by_key(|s| s.index);
+        let rewards: Vec<f64> = group.iter().map(|s| s.reward).collect();
+        if is_zero_std(&rewards) {
+            zero_std += 1;
+        }
+        batch.advantages.extend(group_advantages(&rewards, opts));
+        batch.samples.extend(group);
+    }
+    batch.global_samples = batch.samples.len();
+    let ids = batch.samples.iter().map(|s| s.id).collect();
+    (batch, ids, zero_std)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use manta_core::EpisodeMetadata;
+
+    fn sample(id: u64, group: u32, index: u32, reward: f64, status: SampleStatus) -> Sample {
+        Sample {
+            id,
+            group_index: group,
+            index,
+            tokens: vec![1, 2],
+            response_length: 1,
+            loss_mask: vec![1],
+            rollout_log_probs: vec![-1.0],
+            reward,
+            status,
+            weight_version: 0,
+            metadata: EpisodeMetadata::default(),
+        }
+    }
+
+    #[test]
+    fn failed_samples_are_dropped_and_groups_normalized_alone() {
+        let samples = vec![
+            sample(3, 1, 1, 0.0, SampleStatus::Completed),
+            sample(0, 0, 0, 1.0, SampleStatus::Completed),
+            sample(1, 0, 1, 0.0, SampleStatus::Failed),
+            sample(2, 1, 0, 1.0, SampleStatus::Truncated),
+            sample(4, 0, 2, 1.0, SampleStatus::Completed),
+        ];
+        let m = rollout_metrics(&samples);
+        assert_eq!(m["rollout/failed_count"], 1.0);
+        assert_eq!(m["rollout/raw_reward"], 0.75);
+        let (batch, ids, zero_std) = build_batch(samples, 3);
+        assert_eq!(ids, vec![0, 4, 2, 3]);
+        assert_eq!(zero_std, 1); // group 0's surviving rewards agree
+        assert_eq!(batch.advantages[0], 0.0);
+        assert!(batch.advantages[2] > 0.0 && batch.advantages[3] < 0.0);
+        assert_eq!(batch.global_samples, 4);
+    }
+}

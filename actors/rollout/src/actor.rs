@@ -1,0 +1,125 @@
+//! `RolloutActor`: runs batches of episodes on its engine, many in flight at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::stream::{self, StreamExt};
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tracing::info;
+
+use crate::engine::{EngineError, NamedTensors};
+use crate::episode::{run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings};
+
+/// Messages a rollout actor handles.
+pub enum RolloutMsg {
+    /// Run these episodes (up to `max_concurrent_episodes` at once); reply with every
+    /// sample, failed ones included (marked `Failed`), in request order.
+    RunEpisodes(Vec<EpisodeRequest>, GenerationSettings, RpcReplyPort<Vec<Sample>>),
+    /// Load new weights into the engine and set its version.
+    UpdateWeights(NamedTensors, u64, RpcReplyPort<Result<(), EngineError>>),
+    /// The engine's current weight version.
+    WeightVersion(RpcReplyPort<u64>),
+}
+
+pub struct RolloutArgs {
+    pub context: EpisodeContext,
+    /// Environments by `Owner/Name`.
+    pub environments: BTreeMap<String, EnvironmentHandle>,
+    pub max_concurrent_episodes: usize,
+}
+
+pub struct RolloutState {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    context: EpisodeContext,
+    environments: BTreeMap<String, EnvironmentHandle>,
+    max_concurrent: usize,
+}
+
+pub struct RolloutActor;
+
+impl Actor for RolloutActor {
+    type Msg = RolloutMsg;
+    type State = RolloutState;
+    type Arguments = RolloutArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: RolloutArgs) -> Result<RolloutState, ActorProcessingErr> {
+        Ok(RolloutState {
+            shared: Arc::new(Shared {
+                context: args.context,
+                environments: args.environments,
+                max_concurrent: args.max_concurrent_episodes.max(1),
+            }),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        message: RolloutMsg,
+        state: &mut RolloutState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            RolloutMsg::RunEpisodes(requests, settings, reply) => {
+                // Episodes run on their own task so the mailbox stays responsive.
+                let shared = state.shared.clone();
+                tokio::spawn(async move {
+                    let samples = run_all(&shared, requests, settings).await;
+                    let _ = reply.send(samples);
+                });
+            }
+            RolloutMsg::UpdateWeights(weights, version, reply) => {
+                let result = state.shared.context.engine.update_weights(weights, version).await;
+                let _ = reply.send(result);
+            }
+            RolloutMsg::WeightVersion(reply) => {
+                let _ = reply.send(state.shared.context.engine.weight_version());
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn run_all(shared: &Shared, requests: Vec<EpisodeRequest>, settings: GenerationSettings) -> Vec<Sample> {
+    let count = requests.len();
+    let started = std::time::Instant::now();
+    let samples: Vec<Sample> = stream::iter(requests.into_iter().map(|request| async move {
+        match shared.environments.get(&request.task.environment) {
+            Some(env) => run_episode(&shared.context, env, &request, settings).await,
+            None => unknown_environment(&request),
+        }
+    }))
+    .buffered(shared.max_concurrent)
+    .collect()
+    .await;
+    info!(episodes = count, seconds = started.elapsed().as_secs_f64(), "rollout batch done");
+    samples
+}
+
+fn unknown_environment(request: &EpisodeRequest) -> Sample {
+    Sample {
+        id: request.sample_id,
+        group_index: request.group_index,
+        index: request.index,
+        tokens: Vec::new(),
+        response_length: 0,
+        loss_mask: Vec::new(),
+        rollout_log_probs: Vec::new(),
+        reward: 0.0,
+        status: SampleStatus::Failed,
+        weight_version: 0,
+        metadata: EpisodeMetadata {
+            environment: request.task.environment.clone(),
+            task_hash: request.task.task_hash.clone(),
+            stop_reason: "environment_error".into(),
+            error: Some(format!(
+                "environment {} is not configured on this rollout actor",
+                request.task.environment
+            )),
+            ..Default::default()
+        },
+    }
+}

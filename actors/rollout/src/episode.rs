@@ -1,0 +1,408 @@
+//! One episode against an ORS environment: the cookbook's generate function with
+//! Manta's fixes (REFERENCE.md §1): token-level accounting, malformed tool calls as
+//! error turns, terminal-tool answers, budgets, per-step rewards.
+
+use std::sync::Arc;
+
+use manta_config::{format_system_prompt, EnvironmentConfig};
+use manta_core::pyjson::dumps;
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use serde_json::{json, Map, Value};
+use tracing::{debug, info_span, warn, Instrument};
+
+use crate::chat::ChatFormat;
+use crate::engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
+use crate::ors::{Block, OrsClient, OrsSession, ToolResult, ToolsListing};
+use crate::tool_call::{parse_tool_call, ParsedTurn};
+
+/// The user message sent when a turn has no tool call and the environment has no terminal tool.
+pub const NO_TOOL_CALL_MESSAGE: &str = "No tool call detected. Please use the provided tools to complete the task.";
+
+/// A task to run, as drawn from tasks.jsonl or listed from the server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRef {
+    /// `Owner/Name`, the key in train_config.yaml.
+    pub environment: String,
+    pub split: String,
+    pub task_spec: Value,
+    pub task_hash: String,
+    /// The environment's name on its server (what task listings return as `env_name`).
+    pub server_env: String,
+}
+
+/// Which sample of which group this episode produces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpisodeRequest {
+    pub sample_id: u64,
+    pub group_index: u32,
+    pub index: u32,
+    pub task: TaskRef,
+}
+
+/// Generation limits for a batch of episodes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GenerationSettings {
+    pub temperature: f64,
+    /// Most tokens per generate call.
+    pub max_response_len: usize,
+    /// Whole-episode budget (prompt + all turns).
+    pub context_len: usize,
+}
+
+/// An environment as the episode loop sees it: its client and its options.
+pub struct EnvironmentHandle {
+    pub name: String,
+    pub client: OrsClient,
+    pub config: EnvironmentConfig,
+}
+
+/// What every episode of a rollout actor shares.
+pub struct EpisodeContext {
+    pub engine: Arc<dyn Engine>,
+    pub chat: ChatFormat,
+    pub system_prompt_template: String,
+    /// Token ids that end a generate call (`<|im_end|>`, `</tool_call>`, EOS).
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// The system prompt's `{tools}`: one JSON object per line with the cookbook's key
+/// order and Python `json.dumps` separators.
+pub fn tools_text(tools: &ToolsListing) -> String {
+    tools
+        .tools
+        .iter()
+        .map(|t| {
+            let schema = t.input_schema.clone().unwrap_or(Value::Null);
+            format!(
+                "{{\"name\": {}, \"arguments_schema\": {}, \"description\": {}}}",
+                dumps(&Value::String(t.name.clone())),
+                dumps(&schema),
+                dumps(&Value::String(t.description.clone()))
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Concatenates the prompt's text blocks; images are dropped (as the cookbook does).
+pub fn prompt_text(blocks: &[Block]) -> String {
+    blocks
+        .iter()
+        .filter_map(|b| match b {
+            Block::Text { text } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn blocks_text(blocks: &[Block]) -> String {
+    prompt_text(blocks)
+}
+
+/// Running state of one episode's token sequence.
+struct Trajectory {
+    prompt: Vec<u32>,
+    response: Vec<u32>,
+    loss_mask: Vec<u8>,
+    logprobs: Vec<f32>,
+}
+
+impl Trajectory {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.response.len()
+    }
+    fn push_generated(&mut self, ids: &[u32], logprobs: &[f32]) {
+        self.response.extend_from_slice(ids);
+        self.loss_mask.extend(std::iter::repeat_n(1u8, ids.len()));
+        self.logprobs.extend_from_slice(logprobs);
+    }
+    fn push_context(&mut self, ids: &[u32]) {
+        self.response.extend_from_slice(ids);
+        self.loss_mask.extend(std::iter::repeat_n(0u8, ids.len()));
+        self.logprobs.extend(std::iter::repeat_n(0.0f32, ids.len()));
+    }
+}
+
+/// How the loop ended.
+struct Outcome {
+    status: SampleStatus,
+    stop_reason: &'static str,
+    reached_terminal: bool,
+    error: Option<String>,
+}
+
+/// Runs one episode and returns its sample. Environment or engine failures give a
+/// `Failed` sample carrying the error (never a panic, never a stalled step).
+pub async fn run_episode(
+    ctx: &EpisodeContext,
+    env: &EnvironmentHandle,
+    request: &EpisodeRequest,
+    settings: GenerationSettings,
+) -> Sample {
+    let span = info_span!("episode", env = %env.name, task = %request.task.task_hash, sample = request.sample_id);
+    async {
+        let mut meta = EpisodeMetadata {
+            environment: env.name.clone(),
+            task_hash: request.task.task_hash.clone(),
+            ..Default::default()
+        };
+        let mut traj = Trajectory {
+            prompt: Vec::new(),
+            response: Vec::new(),
+            loss_mask: Vec::new(),
+            logprobs: Vec::new(),
+        };
+        let mut version = ctx.engine.weight_version();
+        let outcome = match env.client.open_session(&request.task.server_env, &request.task.task_spec).await {
+            Ok(session) => {
+                let outcome = episode_loop(ctx, env, &session, settings, &mut traj, &mut meta, &mut version).await;
+                if let Err(e) = session.close().await {
+                    warn!(error = %e, "closing ORS session failed");
+                }
+                outcome
+            }
+            Err(e) => Outcome {
+                status: SampleStatus::Failed,
+                stop_reason: "environment_error",
+                reached_terminal: false,
+                error: Some(format!("opening session: {e}")),
+            },
+        };
+        meta.stop_reason = outcome.stop_reason.to_string();
+        meta.error = outcome.error.clone();
+        let reward = if outcome.status == SampleStatus::Failed {
+            0.0
+        } else {
+            env.config.episode_reward(&meta.step_rewards, outcome.reached_terminal)
+        };
+        if let Some(err) = &outcome.error {
+            warn!(error = %err, "episode failed");
+        }
+        debug!(reward, turns = meta.num_turns, stop = outcome.stop_reason, "episode done");
+        let response_length = traj.response.len();
+        let mut tokens = traj.prompt;
+        tokens.extend(traj.response);
+        Sample {
+            id: request.sample_id,
+            group_index: request.group_index,
+            index: request.index,
+            tokens,
+            response_length,
+            loss_mask: traj.loss_mask,
+            rollout_log_probs: traj.logprobs,
+            reward,
+            status: outcome.status,
+            weight_version: version,
+            metadata: meta,
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn episode_loop(
+    ctx: &EpisodeContext,
+    env: &EnvironmentHandle,
+    session: &OrsSession,
+    settings: GenerationSettings,
+    traj: &mut Trajectory,
+    meta: &mut EpisodeMetadata,
+    version: &mut u64,
+) -> Outcome {
+    let failed = |stop_reason: &'static str, error: String| Outcome {
+        status: SampleStatus::Failed,
+        stop_reason,
+        reached_terminal: false,
+        error: Some(error),
+    };
+    let tools = match session.tools().await {
+        Ok(t) => t,
+        Err(e) => return failed("environment_error", format!("listing tools: {e}")),
+    };
+    let user = match session.prompt().await {
+        Ok(blocks) => prompt_text(&blocks),
+        Err(e) => return failed("environment_error", format!("getting prompt: {e}")),
+    };
+    let system = match format_system_prompt(&ctx.system_prompt_template, &tools_text(&tools)) {
+        Ok(s) => s,
+        Err(e) => return failed("config_error", format!("system_prompt_template: {e}")),
+    };
+    traj.prompt = match ctx.chat.prompt_ids(&system, &user) {
+        Ok(ids) => ids,
+        Err(e) => return failed("template_error", format!("rendering the prompt: {e}")),
+    };
+    let tokenizer = ctx.chat.tokenizer();
+    for turn in 0..env.config.max_turns {
+        meta.num_turns = turn as u32 + 1;
+        let budget = settings.context_len.saturating_sub(traj.len());
+        let max_new = settings.max_response_len.min(budget);
+        if max_new == 0 {
+            return Outcome {
+                status: SampleStatus::Truncated,
+                stop_reason: "context_budget",
+                reached_terminal: false,
+                error: None,
+            };
+        }
+        let mut input = traj.prompt.clone();
+        input.extend_from_slice(&traj.response);
+        let request = GenerateRequest {
+            input_ids: input,
+            params: SamplingParams {
+                max_new_tokens: max_new,
+                temperature: settings.temperature,
+                stop_token_ids: ctx.stop_token_ids.clone(),
+            },
+        };
+        let out = match ctx
+            .engine
+            .generate(request)
+            .instrument(info_span!("generate", turn))
+            .await
+        {
+            Ok(out) => out,
+            Err(e) => return failed("engine_error", format!("generate: {e}")),
+        };
+        *version = (*version).min(out.weight_version);
+        traj.push_generated(&out.output_ids, &out.logprobs);
+        if out.finish == FinishReason::Abort {
+            return Outcome {
+                status: SampleStatus::Aborted,
+                stop_reason: "aborted",
+                reached_terminal: false,
+                error: None,
+            };
+        }
+        let generated = match tokenizer.decode(&out.output_ids, false) {
+            Ok(t) => t,
+            Err(e) => return failed("tokenizer_error", format!("decoding output: {e}")),
+        };
+        let budget_hit = out.finish == FinishReason::Length && max_new < settings.max_response_len;
+        let reply_text = match parse_tool_call(&generated) {
+            ParsedTurn::Call(call) => {
+                meta.num_tool_calls += 1;
+                let result = session
+                    .call(&call.name, Value::Object(call.arguments))
+                    .instrument(info_span!("tool_call", turn, tool = %call.name))
+                    .await;
+                match result {
+                    Ok(ToolResult::Ok {
+                        blocks,
+                        reward,
+                        finished,
+                        ..
+                    }) => {
+                        if let Some(r) = reward {
+                            meta.step_rewards.push(r);
+                        }
+                        if finished {
+                            return terminal();
+                        }
+                        blocks_text(&blocks)
+                    }
+                    Ok(ToolResult::Rejected { error, .. }) => {
+                        meta.num_failed_tool_calls += 1;
+                        format!("Error: {error}")
+                    }
+                    Err(e) => return failed("environment_error", format!("tool {}: {e}", call.name)),
+                }
+            }
+            ParsedTurn::Malformed(reason) => {
+                meta.num_tool_calls += 1;
+                meta.num_failed_tool_calls += 1;
+                format!("Error: malformed tool call: {reason}")
+            }
+            ParsedTurn::NoToolCall => {
+                if let Some(terminal_tool) = &tools.terminal_tool {
+                    let answer = match tokenizer.decode(&out.output_ids, true) {
+                        Ok(t) => t.trim().to_string(),
+                        Err(e) => return failed("tokenizer_error", format!("decoding output: {e}")),
+                    };
+                    let mut input = Map::new();
+                    if let Some(arg) = &terminal_tool.arg {
+                        input.insert(arg.clone(), Value::String(answer));
+                    }
+                    let result = session
+                        .call(&terminal_tool.name, Value::Object(input))
+                        .instrument(info_span!("tool_call", turn, tool = %terminal_tool.name))
+                        .await;
+                    match result {
+                        Ok(ToolResult::Ok { reward, finished, .. }) => {
+                            if let Some(r) = reward {
+                                meta.step_rewards.push(r);
+                            }
+                            if finished {
+                                return terminal();
+                            }
+                            String::new()
+                        }
+                        Ok(ToolResult::Rejected { error, .. }) => {
+                            meta.num_failed_tool_calls += 1;
+                            format!("Error: {error}")
+                        }
+                        Err(e) => {
+                            return failed("environment_error", format!("terminal tool {}: {e}", terminal_tool.name))
+                        }
+                    }
+                } else {
+                    NO_TOOL_CALL_MESSAGE.to_string()
+                }
+            }
+        };
+        if budget_hit {
+            return Outcome {
+                status: SampleStatus::Truncated,
+                stop_reason: "context_budget",
+                reached_terminal: false,
+                error: None,
+            };
+        }
+        if turn + 1 == env.config.max_turns {
+            break;
+        }
+        let role = if reply_text == NO_TOOL_CALL_MESSAGE { "user" } else { "tool" };
+        let message = json!({"role": role, "content": reply_text});
+        match ctx.chat.continuation_ids(&generated, &message) {
+            Ok(ids) => traj.push_context(&ids),
+            Err(e) => return failed("template_error", format!("rendering turn {turn}: {e}")),
+        }
+    }
+    Outcome {
+        status: SampleStatus::Truncated,
+        stop_reason: "max_turns",
+        reached_terminal: false,
+        error: None,
+    }
+}
+
+fn terminal() -> Outcome {
+    Outcome {
+        status: SampleStatus::Completed,
+        stop_reason: "terminal",
+        reached_terminal: true,
+        error: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ors::ToolSpec;
+
+    #[test]
+    fn tools_text_uses_the_cookbook_keys_and_python_separators() {
+        let listing = ToolsListing {
+            tools: vec![ToolSpec {
+                name: "add".into(),
+                description: "Add to the counter.".into(),
+                input_schema: Some(json!({"type": "object", "properties": {"amount": {"type": "integer"}}})),
+            }],
+            terminal_tool: None,
+        };
+        assert_eq!(
+            tools_text(&listing),
+            "{\"name\": \"add\", \"arguments_schema\": {\"properties\": {\"amount\": {\"type\": \"integer\"}}, \"type\": \"object\"}, \"description\": \"Add to the counter.\"}"
+        );
+    }
+}

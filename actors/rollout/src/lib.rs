@@ -1,0 +1,18 @@
+//! The rollout actor: generates episodes on an engine against ORS environments.
+//!
+//! - [`engine`]: the engine interface and the native tch engine.
+//! - [`ors`]: the Open Reward Standard client (HTTP + SSE).
+//! - [`chat`]: chat-template pieces for token-level accounting.
+//! - [`tool_call`]: parsing the model's tool calls.
+//! - [`episode`]: one episode, start to reward.
+//! - [`actor`]: `RolloutActor`, many episodes in flight.
+
+pub mod actor;
+pub mod chat;
+pub mod engine;
+pub mod episode;
+pub mod ors;
+pub mod tool_call;
+
+pub use actor::{RolloutActor, RolloutArgs, RolloutMsg};
+pub use episode::{EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings, TaskRef};

@@ -1,0 +1,63 @@
+//! `TrainerActor`: the trainer behind a ractor mailbox.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use crate::trainer::{NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};
+
+/// Messages a trainer rank handles, one at a time.
+pub enum TrainerMsg {
+    /// Run one GRPO step; replies with `train/*` metrics.
+    TrainStep(TrainBatch, RpcReplyPort<Result<BTreeMap<String, f64>, TrainerError>>),
+    /// Hand out the current weights for weight sync.
+    ExportWeights(RpcReplyPort<NamedTensors>),
+    /// Save a checkpoint for `step` into the directory.
+    SaveCheckpoint(PathBuf, u64, RpcReplyPort<Result<(), TrainerError>>),
+    /// Restore from a checkpoint directory; replies with its step.
+    LoadCheckpoint(PathBuf, RpcReplyPort<Result<u64, TrainerError>>),
+}
+
+pub type TrainerArgs = TrainerOptions;
+
+pub struct TrainerActor;
+
+impl Actor for TrainerActor {
+    type Msg = TrainerMsg;
+    type State = Trainer;
+    type Arguments = TrainerArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: TrainerArgs) -> Result<Trainer, ActorProcessingErr> {
+        // Loading weights is blocking work; keep it off the async worker's hot path.
+        Ok(tokio::task::block_in_place(|| Trainer::new(args))?)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        message: TrainerMsg,
+        trainer: &mut Trainer,
+    ) -> Result<(), ActorProcessingErr> {
+        // Compute is blocking; block_in_place lets other tasks (the environment server,
+        // rollouts) keep running on the runtime's other workers.
+        match message {
+            TrainerMsg::TrainStep(batch, reply) => {
+                let result = tokio::task::block_in_place(|| trainer.train_step(&batch));
+                let _ = reply.send(result);
+            }
+            TrainerMsg::ExportWeights(reply) => {
+                let _ = reply.send(trainer.export_weights());
+            }
+            TrainerMsg::SaveCheckpoint(dir, step, reply) => {
+                let result = tokio::task::block_in_place(|| trainer.save_checkpoint(&dir, step));
+                let _ = reply.send(result);
+            }
+            TrainerMsg::LoadCheckpoint(dir, reply) => {
+                let result = tokio::task::block_in_place(|| trainer.load_checkpoint(&dir));
+                let _ = reply.send(result);
+            }
+        }
+        Ok(())
+    }
+}

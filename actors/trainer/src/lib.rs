@@ -1,0 +1,16 @@
+//! The trainer actor: one GRPO step per rollout over the samples it is given.
+//!
+//! - [`loss`]: the clipped policy-gradient loss and its aggregation (REFERENCE.md §4).
+//! - [`batch`]: splitting a batch into micro-batches under a token budget.
+//! - [`optimizer`]: AdamW whose state can be checkpointed.
+//! - [`trainer`]: the model, optimizer and step, free of actor plumbing.
+//! - [`actor`]: the `TrainerActor` message interface.
+
+pub mod actor;
+pub mod batch;
+pub mod loss;
+pub mod optimizer;
+pub mod trainer;
+
+pub use actor::{TrainerActor, TrainerArgs, TrainerMsg};
+pub use trainer::{NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};

@@ -1,0 +1,18 @@
+//! Decoder-only transformers (Qwen3, Qwen2, Llama) in tch, shared by the trainer and the
+//! native engine so that training and rollout compute identical log-probs.
+//!
+//! Parameters carry Hugging Face names, so checkpoints load from and save to the format
+//! transformers and SGLang read.
+
+pub mod config;
+pub use config::{ModelConfig, ModelFamily, RopeScaling};
+pub mod transformer;
+pub use transformer::{Attention, CausalLm, KvCache};
+pub mod checkpoint;
+pub use checkpoint::{load_weights, save_pretrained};
+pub mod logprobs;
+pub use logprobs::token_logprobs;
+pub mod error;
+pub use error::ModelError;
+
+pub use tch;

@@ -1,0 +1,570 @@
+//! The decoder: RMSNorm, rotary embeddings, grouped-query attention and SwiGLU MLP, with the
+//! per-family differences of Qwen3 (q/k head norms), Qwen2 (q/k/v bias) and Llama 3 (rope
+//! scaling). Numerics follow Hugging Face transformers so that logits match it.
+//!
+//! Methods here take tensors built by the caller (not by users) and panic with a message on
+//! shape misuse, as tch itself does; all input from outside goes through `config`/`checkpoint`.
+
+use std::f64::consts::PI;
+
+use tch::nn::{Init, Path};
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{ModelConfig, ModelFamily, RopeScaling};
+
+/// How tokens of a batch may attend to each other.
+pub enum Attention<'a> {
+    /// Causal attention within each row. `key_mask` [B, S] (1 = real token, 0 = padding) where S = cached length + T;
+    /// used for left-padded batched generation.
+    Causal { key_mask: Option<&'a Tensor> },
+    /// Packed rows: `seq_ids` [B, T] i64; a token attends causally only to earlier tokens with the same seq id.
+    Packed { seq_ids: &'a Tensor },
+}
+
+/// Keys and values of earlier positions, per layer, for incremental decoding.
+/// Each layer holds `(k, v)` of shape [B, num_key_value_heads, S, head_dim].
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache for a model with `num_layers` layers.
+    pub fn new(num_layers: usize) -> Self {
+        KvCache {
+            layers: (0..num_layers).map(|_| None).collect(),
+        }
+    }
+
+    /// Number of cached positions (the S of the next call's key mask is this plus T).
+    pub fn seq_len(&self) -> i64 {
+        match self.layers.first() {
+            Some(Some((k, _))) => k.size()[2],
+            _ => 0,
+        }
+    }
+
+    /// Number of layers this cache was made for.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The cached `(k, v)` of one layer, if any call has filled it.
+    pub fn layer(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers.get(i)?.as_ref().map(|(k, v)| (k, v))
+    }
+
+    /// A cache holding only the batch rows listed in `rows` (i64 indices), in that order;
+    /// lets an engine drop finished sequences from a batch.
+    pub fn select_rows(&self, rows: &Tensor) -> KvCache {
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.as_ref().map(|(k, v)| {
+                        let idx = rows.to_device(k.device());
+                        (k.index_select(0, &idx), v.index_select(0, &idx))
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Root-mean-square norm computed in fp32 and cast back, as Hugging Face does.
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: Path, dim: i64, eps: f64) -> Self {
+        RmsNorm {
+            weight: p.ones("weight", &[dim]),
+            eps,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, None::<Kind>);
+        let normed = (xf * (var + self.eps).rsqrt()).to_kind(kind);
+        &self.weight * normed
+    }
+}
+
+/// Rotary position embedding frequencies (fp32), with optional llama3 scaling.
+struct Rotary {
+    inv_freq: Tensor,
+}
+
+impl Rotary {
+    fn new(cfg: &ModelConfig, device: Device) -> Self {
+        let dim = cfg.head_dim();
+        let exponents =
+            Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / dim;
+        let mut inv_freq = Tensor::pow_scalar(cfg.rope_theta, &exponents).reciprocal();
+        if let Some(rs) = &cfg.rope_scaling {
+            inv_freq = llama3_inv_freq(&inv_freq, rs);
+        }
+        Rotary { inv_freq }
+    }
+
+    /// cos and sin of shape [B, 1, T, head_dim] in `kind`, for `position_ids` [B, T].
+    fn cos_sin(&self, position_ids: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let freqs = position_ids.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        (
+            emb.cos().to_kind(kind).unsqueeze(1),
+            emb.sin().to_kind(kind).unsqueeze(1),
+        )
+    }
+}
+
+/// Llama 3 scaling: long wavelengths are divided by `factor`, short ones kept, and the band
+/// between them interpolated smoothly.
+fn llama3_inv_freq(inv_freq: &Tensor, rs: &RopeScaling) -> Tensor {
+    let old_ctx = rs.original_max_position_embeddings as f64;
+    let low_freq_wavelen = old_ctx / rs.low_freq_factor;
+    let high_freq_wavelen = old_ctx / rs.high_freq_factor;
+    let wavelen = inv_freq.reciprocal() * (2.0 * PI);
+    let long = wavelen.gt(low_freq_wavelen);
+    let scaled = (inv_freq / rs.factor).where_self(&long, inv_freq);
+    let smooth = ((wavelen.reciprocal() * old_ctx) - rs.low_freq_factor)
+        / (rs.high_freq_factor - rs.low_freq_factor);
+    let smoothed = (smooth.ones_like() - &smooth) * &scaled / rs.factor + &smooth * &scaled;
+    let medium = wavelen
+        .lt(high_freq_wavelen)
+        .logical_not()
+        .logical_and(&long.logical_not());
+    smoothed.where_self(&medium, &scaled)
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[x.dim() - 1] / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[&x2.neg(), &x1], -1)
+}
+
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    x * cos + rotate_half(x) * sin
+}
+
+/// Per-forward attention inputs shared by all layers.
+struct Ctx {
+    cos: Tensor,
+    sin: Tensor,
+    /// Boolean [B or 1, 1, T, S], true where a query may attend to a key.
+    mask: Option<Tensor>,
+    is_causal: bool,
+}
+
+struct SelfAttention {
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+fn matrix(p: &Path, name: &str, out_dim: i64, in_dim: i64, std: f64) -> Tensor {
+    p.var(
+        name,
+        &[out_dim, in_dim],
+        Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+    )
+}
+
+impl SelfAttention {
+    fn new(p: Path, cfg: &ModelConfig) -> Self {
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim(),
+        );
+        let std = cfg.initializer_range;
+        let lin = |name: &str, out_dim: i64, in_dim: i64| {
+            matrix(&(&p / name), "weight", out_dim, in_dim, std)
+        };
+        let bias = |name: &str, dim: i64| {
+            cfg.attention_bias
+                .then(|| (&p / name).zeros("bias", &[dim]))
+        };
+        let head_norm = |name: &str| {
+            (cfg.family() == ModelFamily::Qwen3).then(|| RmsNorm::new(&p / name, hd, cfg.rms_norm_eps))
+        };
+        SelfAttention {
+            q_proj: lin("q_proj", nh * hd, h),
+            k_proj: lin("k_proj", nkv * hd, h),
+            v_proj: lin("v_proj", nkv * hd, h),
+            o_proj: lin("o_proj", h, nh * hd),
+            q_bias: bias("q_proj", nh * hd),
+            k_bias: bias("k_proj", nkv * hd),
+            v_bias: bias("v_proj", nkv * hd),
+            q_norm: head_norm("q_norm"),
+            k_norm: head_norm("k_norm"),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        }
+    }
+
+    /// Projects x [B, T, H] to heads [B, n, T, hd], with the optional head norm.
+    fn heads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Option<Tensor>,
+        n: i64,
+        norm: &Option<RmsNorm>,
+    ) -> Tensor {
+        let (bsz, t) = (x.size()[0], x.size()[1]);
+        let y = x.linear(w, b.as_ref()).view([bsz, t, n, self.head_dim]);
+        let y = match norm {
+            Some(norm) => norm.forward(&y),
+            None => y,
+        };
+        y.transpose(1, 2)
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+        let (bsz, t) = (x.size()[0], x.size()[1]);
+        let q = self.heads(x, &self.q_proj, &self.q_bias, self.num_heads, &self.q_norm);
+        let k = self.heads(x, &self.k_proj, &self.k_bias, self.num_kv_heads, &self.k_norm);
+        let v = self.heads(x, &self.v_proj, &self.v_bias, self.num_kv_heads, &None);
+        let q = apply_rope(&q, &ctx.cos, &ctx.sin);
+        let mut k = apply_rope(&k, &ctx.cos, &ctx.sin);
+        let mut v = v;
+        if let Some(slot) = cache {
+            if let Some((pk, pv)) = slot.as_ref() {
+                k = Tensor::cat(&[pk, &k], 2);
+                v = Tensor::cat(&[pv, &v], 2);
+            }
+            *slot = Some((k.shallow_clone(), v.shallow_clone()));
+        }
+        let rep = self.num_heads / self.num_kv_heads;
+        let (k, v) = if rep > 1 {
+            (repeat_kv(&k, rep), repeat_kv(&v, rep))
+        } else {
+            (k, v)
+        };
+        let out = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            ctx.mask.as_ref(),
+            0.0,
+            ctx.is_causal,
+            None,
+            false,
+        );
+        out.transpose(1, 2)
+            .reshape([bsz, t, self.num_heads * self.head_dim])
+            .linear(&self.o_proj, None::<Tensor>)
+    }
+}
+
+/// [B, nkv, S, hd] -> [B, nkv * rep, S, hd], kv head i serving query heads i*rep..(i+1)*rep.
+/// Explicit repetition keeps every SDPA backend (including masked CUDA kernels) available.
+fn repeat_kv(x: &Tensor, rep: i64) -> Tensor {
+    let s = x.size();
+    x.unsqueeze(2)
+        .expand([s[0], s[1], rep, s[2], s[3]], false)
+        .reshape([s[0], s[1] * rep, s[2], s[3]])
+}
+
+struct Mlp {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+impl Mlp {
+    fn new(p: Path, cfg: &ModelConfig) -> Self {
+        let (h, i, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range);
+        Mlp {
+            gate: matrix(&(&p / "gate_proj"), "weight", i, h, std),
+            up: matrix(&(&p / "up_proj"), "weight", i, h, std),
+            down: matrix(&(&p / "down_proj"), "weight", h, i, std),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let none = None::<Tensor>;
+        (x.linear(&self.gate, none.as_ref()).silu() * x.linear(&self.up, none.as_ref()))
+            .linear(&self.down, none.as_ref())
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+        let h = x + self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x), ctx, cache);
+        let out = self.mlp.forward(&self.post_attention_layernorm.forward(&h));
+        h + out
+    }
+}
+
+/// A decoder-only language model whose parameters live in a `VarStore` under Hugging Face names.
+pub struct CausalLm {
+    cfg: ModelConfig,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rotary: Rotary,
+    gradient_checkpointing: bool,
+}
+
+impl CausalLm {
+    /// Registers variables under `vs` with exact HF names: model.embed_tokens.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    /// (+ .bias for q/k/v when attention_bias), model.layers.{i}.self_attn.{q,k}_norm.weight (Qwen3), model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+    /// model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight (absent when tied).
+    /// Random init: normal(0, initializer_range) for matrices/embeddings, ones for norms, zeros for biases. Caller seeds with tch::manual_seed.
+    ///
+    /// Pass `vs.root()` so that names match checkpoints exactly; the VarStore's kind and
+    /// device decide the parameters' dtype and device.
+    pub fn new(vs: &Path, cfg: &ModelConfig) -> Self {
+        let model = vs / "model";
+        let std = cfg.initializer_range;
+        let embed_tokens = matrix(
+            &(&model / "embed_tokens"),
+            "weight",
+            cfg.vocab_size,
+            cfg.hidden_size,
+            std,
+        );
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = &model / "layers" / i;
+                DecoderLayer {
+                    input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+                    self_attn: SelfAttention::new(&p / "self_attn", cfg),
+                    post_attention_layernorm: RmsNorm::new(
+                        &p / "post_attention_layernorm",
+                        cfg.hidden_size,
+                        cfg.rms_norm_eps,
+                    ),
+                    mlp: Mlp::new(&p / "mlp", cfg),
+                }
+            })
+            .collect();
+        let norm = RmsNorm::new(&model / "norm", cfg.hidden_size, cfg.rms_norm_eps);
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            matrix(&(vs / "lm_head"), "weight", cfg.vocab_size, cfg.hidden_size, std)
+        };
+        CausalLm {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary: Rotary::new(cfg, vs.device()),
+            gradient_checkpointing: false,
+        }
+    }
+
+    /// The configuration this model was built from.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Embeddings, masks and rotary tables for one call.
+    fn prepare(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        past_len: i64,
+    ) -> (Tensor, Ctx) {
+        let size = input_ids.size();
+        assert!(size.len() == 2, "input_ids must be [B, T], got {size:?}");
+        assert_eq!(
+            position_ids.size(),
+            size,
+            "position_ids must have the shape of input_ids"
+        );
+        let (bsz, t) = (size[0], size[1]);
+        let x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let (cos, sin) = self.rotary.cos_sin(position_ids, x.kind());
+        let device = x.device();
+        let s = past_len + t;
+        let q_pos = Tensor::arange_start(past_len, s, (Kind::Int64, device)).unsqueeze(1);
+        let k_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0);
+        let (mask, is_causal) = match attn {
+            Attention::Causal { key_mask: None } => {
+                if t == 1 {
+                    (None, false)
+                } else if past_len == 0 {
+                    (None, true)
+                } else {
+                    (Some(k_pos.le_tensor(&q_pos).view([1, 1, t, s])), false)
+                }
+            }
+            Attention::Causal {
+                key_mask: Some(key_mask),
+            } => {
+                assert_eq!(
+                    key_mask.size(),
+                    [bsz, s],
+                    "key_mask must be [B, cached + T]"
+                );
+                let keep = key_mask.to_device(device).to_kind(Kind::Bool).view([bsz, 1, 1, s]);
+                // A query always sees itself, so padding rows never softmax over nothing
+                // (which would put NaN into the padding's keys and values).
+                let diag = k_pos.eq_tensor(&q_pos);
+                let mask = k_pos
+                    .le_tensor(&q_pos)
+                    .logical_and(&keep)
+                    .logical_or(&diag);
+                (Some(mask), false)
+            }
+            Attention::Packed { seq_ids } => {
+                assert_eq!(past_len, 0, "packed attention does not support a KV cache");
+                assert_eq!(seq_ids.size(), [bsz, t], "seq_ids must be [B, T]");
+                let ids = seq_ids.to_device(device);
+                let same = ids.unsqueeze(2).eq_tensor(&ids.unsqueeze(1));
+                let mask = same.logical_and(&k_pos.le_tensor(&q_pos)).unsqueeze(1);
+                (Some(mask), false)
+            }
+        };
+        (
+            x,
+            Ctx {
+                cos,
+                sin,
+                mask,
+                is_causal,
+            },
+        )
+    }
+
+    /// input_ids, position_ids: [B, T] i64. Returns final-normed hidden states [B, T, hidden]. With a cache, appends this call's k/v.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let past_len = cache.as_ref().map_or(0, |c| c.seq_len());
+        let (mut x, ctx) = self.prepare(input_ids, position_ids, attn, past_len);
+        match cache {
+            Some(cache) => {
+                assert_eq!(
+                    cache.layers.len(),
+                    self.layers.len(),
+                    "KvCache was made for a different number of layers"
+                );
+                for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+                    x = layer.forward(&x, &ctx, Some(slot));
+                }
+            }
+            None => {
+                for layer in &self.layers {
+                    x = layer.forward(&x, &ctx, None);
+                }
+            }
+        }
+        self.norm.forward(&x)
+    }
+
+    /// hidden [.., hidden] -> logits [.., vocab] (tied => embed_tokens weight).
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        hidden.linear(&self.lm_head, None::<Tensor>)
+    }
+
+    /// The output projection [vocab, hidden]; the embedding matrix when tied.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// Convenience: forward_hidden + logits.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        self.logits(&self.forward_hidden(input_ids, position_ids, attn, cache))
+    }
+
+    /// Turns per-layer gradient checkpointing on or off for [`CausalLm::forward_backward`].
+    ///
+    /// tch cannot define custom autograd functions, so checkpointing cannot hide inside
+    /// `forward_hidden`; instead `forward_backward` keeps only each layer's input during the
+    /// forward pass and recomputes each layer during a layer-by-layer backward pass.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether [`CausalLm::forward_backward`] recomputes layers in the backward pass.
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
+    }
+
+    /// Training step helper: runs the forward pass, computes `loss_fn(final hidden [B, T, H])`
+    /// (a scalar), back-propagates into the parameters' `.grad` (accumulating, like
+    /// `backward`), and returns the detached loss. With gradient checkpointing on, activation
+    /// memory is one [B, T, H] tensor per layer plus one layer's internals.
+    pub fn forward_backward(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        loss_fn: impl FnOnce(&Tensor) -> Tensor,
+    ) -> Tensor {
+        if !self.gradient_checkpointing {
+            let hidden = self.forward_hidden(input_ids, position_ids, attn, None);
+            let loss = loss_fn(&hidden);
+            loss.backward();
+            return loss.detach();
+        }
+        let (embedded, ctx) = tch::no_grad(|| self.prepare(input_ids, position_ids, attn, 0));
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut x = embedded;
+        for layer in &self.layers {
+            let next = tch::no_grad(|| layer.forward(&x, &ctx, None));
+            inputs.push(x);
+            x = next;
+        }
+        let last = x.detach().set_requires_grad(true);
+        let loss = loss_fn(&self.norm.forward(&last));
+        loss.backward();
+        let mut grad = last.grad();
+        for (layer, input) in self.layers.iter().zip(inputs).rev() {
+            let input = input.detach().set_requires_grad(true);
+            let out = layer.forward(&input, &ctx, None);
+            // d(sum(out * g))/d(out) = g: a vector-Jacobian product through this layer.
+            (out * &grad).sum(None::<Kind>).backward();
+            grad = input.grad();
+        }
+        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        (embedded * &grad).sum(None::<Kind>).backward();
+        loss.detach()
+    }
+}
