@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 /// The cookbook's task hash: first 16 hex digits of sha256 of the spec JSON (sorted keys).
 pub fn task_hash(task_spec: &Value) -> String {
-    let digest = Sha256::digest(pyjson::dumps(task_spec).as_bytes());
+    let digest = Sha256::digest(pyjson::dumps_sorted(task_spec).as_bytes());
     hex::encode(digest)[..16].to_string()
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use futures::stream::{self, StreamExt};
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::info;
+
 
 use crate::engine::{EngineError, NamedTensors};
 use crate::episode::{run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings};
@@ -95,7 +95,7 @@ async fn run_all(shared: &Shared, requests: Vec<EpisodeRequest>, settings: Gener
     .buffered(shared.max_concurrent)
     .collect()
     .await;
-    info!(episodes = count, seconds = started.elapsed().as_secs_f64(), "rollout batch done");
+    tracing::debug!(episodes = count, seconds = started.elapsed().as_secs_f64(), "rollout batch done");
     samples
 }
 

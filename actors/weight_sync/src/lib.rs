@@ -8,7 +8,7 @@ use std::time::Instant;
 use manta_rollout::RolloutMsg;
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::info;
+use tracing::debug;
 
 /// What one sync moved.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +116,6 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
         engines: state.args.engines.len(),
         seconds: started.elapsed().as_secs_f64(),
     };
-    info!(version, tensors, bytes, seconds = report.seconds, "weights synced");
+    debug!(version, tensors, bytes, seconds = report.seconds, "weights synced");
     Ok(report)
 }

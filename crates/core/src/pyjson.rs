@@ -1,18 +1,24 @@
 //! JSON text exactly as Python's `json.dumps` writes it by default (`", "` and `": "`
 //! separators, non-ASCII escaped as `\uXXXX`), so hashes and prompts match the
-//! cookbook's byte for byte. Object keys come out in `serde_json::Map` order, which
-//! is sorted (as `sort_keys=True`).
+//! cookbook's byte for byte.
 
 use serde_json::Value;
 
-/// `json.dumps(value, sort_keys=True)`.
+/// `json.dumps(value)`: object keys in the order the value holds them.
 pub fn dumps(value: &Value) -> String {
     let mut out = String::new();
-    write_value(value, &mut out);
+    write_value(value, false, &mut out);
     out
 }
 
-fn write_value(value: &Value, out: &mut String) {
+/// `json.dumps(value, sort_keys=True)`.
+pub fn dumps_sorted(value: &Value) -> String {
+    let mut out = String::new();
+    write_value(value, true, &mut out);
+    out
+}
+
+fn write_value(value: &Value, sort: bool, out: &mut String) {
     match value {
         Value::Array(items) => {
             out.push('[');
@@ -20,19 +26,23 @@ fn write_value(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_value(item, out);
+                write_value(item, sort, out);
             }
             out.push(']');
         }
         Value::Object(map) => {
             out.push('{');
-            for (i, (k, v)) in map.iter().enumerate() {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            if sort {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
                 write_string(k, out);
                 out.push_str(": ");
-                write_value(v, out);
+                write_value(v, sort, out);
             }
             out.push('}');
         }
@@ -79,7 +89,8 @@ mod tests {
     #[test]
     fn matches_python_defaults() {
         // python3 -c 'import json;print(json.dumps({"b":[1,2.0,None,True],"a":"é\n😀"},sort_keys=True))'
-        let v = json!({"b": [1, 2.0, null, true], "a": "é\n😀"});
-        assert_eq!(dumps(&v), r#"{"a": "\u00e9\n\ud83d\ude00", "b": [1, 2.0, null, true]}"#);
+        let v: Value = serde_json::from_str(r#"{"b": [1, 2.0, null, true], "a": "é\n😀"}"#).unwrap();
+        assert_eq!(dumps_sorted(&v), r#"{"a": "\u00e9\n\ud83d\ude00", "b": [1, 2.0, null, true]}"#);
+        let _ = json!(null);
     }
 }

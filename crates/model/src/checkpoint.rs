@@ -62,11 +62,15 @@ pub fn load_weights(vs: &mut VarStore, dir: &Path) -> Result<(), ModelError> {
                 name: name.clone(),
                 dtype: format!("{:?}", view.dtype()),
             })?;
-            let src = Tensor::f_from_data_size(view.data(), &found, kind)
-                .map_err(|e| ModelError::torch(format!("{}: reading `{name}`", file.display()), e))?;
+            let src = Tensor::f_from_data_size(view.data(), &found, kind).map_err(|e| {
+                ModelError::torch(format!("{}: reading `{name}`", file.display()), e)
+            })?;
             let mut dst = var.shallow_clone();
             tch::no_grad(|| dst.f_copy_(&src)).map_err(|e| {
-                ModelError::torch(format!("{}: copying `{name}` into the model", file.display()), e)
+                ModelError::torch(
+                    format!("{}: copying `{name}` into the model", file.display()),
+                    e,
+                )
             })?;
             loaded.insert(name);
         }
@@ -233,7 +237,8 @@ pub fn save_pretrained(vs: &VarStore, cfg: &ModelConfig, dir: &Path) -> Result<(
     })?;
     let config = dir.join("config.json");
     let config_tmp = dir.join(".config.json.tmp");
-    std::fs::write(&config_tmp, cfg.to_json_pretty()).map_err(|e| ModelError::io(&config_tmp, e))?;
+    std::fs::write(&config_tmp, cfg.to_json_pretty())
+        .map_err(|e| ModelError::io(&config_tmp, e))?;
     std::fs::rename(&weights_tmp, &weights).map_err(|e| ModelError::io(&weights, e))?;
     std::fs::rename(&config_tmp, &config).map_err(|e| ModelError::io(&config, e))?;
     Ok(())

@@ -204,7 +204,8 @@ impl SelfAttention {
                 .then(|| (&p / name).zeros("bias", &[dim]))
         };
         let head_norm = |name: &str| {
-            (cfg.family() == ModelFamily::Qwen3).then(|| RmsNorm::new(&p / name, hd, cfg.rms_norm_eps))
+            (cfg.family() == ModelFamily::Qwen3)
+                .then(|| RmsNorm::new(&p / name, hd, cfg.rms_norm_eps))
         };
         SelfAttention {
             q_proj: lin("q_proj", nh * hd, h),
@@ -240,10 +241,21 @@ impl SelfAttention {
         y.transpose(1, 2)
     }
 
-    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
         let (bsz, t) = (x.size()[0], x.size()[1]);
         let q = self.heads(x, &self.q_proj, &self.q_bias, self.num_heads, &self.q_norm);
-        let k = self.heads(x, &self.k_proj, &self.k_bias, self.num_kv_heads, &self.k_norm);
+        let k = self.heads(
+            x,
+            &self.k_proj,
+            &self.k_bias,
+            self.num_kv_heads,
+            &self.k_norm,
+        );
         let v = self.heads(x, &self.v_proj, &self.v_bias, self.num_kv_heads, &None);
         let q = apply_rope(&q, &ctx.cos, &ctx.sin);
         let mut k = apply_rope(&k, &ctx.cos, &ctx.sin);
@@ -294,7 +306,11 @@ struct Mlp {
 
 impl Mlp {
     fn new(p: Path, cfg: &ModelConfig) -> Self {
-        let (h, i, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range);
+        let (h, i, std) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.initializer_range,
+        );
         Mlp {
             gate: matrix(&(&p / "gate_proj"), "weight", i, h, std),
             up: matrix(&(&p / "up_proj"), "weight", i, h, std),
@@ -317,7 +333,12 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn forward(&self, x: &Tensor, ctx: &Ctx, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Tensor {
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
         let h = x + self
             .self_attn
             .forward(&self.input_layernorm.forward(x), ctx, cache);
@@ -359,7 +380,11 @@ impl CausalLm {
             .map(|i| {
                 let p = &model / "layers" / i;
                 DecoderLayer {
-                    input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+                    input_layernorm: RmsNorm::new(
+                        &p / "input_layernorm",
+                        cfg.hidden_size,
+                        cfg.rms_norm_eps,
+                    ),
                     self_attn: SelfAttention::new(&p / "self_attn", cfg),
                     post_attention_layernorm: RmsNorm::new(
                         &p / "post_attention_layernorm",
@@ -374,7 +399,13 @@ impl CausalLm {
         let lm_head = if cfg.tie_word_embeddings {
             embed_tokens.shallow_clone()
         } else {
-            matrix(&(vs / "lm_head"), "weight", cfg.vocab_size, cfg.hidden_size, std)
+            matrix(
+                &(vs / "lm_head"),
+                "weight",
+                cfg.vocab_size,
+                cfg.hidden_size,
+                std,
+            )
         };
         CausalLm {
             cfg: cfg.clone(),
@@ -432,14 +463,14 @@ impl CausalLm {
                     [bsz, s],
                     "key_mask must be [B, cached + T]"
                 );
-                let keep = key_mask.to_device(device).to_kind(Kind::Bool).view([bsz, 1, 1, s]);
+                let keep = key_mask
+                    .to_device(device)
+                    .to_kind(Kind::Bool)
+                    .view([bsz, 1, 1, s]);
                 // A query always sees itself, so padding rows never softmax over nothing
                 // (which would put NaN into the padding's keys and values).
                 let diag = k_pos.eq_tensor(&q_pos);
-                let mask = k_pos
-                    .le_tensor(&q_pos)
-                    .logical_and(&keep)
-                    .logical_or(&diag);
+                let mask = k_pos.le_tensor(&q_pos).logical_and(&keep).logical_or(&diag);
                 (Some(mask), false)
             }
             Attention::Packed { seq_ids } => {

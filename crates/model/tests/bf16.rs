@@ -35,8 +35,13 @@ fn loading_into_bf16_converts_dtype() {
     let logits = m16.forward(&ids(&[&SEQ]), &positions(1, 9, 0), &causal(), None);
     assert_eq!(logits.kind(), Kind::BFloat16);
     let reference = m32.forward(&ids(&[&SEQ]), &positions(1, 9, 0), &causal(), None);
-    let err = (logits.to_kind(Kind::Float) - &reference).abs().max().double_value(&[]);
+    let err = (logits.to_kind(Kind::Float) - &reference)
+        .abs()
+        .max()
+        .double_value(&[]);
     let scale = reference.abs().max().double_value(&[]);
-    assert!(err <= 0.05 * scale, "bf16 logits off by {err} (scale {scale})");
+    assert!(
+        err <= 0.05 * scale,
+        "bf16 logits off by {err} (scale {scale})"
+    );
 }
-

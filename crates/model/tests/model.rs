@@ -52,7 +52,10 @@ fn forward_shapes_and_families() {
     let (vs, m) = model(&tied, 0);
     assert!(!vs.variables().contains_key("lm_head.weight"));
     assert_eq!(
-        max_abs_diff(m.lm_head_weight(), &vs.variables()["model.embed_tokens.weight"]),
+        max_abs_diff(
+            m.lm_head_weight(),
+            &vs.variables()["model.embed_tokens.weight"]
+        ),
         0.0
     );
 }
@@ -122,7 +125,10 @@ fn left_padded_batch_matches_single_rows() {
 
     // One decoding step for both rows with the key mask grown by one real position.
     let next = ids(&[&[40], &[41]]);
-    let key_mask2 = Tensor::cat(&[&key_mask, &Tensor::ones([2, 1], (Kind::Int64, Device::Cpu))], 1);
+    let key_mask2 = Tensor::cat(
+        &[&key_mask, &Tensor::ones([2, 1], (Kind::Int64, Device::Cpu))],
+        1,
+    );
     let next_pos = Tensor::from_slice(&[6i64, 3]).view([2, 1]);
     let step = m.forward(
         &next,
@@ -138,7 +144,10 @@ fn left_padded_batch_matches_single_rows() {
     let ref_short = m.forward(&ids(&[&short_next]), &positions(1, 4, 0), &causal(), None);
     let d0 = max_abs_diff(&step.get(0).get(0), &ref_long.get(0).get(6));
     let d1 = max_abs_diff(&step.get(1).get(0), &ref_short.get(0).get(3));
-    assert!(d0 < 1e-5 && d1 < 1e-5, "padded decode step differs: {d0}, {d1}");
+    assert!(
+        d0 < 1e-5 && d1 < 1e-5,
+        "padded decode step differs: {d0}, {d1}"
+    );
 
     // Dropping a finished row keeps the other row's cache intact.
     let only_long = cache.select_rows(&Tensor::from_slice(&[0i64]));
@@ -195,7 +204,9 @@ fn chunked_token_logprobs_match_naive_values_and_gradients() {
 
     let (logp, entropy) = token_logprobs(&m, &hidden, &targets, temperature, 5);
     let naive_all = (m.logits(&hidden) / temperature).log_softmax(-1, Kind::Float);
-    let naive_logp = naive_all.gather(-1, &targets.unsqueeze(-1), false).squeeze_dim(-1);
+    let naive_logp = naive_all
+        .gather(-1, &targets.unsqueeze(-1), false)
+        .squeeze_dim(-1);
     let naive_entropy = -(naive_all.exp() * &naive_all).sum_dim_intlist(-1, false, None::<Kind>);
     assert_eq!(logp.size(), [18]);
     assert!(max_abs_diff(&logp, &naive_logp) <= 1e-5);
@@ -241,7 +252,10 @@ fn gradient_checkpointing_gives_the_same_gradients() {
     );
     assert_eq!(plain.len(), ckpt.len());
     for ((name, a), (_, b)) in plain.iter().zip(&ckpt) {
-        assert!(a.defined() && a.abs().sum(Kind::Float).double_value(&[]) > 0.0, "{name} has no gradient");
+        assert!(
+            a.defined() && a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+            "{name} has no gradient"
+        );
         let d = max_abs_diff(a, b);
         assert!(d < 1e-5, "{name}: checkpointed gradient differs by {d}");
     }
@@ -292,7 +306,11 @@ fn checkpoint_problems_name_the_tensor() {
     let err = load_weights(&mut vs2, dir.path()).expect_err("shape mismatch");
     let msg = err.to_string();
     assert!(matches!(err, ModelError::ShapeMismatch { .. }), "{msg}");
-    assert!(msg.contains("model.safetensors") && (msg.contains("embed_tokens") || msg.contains("lm_head")), "{msg}");
+    assert!(
+        msg.contains("model.safetensors")
+            && (msg.contains("embed_tokens") || msg.contains("lm_head")),
+        "{msg}"
+    );
 
     // A Qwen2 model has biases the Qwen3 checkpoint lacks; Qwen3's q_norm is unexpected there.
     let (mut vs3, _) = model(&config("qwen2", false), 9);
@@ -300,11 +318,12 @@ fn checkpoint_problems_name_the_tensor() {
     assert!(err.to_string().contains("_norm.weight"), "{err}");
 
     // A tensor removed from the file is reported missing.
-    let tensors: Vec<(String, Tensor)> = Tensor::read_safetensors(dir.path().join("model.safetensors"))
-        .expect("read")
-        .into_iter()
-        .filter(|(n, _)| n != "model.norm.weight")
-        .collect();
+    let tensors: Vec<(String, Tensor)> =
+        Tensor::read_safetensors(dir.path().join("model.safetensors"))
+            .expect("read")
+            .into_iter()
+            .filter(|(n, _)| n != "model.norm.weight")
+            .collect();
     Tensor::write_safetensors(&tensors, dir.path().join("model.safetensors")).expect("write");
     let (mut vs4, _) = model(&cfg, 9);
     let err = load_weights(&mut vs4, dir.path()).expect_err("missing tensor");
@@ -324,20 +343,37 @@ fn malformed_config_errors_name_file_and_key() {
     let broken = base.replace("\"hidden_size\": 32", "\"hidden_size\": \"thirty-two\"");
     assert_ne!(broken, base);
     std::fs::write(&path, &broken).expect("write");
-    let msg = ModelConfig::from_file(&path).expect_err("bad type").to_string();
-    assert!(msg.contains("config.json") && msg.contains("hidden_size"), "{msg}");
+    let msg = ModelConfig::from_file(&path)
+        .expect_err("bad type")
+        .to_string();
+    assert!(
+        msg.contains("config.json") && msg.contains("hidden_size"),
+        "{msg}"
+    );
 
     let missing = base.replace("\"vocab_size\"", "\"vocab_sz\"");
     assert_ne!(missing, base);
-    let msg = ModelConfig::from_json_str(&missing, "x.json").expect_err("missing").to_string();
-    assert!(msg.contains("x.json") && msg.contains("vocab_size"), "{msg}");
+    let msg = ModelConfig::from_json_str(&missing, "x.json")
+        .expect_err("missing")
+        .to_string();
+    assert!(
+        msg.contains("x.json") && msg.contains("vocab_size"),
+        "{msg}"
+    );
 
     let gqa = base.replace("\"num_key_value_heads\": 1", "\"num_key_value_heads\": 3");
-    let msg = ModelConfig::from_json_str(&gqa, "x.json").expect_err("gqa").to_string();
-    assert!(msg.contains("num_key_value_heads") && msg.contains('3'), "{msg}");
+    let msg = ModelConfig::from_json_str(&gqa, "x.json")
+        .expect_err("gqa")
+        .to_string();
+    assert!(
+        msg.contains("num_key_value_heads") && msg.contains('3'),
+        "{msg}"
+    );
 
     let mt = base.replace("\"qwen3\"", "\"gpt2\"");
-    let msg = ModelConfig::from_json_str(&mt, "x.json").expect_err("model type").to_string();
+    let msg = ModelConfig::from_json_str(&mt, "x.json")
+        .expect_err("model type")
+        .to_string();
     assert!(msg.contains("model_type") && msg.contains("gpt2"), "{msg}");
 
     let yarn = base.replace(
@@ -345,17 +381,26 @@ fn malformed_config_errors_name_file_and_key() {
         "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}",
     );
     assert_ne!(yarn, base);
-    let msg = ModelConfig::from_json_str(&yarn, "x.json").expect_err("yarn").to_string();
-    assert!(msg.contains("rope_scaling") && msg.contains("yarn"), "{msg}");
+    let msg = ModelConfig::from_json_str(&yarn, "x.json")
+        .expect_err("yarn")
+        .to_string();
+    assert!(
+        msg.contains("rope_scaling") && msg.contains("yarn"),
+        "{msg}"
+    );
 
     let bad_factor = base.replace(
         "\"rope_scaling\": null",
         "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": \"big\", \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192}",
     );
-    let msg = ModelConfig::from_json_str(&bad_factor, "x.json").expect_err("factor").to_string();
+    let msg = ModelConfig::from_json_str(&bad_factor, "x.json")
+        .expect_err("factor")
+        .to_string();
     assert!(msg.contains("rope_scaling.factor"), "{msg}");
 
-    let msg = ModelConfig::from_json_str("{not json", "x.json").expect_err("syntax").to_string();
+    let msg = ModelConfig::from_json_str("{not json", "x.json")
+        .expect_err("syntax")
+        .to_string();
     assert!(msg.contains("x.json"), "{msg}");
 }
 
@@ -374,7 +419,9 @@ fn config_reads_hub_and_transformers5_layouts() {
     assert!(cfg.tie_word_embeddings && !cfg.attention_bias);
     let again = ModelConfig::from_json_str(&cfg.to_json_pretty(), "again").expect("round trip");
     assert_eq!(again, cfg);
-    assert!(cfg.to_json_pretty().contains("\"use_sliding_window\": false"));
+    assert!(cfg
+        .to_json_pretty()
+        .contains("\"use_sliding_window\": false"));
 
     // transformers 5 layout: rope_parameters, llama3 scaling, defaults derived.
     let v5 = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,

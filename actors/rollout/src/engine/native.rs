@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use manta_model::{Attention, CausalLm, KvCache, ModelConfig};
 use tch::{nn, Device, Kind, Tensor};
 use tokio::sync::oneshot;
-use tracing::{debug, info};
+use tracing::debug;
 
 use super::{Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors};
 
@@ -154,7 +154,7 @@ impl Worker {
                         let result = self.load(weights);
                         if result.is_ok() {
                             version.store(v, Ordering::SeqCst);
-                            info!(version = v, "native engine weights updated");
+                            debug!(version = v, "native engine weights updated");
                         }
                         let _ = reply.send(result);
                         pending = rx.try_recv().ok();

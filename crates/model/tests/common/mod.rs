@@ -55,4 +55,3 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 pub fn causal() -> Attention<'static> {
     Attention::Causal { key_mask: None }
 }
-
