@@ -269,14 +269,14 @@ impl ModelConfig {
                 "rotary embeddings need an even head_dim",
             ));
         }
-        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+        if !exceeds(self.rms_norm_eps, 0.0) {
             return Err(bad(
                 "rms_norm_eps",
                 self.rms_norm_eps.to_string(),
                 "must be positive",
             ));
         }
-        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
+        if !exceeds(self.rope_theta, 0.0) {
             return Err(bad(
                 "rope_theta",
                 self.rope_theta.to_string(),
@@ -296,21 +296,21 @@ impl ModelConfig {
             }
         }
         if let Some(rs) = &self.rope_scaling {
-            if !(rs.factor > 0.0) {
+            if !exceeds(rs.factor, 0.0) {
                 return Err(bad(
                     "rope_scaling.factor",
                     rs.factor.to_string(),
                     "must be positive",
                 ));
             }
-            if !(rs.high_freq_factor > rs.low_freq_factor) {
+            if !exceeds(rs.high_freq_factor, rs.low_freq_factor) {
                 return Err(bad(
                     "rope_scaling.high_freq_factor",
                     rs.high_freq_factor.to_string(),
                     "must exceed low_freq_factor",
                 ));
             }
-            if !(rs.low_freq_factor > 0.0) {
+            if !exceeds(rs.low_freq_factor, 0.0) {
                 return Err(bad(
                     "rope_scaling.low_freq_factor",
                     rs.low_freq_factor.to_string(),
@@ -327,6 +327,11 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// `a > b`, false when either is NaN (so NaN values are rejected).
+fn exceeds(a: f64, b: f64) -> bool {
+    a > b
 }
 
 fn is_missing(obj: &Map<String, Value>, key: &str) -> bool {

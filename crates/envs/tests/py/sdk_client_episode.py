@@ -31,7 +31,6 @@ async def main(base_url: str) -> dict:
 
         counter = api.get("counter", variant="counter")
         out["counter_num_tasks"] = await counter.num_tasks("train")
-        task = (await counter.get_task_range("train", 0, 1))[0] if hasattr(counter, "get_task_range") else None
         async with counter.session(split="train", index=0) as s:
             out["counter_prompt"] = texts(await s.get_prompt())
             out["counter_tools"] = [t.name for t in await s.list_tools()]
@@ -46,7 +45,6 @@ async def main(base_url: str) -> dict:
             r = await s.call_tool("submit", {})
             steps.append([r.reward, r.finished, texts(r.blocks)])
             out["counter_steps"] = steps
-            out["counter_task"] = task
     finally:
         await api.aclose()
     return out
