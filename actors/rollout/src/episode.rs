@@ -402,7 +402,7 @@ mod tests {
         };
         assert_eq!(
             tools_text(&listing),
-            "{\"name\": \"add\", \"arguments_schema\": {\"properties\": {\"amount\": {\"type\": \"integer\"}}, \"type\": \"object\"}, \"description\": \"Add to the counter.\"}"
+            "{\"name\": \"add\", \"arguments_schema\": {\"type\": \"object\", \"properties\": {\"amount\": {\"type\": \"integer\"}}}, \"description\": \"Add to the counter.\"}"
         );
     }
 }

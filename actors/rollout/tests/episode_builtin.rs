@@ -157,9 +157,9 @@ async fn multi_turn_counter_episode_keeps_per_step_rewards_and_masks() {
     assert!(text.contains("Error: Tool input validation error"), "{text}");
 
     // Each generate call saw exactly the tokens accumulated so far (no re-tokenization).
-    let prompts = policy.prompts.lock().unwrap();
+    let prompts = policy.prompts.lock().unwrap().clone();
     assert_eq!(prompts.len(), 5);
-    for p in prompts.iter() {
+    for p in &prompts {
         assert_eq!(&sample.tokens[..p.len()], p.as_slice());
     }
     server.shutdown().await;
