@@ -70,7 +70,11 @@ impl Actor for DriverActor {
     type State = DriverState;
     type Arguments = RunPlan;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, plan: RunPlan) -> Result<DriverState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        plan: RunPlan,
+    ) -> Result<DriverState, ActorProcessingErr> {
         Ok(DriverState {
             next_step: plan.first_step,
             plan,
@@ -81,7 +85,12 @@ impl Actor for DriverActor {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<Self::Msg>, message: DriverMsg, state: &mut DriverState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: DriverMsg,
+        state: &mut DriverState,
+    ) -> Result<(), ActorProcessingErr> {
         match message {
             DriverMsg::Run(reply) => {
                 state.reply = Some(reply);
@@ -91,7 +100,9 @@ impl Actor for DriverActor {
             DriverMsg::Step => {
                 let interrupted = state.plan.stop_requested.load(Ordering::SeqCst);
                 if interrupted || state.next_step > state.plan.last_step {
-                    let result = finish(state, interrupted).await.map_err(|e| format!("{e:#}"));
+                    let result = finish(state, interrupted)
+                        .await
+                        .map_err(|e| format!("{e:#}"));
                     if let Some(reply) = state.reply.take() {
                         let _ = reply.send(result);
                     }
@@ -129,13 +140,18 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         m.get("perf/step_time").copied().unwrap_or(f64::NAN),
     );
     if m.get("rollout/failed_count").copied().unwrap_or(0.0) > 0.0 {
-        warn!(step, failed = m["rollout/failed_count"], "some episodes failed and were left out of training");
+        warn!(
+            step,
+            failed = m["rollout/failed_count"],
+            "some episodes failed and were left out of training"
+        );
     }
     state.trained_ids.extend(outcome.trained_ids);
     state.steps_done += 1;
     state.next_step += 1;
     if let Some(dir) = &plan.save {
-        if plan.save_interval > 0 && step % plan.save_interval as u64 == 0 && step < plan.last_step {
+        if plan.save_interval > 0 && step % plan.save_interval as u64 == 0 && step < plan.last_step
+        {
             save_checkpoint(&plan.actors.trainer, dir, step).await?;
         }
     }
@@ -151,14 +167,21 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
         }
     }
     if interrupted {
-        warn!(step = last_done, "stopped on request after step {last_done}");
+        warn!(
+            step = last_done,
+            "stopped on request after step {last_done}"
+        );
     }
     let png = plan.run_dir.join("reward_loss.png");
     match manta_telemetry::plot_reward_and_loss(plan.metrics.path(), &png) {
         Ok(()) => info!(plot = %png.display(), "wrote the reward/loss plot"),
         Err(e) => warn!(error = %e, "no plot written"),
     }
-    let version = call!(plan.actors.weight_sync, manta_weight_sync::WeightSyncMsg::Version).unwrap_or(0);
+    let version = call!(
+        plan.actors.weight_sync,
+        manta_weight_sync::WeightSyncMsg::Version
+    )
+    .unwrap_or(0);
     info!(
         steps = state.steps_done,
         seconds = state.started.elapsed().as_secs_f64(),
@@ -177,7 +200,11 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
 
 /// Saves `dir/step_NNNNNN` and then points `dir/latest` at it (written atomically), so
 /// `--load dir` always finds a complete checkpoint.
-pub async fn save_checkpoint(trainer: &ActorRef<TrainerMsg>, dir: &std::path::Path, step: u64) -> anyhow::Result<()> {
+pub async fn save_checkpoint(
+    trainer: &ActorRef<TrainerMsg>,
+    dir: &std::path::Path,
+    step: u64,
+) -> anyhow::Result<()> {
     let name = format!("step_{step:06}");
     let target = dir.join(&name);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -186,7 +213,8 @@ pub async fn save_checkpoint(trainer: &ActorRef<TrainerMsg>, dir: &std::path::Pa
         .with_context(|| format!("saving checkpoint {}", target.display()))?;
     let tmp = dir.join("latest.tmp");
     std::fs::write(&tmp, &name).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, dir.join("latest")).with_context(|| format!("updating {}/latest", dir.display()))?;
+    std::fs::rename(&tmp, dir.join("latest"))
+        .with_context(|| format!("updating {}/latest", dir.display()))?;
     info!(checkpoint = %target.display(), "checkpoint saved");
     Ok(())
 }
@@ -194,11 +222,19 @@ pub async fn save_checkpoint(trainer: &ActorRef<TrainerMsg>, dir: &std::path::Pa
 /// The checkpoint `dir/latest` points at.
 pub fn latest_checkpoint(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
     let latest = dir.join("latest");
-    let name = std::fs::read_to_string(&latest)
-        .with_context(|| format!("--load {}: no `latest` file (is this a Manta checkpoint directory?)", dir.display()))?;
+    let name = std::fs::read_to_string(&latest).with_context(|| {
+        format!(
+            "--load {}: no `latest` file (is this a Manta checkpoint directory?)",
+            dir.display()
+        )
+    })?;
     let path = dir.join(name.trim());
     if !path.is_dir() {
-        anyhow::bail!("--load {}: `latest` names {}, which does not exist", dir.display(), path.display());
+        anyhow::bail!(
+            "--load {}: `latest` names {}, which does not exist",
+            dir.display(),
+            path.display()
+        );
     }
     Ok(path)
 }

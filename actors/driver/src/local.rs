@@ -65,7 +65,8 @@ fn environment_clients(
                 .context("the built-in environment server is not running")?
                 .to_string(),
             Some(url) => url.to_string(),
-            None => std::env::var("OPENREWARD_SESSION_URL").unwrap_or_else(|_| DEFAULT_SESSION_URL.to_string()),
+            None => std::env::var("OPENREWARD_SESSION_URL")
+                .unwrap_or_else(|_| DEFAULT_SESSION_URL.to_string()),
         };
         let options = OrsClientOptions {
             base_url,
@@ -95,10 +96,17 @@ fn stop_token_ids(tokenizer: &Tokenizer) -> Vec<u32> {
 }
 
 /// Starts the local worker's actors.
-pub async fn start(cluster: &ClusterConfig, train: &TrainConfig, settings: &TrainSettings) -> anyhow::Result<LocalWorker> {
+pub async fn start(
+    cluster: &ClusterConfig,
+    train: &TrainConfig,
+    settings: &TrainSettings,
+) -> anyhow::Result<LocalWorker> {
     let model_dir = settings.model.as_path();
     check_model_dir(model_dir)?;
-    let needs_builtin = train.environments.values().any(|e| e.url.as_deref() == Some(BUILTIN_URL));
+    let needs_builtin = train
+        .environments
+        .values()
+        .any(|e| e.url.as_deref() == Some(BUILTIN_URL));
     let env_server = if needs_builtin {
         let server = manta_envs::serve("127.0.0.1:0".parse()?, manta_envs::builtin_environments())
             .await
@@ -110,7 +118,8 @@ pub async fn start(cluster: &ClusterConfig, train: &TrainConfig, settings: &Trai
     };
     let builtin_url = env_server.as_ref().map(|s| s.base_url());
     let tokenizer = Arc::new(
-        Tokenizer::from_dir(model_dir).with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
+        Tokenizer::from_dir(model_dir)
+            .with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
     );
     let device = Device::Cpu;
     let trainer_opts = TrainerOptions {
@@ -151,7 +160,14 @@ pub async fn start(cluster: &ClusterConfig, train: &TrainConfig, settings: &Trai
             .into_iter()
             .map(|(name, (client, _))| {
                 let config = train.environments[&name].clone();
-                (name.clone(), EnvironmentHandle { name, client, config })
+                (
+                    name.clone(),
+                    EnvironmentHandle {
+                        name,
+                        client,
+                        config,
+                    },
+                )
             })
             .collect();
         let context = EpisodeContext {

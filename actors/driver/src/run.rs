@@ -34,12 +34,16 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
     let settings = flags.over(cluster.train.clone()).resolve();
-    let config_path = args.config.clone().or_else(|| cluster.train_config.clone()).with_context(|| {
-        format!(
+    let config_path = args
+        .config
+        .clone()
+        .or_else(|| cluster.train_config.clone())
+        .with_context(|| {
+            format!(
             "no train_config.yaml: pass --config FILE or set `train_config` under [cluster] in {}",
             args.cluster.display()
         )
-    })?;
+        })?;
     let train = TrainConfig::from_file(&config_path)?;
     Ok(ResolvedConfig {
         cluster,
@@ -79,7 +83,10 @@ async fn list_tasks(worker: &LocalWorker, train: &TrainConfig) -> anyhow::Result
 }
 
 fn default_run_name() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     format!("run-{secs}")
 }
 
@@ -114,7 +121,10 @@ async fn run_with_worker(
         Some(path) => read_tasks_jsonl(path)?,
         None => list_tasks(worker, train).await?,
     };
-    if let Some(t) = tasks.iter().find(|t| !train.environments.contains_key(&t.environment)) {
+    if let Some(t) = tasks
+        .iter()
+        .find(|t| !train.environments.contains_key(&t.environment))
+    {
         anyhow::bail!(
             "task {} names environment {}, which {} does not configure",
             t.task_hash,
@@ -128,9 +138,13 @@ async fn run_with_worker(
     let mut first_step = 1;
     if let Some(dir) = &settings.load {
         let checkpoint = latest_checkpoint(dir)?;
-        let step = call!(worker.trainer, TrainerMsg::LoadCheckpoint, checkpoint.clone())
-            .context("the trainer did not answer")?
-            .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
+        let step = call!(
+            worker.trainer,
+            TrainerMsg::LoadCheckpoint,
+            checkpoint.clone()
+        )
+        .context("the trainer did not answer")?
+        .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
         call!(worker.weight_sync, WeightSyncMsg::Sync, step)
             .context("weight sync did not answer")?
             .context("syncing resumed weights to the engines")?;
@@ -140,8 +154,11 @@ async fn run_with_worker(
     let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
     let run_dir: PathBuf = settings.runs_dir.join(&run_name);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    std::fs::write(run_dir.join("settings.json"), serde_json::to_string_pretty(settings)?)
-        .with_context(|| format!("writing {}/settings.json", run_dir.display()))?;
+    std::fs::write(
+        run_dir.join("settings.json"),
+        serde_json::to_string_pretty(settings)?,
+    )
+    .with_context(|| format!("writing {}/settings.json", run_dir.display()))?;
     let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))
         .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
     info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");

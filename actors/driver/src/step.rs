@@ -55,12 +55,15 @@ pub async fn run_step(
         let group = k / n_samples;
         shares[group % actors.rollouts.len()].push(request);
     }
-    let calls = actors
-        .rollouts
-        .iter()
-        .zip(shares)
-        .filter(|(_, share)| !share.is_empty())
-        .map(|(actor, share)| async move { call!(actor, RolloutMsg::RunEpisodes, share, generation) });
+    let calls =
+        actors
+            .rollouts
+            .iter()
+            .zip(shares)
+            .filter(|(_, share)| !share.is_empty())
+            .map(|(actor, share)| async move {
+                call!(actor, RolloutMsg::RunEpisodes, share, generation)
+            });
     let mut samples: Vec<Sample> = Vec::new();
     for result in join_all(calls).await {
         samples.extend(result.context("a rollout actor failed")?);
@@ -73,7 +76,10 @@ pub async fn run_step(
 
     let train_started = Instant::now();
     if batch.samples.is_empty() {
-        warn!(step, "no sample to train on (all episodes failed); skipping the optimizer step");
+        warn!(
+            step,
+            "no sample to train on (all episodes failed); skipping the optimizer step"
+        );
     } else {
         let tokens: usize = batch.samples.iter().map(|s| s.tokens.len()).sum();
         let train = call!(actors.trainer, TrainerMsg::TrainStep, batch)
@@ -82,18 +88,27 @@ pub async fn run_step(
         m.extend(train);
         let train_time = train_started.elapsed().as_secs_f64();
         m.insert("perf/train_time".into(), train_time);
-        m.insert("perf/tokens_per_gpu_per_sec".into(), tokens as f64 / train_time.max(1e-9));
+        m.insert(
+            "perf/tokens_per_gpu_per_sec".into(),
+            tokens as f64 / train_time.max(1e-9),
+        );
     }
     let sync_started = Instant::now();
     let report = call!(actors.weight_sync, WeightSyncMsg::Sync, step)
         .context("weight sync did not answer")?
         .context("weight sync failed")?;
-    m.insert("perf/update_weights_time".into(), sync_started.elapsed().as_secs_f64());
+    m.insert(
+        "perf/update_weights_time".into(),
+        sync_started.elapsed().as_secs_f64(),
+    );
     m.insert("weights/version".into(), report.version as f64);
     let step_time = started.elapsed().as_secs_f64();
     m.insert("perf/rollout_time".into(), rollout_time);
     m.insert("perf/step_time".into(), step_time);
-    m.insert("perf/wait_time_ratio".into(), rollout_time / step_time.max(1e-9));
+    m.insert(
+        "perf/wait_time_ratio".into(),
+        rollout_time / step_time.max(1e-9),
+    );
     Ok(StepOutcome {
         metrics: m,
         trained_ids,
@@ -111,20 +126,38 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 
 /// `rollout/*` metrics over the episodes that did not fail, plus the failure count.
 fn rollout_metrics(samples: &[Sample]) -> StepMetrics {
-    let ok: Vec<&Sample> = samples.iter().filter(|s| s.status != SampleStatus::Failed).collect();
+    let ok: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.status != SampleStatus::Failed)
+        .collect();
     let mut m = BTreeMap::new();
-    m.insert("rollout/raw_reward".into(), mean(ok.iter().map(|s| s.reward)));
-    m.insert("rollout/response_len/mean".into(), mean(ok.iter().map(|s| s.response_length as f64)));
+    m.insert(
+        "rollout/raw_reward".into(),
+        mean(ok.iter().map(|s| s.reward)),
+    );
+    m.insert(
+        "rollout/response_len/mean".into(),
+        mean(ok.iter().map(|s| s.response_length as f64)),
+    );
     m.insert(
         "rollout/truncated_ratio".into(),
-        mean(ok.iter().map(|s| (s.status == SampleStatus::Truncated) as u8 as f64)),
+        mean(
+            ok.iter()
+                .map(|s| (s.status == SampleStatus::Truncated) as u8 as f64),
+        ),
     );
-    m.insert("rollout/num_turns/mean".into(), mean(ok.iter().map(|s| s.metadata.num_turns as f64)));
+    m.insert(
+        "rollout/num_turns/mean".into(),
+        mean(ok.iter().map(|s| s.metadata.num_turns as f64)),
+    );
     m.insert(
         "rollout/failed_tool_calls/mean".into(),
         mean(ok.iter().map(|s| s.metadata.num_failed_tool_calls as f64)),
     );
-    m.insert("rollout/failed_count".into(), (samples.len() - ok.len()) as f64);
+    m.insert(
+        "rollout/failed_count".into(),
+        (samples.len() - ok.len()) as f64,
+    );
     m
 }
 

@@ -46,16 +46,19 @@ struct TaskMetadata {
 
 /// Reads tasks.jsonl; a bad line is an error naming the file and line number.
 pub fn read_tasks_jsonl(path: &Path) -> anyhow::Result<Vec<TaskRef>> {
-    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
     let mut tasks = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
         let at = || format!("{}:{}", path.display(), i + 1);
-        let row: TaskLine = serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
-        let meta: TaskMetadata = serde_json::from_str(&row.metadata)
-            .map_err(|e| anyhow::anyhow!("{}: key `metadata` is not the expected JSON: {e}", at()))?;
+        let row: TaskLine =
+            serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
+        let meta: TaskMetadata = serde_json::from_str(&row.metadata).map_err(|e| {
+            anyhow::anyhow!("{}: key `metadata` is not the expected JSON: {e}", at())
+        })?;
         let hash = meta.task_hash.unwrap_or_else(|| task_hash(&meta.task_spec));
         tasks.push(TaskRef {
             environment: meta.env_name,
@@ -100,7 +103,11 @@ impl TaskSampler {
         for pos in start..start + count as u64 {
             let epoch = pos / n;
             if cached.as_ref().map(|c| c.0) != Some(epoch) {
-                let order = shuffle_and_cap((0..self.tasks.len()).collect(), self.seed.wrapping_add(epoch), None);
+                let order = shuffle_and_cap(
+                    (0..self.tasks.len()).collect(),
+                    self.seed.wrapping_add(epoch),
+                    None,
+                );
                 cached = Some((epoch, order));
             }
             if let Some((_, order)) = &cached {
@@ -119,7 +126,10 @@ mod tests {
     #[test]
     fn hash_is_sha256_of_python_json_with_sorted_keys() {
         // python3 -c 'import json,hashlib;print(hashlib.sha256(json.dumps({"target":7,"id":"a"},sort_keys=True).encode()).hexdigest()[:16])'
-        assert_eq!(task_hash(&json!({"target": 7, "id": "a"})), "602a9d545de5cd1b");
+        assert_eq!(
+            task_hash(&json!({"target": 7, "id": "a"})),
+            "602a9d545de5cd1b"
+        );
     }
 
     #[test]
@@ -149,8 +159,15 @@ mod tests {
     fn bad_jsonl_line_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("tasks.jsonl");
-        std::fs::write(&p, "{\"prompt\": \"x\", \"label\": \"\", \"metadata\": \"{}\"}\n").unwrap();
+        std::fs::write(
+            &p,
+            "{\"prompt\": \"x\", \"label\": \"\", \"metadata\": \"{}\"}\n",
+        )
+        .unwrap();
         let err = read_tasks_jsonl(&p).unwrap_err().to_string();
-        assert!(err.contains("tasks.jsonl:1") && err.contains("metadata"), "{err}");
+        assert!(
+            err.contains("tasks.jsonl:1") && err.contains("metadata"),
+            "{err}"
+        );
     }
 }

@@ -56,15 +56,27 @@ fn three_local_steps_train_and_sync_then_resume() {
     args.extend(["--num-rollout", "3", "--run-name", "first"]);
     let out = driver(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("step ")).count(), 3, "{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("step ")).count(),
+        3,
+        "{stdout}"
+    );
 
     // Every step wrote its metrics, and the engine acknowledged weight version = step.
     let rows = read_metrics(&runs.join("first/metrics.jsonl")).unwrap();
     assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2, 3]);
     for (step, m) in &rows {
-        assert_eq!(m["weights/version"], *step as f64, "engine version after step {step}");
+        assert_eq!(
+            m["weights/version"], *step as f64,
+            "engine version after step {step}"
+        );
         assert!(m["train/grad_norm"] > 0.0, "step {step} had no gradient");
-        for key in ["rollout/raw_reward", "train/loss", "perf/step_time", "rollout/response_len/mean"] {
+        for key in [
+            "rollout/raw_reward",
+            "train/loss",
+            "perf/step_time",
+            "rollout/response_len/mean",
+        ] {
             assert!(m.contains_key(key), "missing {key}");
         }
     }
@@ -105,17 +117,31 @@ fn three_local_steps_train_and_sync_then_resume() {
         .zip(&init)
         .filter(|((_, a), (_, b))| a.size() == b.size() && !a.allclose(b, 0.0, 0.0, false))
         .count();
-    assert_eq!(changed, trained.len(), "every tensor should have moved after 3 AdamW steps");
+    assert_eq!(
+        changed,
+        trained.len(),
+        "every tensor should have moved after 3 AdamW steps"
+    );
 
     // Resume: --load picks up at step 4 and the engine gets version 4.
     let mut args = common.to_vec();
-    args.extend(["--num-rollout", "4", "--run-name", "resumed", "--load", save.to_str().unwrap()]);
+    args.extend([
+        "--num-rollout",
+        "4",
+        "--run-name",
+        "resumed",
+        "--load",
+        save.to_str().unwrap(),
+    ]);
     driver(&args);
     let rows = read_metrics(&runs.join("resumed/metrics.jsonl")).unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].0, 4);
     assert_eq!(rows[0].1["weights/version"], 4.0);
-    assert_eq!(std::fs::read_to_string(save.join("latest")).unwrap().trim(), "step_000004");
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step_000004"
+    );
 }
 
 #[test]
@@ -125,12 +151,22 @@ fn config_errors_name_file_key_and_value() {
     std::fs::write(&cluster, "[rollout]\nmax_batch_size = 0\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", cluster.to_str().unwrap(), "--config", "train_config.yaml"])
+        .args([
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--config",
+            "train_config.yaml",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cluster.toml") && err.contains("rollout.max_batch_size") && err.contains(" 0"), "{err}");
+    assert!(
+        err.contains("cluster.toml")
+            && err.contains("rollout.max_batch_size")
+            && err.contains(" 0"),
+        "{err}"
+    );
 
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
@@ -139,16 +175,31 @@ fn config_errors_name_file_key_and_value() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--n-samples") && err.contains("at least 1"), "{err}");
+    assert!(
+        err.contains("--n-samples") && err.contains("at least 1"),
+        "{err}"
+    );
 
     let bad = tmp.path().join("train_config.yaml");
-    std::fs::write(&bad, "environments:\n  manta/Digits:\n    url: builtin\n    max_turn: 2\n").unwrap();
+    std::fs::write(
+        &bad,
+        "environments:\n  manta/Digits:\n    url: builtin\n    max_turn: 2\n",
+    )
+    .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--config", bad.to_str().unwrap()])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--config",
+            bad.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("train_config.yaml") && err.contains("max_turn"), "{err}");
+    assert!(
+        err.contains("train_config.yaml") && err.contains("max_turn"),
+        "{err}"
+    );
 }

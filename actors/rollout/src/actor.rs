@@ -7,15 +7,20 @@ use futures::stream::{self, StreamExt};
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-
 use crate::engine::{EngineError, NamedTensors};
-use crate::episode::{run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings};
+use crate::episode::{
+    run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings,
+};
 
 /// Messages a rollout actor handles.
 pub enum RolloutMsg {
     /// Run these episodes (up to `max_concurrent_episodes` at once); reply with every
     /// sample, failed ones included (marked `Failed`), in request order.
-    RunEpisodes(Vec<EpisodeRequest>, GenerationSettings, RpcReplyPort<Vec<Sample>>),
+    RunEpisodes(
+        Vec<EpisodeRequest>,
+        GenerationSettings,
+        RpcReplyPort<Vec<Sample>>,
+    ),
     /// Load new weights into the engine and set its version.
     UpdateWeights(NamedTensors, u64, RpcReplyPort<Result<(), EngineError>>),
     /// The engine's current weight version.
@@ -46,7 +51,11 @@ impl Actor for RolloutActor {
     type State = RolloutState;
     type Arguments = RolloutArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: RolloutArgs) -> Result<RolloutState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: RolloutArgs,
+    ) -> Result<RolloutState, ActorProcessingErr> {
         Ok(RolloutState {
             shared: Arc::new(Shared {
                 context: args.context,
@@ -72,7 +81,12 @@ impl Actor for RolloutActor {
                 });
             }
             RolloutMsg::UpdateWeights(weights, version, reply) => {
-                let result = state.shared.context.engine.update_weights(weights, version).await;
+                let result = state
+                    .shared
+                    .context
+                    .engine
+                    .update_weights(weights, version)
+                    .await;
                 let _ = reply.send(result);
             }
             RolloutMsg::WeightVersion(reply) => {
@@ -83,7 +97,11 @@ impl Actor for RolloutActor {
     }
 }
 
-async fn run_all(shared: &Shared, requests: Vec<EpisodeRequest>, settings: GenerationSettings) -> Vec<Sample> {
+async fn run_all(
+    shared: &Shared,
+    requests: Vec<EpisodeRequest>,
+    settings: GenerationSettings,
+) -> Vec<Sample> {
     let count = requests.len();
     let started = std::time::Instant::now();
     let samples: Vec<Sample> = stream::iter(requests.into_iter().map(|request| async move {
@@ -95,7 +113,11 @@ async fn run_all(shared: &Shared, requests: Vec<EpisodeRequest>, settings: Gener
     .buffered(shared.max_concurrent)
     .collect()
     .await;
-    tracing::debug!(episodes = count, seconds = started.elapsed().as_secs_f64(), "rollout batch done");
+    tracing::debug!(
+        episodes = count,
+        seconds = started.elapsed().as_secs_f64(),
+        "rollout batch done"
+    );
     samples
 }
 

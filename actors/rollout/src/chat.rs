@@ -23,7 +23,10 @@ pub struct ChatFormat {
 
 impl ChatFormat {
     pub fn new(tokenizer: Arc<Tokenizer>, thinking: bool) -> Self {
-        Self { tokenizer, thinking }
+        Self {
+            tokenizer,
+            thinking,
+        }
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -36,14 +39,26 @@ impl ChatFormat {
         extra
     }
 
-    fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Option<Result<String, TokenizerError>> {
+    fn render(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> Option<Result<String, TokenizerError>> {
         let template = self.tokenizer.chat_template()?;
-        Some(template.render(messages, None, add_generation_prompt, &self.template_extra()))
+        Some(template.render(
+            messages,
+            None,
+            add_generation_prompt,
+            &self.template_extra(),
+        ))
     }
 
     /// Text of the first prompt: system + user, with the assistant turn opened.
     pub fn prompt_text(&self, system: &str, user: &str) -> Result<String, TokenizerError> {
-        let messages = [json!({"role": "system", "content": system}), json!({"role": "user", "content": user})];
+        let messages = [
+            json!({"role": "system", "content": system}),
+            json!({"role": "user", "content": user}),
+        ];
         match self.render(&messages, true) {
             Some(rendered) => rendered,
             None => Ok(format!(
@@ -60,7 +75,11 @@ impl ChatFormat {
     /// Text that follows a generated assistant turn (`generated`, decoded with special
     /// tokens): the rest of the turn's closing, then `message` (role `user` or `tool`),
     /// then the next assistant turn's opening.
-    pub fn continuation_text(&self, generated: &str, message: &Value) -> Result<String, TokenizerError> {
+    pub fn continuation_text(
+        &self,
+        generated: &str,
+        message: &Value,
+    ) -> Result<String, TokenizerError> {
         let anchor = [
             json!({"role": "system", "content": "s"}),
             json!({"role": "user", "content": "u"}),
@@ -74,18 +93,31 @@ impl ChatFormat {
             (Some(before), Some(after)) => {
                 let (before, after) = (before?, after?);
                 match (before.rfind(SENTINEL), after.strip_prefix(before.as_str())) {
-                    (Some(pos), Some(delta)) => Some((before[pos + SENTINEL.len()..].to_string(), delta.to_string())),
+                    (Some(pos), Some(delta)) => Some((
+                        before[pos + SENTINEL.len()..].to_string(),
+                        delta.to_string(),
+                    )),
                     _ => None,
                 }
             }
             _ => None,
         };
-        let (closing, delta) = from_template.unwrap_or_else(|| ("<|im_end|>\n".to_string(), self.fallback_message(message)));
-        Ok(format!("{}{}", remaining_closing(generated, &closing), delta))
+        let (closing, delta) = from_template
+            .unwrap_or_else(|| ("<|im_end|>\n".to_string(), self.fallback_message(message)));
+        Ok(format!(
+            "{}{}",
+            remaining_closing(generated, &closing),
+            delta
+        ))
     }
 
-    pub fn continuation_ids(&self, generated: &str, message: &Value) -> Result<Vec<u32>, TokenizerError> {
-        self.tokenizer.encode(&self.continuation_text(generated, message)?)
+    pub fn continuation_ids(
+        &self,
+        generated: &str,
+        message: &Value,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        self.tokenizer
+            .encode(&self.continuation_text(generated, message)?)
     }
 
     fn fallback_generation_prompt(&self) -> &'static str {
@@ -97,9 +129,14 @@ impl ChatFormat {
     }
 
     fn fallback_message(&self, message: &Value) -> String {
-        let content = message.get("content").and_then(Value::as_str).unwrap_or_default();
+        let content = message
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         let body = match message.get("role").and_then(Value::as_str) {
-            Some("tool") => format!("<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n"),
+            Some("tool") => format!(
+                "<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n"
+            ),
             _ => format!("<|im_start|>user\n{content}<|im_end|>\n"),
         };
         format!("{body}{}", self.fallback_generation_prompt())
@@ -124,7 +161,10 @@ mod tests {
     #[test]
     fn closing_skips_what_was_generated() {
         assert_eq!(remaining_closing("hi<|im_end|>", "<|im_end|>\n"), "\n");
-        assert_eq!(remaining_closing("</tool_call>", "<|im_end|>\n"), "<|im_end|>\n");
+        assert_eq!(
+            remaining_closing("</tool_call>", "<|im_end|>\n"),
+            "<|im_end|>\n"
+        );
         assert_eq!(remaining_closing("x", ""), "");
     }
 }

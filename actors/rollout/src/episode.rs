@@ -16,7 +16,8 @@ use crate::ors::{Block, OrsClient, OrsSession, ToolResult, ToolsListing};
 use crate::tool_call::{parse_tool_call, ParsedTurn};
 
 /// The user message sent when a turn has no tool call and the environment has no terminal tool.
-pub const NO_TOOL_CALL_MESSAGE: &str = "No tool call detected. Please use the provided tools to complete the task.";
+pub const NO_TOOL_CALL_MESSAGE: &str =
+    "No tool call detected. Please use the provided tools to complete the task.";
 
 /// A task to run, as drawn from tasks.jsonl or listed from the server.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,9 +155,22 @@ pub async fn run_episode(
             logprobs: Vec::new(),
         };
         let mut version = ctx.engine.weight_version();
-        let outcome = match env.client.open_session(&request.task.server_env, &request.task.task_spec).await {
+        let outcome = match env
+            .client
+            .open_session(&request.task.server_env, &request.task.task_spec)
+            .await
+        {
             Ok(session) => {
-                let outcome = episode_loop(ctx, env, &session, settings, &mut traj, &mut meta, &mut version).await;
+                let outcome = episode_loop(
+                    ctx,
+                    env,
+                    &session,
+                    settings,
+                    &mut traj,
+                    &mut meta,
+                    &mut version,
+                )
+                .await;
                 if let Err(e) = session.close().await {
                     warn!(error = %e, "closing ORS session failed");
                 }
@@ -174,12 +188,18 @@ pub async fn run_episode(
         let reward = if outcome.status == SampleStatus::Failed {
             0.0
         } else {
-            env.config.episode_reward(&meta.step_rewards, outcome.reached_terminal)
+            env.config
+                .episode_reward(&meta.step_rewards, outcome.reached_terminal)
         };
         if let Some(err) = &outcome.error {
             warn!(error = %err, "episode failed");
         }
-        debug!(reward, turns = meta.num_turns, stop = outcome.stop_reason, "episode done");
+        debug!(
+            reward,
+            turns = meta.num_turns,
+            stop = outcome.stop_reason,
+            "episode done"
+        );
         let response_length = traj.response.len();
         let mut tokens = traj.prompt;
         tokens.extend(traj.response);
@@ -305,7 +325,9 @@ async fn episode_loop(
                         meta.num_failed_tool_calls += 1;
                         format!("Error: {error}")
                     }
-                    Err(e) => return failed("environment_error", format!("tool {}: {e}", call.name)),
+                    Err(e) => {
+                        return failed("environment_error", format!("tool {}: {e}", call.name))
+                    }
                 }
             }
             ParsedTurn::Malformed(reason) => {
@@ -317,7 +339,9 @@ async fn episode_loop(
                 if let Some(terminal_tool) = &tools.terminal_tool {
                     let answer = match tokenizer.decode(&out.output_ids, true) {
                         Ok(t) => t.trim().to_string(),
-                        Err(e) => return failed("tokenizer_error", format!("decoding output: {e}")),
+                        Err(e) => {
+                            return failed("tokenizer_error", format!("decoding output: {e}"))
+                        }
                     };
                     let mut input = Map::new();
                     if let Some(arg) = &terminal_tool.arg {
@@ -328,7 +352,9 @@ async fn episode_loop(
                         .instrument(info_span!("tool_call", turn, tool = %terminal_tool.name))
                         .await;
                     match result {
-                        Ok(ToolResult::Ok { reward, finished, .. }) => {
+                        Ok(ToolResult::Ok {
+                            reward, finished, ..
+                        }) => {
                             if let Some(r) = reward {
                                 meta.step_rewards.push(r);
                             }
@@ -342,7 +368,10 @@ async fn episode_loop(
                             format!("Error: {error}")
                         }
                         Err(e) => {
-                            return failed("environment_error", format!("terminal tool {}: {e}", terminal_tool.name))
+                            return failed(
+                                "environment_error",
+                                format!("terminal tool {}: {e}", terminal_tool.name),
+                            )
                         }
                     }
                 } else {
@@ -361,7 +390,11 @@ async fn episode_loop(
         if turn + 1 == env.config.max_turns {
             break;
         }
-        let role = if reply_text == NO_TOOL_CALL_MESSAGE { "user" } else { "tool" };
+        let role = if reply_text == NO_TOOL_CALL_MESSAGE {
+            "user"
+        } else {
+            "tool"
+        };
         let message = json!({"role": role, "content": reply_text});
         match ctx.chat.continuation_ids(&generated, &message) {
             Ok(ids) => traj.push_context(&ids),
@@ -396,7 +429,9 @@ mod tests {
             tools: vec![ToolSpec {
                 name: "add".into(),
                 description: "Add to the counter.".into(),
-                input_schema: Some(json!({"type": "object", "properties": {"amount": {"type": "integer"}}})),
+                input_schema: Some(
+                    json!({"type": "object", "properties": {"amount": {"type": "integer"}}}),
+                ),
             }],
             terminal_tool: None,
         };

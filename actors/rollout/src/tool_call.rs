@@ -45,12 +45,16 @@ pub fn parse_tool_call(text: &str) -> ParsedTurn {
         Err(e) => return ParsedTurn::Malformed(format!("the tool call is not valid JSON ({e})")),
     };
     let Value::Object(mut obj) = value else {
-        return ParsedTurn::Malformed("the tool call must be a JSON object with \"name\" and \"arguments\"".into());
+        return ParsedTurn::Malformed(
+            "the tool call must be a JSON object with \"name\" and \"arguments\"".into(),
+        );
     };
     let name = match obj.remove("name") {
         Some(Value::String(s)) if !s.trim().is_empty() => s,
         Some(other) => {
-            return ParsedTurn::Malformed(format!("\"name\" must be a non-empty string, got {other}"));
+            return ParsedTurn::Malformed(format!(
+                "\"name\" must be a non-empty string, got {other}"
+            ));
         }
         None => return ParsedTurn::Malformed("the tool call has no \"name\"".into()),
     };
@@ -60,10 +64,16 @@ pub fn parse_tool_call(text: &str) -> ParsedTurn {
         // Some models emit the arguments as a JSON string; accept it when it holds an object.
         Some(Value::String(s)) => match serde_json::from_str::<Value>(&s) {
             Ok(Value::Object(m)) => m,
-            _ => return ParsedTurn::Malformed(format!("\"arguments\" must be a JSON object, got the string {s:?}")),
+            _ => {
+                return ParsedTurn::Malformed(format!(
+                    "\"arguments\" must be a JSON object, got the string {s:?}"
+                ))
+            }
         },
         Some(other) => {
-            return ParsedTurn::Malformed(format!("\"arguments\" must be a JSON object, got {other}"));
+            return ParsedTurn::Malformed(format!(
+                "\"arguments\" must be a JSON object, got {other}"
+            ));
         }
     };
     ParsedTurn::Call(ToolCall { name, arguments })
@@ -86,13 +96,18 @@ mod tests {
         let t = "thinking...\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"amount\": 3}}\n</tool_call>";
         assert_eq!(parse_tool_call(t), call("add", json!({"amount": 3})));
         // Missing arguments default to {}; an unclosed call still parses to the end.
-        assert_eq!(parse_tool_call("<tool_call>{\"name\": \"submit\"}"), call("submit", json!({})));
+        assert_eq!(
+            parse_tool_call("<tool_call>{\"name\": \"submit\"}"),
+            call("submit", json!({}))
+        );
         // Only the first call counts.
         let two = "<tool_call>{\"name\":\"a\"}</tool_call><tool_call>{\"name\":\"b\"}</tool_call>";
         assert_eq!(parse_tool_call(two), call("a", json!({})));
         // Arguments given as a JSON string holding an object.
         assert_eq!(
-            parse_tool_call("<tool_call>{\"name\":\"a\",\"arguments\":\"{\\\"x\\\":1}\"}</tool_call>"),
+            parse_tool_call(
+                "<tool_call>{\"name\":\"a\",\"arguments\":\"{\\\"x\\\":1}\"}</tool_call>"
+            ),
             call("a", json!({"x": 1}))
         );
     }
@@ -105,12 +120,24 @@ mod tests {
     #[test]
     fn malformed_calls_say_why() {
         let cases = [
-            ("<tool_call>{\"name\": \"add\", \"arguments\": {</tool_call>", "not valid JSON"),
+            (
+                "<tool_call>{\"name\": \"add\", \"arguments\": {</tool_call>",
+                "not valid JSON",
+            ),
             ("<tool_call>[1,2]</tool_call>", "must be a JSON object"),
             ("<tool_call>{\"arguments\": {}}</tool_call>", "no \"name\""),
-            ("<tool_call>{\"name\": 5}</tool_call>", "\"name\" must be a non-empty string"),
-            ("<tool_call>{\"name\": \"a\", \"arguments\": [1]}</tool_call>", "\"arguments\" must be a JSON object"),
-            ("<tool_call>{\"name\": \"a\", \"arguments\": \"oops\"}</tool_call>", "got the string"),
+            (
+                "<tool_call>{\"name\": 5}</tool_call>",
+                "\"name\" must be a non-empty string",
+            ),
+            (
+                "<tool_call>{\"name\": \"a\", \"arguments\": [1]}</tool_call>",
+                "\"arguments\" must be a JSON object",
+            ),
+            (
+                "<tool_call>{\"name\": \"a\", \"arguments\": \"oops\"}</tool_call>",
+                "got the string",
+            ),
             ("<tool_call>  </tool_call>", "empty"),
         ];
         for (text, want) in cases {

@@ -10,10 +10,14 @@ use async_trait::async_trait;
 use manta_config::TrainConfig;
 use manta_core::SampleStatus;
 use manta_rollout::chat::ChatFormat;
-use manta_rollout::engine::{Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors};
+use manta_rollout::engine::{
+    Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors,
+};
 use manta_rollout::episode::{run_episode, NO_TOOL_CALL_MESSAGE};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
-use manta_rollout::{EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings, TaskRef};
+use manta_rollout::{
+    EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings, TaskRef,
+};
 use manta_tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -31,11 +35,17 @@ impl Engine for ScriptedPolicy {
         let text = self.turns.lock().unwrap().remove(0);
         let mut ids = self.tokenizer.encode(text).unwrap();
         ids.truncate(request.params.max_new_tokens);
-        let stopped = ids.last().is_some_and(|t| request.params.stop_token_ids.contains(t));
+        let stopped = ids
+            .last()
+            .is_some_and(|t| request.params.stop_token_ids.contains(t));
         Ok(GenerateOutput {
             logprobs: (0..ids.len()).map(|i| -0.5 - i as f32).collect(),
             output_ids: ids,
-            finish: if stopped { FinishReason::Stop } else { FinishReason::Length },
+            finish: if stopped {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            },
             weight_version: 7,
         })
     }
@@ -55,10 +65,18 @@ async fn setup(
     config_yaml: &str,
     env: &str,
     turns: Vec<&'static str>,
-) -> (manta_envs::ServerHandle, Arc<ScriptedPolicy>, EpisodeContext, EnvironmentHandle) {
-    let server = manta_envs::serve("127.0.0.1:0".parse().unwrap(), manta_envs::builtin_environments())
-        .await
-        .unwrap();
+) -> (
+    manta_envs::ServerHandle,
+    Arc<ScriptedPolicy>,
+    EpisodeContext,
+    EnvironmentHandle,
+) {
+    let server = manta_envs::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        manta_envs::builtin_environments(),
+    )
+    .await
+    .unwrap();
     let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir()).unwrap());
     let policy = Arc::new(ScriptedPolicy {
         tokenizer: tokenizer.clone(),
@@ -66,7 +84,10 @@ async fn setup(
         prompts: Mutex::new(Vec::new()),
     });
     let train = TrainConfig::from_yaml_str(config_yaml, Path::new("test.yaml")).unwrap();
-    let stop = ["<|im_end|>", "</tool_call>"].iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
+    let stop = ["<|im_end|>", "</tool_call>"]
+        .iter()
+        .filter_map(|t| tokenizer.token_to_id(t))
+        .collect();
     let ctx = EpisodeContext {
         engine: policy.clone(),
         chat: ChatFormat::new(tokenizer, train.thinking),
@@ -79,7 +100,16 @@ async fn setup(
     })
     .unwrap();
     let (name, config) = train.environments.into_iter().next().unwrap();
-    (server, policy, ctx, EnvironmentHandle { name, client, config })
+    (
+        server,
+        policy,
+        ctx,
+        EnvironmentHandle {
+            name,
+            client,
+            config,
+        },
+    )
 }
 
 fn request(env: &str, server_env: &str, spec: serde_json::Value) -> EpisodeRequest {
@@ -114,8 +144,19 @@ async fn multi_turn_counter_episode_keeps_per_step_rewards_and_masks() {
         "<tool_call>\n{\"name\": \"submit\", \"arguments\": {}}\n</tool_call>",
     ];
     let (server, policy, ctx, env) = setup(yaml, "counter", turns).await;
-    let sample = run_episode(&ctx, &env, &request("manta/Counter", "counter", json!({"start": 1, "target": 3})), SETTINGS).await;
-    assert_eq!(sample.status, SampleStatus::Completed, "{:?}", sample.metadata);
+    let sample = run_episode(
+        &ctx,
+        &env,
+        &request("manta/Counter", "counter", json!({"start": 1, "target": 3})),
+        SETTINGS,
+    )
+    .await;
+    assert_eq!(
+        sample.status,
+        SampleStatus::Completed,
+        "{:?}",
+        sample.metadata
+    );
     let m = &sample.metadata;
     assert_eq!(m.stop_reason, "terminal");
     assert_eq!(m.num_turns, 5);
@@ -124,14 +165,27 @@ async fn multi_turn_counter_episode_keeps_per_step_rewards_and_masks() {
     assert_eq!(m.num_failed_tool_calls, 2);
     assert_eq!(m.step_rewards, vec![0.1, 1.0]);
     assert!((sample.reward - 1.1).abs() < 1e-9);
-    assert_eq!((sample.id, sample.group_index, sample.index, sample.weight_version), (11, 2, 1, 7));
+    assert_eq!(
+        (
+            sample.id,
+            sample.group_index,
+            sample.index,
+            sample.weight_version
+        ),
+        (11, 2, 1, 7)
+    );
     sample.validate().unwrap();
 
     // Loss mask is 1 exactly on the engine's tokens, and their log-probs are kept.
     let tok = ctx.chat.tokenizer();
     let prompt_len = sample.prompt_length();
     let response = &sample.tokens[prompt_len..];
-    let generated: Vec<u32> = response.iter().zip(&sample.loss_mask).filter(|(_, &m)| m == 1).map(|(&t, _)| t).collect();
+    let generated: Vec<u32> = response
+        .iter()
+        .zip(&sample.loss_mask)
+        .filter(|(_, &m)| m == 1)
+        .map(|(&t, _)| t)
+        .collect();
     let expected: Vec<u32> = [
         "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"amount\": 2}}\n</tool_call>",
         "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"amount\": }\n</tool_call>",
@@ -151,10 +205,19 @@ async fn multi_turn_counter_episode_keeps_per_step_rewards_and_masks() {
 
     // The conversation the trainer sees, decoded: tool results come back as user turns.
     let text = tok.decode(response, false).unwrap();
-    assert!(text.contains("<|im_start|>user\n<tool_response>\nvalue is now 3"), "{text}");
-    assert!(text.contains("Error: malformed tool call: the tool call is not valid JSON"), "{text}");
+    assert!(
+        text.contains("<|im_start|>user\n<tool_response>\nvalue is now 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Error: malformed tool call: the tool call is not valid JSON"),
+        "{text}"
+    );
     assert!(text.contains(NO_TOOL_CALL_MESSAGE), "{text}");
-    assert!(text.contains("Error: Tool input validation error"), "{text}");
+    assert!(
+        text.contains("Error: Tool input validation error"),
+        "{text}"
+    );
 
     // Each generate call saw exactly the tokens accumulated so far (no re-tokenization).
     let prompts = policy.prompts.lock().unwrap().clone();
@@ -169,7 +232,13 @@ async fn multi_turn_counter_episode_keeps_per_step_rewards_and_masks() {
 async fn single_turn_plain_answer_goes_to_the_terminal_tool() {
     let yaml = "environments:\n  manta/Digits:\n    max_turns: 1\nsystem_prompt_template: 'Answer.{tools}'\n";
     let (server, _policy, ctx, env) = setup(yaml, "digits", vec!["77<|im_end|>"]).await;
-    let sample = run_episode(&ctx, &env, &request("manta/Digits", "digits", json!({"target": 7})), SETTINGS).await;
+    let sample = run_episode(
+        &ctx,
+        &env,
+        &request("manta/Digits", "digits", json!({"target": 7})),
+        SETTINGS,
+    )
+    .await;
     assert_eq!(sample.status, SampleStatus::Completed);
     assert_eq!(sample.metadata.step_rewards, vec![1.0]);
     assert_eq!(sample.reward, 1.0);
@@ -185,7 +254,13 @@ async fn max_turns_truncates_and_adds_the_nonterminal_reward() {
         "<tool_call>{\"name\": \"add\", \"arguments\": {\"amount\": 1}}</tool_call>",
     ];
     let (server, _policy, ctx, env) = setup(yaml, "counter", turns).await;
-    let sample = run_episode(&ctx, &env, &request("manta/Counter", "counter", json!({"start": 0, "target": 5})), SETTINGS).await;
+    let sample = run_episode(
+        &ctx,
+        &env,
+        &request("manta/Counter", "counter", json!({"start": 0, "target": 5})),
+        SETTINGS,
+    )
+    .await;
     assert_eq!(sample.status, SampleStatus::Truncated);
     assert_eq!(sample.metadata.stop_reason, "max_turns");
     assert_eq!(sample.metadata.step_rewards, vec![0.1, 0.1]);
@@ -211,9 +286,20 @@ async fn unreachable_environment_gives_a_failed_sample_not_a_panic() {
         .unwrap(),
         config: train.environments["manta/Digits"].clone(),
     };
-    let sample = run_episode(&ctx, &env, &request("manta/Digits", "digits", json!({"target": 1})), SETTINGS).await;
+    let sample = run_episode(
+        &ctx,
+        &env,
+        &request("manta/Digits", "digits", json!({"target": 1})),
+        SETTINGS,
+    )
+    .await;
     assert_eq!(sample.status, SampleStatus::Failed);
     assert_eq!(sample.metadata.stop_reason, "environment_error");
-    assert!(sample.metadata.error.as_deref().unwrap_or("").contains("opening session"));
+    assert!(sample
+        .metadata
+        .error
+        .as_deref()
+        .unwrap_or("")
+        .contains("opening session"));
     server.shutdown().await;
 }

@@ -10,7 +10,10 @@ use crate::trainer::{NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOpt
 /// Messages a trainer rank handles, one at a time.
 pub enum TrainerMsg {
     /// Run one GRPO step; replies with `train/*` metrics.
-    TrainStep(TrainBatch, RpcReplyPort<Result<BTreeMap<String, f64>, TrainerError>>),
+    TrainStep(
+        TrainBatch,
+        RpcReplyPort<Result<BTreeMap<String, f64>, TrainerError>>,
+    ),
     /// Hand out the current weights for weight sync.
     ExportWeights(RpcReplyPort<NamedTensors>),
     /// Save a checkpoint for `step` into the directory.
@@ -28,7 +31,11 @@ impl Actor for TrainerActor {
     type State = Trainer;
     type Arguments = TrainerArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: TrainerArgs) -> Result<Trainer, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: TrainerArgs,
+    ) -> Result<Trainer, ActorProcessingErr> {
         // Loading weights is blocking work; keep it off the async worker's hot path.
         Ok(tokio::task::block_in_place(|| Trainer::new(args))?)
     }

@@ -13,7 +13,12 @@ pub struct ClipRange {
 /// the clipped branch was taken (for `train/pg_clipfrac`).
 ///
 /// All inputs are 1-D over the same tokens.
-pub fn clipped_policy_loss(logp: &Tensor, old_logp: &Tensor, advantages: &Tensor, clip: ClipRange) -> (Tensor, Tensor) {
+pub fn clipped_policy_loss(
+    logp: &Tensor,
+    old_logp: &Tensor,
+    advantages: &Tensor,
+    clip: ClipRange,
+) -> (Tensor, Tensor) {
     let ratio = (logp - old_logp).exp();
     let unclipped = -&ratio * advantages;
     let clipped = -ratio.clamp(1.0 - clip.eps_clip, 1.0 + clip.eps_clip_high) * advantages;

@@ -55,7 +55,11 @@ impl AdamW {
             for p in self.params.values() {
                 let g = p.grad();
                 if g.defined() {
-                    total += g.to_kind(Kind::Double).pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]);
+                    total += g
+                        .to_kind(Kind::Double)
+                        .pow_tensor_scalar(2)
+                        .sum(Kind::Double)
+                        .double_value(&[]);
                 }
             }
             total.sqrt()
@@ -92,11 +96,15 @@ impl AdamW {
                     continue;
                 }
                 let g = g.to_kind(Kind::Float);
-                let (Some(m), Some(v)) = (self.exp_avg.get_mut(name), self.exp_avg_sq.get_mut(name)) else {
+                let (Some(m), Some(v)) =
+                    (self.exp_avg.get_mut(name), self.exp_avg_sq.get_mut(name))
+                else {
                     continue;
                 };
                 let _ = m.g_mul_scalar_(c.beta1).g_add_(&(&g * (1.0 - c.beta1)));
-                let _ = v.g_mul_scalar_(c.beta2).g_add_(&(&g * &g * (1.0 - c.beta2)));
+                let _ = v
+                    .g_mul_scalar_(c.beta2)
+                    .g_add_(&(&g * &g * (1.0 - c.beta2)));
                 let denom = (&*v / bias2).sqrt() + c.eps;
                 let update = (&*m / bias1) / denom * c.lr;
                 if c.weight_decay != 0.0 {
@@ -134,7 +142,8 @@ impl AdamW {
     /// naming it, and nothing is changed in that case.
     pub fn load(&mut self, dir: &Path, step: u64) -> Result<(), String> {
         let path = dir.join("optimizer.safetensors");
-        let tensors = Tensor::read_safetensors(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let tensors =
+            Tensor::read_safetensors(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let map: BTreeMap<String, Tensor> = tensors.into_iter().collect();
         let mut staged = Vec::new();
         for (prefix, store) in [("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)] {
@@ -156,7 +165,11 @@ impl AdamW {
         }
         tch::no_grad(|| {
             for (prefix, name, saved) in staged {
-                let store = if prefix == "exp_avg" { &mut self.exp_avg } else { &mut self.exp_avg_sq };
+                let store = if prefix == "exp_avg" {
+                    &mut self.exp_avg
+                } else {
+                    &mut self.exp_avg_sq
+                };
                 if let Some(t) = store.get_mut(&name) {
                     t.copy_(&saved);
                 }
@@ -189,7 +202,10 @@ mod tests {
         loss.backward();
         opt.step();
         let v = Vec::<f32>::try_from(p.detach()).unwrap();
-        assert!((v[0] - 0.9).abs() < 1e-6 && (v[1] + 0.9).abs() < 1e-6, "{v:?}");
+        assert!(
+            (v[0] - 0.9).abs() < 1e-6 && (v[1] + 0.9).abs() < 1e-6,
+            "{v:?}"
+        );
     }
 
     #[test]
@@ -205,7 +221,9 @@ mod tests {
                 weight_decay: 0.0,
             },
         );
-        (&p * Tensor::from_slice(&[3.0f32, 4.0])).sum(Kind::Float).backward();
+        (&p * Tensor::from_slice(&[3.0f32, 4.0]))
+            .sum(Kind::Float)
+            .backward();
         let before = opt.clip_grad_norm(1.0);
         assert!((before - 5.0).abs() < 1e-6);
         assert!((opt.grad_norm() - 1.0).abs() < 1e-4);

@@ -122,7 +122,10 @@ impl Trainer {
 
     /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
     /// gradients, clip the global norm, AdamW. Returns `train/*` metrics.
-    pub fn train_step(&mut self, batch: &TrainBatch) -> Result<BTreeMap<String, f64>, TrainerError> {
+    pub fn train_step(
+        &mut self,
+        batch: &TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerError> {
         if batch.samples.len() != batch.advantages.len() {
             return Err(TrainerError::Batch(format!(
                 "{} samples but {} advantages",
@@ -133,7 +136,10 @@ impl Trainer {
         for s in &batch.samples {
             s.validate().map_err(TrainerError::Batch)?;
             if s.prompt_length() == 0 {
-                return Err(TrainerError::Batch(format!("sample {} has no prompt tokens", s.id)));
+                return Err(TrainerError::Batch(format!(
+                    "sample {} has no prompt tokens",
+                    s.id
+                )));
             }
             let vocab = self.model.config().vocab_size as u32;
             if let Some(bad) = s.tokens.iter().find(|&&t| t >= vocab) {
@@ -147,7 +153,12 @@ impl Trainer {
         let mut acc = Accumulator::default();
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
         for range in micro_batches(&lengths, self.opts.max_tokens_per_gpu) {
-            self.micro_step(&batch.samples[range.clone()], &batch.advantages[range], batch.global_samples, &mut acc)?;
+            self.micro_step(
+                &batch.samples[range.clone()],
+                &batch.advantages[range],
+                batch.global_samples,
+                &mut acc,
+            )?;
         }
         let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad);
         self.optimizer.step();
@@ -212,7 +223,9 @@ impl Trainer {
         }
         let input = Tensor::from_slice(&ids).view([rows, width]).to(device);
         let key_mask = Tensor::from_slice(&key_mask).view([rows, width]).to(device);
-        let positions = Tensor::arange(width, (Kind::Int64, device)).unsqueeze(0).expand([rows, width], false);
+        let positions = Tensor::arange(width, (Kind::Int64, device))
+            .unsqueeze(0)
+            .expand([rows, width], false);
         let hidden = self.model.forward_hidden(
             &input,
             &positions,
@@ -248,8 +261,13 @@ impl Trainer {
             acc.loss += loss.double_value(&[]);
             acc.clipfrac += (&clipfrac * &w).sum(Kind::Double).double_value(&[]);
             acc.kl += ((&old - &logp) * &w).sum(Kind::Double).double_value(&[]);
-            acc.entropy += (entropy.to_kind(Kind::Float) * &w).sum(Kind::Double).double_value(&[]);
-            acc.abs_diff_sum += (&logp - &rollout_lp).abs().sum(Kind::Double).double_value(&[]);
+            acc.entropy += (entropy.to_kind(Kind::Float) * &w)
+                .sum(Kind::Double)
+                .double_value(&[]);
+            acc.abs_diff_sum += (&logp - &rollout_lp)
+                .abs()
+                .sum(Kind::Double)
+                .double_value(&[]);
         });
         acc.tokens += targets.size()[0] as usize;
         Ok(())
@@ -291,7 +309,8 @@ impl Trainer {
             message,
         };
         let state_path = dir.join("trainer_state.json");
-        let text = std::fs::read_to_string(&state_path).map_err(|e| err(format!("trainer_state.json: {e}")))?;
+        let text = std::fs::read_to_string(&state_path)
+            .map_err(|e| err(format!("trainer_state.json: {e}")))?;
         let state: TrainerState =
             serde_json::from_str(&text).map_err(|e| err(format!("trainer_state.json: {e}")))?;
         manta_model::load_weights(&mut self.vs, dir)?;

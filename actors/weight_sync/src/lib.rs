@@ -58,7 +58,11 @@ impl Actor for WeightSyncActor {
     type State = WeightSyncState;
     type Arguments = WeightSyncArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: WeightSyncArgs) -> Result<WeightSyncState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: WeightSyncArgs,
+    ) -> Result<WeightSyncState, ActorProcessingErr> {
         Ok(WeightSyncState { args, version: 0 })
     }
 
@@ -92,14 +96,18 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
         });
     }
     let started = Instant::now();
-    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights).map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
+    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights)
+        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
     let bytes: u64 = weights
         .iter()
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum();
     let tensors = weights.len();
     for (i, engine) in state.args.engines.iter().enumerate() {
-        let copy = weights.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let copy = weights
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
         let engine_err = |message: String| WeightSyncError::Engine {
             engine: i,
             version,
@@ -116,6 +124,12 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
         engines: state.args.engines.len(),
         seconds: started.elapsed().as_secs_f64(),
     };
-    debug!(version, tensors, bytes, seconds = report.seconds, "weights synced");
+    debug!(
+        version,
+        tensors,
+        bytes,
+        seconds = report.seconds,
+        "weights synced"
+    );
     Ok(report)
 }

@@ -19,10 +19,16 @@ const QWEN3_0_6B: &str = r#"{
 
 fn main() -> anyhow::Result<()> {
     let arg = |i: usize, default: i64| -> i64 {
-        std::env::args().nth(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+        std::env::args()
+            .nth(i)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
     };
     let (batch, seq, iters) = (arg(1, 8), arg(2, 2048), arg(3, 10));
-    anyhow::ensure!(tch::Cuda::is_available(), "CUDA is not available to libtorch");
+    anyhow::ensure!(
+        tch::Cuda::is_available(),
+        "CUDA is not available to libtorch"
+    );
     let device = Device::Cuda(0);
     let cfg = ModelConfig::from_json_str(QWEN3_0_6B, "qwen3-0.6b shape")?;
     tch::manual_seed(0);
@@ -31,7 +37,9 @@ fn main() -> anyhow::Result<()> {
     vs.bfloat16();
     let params = vs.trainable_variables();
     let ids = Tensor::randint(cfg.vocab_size, [batch, seq], (Kind::Int64, device));
-    let positions = Tensor::arange(seq, (Kind::Int64, device)).unsqueeze(0).expand([batch, seq], false);
+    let positions = Tensor::arange(seq, (Kind::Int64, device))
+        .unsqueeze(0)
+        .expand([batch, seq], false);
     let hidden_size = cfg.hidden_size;
     let step = || {
         for p in &params {
@@ -40,7 +48,12 @@ fn main() -> anyhow::Result<()> {
                 let _ = g.zero_();
             }
         }
-        let hidden = model.forward_hidden(&ids, &positions, &Attention::Causal { key_mask: None }, None);
+        let hidden = model.forward_hidden(
+            &ids,
+            &positions,
+            &Attention::Causal { key_mask: None },
+            None,
+        );
         let h = hidden.narrow(1, 0, seq - 1).reshape([-1, hidden_size]);
         let targets = ids.narrow(1, 1, seq - 1).reshape([-1]);
         let (logp, _entropy) = manta_model::token_logprobs(&model, &h, &targets, 1.0, 4096);

@@ -130,7 +130,10 @@ impl ClusterConfig {
         }
         for (key, value) in [
             ("rollout.engines", raw.rollout.engines),
-            ("rollout.max_concurrent_episodes", raw.rollout.max_concurrent_episodes),
+            (
+                "rollout.max_concurrent_episodes",
+                raw.rollout.max_concurrent_episodes,
+            ),
             ("rollout.max_batch_size", raw.rollout.max_batch_size),
         ] {
             if value == 0 {
@@ -187,11 +190,18 @@ mod tests {
 
     #[test]
     fn bad_value_names_key_and_value() {
-        let err = parse("[rollout]\nmax_batch_size = 0\n").unwrap_err().to_string();
-        assert!(err.contains("rollout.max_batch_size") && err.contains(" 0"), "{err}");
+        let err = parse("[rollout]\nmax_batch_size = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rollout.max_batch_size") && err.contains(" 0"),
+            "{err}"
+        );
         let err = parse("[train]\nlr = -1.0\n").unwrap_err().to_string();
         assert!(err.contains("train.lr") && err.contains("-1"), "{err}");
-        let err = parse("[rollout]\nengine = \"vllm\"\n").unwrap_err().to_string();
+        let err = parse("[rollout]\nengine = \"vllm\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("vllm"), "{err}");
     }
 }

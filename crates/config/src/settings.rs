@@ -130,7 +130,12 @@ impl TrainOverrides {
         for (name, value) in positive_f {
             if let Some(v) = value {
                 if !(v.is_finite() && v > 0.0) {
-                    return Err(ConfigError::invalid(origin, key(name), v, "must be a finite number > 0"));
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        v,
+                        "must be a finite number > 0",
+                    ));
                 }
             }
         }
@@ -144,7 +149,12 @@ impl TrainOverrides {
         for (name, value) in unit {
             if let Some(v) = value {
                 if !(0.0..1.0).contains(&v) {
-                    return Err(ConfigError::invalid(origin, key(name), v, "must be in [0, 1)"));
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        v,
+                        "must be in [0, 1)",
+                    ));
                 }
             }
         }
@@ -158,7 +168,12 @@ impl TrainOverrides {
         ];
         for (name, value) in at_least_one {
             if value == Some(0) {
-                return Err(ConfigError::invalid(origin, key(name), 0, "must be at least 1"));
+                return Err(ConfigError::invalid(
+                    origin,
+                    key(name),
+                    0,
+                    "must be at least 1",
+                ));
             }
         }
         Ok(())
@@ -168,7 +183,9 @@ impl TrainOverrides {
     pub fn resolve(self) -> TrainSettings {
         let eps_clip = self.eps_clip.unwrap_or(0.2);
         TrainSettings {
-            model: self.model.unwrap_or_else(|| PathBuf::from("assets/tiny-qwen3")),
+            model: self
+                .model
+                .unwrap_or_else(|| PathBuf::from("assets/tiny-qwen3")),
             lr: self.lr.unwrap_or(1e-5),
             n_samples: self.n_samples.unwrap_or(16),
             rollout_batch_size: self.rollout_batch_size.unwrap_or(32),
@@ -223,13 +240,25 @@ mod tests {
             n_samples: Some(0),
             ..Default::default()
         };
-        let err = o.validate(Path::new("command line"), "--").unwrap_err().to_string();
-        assert!(err.contains("--n-samples") && err.contains("at least 1"), "{err}");
+        let err = o
+            .validate(Path::new("command line"), "--")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--n-samples") && err.contains("at least 1"),
+            "{err}"
+        );
         let o = TrainOverrides {
             adam_beta2: Some(1.5),
             ..Default::default()
         };
-        let err = o.validate(Path::new("c.toml"), "train.").unwrap_err().to_string();
-        assert!(err.contains("train.adam_beta2") && err.contains("1.5"), "{err}");
+        let err = o
+            .validate(Path::new("c.toml"), "train.")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.adam_beta2") && err.contains("1.5"),
+            "{err}"
+        );
     }
 }

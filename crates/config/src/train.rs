@@ -96,7 +96,8 @@ impl EnvironmentConfig {
 
 /// The Manta default for `system_prompt_template` (Hermes-style tool calls, which
 /// the Qwen family is trained on). `{tools}` is replaced by one JSON object per tool.
-pub const DEFAULT_SYSTEM_PROMPT: &str = "You are an agent acting in an environment through tools.\n\n\
+pub const DEFAULT_SYSTEM_PROMPT: &str =
+    "You are an agent acting in an environment through tools.\n\n\
 # Tools\n\nThe available tools, one JSON object per line:\n<tools>\n{tools}\n</tools>\n\n\
 To call a tool, reply with a JSON object inside <tool_call></tool_call> tags:\n\
 <tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>";
@@ -139,22 +140,47 @@ impl TrainConfig {
             message: e.to_string(),
         })?;
         if raw.environments.is_empty() {
-            return Err(ConfigError::invalid(path, "environments", "{}", "name at least one environment"));
+            return Err(ConfigError::invalid(
+                path,
+                "environments",
+                "{}",
+                "name at least one environment",
+            ));
         }
         for (name, env) in &raw.environments {
             let key = |k: &str| format!("environments.{name}.{k}");
             if !name.contains('/') {
-                return Err(ConfigError::invalid(path, format!("environments.{name}"), format!("{name:?}"), "environment names are Owner/Name"));
+                return Err(ConfigError::invalid(
+                    path,
+                    format!("environments.{name}"),
+                    format!("{name:?}"),
+                    "environment names are Owner/Name",
+                ));
             }
             if env.splits.is_empty() {
-                return Err(ConfigError::invalid(path, key("splits"), "[]", "name at least one split"));
+                return Err(ConfigError::invalid(
+                    path,
+                    key("splits"),
+                    "[]",
+                    "name at least one split",
+                ));
             }
             if env.max_turns == 0 {
-                return Err(ConfigError::invalid(path, key("max_turns"), 0, "must be at least 1"));
+                return Err(ConfigError::invalid(
+                    path,
+                    key("max_turns"),
+                    0,
+                    "must be at least 1",
+                ));
             }
             if let (Some(lo), Some(hi)) = (env.min_reward, env.max_reward) {
                 if lo > hi {
-                    return Err(ConfigError::invalid(path, key("min_reward"), lo, format!("is above max_reward {hi}")));
+                    return Err(ConfigError::invalid(
+                        path,
+                        key("min_reward"),
+                        lo,
+                        format!("is above max_reward {hi}"),
+                    ));
                 }
             }
         }
@@ -162,7 +188,12 @@ impl TrainConfig {
             .system_prompt_template
             .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string());
         format_system_prompt(&template, "").map_err(|reason| {
-            ConfigError::invalid(path, "system_prompt_template", format!("{:?}", abbreviate(&template)), reason)
+            ConfigError::invalid(
+                path,
+                "system_prompt_template",
+                format!("{:?}", abbreviate(&template)),
+                reason,
+            )
         })?;
         Ok(TrainConfig {
             path: path.to_path_buf(),
@@ -277,37 +308,62 @@ openreward_run_name: miles-rl-openreward
         assert_eq!(env.nonterminal_reward, Some(0.0));
         assert_eq!(env.max_turns, 20);
         assert!(!c.thinking);
-        assert_eq!(c.openreward_run_name.as_deref(), Some("miles-rl-openreward"));
+        assert_eq!(
+            c.openreward_run_name.as_deref(),
+            Some("miles-rl-openreward")
+        );
         assert!(c.system_prompt_template.contains("{tools}"));
     }
 
     #[test]
     fn unknown_environment_key_is_rejected_by_name() {
-        let err = parse("environments:\n  A/B:\n    max_turn: 3\n").unwrap_err().to_string();
-        assert!(err.contains("train_config.yaml") && err.contains("max_turn"), "{err}");
+        let err = parse("environments:\n  A/B:\n    max_turn: 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train_config.yaml") && err.contains("max_turn"),
+            "{err}"
+        );
     }
 
     #[test]
     fn bad_reduction_value_is_named() {
-        let err = parse("environments:\n  A/B:\n    reward_reduction: avg\n").unwrap_err().to_string();
+        let err = parse("environments:\n  A/B:\n    reward_reduction: avg\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("avg") && err.contains("sum"), "{err}");
     }
 
     #[test]
     fn bad_values_name_key_and_value() {
-        let err = parse("environments:\n  A/B:\n    max_turns: 0\n").unwrap_err().to_string();
-        assert!(err.contains("environments.A/B.max_turns") && err.contains(" 0"), "{err}");
-        let err = parse("environments:\n  A/B:\n    min_reward: 2\n    max_reward: 1\n").unwrap_err().to_string();
+        let err = parse("environments:\n  A/B:\n    max_turns: 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("environments.A/B.max_turns") && err.contains(" 0"),
+            "{err}"
+        );
+        let err = parse("environments:\n  A/B:\n    min_reward: 2\n    max_reward: 1\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("min_reward"), "{err}");
-        let err = parse("environments:\n  A/B: {}\nsystem_prompt_template: 'use {tool}'\n").unwrap_err().to_string();
-        assert!(err.contains("system_prompt_template") && err.contains("{tool}"), "{err}");
+        let err = parse("environments:\n  A/B: {}\nsystem_prompt_template: 'use {tool}'\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("system_prompt_template") && err.contains("{tool}"),
+            "{err}"
+        );
         let err = parse("environments: {}\n").unwrap_err().to_string();
         assert!(err.contains("environments"), "{err}");
     }
 
     #[test]
     fn python_format_semantics() {
-        assert_eq!(format_system_prompt("a {tools} {{x}}", "T").unwrap(), "a T {x}");
+        assert_eq!(
+            format_system_prompt("a {tools} {{x}}", "T").unwrap(),
+            "a T {x}"
+        );
         assert!(format_system_prompt("a } b", "T").is_err());
         assert!(format_system_prompt("a {tools", "T").is_err());
     }

@@ -55,7 +55,12 @@ mod tests {
         // rewards 1, 0, 0, 1: mean 0.5, unbiased std = sqrt(1/3) = 0.57735
         let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageOptions::default());
         let s = (1.0f64 / 3.0).sqrt();
-        let expected = [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6)];
+        let expected = [
+            0.5 / (s + 1e-6),
+            -0.5 / (s + 1e-6),
+            -0.5 / (s + 1e-6),
+            0.5 / (s + 1e-6),
+        ];
         for (got, want) in a.iter().zip(expected) {
             assert!((got - want).abs() < 1e-9, "{got} vs {want}");
         }
@@ -83,6 +88,9 @@ mod tests {
 
     #[test]
     fn single_sample_group_is_only_centered() {
-        assert_eq!(group_advantages(&[0.9], AdvantageOptions::default()), vec![0.0]);
+        assert_eq!(
+            group_advantages(&[0.9], AdvantageOptions::default()),
+            vec![0.0]
+        );
     }
 }

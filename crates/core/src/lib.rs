@@ -5,8 +5,8 @@
 //! is trained on by trainer actors together with its group advantage.
 
 pub mod advantage;
-pub mod sample;
 pub mod pyjson;
+pub mod sample;
 pub mod wire;
 
 pub use advantage::{group_advantages, AdvantageOptions};

@@ -89,8 +89,12 @@ mod tests {
     #[test]
     fn matches_python_defaults() {
         // python3 -c 'import json;print(json.dumps({"b":[1,2.0,None,True],"a":"é\n😀"},sort_keys=True))'
-        let v: Value = serde_json::from_str(r#"{"b": [1, 2.0, null, true], "a": "é\n😀"}"#).unwrap();
-        assert_eq!(dumps_sorted(&v), r#"{"a": "\u00e9\n\ud83d\ude00", "b": [1, 2.0, null, true]}"#);
+        let v: Value =
+            serde_json::from_str(r#"{"b": [1, 2.0, null, true], "a": "é\n😀"}"#).unwrap();
+        assert_eq!(
+            dumps_sorted(&v),
+            r#"{"a": "\u00e9\n\ud83d\ude00", "b": [1, 2.0, null, true]}"#
+        );
         let _ = json!(null);
     }
 }

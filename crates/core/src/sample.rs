@@ -91,10 +91,16 @@ impl Sample {
             ));
         }
         if let Some(bad) = self.loss_mask.iter().find(|&&m| m > 1) {
-            return Err(format!("sample {}: loss_mask value {bad} is not 0 or 1", self.id));
+            return Err(format!(
+                "sample {}: loss_mask value {bad} is not 0 or 1",
+                self.id
+            ));
         }
         if !self.reward.is_finite() {
-            return Err(format!("sample {}: reward {} is not finite", self.id, self.reward));
+            return Err(format!(
+                "sample {}: reward {} is not finite",
+                self.id, self.reward
+            ));
         }
         Ok(())
     }

@@ -68,10 +68,12 @@ impl TryFrom<pb::Sample> for Sample {
             .loss_mask
             .iter()
             .map(|&m| {
-                u8::try_from(m)
-                    .ok()
-                    .filter(|&m| m <= 1)
-                    .ok_or_else(|| WireError(format!("sample {}: loss_mask value {m} is not 0 or 1", p.id)))
+                u8::try_from(m).ok().filter(|&m| m <= 1).ok_or_else(|| {
+                    WireError(format!(
+                        "sample {}: loss_mask value {m} is not 0 or 1",
+                        p.id
+                    ))
+                })
             })
             .collect::<Result<Vec<u8>, WireError>>()?;
         let meta = p.metadata.unwrap_or_default();
@@ -149,9 +151,15 @@ mod tests {
     fn refuses_unknown_status_and_bad_mask_values() {
         let mut p = pb::Sample::from(&sample());
         p.status = 99;
-        assert!(Sample::try_from(p).unwrap_err().to_string().contains("status 99"));
+        assert!(Sample::try_from(p)
+            .unwrap_err()
+            .to_string()
+            .contains("status 99"));
         let mut p = pb::Sample::from(&sample());
         p.loss_mask[0] = 7;
-        assert!(Sample::try_from(p).unwrap_err().to_string().contains("loss_mask value 7"));
+        assert!(Sample::try_from(p)
+            .unwrap_err()
+            .to_string()
+            .contains("loss_mask value 7"));
     }
 }

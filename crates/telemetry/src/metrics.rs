@@ -55,7 +55,8 @@ pub fn read_metrics(path: &Path) -> std::io::Result<Vec<(u64, StepMetrics)>> {
     let mut rows = Vec::new();
     for line in BufReader::new(file).lines() {
         let line = line?;
-        let Ok(serde_json::Value::Object(obj)) = serde_json::from_str::<serde_json::Value>(&line) else {
+        let Ok(serde_json::Value::Object(obj)) = serde_json::from_str::<serde_json::Value>(&line)
+        else {
             continue;
         };
         let Some(step) = obj.get("step").and_then(|s| s.as_u64()) else {

@@ -93,7 +93,10 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
         if labeled {
             mesh.x_desc("step");
         } else {
-            mesh.disable_x_mesh().disable_y_mesh().x_labels(0).y_labels(0);
+            mesh.disable_x_mesh()
+                .disable_y_mesh()
+                .x_labels(0)
+                .y_labels(0);
         }
         mesh.draw().map_err(|e| draw_err(&e))?;
         chart
@@ -106,7 +109,9 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
 
 /// A padded [min, max] range that is never empty.
 fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     let pad = ((hi - lo) * 0.05).max(1e-3);
     (lo - pad, hi + pad)
 }

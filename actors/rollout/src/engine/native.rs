@@ -25,7 +25,10 @@ pub struct NativeEngineOptions {
 }
 
 enum Command {
-    Generate(GenerateRequest, oneshot::Sender<Result<GenerateOutput, EngineError>>),
+    Generate(
+        GenerateRequest,
+        oneshot::Sender<Result<GenerateOutput, EngineError>>,
+    ),
     UpdateWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
 }
 
@@ -74,7 +77,11 @@ impl Engine for NativeEngine {
         if request.input_ids.is_empty() {
             return Err(EngineError::BadRequest("input_ids is empty".into()));
         }
-        if let Some(bad) = request.input_ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+        if let Some(bad) = request
+            .input_ids
+            .iter()
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
             return Err(EngineError::BadRequest(format!(
                 "token id {bad} is outside the vocabulary ({})",
                 self.vocab_size
@@ -121,7 +128,9 @@ impl Worker {
         let mut vs = nn::VarStore::new(opts.device);
         let model = CausalLm::new(&vs.root(), cfg);
         let dir = &opts.model_dir;
-        if dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists() {
+        if dir.join("model.safetensors").exists()
+            || dir.join("model.safetensors.index.json").exists()
+        {
             manta_model::load_weights(&mut vs, dir)?;
         }
         vs.freeze();
@@ -197,7 +206,10 @@ impl Worker {
 
     fn run_batch(
         &self,
-        batch: Vec<(GenerateRequest, oneshot::Sender<Result<GenerateOutput, EngineError>>)>,
+        batch: Vec<(
+            GenerateRequest,
+            oneshot::Sender<Result<GenerateOutput, EngineError>>,
+        )>,
         version: u64,
     ) {
         if batch.is_empty() {
@@ -213,7 +225,9 @@ impl Worker {
             Err(e) => {
                 let message = e.to_string();
                 for reply in replies {
-                    let _ = reply.send(Err(EngineError::Stopped(format!("batch failed: {message}"))));
+                    let _ = reply.send(Err(EngineError::Stopped(format!(
+                        "batch failed: {message}"
+                    ))));
                 }
             }
         }
@@ -221,9 +235,17 @@ impl Worker {
 
     /// Left-pads the prompts, prefills them together, then decodes one token per row per
     /// step until every row has stopped or reached its own `max_new_tokens`.
-    fn generate_batch(&self, requests: &[GenerateRequest], version: u64) -> Result<Vec<GenerateOutput>, EngineError> {
+    fn generate_batch(
+        &self,
+        requests: &[GenerateRequest],
+        version: u64,
+    ) -> Result<Vec<GenerateOutput>, EngineError> {
         let rows = requests.len() as i64;
-        let width = requests.iter().map(|r| r.input_ids.len()).max().unwrap_or(0) as i64;
+        let width = requests
+            .iter()
+            .map(|r| r.input_ids.len())
+            .max()
+            .unwrap_or(0) as i64;
         let mut ids = vec![0i64; (rows * width) as usize];
         let mut mask = vec![0i64; (rows * width) as usize];
         for (b, r) in requests.iter().enumerate() {
@@ -234,11 +256,19 @@ impl Worker {
             }
         }
         let input = Tensor::from_slice(&ids).view([rows, width]).to(self.device);
-        let mut key_mask = Tensor::from_slice(&mask).view([rows, width]).to(self.device);
+        let mut key_mask = Tensor::from_slice(&mask)
+            .view([rows, width])
+            .to(self.device);
         // Positions count real tokens only, so a left-padded row sees the same positions as alone.
         let mut positions = (key_mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
-        let temps: Vec<f32> = requests.iter().map(|r| r.params.temperature as f32).collect();
-        let greedy: Vec<bool> = requests.iter().map(|r| r.params.temperature == 0.0).collect();
+        let temps: Vec<f32> = requests
+            .iter()
+            .map(|r| r.params.temperature as f32)
+            .collect();
+        let greedy: Vec<bool> = requests
+            .iter()
+            .map(|r| r.params.temperature == 0.0)
+            .collect();
         let temp_t = Tensor::from_slice(&temps)
             .to(self.device)
             .clamp_min(1e-6)
@@ -294,7 +324,13 @@ impl Worker {
             }
             step_input = next.unsqueeze(1);
             positions = positions.select(1, -1).unsqueeze(1) + 1;
-            key_mask = Tensor::cat(&[key_mask, Tensor::ones([rows, 1], (Kind::Int64, self.device))], 1);
+            key_mask = Tensor::cat(
+                &[
+                    key_mask,
+                    Tensor::ones([rows, 1], (Kind::Int64, self.device)),
+                ],
+                1,
+            );
         }
         Ok(outputs)
     }

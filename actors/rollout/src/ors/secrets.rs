@@ -48,9 +48,13 @@ mod tests {
             ("MY_KEY".to_string(), "v".to_string()),
         ]);
         let header = secrets_header(&secrets).expect("header");
-        let decoded: Value = serde_json::from_slice(&BASE64_STANDARD.decode(&header).unwrap()).unwrap();
+        let decoded: Value =
+            serde_json::from_slice(&BASE64_STANDARD.decode(&header).unwrap()).unwrap();
         assert_eq!(decoded["MY_KEY"], json!({"value": "v"}));
         assert_eq!(decoded["OPENAI_API_KEY"]["value"], "sk");
-        assert_eq!(decoded["OPENAI_API_KEY"]["allowed_domains"], json!(["api.openai.com"]));
+        assert_eq!(
+            decoded["OPENAI_API_KEY"]["allowed_domains"],
+            json!(["api.openai.com"])
+        );
     }
 }
