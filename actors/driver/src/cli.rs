@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use manta_config::TrainOverrides;
 
 /// Manta's driver: runs GRPO training of an LLM on OpenReward environments.
@@ -19,10 +19,44 @@ pub struct Cli {
     pub train: TrainArgs,
 }
 
+// Parsed once per process: the size gap between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train (the default when no subcommand is given).
     Train(TrainArgs),
+    /// Generate from a checkpoint with the native engine: smoke-tests a model and makes
+    /// parity with Hugging Face checkable from outside.
+    Generate(GenerateArgs),
+}
+
+/// Options of `driver generate`.
+#[derive(Debug, Args, Clone)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
+pub struct GenerateArgs {
+    /// Model directory in Hugging Face layout (config.json, model.safetensors, and the
+    /// tokenizer files when --prompt is used). It must hold weights.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt text, tokenized with the model's tokenizer (no special tokens added).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids (e.g. 1,2,3); needs no tokenizer.
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Most tokens to generate; generation also stops at config.json's eos_token_id
+    /// (the stop token is kept in the output).
+    #[arg(long)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: f64,
+    /// Print `{"output_ids": [...], "logprobs": [...]}` instead of the decoded text.
+    #[arg(long)]
+    pub json: bool,
+    /// Seed for sampling.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
 }
 
 /// Options of a training run.

@@ -3,6 +3,7 @@
 
 pub mod cli;
 pub mod driver_actor;
+pub mod generate;
 pub mod local;
 pub mod run;
 pub mod step;

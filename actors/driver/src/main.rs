@@ -13,6 +13,15 @@ async fn main() -> ExitCode {
     manta_telemetry::init_logging();
     let args = match cli.command {
         Some(Command::Train(args)) => args,
+        Some(Command::Generate(args)) => {
+            return match manta_driver::generate::generate(&args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         None => cli.train,
     };
     // First Ctrl-C: finish the current step, checkpoint, stop. Second: exit now.

@@ -261,9 +261,10 @@ impl Worker {
             .to(self.device);
         // Positions count real tokens only, so a left-padded row sees the same positions as alone.
         let mut positions = (key_mask.cumsum(1, Kind::Int64) - 1).clamp_min(0);
+        // Greedy rows report log-probs of the unscaled distribution (temperature 1).
         let temps: Vec<f32> = requests
             .iter()
-            .map(|r| r.params.temperature as f32)
+            .map(|r| if r.params.temperature == 0.0 { 1.0 } else { r.params.temperature as f32 })
             .collect();
         let greedy: Vec<bool> = requests
             .iter()
