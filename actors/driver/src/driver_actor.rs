@@ -150,7 +150,9 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     state.steps_done += 1;
     state.next_step += 1;
     if let Some(dir) = &plan.save {
-        if plan.save_interval > 0 && step.is_multiple_of(plan.save_interval as u64) && step < plan.last_step
+        if plan.save_interval > 0
+            && step.is_multiple_of(plan.save_interval as u64)
+            && step < plan.last_step
         {
             save_checkpoint(&plan.actors.trainer, dir, step).await?;
         }

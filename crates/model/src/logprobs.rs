@@ -7,7 +7,8 @@ use crate::transformer::CausalLm;
 
 /// Per-token log-probs and entropy of `targets` under softmax(hidden @ lm_head^T / temperature), computed in chunks of `chunk_tokens`
 /// rows so a [tokens x vocab] fp32 tensor is never materialized whole. hidden [N, H], targets [N] i64 -> (logp [N], entropy [N]).
-/// Differentiable w.r.t. hidden and the lm_head weight.
+/// The log-probs are differentiable w.r.t. hidden and the lm_head weight; the entropy is
+/// computed without autograd (it is reported, not trained on).
 ///
 /// Logits are upcast to fp32 before the softmax, so bf16 models give fp32 log-probs.
 /// Under autograd each chunk still keeps its softmax for the backward pass; call it under
@@ -35,10 +36,18 @@ pub fn token_logprobs(
         let len = chunk.min(n - start);
         let h = hidden.narrow(0, start, len);
         let t = targets.narrow(0, start, len);
-        let logits = model.logits(&h).to_kind(Kind::Float) / temperature;
-        let logp_all = logits.log_softmax(-1, None::<Kind>);
-        logps.push(logp_all.gather(-1, &t.unsqueeze(-1), false).squeeze_dim(-1));
-        entropies.push(-(logp_all.exp() * &logp_all).sum_dim_intlist(-1, false, None::<Kind>));
+        let mut logits = model.logits(&h).to_kind(Kind::Float);
+        if temperature != 1.0 {
+            logits = logits / temperature;
+        }
+        // log p(t) = logit_t - logsumexp: no [rows x vocab] log-softmax is kept for backward.
+        let lse = logits.logsumexp([-1], false);
+        logps.push(logits.gather(-1, &t.unsqueeze(-1), false).squeeze_dim(-1) - &lse);
+        // Entropy is a metric (no entropy bonus yet): computed without autograd.
+        entropies.push(tch::no_grad(|| {
+            let p = (&logits - lse.unsqueeze(-1)).exp_();
+            &lse - (p * &logits).sum_dim_intlist(-1, false, None::<Kind>)
+        }));
         start += len;
     }
     if logps.is_empty() {

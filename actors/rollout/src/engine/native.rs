@@ -264,7 +264,13 @@ impl Worker {
         // Greedy rows report log-probs of the unscaled distribution (temperature 1).
         let temps: Vec<f32> = requests
             .iter()
-            .map(|r| if r.params.temperature == 0.0 { 1.0 } else { r.params.temperature as f32 })
+            .map(|r| {
+                if r.params.temperature == 0.0 {
+                    1.0
+                } else {
+                    r.params.temperature as f32
+                }
+            })
             .collect();
         let greedy: Vec<bool> = requests
             .iter()
