@@ -40,13 +40,11 @@ pub fn token_logprobs(
         if temperature != 1.0 {
             logits = logits / temperature;
         }
-        // log p(t) = logit_t - logsumexp: no [rows x vocab] log-softmax is kept for backward.
-        let lse = logits.logsumexp([-1], false);
-        logps.push(logits.gather(-1, &t.unsqueeze(-1), false).squeeze_dim(-1) - &lse);
+        let logp_all = logits.log_softmax(-1, None::<Kind>);
+        logps.push(logp_all.gather(-1, &t.unsqueeze(-1), false).squeeze_dim(-1));
         // Entropy is a metric (no entropy bonus yet): computed without autograd.
         entropies.push(tch::no_grad(|| {
-            let p = (&logits - lse.unsqueeze(-1)).exp_();
-            &lse - (p * &logits).sum_dim_intlist(-1, false, None::<Kind>)
+            -(logp_all.exp() * &logp_all).sum_dim_intlist(-1, false, None::<Kind>)
         }));
         start += len;
     }
