@@ -38,7 +38,7 @@ pub fn token_logprobs(
         let t = targets.narrow(0, start, len);
         let mut logits = model.logits(&h).to_kind(Kind::Float);
         if temperature != 1.0 {
-            logits = logits / temperature;
+            logits /= temperature;
         }
         let logp_all = logits.log_softmax(-1, None::<Kind>);
         logps.push(logp_all.gather(-1, &t.unsqueeze(-1), false).squeeze_dim(-1));
