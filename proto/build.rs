@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/rollout.proto",
         "proto/trainer.proto",
         "proto/weight_sync.proto",
+        "proto/tensorboard.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

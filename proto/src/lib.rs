@@ -25,3 +25,8 @@ pub mod trainer {
 pub mod weight_sync {
     tonic::include_proto!("manta.weight_sync");
 }
+
+/// TensorBoard's event records (scalar summaries only), for metrics event files.
+pub mod tensorboard {
+    tonic::include_proto!("tensorboard");
+}

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use manta_rollout::GenerationSettings;
-use manta_telemetry::MetricsWriter;
+use manta_telemetry::{MetricsWriter, TensorBoardWriter};
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::{info, warn};
@@ -56,6 +56,7 @@ pub struct RunPlan {
 
 pub struct DriverState {
     plan: RunPlan,
+    tensorboard: Option<TensorBoardWriter>,
     next_step: u64,
     steps_done: u64,
     trained_ids: Vec<u64>,
@@ -75,7 +76,16 @@ impl Actor for DriverActor {
         _myself: ActorRef<Self::Msg>,
         plan: RunPlan,
     ) -> Result<DriverState, ActorProcessingErr> {
+        // TensorBoard files are a convenience: a failure to create one is logged, not fatal.
+        let tensorboard = match TensorBoardWriter::create(&plan.run_dir) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                warn!(dir = %plan.run_dir.display(), error = %e, "no TensorBoard event file");
+                None
+            }
+        };
         Ok(DriverState {
+            tensorboard,
             next_step: plan.first_step,
             plan,
             steps_done: 0,
@@ -132,6 +142,10 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     plan.metrics
         .write_step(step, m)
         .with_context(|| format!("writing {}", plan.metrics.path().display()))?;
+    if let Some(Err(e)) = state.tensorboard.as_mut().map(|tb| tb.write_step(step, m)) {
+        warn!(error = %e, "TensorBoard write failed; disabling it");
+        state.tensorboard = None;
+    }
     println!(
         "step {step:>5}/{}  reward {:.3}  loss {:+.4}  time {:.2}s",
         plan.last_step,

@@ -33,6 +33,32 @@ fn read_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
     w
 }
 
+/// Reads the run's event file with TensorBoard's own EventAccumulator (PyPI `tensorboard`).
+fn tensorboard_has_reward_for_steps(run_dir: &Path, steps: &[i64]) {
+    let python = std::env::var("MANTA_PYTHON")
+        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
+    let script = "import sys, json\n\
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+acc = EventAccumulator(sys.argv[1]); acc.Reload()\n\
+print(json.dumps([[e.step, e.value] for e in acc.Scalars('rollout/raw_reward')]))\n";
+    let out = Command::new(python)
+        .args(["-c", script, run_dir.to_str().unwrap()])
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<(i64, f64)> =
+        serde_json::from_slice(&out.stdout).expect("json from EventAccumulator");
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), steps);
+    let jsonl = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    for ((_, tb), (_, m)) in rows.iter().zip(&jsonl) {
+        assert!((tb - m["rollout/raw_reward"]).abs() < 1e-6);
+    }
+}
+
 #[test]
 fn three_local_steps_train_and_sync_then_resume() {
     let tmp = tempfile::tempdir().unwrap();
@@ -81,6 +107,7 @@ fn three_local_steps_train_and_sync_then_resume() {
         }
     }
     assert!(runs.join("first/reward_loss.png").is_file());
+    tensorboard_has_reward_for_steps(&runs.join("first"), &[1, 2, 3]);
 
     // The checkpoint's weights differ from the random init the run started from.
     let latest = std::fs::read_to_string(save.join("latest")).unwrap();
