@@ -16,6 +16,34 @@ pub(crate) enum SseEnd {
     Closed,
 }
 
+/// Why the byte stream under the SSE parser stopped.
+#[derive(Debug, thiserror::Error)]
+enum ByteStreamError {
+    #[error("no data for {0:?}")]
+    Idle(Duration),
+    #[error(transparent)]
+    Transport(#[from] reqwest::Error),
+}
+
+/// The response body with a limit on each gap between byte chunks. The limit sits below
+/// the SSE parser on purpose: the parser swallows `: ping` comments, and those must count
+/// as activity.
+fn idle_limited(
+    resp: reqwest::Response,
+    idle: Duration,
+) -> impl futures::Stream<Item = Result<bytes::Bytes, ByteStreamError>> {
+    let bytes = Box::pin(resp.bytes_stream());
+    futures::stream::unfold(Some(bytes), move |state| async move {
+        let mut bytes = state?;
+        match tokio::time::timeout(idle, bytes.next()).await {
+            Err(_) => Some((Err(ByteStreamError::Idle(idle)), None)),
+            Ok(None) => None,
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(bytes))),
+            Ok(Some(Err(e))) => Some((Err(e.into()), None)),
+        }
+    })
+}
+
 /// Consumes `resp` as SSE. `task_id` is set as soon as its event arrives, so a caller can
 /// resume even when this returns an error. Each gap between bytes may last `idle` at most
 /// (servers send `: ping` comments every 10 s).
@@ -25,18 +53,10 @@ pub(crate) async fn read_events(
     idle: Duration,
     task_id: &mut Option<String>,
 ) -> Result<SseEnd, OrsError> {
-    let mut events = resp.bytes_stream().eventsource();
+    let mut events = Box::pin(idle_limited(resp, idle).eventsource());
     let mut data = String::new();
     loop {
-        let next = match tokio::time::timeout(idle, events.next()).await {
-            Ok(next) => next,
-            Err(_) => {
-                return Err(OrsError::Stream {
-                    url: url.to_string(),
-                    message: format!("no data for {idle:?}"),
-                })
-            }
-        };
+        let next = events.next().await;
         let event = match next {
             None => return Ok(SseEnd::Closed),
             Some(Ok(event)) => event,
