@@ -28,6 +28,25 @@ pub enum Command {
     /// Generate from a checkpoint with the native engine: smoke-tests a model and makes
     /// parity with Hugging Face checkable from outside.
     Generate(GenerateArgs),
+    /// Write tasks.jsonl from the environments of train_config.yaml, like the cookbook's
+    /// prepare_tasks.py: every configured split, shuffled with seed 42, capped per split.
+    PrepareTasks(PrepareTasksArgs),
+}
+
+/// Options of `driver prepare-tasks`.
+#[derive(Debug, Args, Clone)]
+pub struct PrepareTasksArgs {
+    /// Environment settings (the cookbook's train_config.yaml). Environments with
+    /// `url: builtin` are listed from Manta's built-in server, started for the run.
+    #[arg(long, default_value = "train_config.yaml")]
+    pub config: PathBuf,
+    /// Where to write the tasks (one JSON object per line; replaced atomically).
+    #[arg(long, default_value = "tasks.jsonl")]
+    pub output: PathBuf,
+    /// Most tasks per split; the smaller of this and the environment's `num_samples`
+    /// applies [all].
+    #[arg(long)]
+    pub max_tasks: Option<u64>,
 }
 
 /// Options of `driver generate`.

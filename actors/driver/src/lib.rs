@@ -5,6 +5,7 @@ pub mod cli;
 pub mod driver_actor;
 pub mod generate;
 pub mod local;
+pub mod prepare_tasks;
 pub mod run;
 pub mod step;
 pub mod tasks;

@@ -13,7 +13,9 @@ use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
-use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg};
+use manta_rollout::{
+    EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
+};
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
@@ -36,7 +38,12 @@ pub struct LocalWorker {
     /// One client per environment, for listing tasks.
     pub env_clients: BTreeMap<String, OrsClient>,
     env_server: Option<manta_envs::ServerHandle>,
+    /// Trajectory upload to OpenReward, when configured.
+    upload: Option<Uploader>,
 }
+
+/// How long shutdown waits for the last trajectories to upload.
+const UPLOAD_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl LocalWorker {
     /// Stops actors and the environment server.
@@ -46,14 +53,53 @@ impl LocalWorker {
         }
         self.weight_sync.stop(None);
         self.trainer.stop(None);
+        if let Some(upload) = self.upload {
+            let stats = upload.shutdown(UPLOAD_FLUSH_TIMEOUT).await;
+            info!(
+                uploaded = stats.uploaded,
+                dropped = stats.dropped,
+                failed = stats.failed,
+                "trajectory upload finished"
+            );
+        }
         if let Some(server) = self.env_server {
             server.shutdown().await;
         }
     }
 }
 
-/// Resolves each environment's server URL and builds one ORS client for it.
-fn environment_clients(
+/// Starts Manta's built-in environment server when an environment says `url: builtin`.
+pub(crate) async fn start_builtin_server(
+    train: &TrainConfig,
+) -> anyhow::Result<Option<manta_envs::ServerHandle>> {
+    let needs_builtin = train
+        .environments
+        .values()
+        .any(|e| e.url.as_deref() == Some(BUILTIN_URL));
+    if !needs_builtin {
+        return Ok(None);
+    }
+    let server = manta_envs::serve("127.0.0.1:0".parse()?, manta_envs::builtin_environments())
+        .await
+        .context("starting the built-in environment server")?;
+    info!(url = %server.base_url(), "built-in environment server started");
+    Ok(Some(server))
+}
+
+/// The trajectory uploader, when train_config names `openreward_run_name` and
+/// `OPENREWARD_API_KEY` is set (see [`UploadConfig::from_env`]).
+fn start_uploader(train: &TrainConfig) -> anyhow::Result<Option<Uploader>> {
+    let Some(config) = UploadConfig::from_env(train.openreward_run_name.as_deref()) else {
+        return Ok(None);
+    };
+    info!(run = %config.run_name, api = %config.api_url, "uploading trajectories to OpenReward");
+    let uploader = Uploader::start(config).context("starting the trajectory uploader")?;
+    Ok(Some(uploader))
+}
+
+/// Resolves each environment's server URL and builds one ORS client for it; the flag
+/// says whether it is the built-in server.
+pub(crate) fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
@@ -103,19 +149,8 @@ pub async fn start(
 ) -> anyhow::Result<LocalWorker> {
     let model_dir = settings.model.as_path();
     check_model_dir(model_dir)?;
-    let needs_builtin = train
-        .environments
-        .values()
-        .any(|e| e.url.as_deref() == Some(BUILTIN_URL));
-    let env_server = if needs_builtin {
-        let server = manta_envs::serve("127.0.0.1:0".parse()?, manta_envs::builtin_environments())
-            .await
-            .context("starting the built-in environment server")?;
-        info!(url = %server.base_url(), "built-in environment server started");
-        Some(server)
-    } else {
-        None
-    };
+    let env_server = start_builtin_server(train).await?;
+    let upload = start_uploader(train)?;
     let builtin_url = env_server.as_ref().map(|s| s.base_url());
     let tokenizer = Arc::new(
         Tokenizer::from_dir(model_dir)
@@ -175,6 +210,7 @@ pub async fn start(
             chat: ChatFormat::new(tokenizer.clone(), train.thinking),
             system_prompt_template: train.system_prompt_template.clone(),
             stop_token_ids: stop_token_ids(&tokenizer),
+            upload: upload.clone(),
         };
         let args = RolloutArgs {
             context,
@@ -202,6 +238,7 @@ pub async fn start(
         weight_sync,
         env_clients: env_clients.into_iter().map(|(k, (c, _))| (k, c)).collect(),
         env_server,
+        upload,
     })
 }
 

@@ -22,6 +22,18 @@ async fn main() -> ExitCode {
                 }
             };
         }
+        Some(Command::PrepareTasks(args)) => {
+            return match manta_driver::prepare_tasks::prepare_tasks(&args).await {
+                Ok(summary) => {
+                    println!("wrote {} tasks to {}", summary.tasks, args.output.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         None => cli.train,
     };
     // First Ctrl-C: finish the current step, checkpoint, stop. Second: exit now.

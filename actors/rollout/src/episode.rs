@@ -13,7 +13,8 @@ use tracing::{debug, info_span, warn, Instrument};
 use crate::chat::ChatFormat;
 use crate::engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
 use crate::ors::{Block, OrsClient, OrsSession, ToolResult, ToolsListing};
-use crate::tool_call::{parse_tool_call, ParsedTurn};
+use crate::tool_call::{parse_tool_call, ParsedTurn, TOOL_CALL_OPEN};
+use crate::upload::{Message, MessageType, RolloutInfo, RolloutRecorder, Uploader};
 
 /// The user message sent when a turn has no tool call and the environment has no terminal tool.
 pub const NO_TOOL_CALL_MESSAGE: &str =
@@ -64,6 +65,8 @@ pub struct EpisodeContext {
     pub system_prompt_template: String,
     /// Token ids that end a generate call (`<|im_end|>`, `</tool_call>`, EOS).
     pub stop_token_ids: Vec<u32>,
+    /// Where transcripts go (OpenReward's rollout viewer); `None` records nothing.
+    pub upload: Option<Uploader>,
 }
 
 /// The system prompt's `{tools}`: one JSON object per line with the cookbook's key
@@ -107,6 +110,8 @@ struct Trajectory {
     response: Vec<u32>,
     loss_mask: Vec<u8>,
     logprobs: Vec<f32>,
+    /// The oldest weight version that generated any of its tokens.
+    weight_version: u64,
 }
 
 impl Trajectory {
@@ -153,8 +158,12 @@ pub async fn run_episode(
             response: Vec::new(),
             loss_mask: Vec::new(),
             logprobs: Vec::new(),
+            weight_version: ctx.engine.weight_version(),
         };
-        let mut version = ctx.engine.weight_version();
+        let mut transcript = ctx
+            .upload
+            .as_ref()
+            .map(|u| u.start_rollout(rollout_info(env, request, traj.weight_version)));
         let outcome = match env
             .client
             .open_session(&request.task.server_env, &request.task.task_spec)
@@ -168,7 +177,7 @@ pub async fn run_episode(
                     settings,
                     &mut traj,
                     &mut meta,
-                    &mut version,
+                    &mut transcript,
                 )
                 .await;
                 if let Err(e) = session.close().await {
@@ -201,6 +210,7 @@ pub async fn run_episode(
             "episode done"
         );
         let response_length = traj.response.len();
+        let version = traj.weight_version;
         let mut tokens = traj.prompt;
         tokens.extend(traj.response);
         Sample {
@@ -228,8 +238,14 @@ async fn episode_loop(
     settings: GenerationSettings,
     traj: &mut Trajectory,
     meta: &mut EpisodeMetadata,
-    version: &mut u64,
+    transcript: &mut Option<RolloutRecorder>,
 ) -> Outcome {
+    let recording = transcript.is_some();
+    let mut log = |message: Message| {
+        if let Some(t) = transcript.as_mut() {
+            t.log(message);
+        }
+    };
     let failed = |stop_reason: &'static str, error: String| Outcome {
         status: SampleStatus::Failed,
         stop_reason,
@@ -248,6 +264,8 @@ async fn episode_loop(
         Ok(s) => s,
         Err(e) => return failed("config_error", format!("system_prompt_template: {e}")),
     };
+    log(Message::new(MessageType::SystemMessage, system.clone()));
+    log(Message::new(MessageType::UserMessage, user.clone()));
     traj.prompt = match ctx.chat.prompt_ids(&system, &user) {
         Ok(ids) => ids,
         Err(e) => return failed("template_error", format!("rendering the prompt: {e}")),
@@ -284,7 +302,7 @@ async fn episode_loop(
             Ok(out) => out,
             Err(e) => return failed("engine_error", format!("generate: {e}")),
         };
-        *version = (*version).min(out.weight_version);
+        traj.weight_version = traj.weight_version.min(out.weight_version);
         traj.push_generated(&out.output_ids, &out.logprobs);
         if out.finish == FinishReason::Abort {
             return Outcome {
@@ -299,9 +317,17 @@ async fn episode_loop(
             Err(e) => return failed("tokenizer_error", format!("decoding output: {e}")),
         };
         let budget_hit = out.finish == FinishReason::Length && max_new < settings.max_response_len;
-        let reply_text = match parse_tool_call(&generated) {
+        let parsed = parse_tool_call(&generated);
+        if recording {
+            for m in assistant_messages(&generated, &parsed) {
+                log(m);
+            }
+        }
+        let call_id = format!("call_{turn}");
+        let reply_text = match parsed {
             ParsedTurn::Call(call) => {
                 meta.num_tool_calls += 1;
+                log(tool_call_message(&call.name, &call.arguments, &call_id));
                 let result = session
                     .call(&call.name, Value::Object(call.arguments))
                     .instrument(info_span!("tool_call", turn, tool = %call.name))
@@ -313,27 +339,39 @@ async fn episode_loop(
                         finished,
                         ..
                     }) => {
+                        let text = blocks_text(&blocks);
+                        log(tool_result_message(&text, reward, finished, &call_id));
                         if let Some(r) = reward {
                             meta.step_rewards.push(r);
                         }
                         if finished {
                             return terminal();
                         }
-                        blocks_text(&blocks)
+                        text
                     }
                     Ok(ToolResult::Rejected { error, .. }) => {
                         meta.num_failed_tool_calls += 1;
-                        format!("Error: {error}")
+                        let text = format!("Error: {error}");
+                        log(tool_result_message(&text, None, false, &call_id));
+                        text
                     }
                     Err(e) => {
-                        return failed("environment_error", format!("tool {}: {e}", call.name))
+                        log(tool_result_message(
+                            &format!("Error: {e}"),
+                            None,
+                            false,
+                            &call_id,
+                        ));
+                        return failed("environment_error", format!("tool {}: {e}", call.name));
                     }
                 }
             }
             ParsedTurn::Malformed(reason) => {
                 meta.num_tool_calls += 1;
                 meta.num_failed_tool_calls += 1;
-                format!("Error: malformed tool call: {reason}")
+                let text = format!("Error: malformed tool call: {reason}");
+                log(Message::new(MessageType::UserMessage, text.clone()));
+                text
             }
             ParsedTurn::NoToolCall => {
                 if let Some(terminal_tool) = &tools.terminal_tool {
@@ -347,14 +385,24 @@ async fn episode_loop(
                     if let Some(arg) = &terminal_tool.arg {
                         input.insert(arg.clone(), Value::String(answer));
                     }
+                    log(tool_call_message(&terminal_tool.name, &input, &call_id));
                     let result = session
                         .call(&terminal_tool.name, Value::Object(input))
                         .instrument(info_span!("tool_call", turn, tool = %terminal_tool.name))
                         .await;
                     match result {
                         Ok(ToolResult::Ok {
-                            reward, finished, ..
+                            blocks,
+                            reward,
+                            finished,
+                            ..
                         }) => {
+                            log(tool_result_message(
+                                &blocks_text(&blocks),
+                                reward,
+                                finished,
+                                &call_id,
+                            ));
                             if let Some(r) = reward {
                                 meta.step_rewards.push(r);
                             }
@@ -365,16 +413,25 @@ async fn episode_loop(
                         }
                         Ok(ToolResult::Rejected { error, .. }) => {
                             meta.num_failed_tool_calls += 1;
-                            format!("Error: {error}")
+                            let text = format!("Error: {error}");
+                            log(tool_result_message(&text, None, false, &call_id));
+                            text
                         }
                         Err(e) => {
+                            log(tool_result_message(
+                                &format!("Error: {e}"),
+                                None,
+                                false,
+                                &call_id,
+                            ));
                             return failed(
                                 "environment_error",
                                 format!("terminal tool {}: {e}", terminal_tool.name),
-                            )
+                            );
                         }
                     }
                 } else {
+                    log(Message::new(MessageType::UserMessage, NO_TOOL_CALL_MESSAGE));
                     NO_TOOL_CALL_MESSAGE.to_string()
                 }
             }
@@ -409,6 +466,92 @@ async fn episode_loop(
     }
 }
 
+/// The rollout event of an episode: where it ran and which sample it is.
+fn rollout_info(env: &EnvironmentHandle, request: &EpisodeRequest, version: u64) -> RolloutInfo {
+    let task = &request.task;
+    let mut metadata = Map::new();
+    metadata.insert("sample_id".into(), json!(request.sample_id));
+    metadata.insert("group_index".into(), json!(request.group_index));
+    metadata.insert("index".into(), json!(request.index));
+    metadata.insert("task_hash".into(), json!(task.task_hash));
+    metadata.insert("weight_version".into(), json!(version));
+    RolloutInfo {
+        rollout_name: format!(
+            "{}:{}:{}:{}",
+            env.name, task.split, task.task_hash, request.sample_id
+        ),
+        environment: env.name.clone(),
+        split: task.split.clone(),
+        metadata,
+        task_spec: task.task_spec.clone(),
+    }
+}
+
+/// The visible part of a turn (chat markers such as `<|im_end|>` removed): a `reasoning`
+/// message for a `<think>` block, then the text before the tool call (the call itself is
+/// its own message). A turn without a valid call is always recorded, tags included, so
+/// the transcript shows what the model wrote.
+fn assistant_messages(generated: &str, parsed: &ParsedTurn) -> Vec<Message> {
+    let visible = strip_chat_markers(generated);
+    let mut out = Vec::new();
+    let mut text = visible.as_str();
+    if let Some(end) = text.find("</think>") {
+        let thought = text[..end].trim_start_matches("<think>").trim();
+        if !thought.is_empty() {
+            out.push(Message::new(MessageType::Reasoning, thought));
+        }
+        text = &text[end + "</think>".len()..];
+    }
+    let text = match parsed {
+        ParsedTurn::Call(_) => text
+            .find(TOOL_CALL_OPEN)
+            .map_or(text, |i| &text[..i])
+            .trim(),
+        _ => text.trim(),
+    };
+    if !text.is_empty() || !matches!(parsed, ParsedTurn::Call(_)) {
+        out.push(Message::new(MessageType::AssistantMessage, text));
+    }
+    out
+}
+
+/// Removes `<|…|>` markers (turn and sequence ends), which are not part of the message.
+fn strip_chat_markers(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find("<|") {
+        match rest[start + 2..].find("|>") {
+            Some(end) => {
+                out.push_str(&rest[..start]);
+                rest = &rest[start + 2 + end + 2..];
+            }
+            None => break,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn tool_call_message(name: &str, arguments: &Map<String, Value>, call_id: &str) -> Message {
+    Message {
+        name: Some(name.to_string()),
+        call_id: Some(call_id.to_string()),
+        ..Message::new(
+            MessageType::ToolCall,
+            dumps(&Value::Object(arguments.clone())),
+        )
+    }
+}
+
+fn tool_result_message(text: &str, reward: Option<f64>, finished: bool, call_id: &str) -> Message {
+    Message {
+        call_id: Some(call_id.to_string()),
+        reward,
+        is_finished: finished,
+        ..Message::new(MessageType::ToolResult, text)
+    }
+}
+
 fn terminal() -> Outcome {
     Outcome {
         status: SampleStatus::Completed,
@@ -422,6 +565,24 @@ fn terminal() -> Outcome {
 mod tests {
     use super::*;
     use crate::ors::ToolSpec;
+
+    #[test]
+    fn assistant_text_drops_markers_and_the_call() {
+        let turn = "<think>\nhmm\n</think>\n\nLet me add.<tool_call>\n{\"name\": \"add\"}\n</tool_call><|im_end|>";
+        let msgs = assistant_messages(turn, &parse_tool_call(turn));
+        let got: Vec<(&str, &str)> = msgs
+            .iter()
+            .map(|m| (m.kind.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [("reasoning", "hmm"), ("assistant_message", "Let me add.")]
+        );
+        let plain = "42<|im_end|><|endoftext|>";
+        let msgs = assistant_messages(plain, &parse_tool_call(plain));
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].content, "42");
+    }
 
     #[test]
     fn tools_text_uses_the_cookbook_keys_and_python_separators() {

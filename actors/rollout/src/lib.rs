@@ -6,6 +6,7 @@
 //! - [`tool_call`]: parsing the model's tool calls.
 //! - [`episode`]: one episode, start to reward.
 //! - [`actor`]: `RolloutActor`, many episodes in flight.
+//! - [`upload`]: trajectory upload to OpenReward, in the background.
 
 pub mod actor;
 pub mod chat;
@@ -13,6 +14,8 @@ pub mod engine;
 pub mod episode;
 pub mod ors;
 pub mod tool_call;
+pub mod upload;
 
 pub use actor::{RolloutActor, RolloutArgs, RolloutMsg};
 pub use episode::{EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings, TaskRef};
+pub use upload::{UploadConfig, UploadStats, Uploader};

@@ -93,6 +93,7 @@ async fn setup(
         chat: ChatFormat::new(tokenizer, train.thinking),
         system_prompt_template: train.system_prompt_template.clone(),
         stop_token_ids: stop,
+        upload: None,
     };
     let client = OrsClient::new(OrsClientOptions {
         variant: Some(env.to_string()),

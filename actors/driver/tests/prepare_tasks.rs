@@ -1,0 +1,314 @@
+//! `driver prepare-tasks`, the real binary: against Manta's built-in environments
+//! (`url: builtin`) and against the real `openreward` SDK server with an environment
+//! that refuses to list its tasks; then `driver --task-data` trains from the file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use manta_driver::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash};
+use manta_rollout::ors::{OrsClient, OrsClientOptions};
+use serde_json::Value;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("MANTA_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
+}
+
+fn driver(args: &[&str]) -> std::process::Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env_remove("OPENREWARD_API_KEY")
+        .output()
+        .expect("driver runs");
+    assert!(
+        out.status.success(),
+        "driver {args:?} failed\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn prepare(config: &Path, output: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "prepare-tasks",
+        "--config",
+        config.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    driver(&args);
+}
+
+/// One parsed line: (prompt, metadata).
+fn read_lines(path: &Path) -> Vec<(String, Value)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let row: Value = serde_json::from_str(line).expect("each line is JSON");
+            let obj = row.as_object().unwrap();
+            assert_eq!(obj.len(), 3, "{line}");
+            assert_eq!(row["label"], "", "{line}");
+            let meta: Value = serde_json::from_str(row["metadata"].as_str().expect("string"))
+                .expect("metadata is a JSON string");
+            (row["prompt"].as_str().unwrap().to_string(), meta)
+        })
+        .collect()
+}
+
+/// Checks one line's schema and hash; returns (env, split, hash).
+fn check_line(prompt: &str, meta: &Value, server_env: &str) -> (String, String, String) {
+    let env = meta["env_name"].as_str().unwrap().to_string();
+    let split = meta["split"].as_str().unwrap().to_string();
+    let hash = meta["task_hash"].as_str().unwrap().to_string();
+    assert_eq!(hash, task_hash(&meta["task_spec"]));
+    assert_eq!(hash.len(), 16);
+    assert!(hash.chars().all(|c| c.is_ascii_hexdigit()));
+    assert_eq!(prompt, format!("[{env}:{split}:{hash}]"));
+    let (owner, name) = env.split_once('/').unwrap();
+    assert_eq!(meta["namespace"], owner);
+    assert_eq!(meta["server_name"], name);
+    assert_eq!(meta["deployment_name"], env.as_str());
+    assert_eq!(meta["environment_name"], server_env);
+    assert_eq!(meta.as_object().unwrap().len(), 8, "{meta}");
+    (env, split, hash)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn builtin_environments_give_capped_seeded_cookbook_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("train_config.yaml");
+    std::fs::write(
+        &config,
+        "environments:\n  manta/Digits:\n    url: builtin\n    variant: digits\n    splits: [train, test]\n    num_samples: 2\n  manta/Counter:\n    url: builtin\n    variant: counter\n    splits: [train]\n    num_samples: null\n",
+    )
+    .unwrap();
+    let (a, b) = (tmp.path().join("a.jsonl"), tmp.path().join("b.jsonl"));
+    prepare(&config, &a, &["--max-tasks", "5"]);
+    prepare(&config, &b, &["--max-tasks", "5"]);
+    let text = std::fs::read(&a).unwrap();
+    assert_eq!(text, std::fs::read(&b).unwrap(), "seed 42: runs agree");
+
+    // The expected tasks: the server's listing, shuffled with seed 42, capped by the
+    // smaller of num_samples and --max-tasks.
+    let server = manta_envs::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        manta_envs::builtin_environments(),
+    )
+    .await
+    .unwrap();
+    let mut expected: Vec<(String, String, String)> = Vec::new();
+    // Environments in train_config key order (BTreeMap): Counter, then Digits.
+    for (env, variant, split, cap) in [
+        ("manta/Counter", "counter", "train", 5),
+        ("manta/Digits", "digits", "train", 2),
+        ("manta/Digits", "digits", "test", 2),
+    ] {
+        let client = OrsClient::new(OrsClientOptions {
+            variant: Some(variant.into()),
+            ..OrsClientOptions::new(server.base_url())
+        })
+        .unwrap();
+        let listed = client.list_tasks(split).await.unwrap();
+        assert!(listed.tasks.len() > cap);
+        let hashes: Vec<String> = listed.tasks.iter().map(task_hash).collect();
+        for h in shuffle_and_cap(hashes.clone(), 42, Some(cap as u64)) {
+            expected.push((env.into(), split.into(), h));
+        }
+        // A shuffle, not the server's order.
+        assert_ne!(
+            shuffle_and_cap(hashes.clone(), 42, Some(cap as u64)),
+            hashes[..cap].to_vec()
+        );
+    }
+    server.shutdown().await;
+
+    let lines = read_lines(&a);
+    let got: Vec<(String, String, String)> = lines
+        .iter()
+        .map(|(prompt, meta)| {
+            let server_env = if meta["env_name"] == "manta/Digits" {
+                "digits"
+            } else {
+                "counter"
+            };
+            check_line(prompt, meta, server_env)
+        })
+        .collect();
+    assert_eq!(got, expected);
+
+    // Without --max-tasks, num_samples alone caps Digits; Counter keeps all 1000, and
+    // the capped run is a prefix of the full shuffle.
+    let full = tmp.path().join("full.jsonl");
+    prepare(&config, &full, &[]);
+    let full_lines = read_lines(&full);
+    let count = |env: &str, split: &str| {
+        full_lines
+            .iter()
+            .filter(|(_, m)| m["env_name"] == env && m["split"] == split)
+            .count()
+    };
+    assert_eq!(count("manta/Counter", "train"), 1000);
+    assert_eq!(count("manta/Digits", "train"), 2);
+    assert_eq!(count("manta/Digits", "test"), 2);
+    assert_eq!(
+        full_lines[..5].iter().map(|l| &l.0).collect::<Vec<_>>(),
+        lines[..5].iter().map(|l| &l.0).collect::<Vec<_>>()
+    );
+
+    // The driver's reader takes the file back.
+    let tasks = read_tasks_jsonl(&a).unwrap();
+    assert_eq!(tasks.len(), 9);
+    for (t, (_, meta)) in tasks.iter().zip(&lines) {
+        assert_eq!(t.environment, meta["env_name"].as_str().unwrap());
+        assert_eq!(t.server_env, meta["environment_name"].as_str().unwrap());
+        assert_eq!(t.task_spec, meta["task_spec"]);
+    }
+}
+
+#[test]
+fn task_data_from_prepare_tasks_trains_a_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = tmp.path().join("tasks.jsonl");
+    // The repository's train_config.yaml: manta/Digits on the built-in server.
+    prepare(
+        &workspace().join("train_config.yaml"),
+        &tasks,
+        &["--max-tasks", "6"],
+    );
+    assert_eq!(read_lines(&tasks).len(), 6);
+    let runs = tmp.path().join("runs");
+    let out = driver(&[
+        "--cluster",
+        "cluster.toml",
+        "--task-data",
+        tasks.to_str().unwrap(),
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "from-tasks",
+        "--save",
+        tmp.path().join("ckpt").to_str().unwrap(),
+        "--save-interval",
+        "0",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("step ")).count(),
+        1,
+        "{stdout}"
+    );
+    let settings: Value = serde_json::from_str(
+        &std::fs::read_to_string(runs.join("from-tasks/settings.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(settings["task_data"], tasks.to_str().unwrap());
+    let rows = manta_telemetry::read_metrics(&runs.join("from-tasks/metrics.jsonl")).unwrap();
+    assert_eq!(rows.len(), 1);
+}
+
+/// The SDK server process; killed when dropped.
+struct PyServer(Child);
+
+impl Drop for PyServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_index_only_server() -> (PyServer, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/index_only_env.py");
+    let child = Command::new(python())
+        .arg(&script)
+        .args(["127.0.0.1", &port.to_string()])
+        .env("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {} {}: {e}", python().display(), script.display()));
+    let server = PyServer(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            let _ = s.write_all(b"GET /health HTTP/1.0\r\n\r\n");
+            let mut answer = String::new();
+            let _ = s.read_to_string(&mut answer);
+            if answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200") {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "SDK server did not come up on {base}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    (server, base)
+}
+
+#[test]
+fn sdk_server_that_refuses_listing_is_read_by_index() {
+    let (_server, base) = start_index_only_server();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("train_config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "environments:\n  Acme/IndexOnly:\n    url: {base}\n    splits: [train, test]\n    num_samples: 6\n"
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("tasks.jsonl");
+    prepare(&config, &out, &[]);
+    let lines = read_lines(&out);
+    let mut per_split: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (prompt, meta) in &lines {
+        let (env, split, _) = check_line(prompt, meta, "indexonlyenv");
+        assert_eq!(env, "Acme/IndexOnly");
+        assert_eq!(meta["task_spec"]["split"], split.as_str());
+        per_split
+            .entry(split)
+            .or_default()
+            .push(meta["task_spec"]["n"].as_i64().unwrap());
+    }
+    // train: 9 tasks capped at 6; test: all 4. Each is the seed-42 shuffle of the
+    // index order the fallback reads.
+    assert_eq!(
+        per_split["train"],
+        shuffle_and_cap((0..9).collect(), 42, Some(6))
+    );
+    assert_eq!(
+        per_split["test"],
+        shuffle_and_cap((0..4).collect(), 42, Some(6))
+    );
+    let split_order: Vec<&str> = lines
+        .iter()
+        .map(|(_, m)| m["split"].as_str().unwrap())
+        .collect();
+    assert_eq!(split_order[..6], ["train"; 6]);
+    assert_eq!(read_tasks_jsonl(&out).unwrap().len(), 10);
+}
