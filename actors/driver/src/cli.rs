@@ -146,6 +146,9 @@ pub struct TrainArgs {
     /// Gradient norm clip [1.0].
     #[arg(long)]
     pub clip_grad: Option<f64>,
+    /// Recompute each layer in backward instead of keeping activations [true].
+    #[arg(long, value_name = "BOOL")]
+    pub gradient_checkpointing: Option<bool>,
     /// Whole-episode token budget: prompt plus all turns [8192].
     #[arg(long)]
     pub context_len: Option<usize>,
@@ -183,6 +186,7 @@ impl TrainArgs {
             eps_clip: self.eps_clip,
             eps_clip_high: self.eps_clip_high,
             clip_grad: self.clip_grad,
+            gradient_checkpointing: self.gradient_checkpointing,
             context_len: self.context_len,
             task_data: self.task_data.clone(),
             run_name: self.run_name.clone(),

@@ -177,6 +177,7 @@ pub async fn start(
         max_tokens_per_gpu: settings.max_tokens_per_gpu,
         use_rollout_logprobs: false,
         logprob_chunk: 1024,
+        gradient_checkpointing: settings.gradient_checkpointing,
     };
     let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, trainer_opts)
         .await

@@ -134,6 +134,7 @@ fn three_local_steps_train_and_sync_then_resume() {
             max_tokens_per_gpu: 4096,
             use_rollout_logprobs: false,
             logprob_chunk: 64,
+            gradient_checkpointing: false,
         };
         manta_trainer::Trainer::new(opts).unwrap().export_weights()
     };

@@ -48,6 +48,9 @@ pub struct TrainerOptions {
     pub use_rollout_logprobs: bool,
     /// Rows per chunk when computing token log-probs.
     pub logprob_chunk: i64,
+    /// Recompute each layer in the backward pass instead of keeping its activations
+    /// (the cookbook always trains this way).
+    pub gradient_checkpointing: bool,
 }
 
 /// One step's data for this rank.
@@ -82,7 +85,8 @@ impl Trainer {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
-        let model = CausalLm::new(&vs.root(), &cfg);
+        let mut model = CausalLm::new(&vs.root(), &cfg);
+        model.set_gradient_checkpointing(opts.gradient_checkpointing);
         if has_weights(&opts.model_dir) {
             manta_model::load_weights(&mut vs, &opts.model_dir)?;
             info!(dir = %opts.model_dir.display(), "trainer loaded weights");
@@ -226,49 +230,52 @@ impl Trainer {
         let positions = Tensor::arange(width, (Kind::Int64, device))
             .unsqueeze(0)
             .expand([rows, width], false);
-        let hidden = self.model.forward_hidden(
+        let gather = Tensor::from_slice(&gather).to(device);
+        let targets = Tensor::from_slice(&targets).to(device);
+        let rollout_lp = Tensor::from_slice(&rollout_lp).to(device);
+        let adv = Tensor::from_slice(&adv).to(device);
+        let w = Tensor::from_slice(&weights).to(device);
+        let (model, opts) = (&self.model, &self.opts);
+        // forward_backward recomputes each layer in backward when gradient checkpointing
+        // is on; the loss closure also collects the step's metrics.
+        self.model.forward_backward(
             &input,
             &positions,
             &Attention::Causal {
                 key_mask: Some(&key_mask),
             },
-            None,
+            |hidden| {
+                let selected = hidden.view([rows * width, -1]).index_select(0, &gather);
+                let (logp, entropy) = manta_model::token_logprobs(
+                    model,
+                    &selected,
+                    &targets,
+                    opts.temperature,
+                    opts.logprob_chunk,
+                );
+                let logp = logp.to_kind(Kind::Float);
+                let old = if opts.use_rollout_logprobs {
+                    rollout_lp.shallow_clone()
+                } else {
+                    logp.detach()
+                };
+                let (loss_tok, clipfrac) = clipped_policy_loss(&logp, &old, &adv, opts.clip);
+                let loss = (&loss_tok * &w).sum(Kind::Float);
+                tch::no_grad(|| {
+                    acc.loss += loss.double_value(&[]);
+                    acc.clipfrac += (&clipfrac * &w).sum(Kind::Double).double_value(&[]);
+                    acc.kl += ((&old - &logp) * &w).sum(Kind::Double).double_value(&[]);
+                    acc.entropy += (entropy.to_kind(Kind::Float) * &w)
+                        .sum(Kind::Double)
+                        .double_value(&[]);
+                    acc.abs_diff_sum += (&logp - &rollout_lp)
+                        .abs()
+                        .sum(Kind::Double)
+                        .double_value(&[]);
+                });
+                loss
+            },
         );
-        let hidden = hidden.view([rows * width, -1]);
-        let gather = Tensor::from_slice(&gather).to(device);
-        let selected = hidden.index_select(0, &gather);
-        let targets = Tensor::from_slice(&targets).to(device);
-        let (logp, entropy) = manta_model::token_logprobs(
-            &self.model,
-            &selected,
-            &targets,
-            self.opts.temperature,
-            self.opts.logprob_chunk,
-        );
-        let logp = logp.to_kind(Kind::Float);
-        let rollout_lp = Tensor::from_slice(&rollout_lp).to(device);
-        let old = if self.opts.use_rollout_logprobs {
-            rollout_lp.shallow_clone()
-        } else {
-            logp.detach()
-        };
-        let adv = Tensor::from_slice(&adv).to(device);
-        let w = Tensor::from_slice(&weights).to(device);
-        let (loss_tok, clipfrac) = clipped_policy_loss(&logp, &old, &adv, self.opts.clip);
-        let loss = (&loss_tok * &w).sum(Kind::Float);
-        loss.backward();
-        tch::no_grad(|| {
-            acc.loss += loss.double_value(&[]);
-            acc.clipfrac += (&clipfrac * &w).sum(Kind::Double).double_value(&[]);
-            acc.kl += ((&old - &logp) * &w).sum(Kind::Double).double_value(&[]);
-            acc.entropy += (entropy.to_kind(Kind::Float) * &w)
-                .sum(Kind::Double)
-                .double_value(&[]);
-            acc.abs_diff_sum += (&logp - &rollout_lp)
-                .abs()
-                .sum(Kind::Double)
-                .double_value(&[]);
-        });
         acc.tokens += targets.size()[0] as usize;
         Ok(())
     }

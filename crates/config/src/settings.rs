@@ -31,6 +31,7 @@ pub struct TrainOverrides {
     pub eps_clip: Option<f64>,
     pub eps_clip_high: Option<f64>,
     pub clip_grad: Option<f64>,
+    pub gradient_checkpointing: Option<bool>,
     pub context_len: Option<usize>,
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
@@ -68,6 +69,8 @@ pub struct TrainSettings {
     pub eps_clip: f64,
     pub eps_clip_high: f64,
     pub clip_grad: f64,
+    /// Recompute layers in backward instead of storing activations.
+    pub gradient_checkpointing: bool,
     /// Whole-episode token budget (prompt + all turns).
     pub context_len: usize,
     /// tasks.jsonl to train from; `None` lists tasks from the environment servers.
@@ -103,6 +106,7 @@ impl TrainOverrides {
             eps_clip,
             eps_clip_high,
             clip_grad,
+            gradient_checkpointing,
             context_len,
             task_data,
             run_name,
@@ -204,6 +208,7 @@ impl TrainOverrides {
             eps_clip,
             eps_clip_high: self.eps_clip_high.unwrap_or(eps_clip),
             clip_grad: self.clip_grad.unwrap_or(1.0),
+            gradient_checkpointing: self.gradient_checkpointing.unwrap_or(true),
             context_len: self.context_len.unwrap_or(8192),
             task_data: self.task_data,
             run_name: self.run_name,
