@@ -238,7 +238,8 @@ impl Trainer {
         let (model, opts) = (&self.model, &self.opts);
         // forward_backward recomputes each layer in backward when gradient checkpointing
         // is on; the loss closure also collects the step's metrics.
-        self.model.forward_backward(
+        // The loss value is already accumulated inside the closure.
+        let _ = self.model.forward_backward(
             &input,
             &positions,
             &Attention::Causal {
