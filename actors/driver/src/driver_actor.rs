@@ -12,7 +12,8 @@ use manta_rollout::GenerationSettings;
 use manta_telemetry::{MetricsWriter, TensorBoardWriter};
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::{info, warn};
+use tracing::field::Empty;
+use tracing::{info, info_span, warn, Instrument};
 
 use crate::step::{run_step, StepActors};
 use crate::tasks::TaskSampler;
@@ -137,8 +138,26 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     let step = state.next_step;
     let start = (step - 1) * plan.rollout_batch_size as u64;
     let tasks = plan.sampler.draw(start, plan.rollout_batch_size);
-    let outcome = run_step(&plan.actors, step, &tasks, plan.n_samples, plan.generation).await?;
+    // Each step is the root of its own trace; episodes (local or on workers) hang off it.
+    // Integers as i64: OpenTelemetry has no unsigned attribute type.
+    let span = info_span!(
+        parent: None,
+        "step",
+        step = step as i64,
+        samples = (tasks.len() * plan.n_samples) as i64,
+        reward = Empty,
+        loss = Empty
+    );
+    let outcome = run_step(&plan.actors, step, &tasks, plan.n_samples, plan.generation)
+        .instrument(span.clone())
+        .await?;
     let m = &outcome.metrics;
+    if let Some(reward) = m.get("rollout/raw_reward") {
+        span.record("reward", reward);
+    }
+    if let Some(loss) = m.get("train/loss") {
+        span.record("loss", loss);
+    }
     plan.metrics
         .write_step(step, m)
         .with_context(|| format!("writing {}", plan.metrics.path().display()))?;
@@ -160,6 +179,7 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
             "some episodes failed and were left out of training"
         );
     }
+    append_trained_ids(&plan.run_dir, step, &outcome.trained_ids)?;
     state.trained_ids.extend(outcome.trained_ids);
     state.steps_done += 1;
     state.next_step += 1;
@@ -212,6 +232,21 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
         trained_ids: state.trained_ids.clone(),
         final_weight_version: version,
     })
+}
+
+/// Appends `{"step": N, "ids": [...]}` to `run_dir/trained_ids.jsonl`, so sample
+/// accounting (no id lost, none repeated) can be checked after a run.
+fn append_trained_ids(run_dir: &std::path::Path, step: u64, ids: &[u64]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let path = run_dir.join("trained_ids.jsonl");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    writeln!(file, "{}", serde_json::json!({"step": step, "ids": ids}))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// Saves `dir/step_NNNNNN` and then points `dir/latest` at it (written atomically), so

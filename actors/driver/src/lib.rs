@@ -6,6 +6,7 @@ pub mod driver_actor;
 pub mod generate;
 pub mod local;
 pub mod prepare_tasks;
+pub mod remote;
 pub mod run;
 pub mod step;
 pub mod tasks;

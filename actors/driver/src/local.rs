@@ -12,7 +12,7 @@ use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
-use manta_rollout::ors::{OrsClient, OrsClientOptions};
+use manta_rollout::ors::OrsClient;
 use manta_rollout::{
     EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
 };
@@ -25,10 +25,7 @@ use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
 
-/// The value of an environment's `url` that means "Manta's built-in server".
-pub const BUILTIN_URL: &str = "builtin";
-/// Where environments live when train_config.yaml names no `url`.
-pub const DEFAULT_SESSION_URL: &str = "https://sessions.openreward.ai";
+pub use manta_runtime::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
 
 /// Handles to everything local mode started.
 pub struct LocalWorker {
@@ -103,42 +100,15 @@ pub(crate) fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
-    let mut out = BTreeMap::new();
-    for (name, env) in &train.environments {
-        let builtin = env.url.as_deref() == Some(BUILTIN_URL);
-        let base_url = match env.url.as_deref() {
-            Some(BUILTIN_URL) => builtin_url
-                .context("the built-in environment server is not running")?
-                .to_string(),
-            Some(url) => url.to_string(),
-            None => std::env::var("OPENREWARD_SESSION_URL")
-                .unwrap_or_else(|_| DEFAULT_SESSION_URL.to_string()),
-        };
-        let options = OrsClientOptions {
-            base_url,
-            api_key: std::env::var("OPENREWARD_API_KEY").ok(),
-            deployment: (!builtin).then(|| name.clone()),
-            variant: env.variant.clone(),
-            secrets: train.resolved_secrets(name),
-            request_timeout: Duration::from_secs(120),
-            ..OrsClientOptions::new(String::new())
-        };
-        let client = OrsClient::new(options).with_context(|| format!("environment {name}"))?;
-        out.insert(name.clone(), (client, builtin));
-    }
-    Ok(out)
-}
-
-/// Token ids that end a generate call: the end of a turn, the end of a tool call, EOS.
-fn stop_token_ids(tokenizer: &Tokenizer) -> Vec<u32> {
-    let mut ids: Vec<u32> = ["<|im_end|>", "</tool_call>", "<|endoftext|>"]
-        .iter()
-        .filter_map(|t| tokenizer.token_to_id(t))
-        .chain(tokenizer.eos_token_id())
-        .collect();
-    ids.sort_unstable();
-    ids.dedup();
-    ids
+    Ok(
+        manta_runtime::spawn::environment_clients(train, builtin_url)?
+            .into_iter()
+            .map(|(name, client)| {
+                let builtin = train.environments[&name].url.as_deref() == Some(BUILTIN_URL);
+                (name, (client, builtin))
+            })
+            .collect(),
+    )
 }
 
 /// Starts the local worker's actors.

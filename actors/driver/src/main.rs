@@ -10,7 +10,14 @@ use manta_driver::cli::{Cli, Command};
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    manta_telemetry::init_logging();
+    let _telemetry = manta_telemetry::init_logging("manta-driver");
+    let code = run(cli).await;
+    // Export the last spans while the runtime (which runs the OTLP connection) is up.
+    manta_telemetry::shutdown_tracing();
+    code
+}
+
+async fn run(cli: Cli) -> ExitCode {
     let args = match cli.command {
         Some(Command::Train(args)) => args,
         Some(Command::Generate(args)) => {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
+use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
 use manta_rollout::{GenerationSettings, TaskRef};
 use manta_telemetry::MetricsWriter;
 use manta_trainer::TrainerMsg;
@@ -18,7 +18,7 @@ use tracing::info;
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
 use crate::local::{self, LocalWorker};
-use crate::step::StepActors;
+use crate::step::{Rollouts, StepActors};
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 
 /// Configuration after all layers are applied.
@@ -82,7 +82,7 @@ async fn list_tasks(worker: &LocalWorker, train: &TrainConfig) -> anyhow::Result
     Ok(tasks)
 }
 
-fn default_run_name() -> String {
+pub(crate) fn default_run_name() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -105,14 +105,19 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         lr = settings.lr,
         "starting local training"
     );
+    if cluster.mode == ClusterMode::Remote {
+        return crate::remote::train_remote(cluster, train, settings, stop).await;
+    }
     let worker = local::start(&cluster, &train, &settings).await?;
-    let result = run_with_worker(&worker, &train, &settings, stop).await;
+    let rollouts = Rollouts::Local(worker.rollouts.clone());
+    let result = run_with_worker(&worker, rollouts, &train, &settings, stop).await;
     worker.shutdown().await;
     result
 }
 
-async fn run_with_worker(
+pub(crate) async fn run_with_worker(
     worker: &LocalWorker,
+    rollouts: Rollouts,
     train: &TrainConfig,
     settings: &TrainSettings,
     stop: Arc<AtomicBool>,
@@ -148,6 +153,10 @@ async fn run_with_worker(
         call!(worker.weight_sync, WeightSyncMsg::Sync, step)
             .context("weight sync did not answer")?
             .context("syncing resumed weights to the engines")?;
+        rollouts
+            .publish_weights(&worker.trainer, step)
+            .await
+            .context("publishing resumed weights to the workers")?;
         info!(checkpoint = %checkpoint.display(), step, "resumed");
         first_step = step + 1;
     }
@@ -165,7 +174,7 @@ async fn run_with_worker(
     let plan = RunPlan {
         actors: StepActors {
             trainer: worker.trainer.clone(),
-            rollouts: worker.rollouts.clone(),
+            rollouts,
             weight_sync: worker.weight_sync.clone(),
         },
         sampler: TaskSampler::new(tasks, settings.seed),

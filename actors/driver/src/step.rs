@@ -1,6 +1,8 @@
 //! One synchronous training step: rollouts → advantages → GRPO step → weight sync.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -17,8 +19,93 @@ use tracing::warn;
 /// The actors a step talks to.
 pub struct StepActors {
     pub trainer: ActorRef<TrainerMsg>,
-    pub rollouts: Vec<ActorRef<RolloutMsg>>,
+    pub rollouts: Rollouts,
     pub weight_sync: ActorRef<WeightSyncMsg>,
+}
+
+/// Where rollouts run: in-process actors, or actors on worker daemons. The step loop
+/// calls both the same way.
+pub enum Rollouts {
+    Local(Vec<ActorRef<RolloutMsg>>),
+    Remote {
+        pool: Arc<manta_runtime::RemotePool>,
+        /// Where each step's weights are written for workers to load.
+        weights_dir: PathBuf,
+    },
+}
+
+impl Rollouts {
+    /// Runs every request and returns one sample per request.
+    pub async fn run_episodes(
+        &self,
+        requests: Vec<EpisodeRequest>,
+        n_samples: usize,
+        generation: GenerationSettings,
+    ) -> anyhow::Result<Vec<Sample>> {
+        match self {
+            Rollouts::Local(actors) => run_local(actors, requests, n_samples, generation).await,
+            Rollouts::Remote { pool, .. } => Ok(pool.run_episodes(requests, generation).await?),
+        }
+    }
+
+    /// After the trainer's step: remote engines load the new weights from disk.
+    pub(crate) async fn publish_weights(
+        &self,
+        trainer: &ActorRef<TrainerMsg>,
+        version: u64,
+    ) -> anyhow::Result<()> {
+        let Rollouts::Remote { pool, weights_dir } = self else {
+            return Ok(());
+        };
+        let weights =
+            call!(trainer, TrainerMsg::ExportWeights).context("the trainer did not answer")?;
+        let dir = weights_dir.join(format!("v{version:06}"));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let file = dir.join("model.safetensors");
+        tch::Tensor::write_safetensors(&weights, &file)
+            .with_context(|| format!("writing {}", file.display()))?;
+        pool.load_weights(&dir.to_string_lossy(), version).await?;
+        // Only the current version is needed (a rejoining node loads it); drop the last.
+        if let Some(previous) = version.checked_sub(1) {
+            let _ = std::fs::remove_dir_all(weights_dir.join(format!("v{previous:06}")));
+        }
+        Ok(())
+    }
+
+    /// Worker nodes answering heartbeats (remote mode only).
+    fn live_nodes(&self) -> Option<usize> {
+        match self {
+            Rollouts::Local(_) => None,
+            Rollouts::Remote { pool, .. } => Some(pool.live_nodes()),
+        }
+    }
+}
+
+/// Whole groups go to one rollout actor, round robin.
+async fn run_local(
+    rollouts: &[ActorRef<RolloutMsg>],
+    requests: Vec<EpisodeRequest>,
+    n_samples: usize,
+    generation: GenerationSettings,
+) -> anyhow::Result<Vec<Sample>> {
+    let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); rollouts.len()];
+    for (k, request) in requests.into_iter().enumerate() {
+        let group = k / n_samples;
+        shares[group % rollouts.len()].push(request);
+    }
+    let calls =
+        rollouts
+            .iter()
+            .zip(shares)
+            .filter(|(_, share)| !share.is_empty())
+            .map(|(actor, share)| async move {
+                call!(actor, RolloutMsg::RunEpisodes, share, generation)
+            });
+    let mut samples: Vec<Sample> = Vec::new();
+    for result in join_all(calls).await {
+        samples.extend(result.context("a rollout actor failed")?);
+    }
+    Ok(samples)
 }
 
 /// What a step produced.
@@ -49,25 +136,10 @@ pub async fn run_step(
             });
         }
     }
-    // Whole groups go to one rollout actor, round robin.
-    let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); actors.rollouts.len()];
-    for (k, request) in requests.into_iter().enumerate() {
-        let group = k / n_samples;
-        shares[group % actors.rollouts.len()].push(request);
-    }
-    let calls =
-        actors
-            .rollouts
-            .iter()
-            .zip(shares)
-            .filter(|(_, share)| !share.is_empty())
-            .map(|(actor, share)| async move {
-                call!(actor, RolloutMsg::RunEpisodes, share, generation)
-            });
-    let mut samples: Vec<Sample> = Vec::new();
-    for result in join_all(calls).await {
-        samples.extend(result.context("a rollout actor failed")?);
-    }
+    let samples = actors
+        .rollouts
+        .run_episodes(requests, n_samples, generation)
+        .await?;
     let rollout_time = started.elapsed().as_secs_f64();
 
     let mut m = rollout_metrics(&samples);
@@ -97,6 +169,14 @@ pub async fn run_step(
     let report = call!(actors.weight_sync, WeightSyncMsg::Sync, step)
         .context("weight sync did not answer")?
         .context("weight sync failed")?;
+    actors
+        .rollouts
+        .publish_weights(&actors.trainer, report.version)
+        .await
+        .context("publishing weights to the workers")?;
+    if let Some(live) = actors.rollouts.live_nodes() {
+        m.insert("cluster/live_nodes".into(), live as f64);
+    }
     m.insert(
         "perf/update_weights_time".into(),
         sync_started.elapsed().as_secs_f64(),

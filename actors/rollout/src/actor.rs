@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures::stream::{self, StreamExt};
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tracing::Instrument;
 
 use crate::engine::{EngineError, NamedTensors};
 use crate::episode::{
@@ -73,12 +74,18 @@ impl Actor for RolloutActor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             RolloutMsg::RunEpisodes(requests, settings, reply) => {
-                // Episodes run on their own task so the mailbox stays responsive.
+                // Episodes run on their own task so the mailbox stays responsive. ractor
+                // runs `handle` in the sender's span (the driver's `step`); the spawned task
+                // would lose it, so carry it over: episode spans are the step's children.
                 let shared = state.shared.clone();
-                tokio::spawn(async move {
-                    let samples = run_all(&shared, requests, settings).await;
-                    let _ = reply.send(samples);
-                });
+                let parent = tracing::Span::current();
+                tokio::spawn(
+                    async move {
+                        let samples = run_all(&shared, requests, settings).await;
+                        let _ = reply.send(samples);
+                    }
+                    .instrument(parent),
+                );
             }
             RolloutMsg::UpdateWeights(weights, version, reply) => {
                 let result = state

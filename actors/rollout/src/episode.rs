@@ -8,6 +8,7 @@ use manta_config::{format_system_prompt, EnvironmentConfig};
 use manta_core::pyjson::dumps;
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use serde_json::{json, Map, Value};
+use tracing::field::Empty;
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::chat::ChatFormat;
@@ -146,7 +147,17 @@ pub async fn run_episode(
     request: &EpisodeRequest,
     settings: GenerationSettings,
 ) -> Sample {
-    let span = info_span!("episode", env = %env.name, task = %request.task.task_hash, sample = request.sample_id);
+    let span = info_span!(
+        "episode",
+        env = %env.name,
+        task = %request.task.task_hash,
+        sample = request.sample_id as i64,
+        reward = Empty,
+        turns = Empty,
+        stop_reason = Empty,
+        tokens = Empty
+    );
+    let recorder = span.clone();
     async {
         let mut meta = EpisodeMetadata {
             environment: env.name.clone(),
@@ -210,6 +221,11 @@ pub async fn run_episode(
             "episode done"
         );
         let response_length = traj.response.len();
+        recorder.record("reward", reward);
+        // i64: OpenTelemetry has no unsigned attribute type.
+        recorder.record("turns", i64::from(meta.num_turns));
+        recorder.record("stop_reason", outcome.stop_reason);
+        recorder.record("tokens", (traj.prompt.len() + response_length) as i64);
         let version = traj.weight_version;
         let mut tokens = traj.prompt;
         tokens.extend(traj.response);
@@ -273,6 +289,8 @@ async fn episode_loop(
     let tokenizer = ctx.chat.tokenizer();
     for turn in 0..env.config.max_turns {
         meta.num_turns = turn as u32 + 1;
+        // Lives until the end of this iteration; this turn's generate and tool calls nest in it.
+        let turn_span = info_span!("turn", turn = turn as i64);
         let budget = settings.context_len.saturating_sub(traj.len());
         let max_new = settings.max_response_len.min(budget);
         if max_new == 0 {
@@ -296,7 +314,7 @@ async fn episode_loop(
         let out = match ctx
             .engine
             .generate(request)
-            .instrument(info_span!("generate", turn))
+            .instrument(info_span!(parent: &turn_span, "generate", turn = turn as i64))
             .await
         {
             Ok(out) => out,
@@ -330,7 +348,7 @@ async fn episode_loop(
                 log(tool_call_message(&call.name, &call.arguments, &call_id));
                 let result = session
                     .call(&call.name, Value::Object(call.arguments))
-                    .instrument(info_span!("tool_call", turn, tool = %call.name))
+                    .instrument(info_span!(parent: &turn_span, "tool_call", turn = turn as i64, tool = %call.name))
                     .await;
                 match result {
                     Ok(ToolResult::Ok {
@@ -388,7 +406,7 @@ async fn episode_loop(
                     log(tool_call_message(&terminal_tool.name, &input, &call_id));
                     let result = session
                         .call(&terminal_tool.name, Value::Object(input))
-                        .instrument(info_span!("tool_call", turn, tool = %terminal_tool.name))
+                        .instrument(info_span!(parent: &turn_span, "tool_call", turn = turn as i64, tool = %terminal_tool.name))
                         .await;
                     match result {
                         Ok(ToolResult::Ok {

@@ -29,13 +29,37 @@ pub enum EngineKind {
     Sglang,
 }
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClusterSection {
     #[serde(default)]
     mode: ClusterMode,
     /// train_config.yaml to use when `--config` is not given, relative to cluster.toml.
     train_config: Option<PathBuf>,
+    /// Remote mode: how often the driver heartbeats each worker.
+    #[serde(default = "default_heartbeat_ms")]
+    heartbeat_interval_ms: u64,
+    /// Remote mode: a worker silent this long is dead and its episodes move elsewhere.
+    #[serde(default = "default_dead_after_ms")]
+    dead_after_ms: u64,
+}
+
+fn default_heartbeat_ms() -> u64 {
+    1000
+}
+fn default_dead_after_ms() -> u64 {
+    3000
+}
+
+/// `[[nodes]]`: a worker daemon the driver uses in remote mode.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// `host:port` the worker listens on.
+    pub address: String,
+    /// GPUs the node must offer (empty for CPU-only local-model mode).
+    #[serde(default)]
+    pub gpus: Vec<u32>,
 }
 
 /// `[rollout]`: engines and episode concurrency.
@@ -44,7 +68,7 @@ struct ClusterSection {
 pub struct RolloutSection {
     #[serde(default)]
     pub engine: EngineKind,
-    /// Number of rollout actors (engines) in local mode.
+    /// Number of rollout actors (engines) in local mode; per node in remote mode.
     #[serde(default = "one")]
     pub engines: usize,
     /// Episodes in flight per rollout actor.
@@ -53,6 +77,17 @@ pub struct RolloutSection {
     /// Largest batch the native engine decodes at once.
     #[serde(default = "default_engine_batch")]
     pub max_batch_size: usize,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            mode: ClusterMode::Local,
+            train_config: None,
+            heartbeat_interval_ms: default_heartbeat_ms(),
+            dead_after_ms: default_dead_after_ms(),
+        }
+    }
 }
 
 fn one() -> usize {
@@ -85,6 +120,8 @@ struct RawCluster {
     rollout: RolloutSection,
     #[serde(default)]
     train: TrainOverrides,
+    #[serde(default)]
+    nodes: Vec<NodeConfig>,
 }
 
 /// The parsed `cluster.toml`.
@@ -98,6 +135,10 @@ pub struct ClusterConfig {
     pub rollout: RolloutSection,
     /// Defaults for the training flags (`[train]`), below the command line.
     pub train: TrainOverrides,
+    /// Worker daemons (remote mode only).
+    pub nodes: Vec<NodeConfig>,
+    pub heartbeat_interval_ms: u64,
+    pub dead_after_ms: u64,
 }
 
 impl ClusterConfig {
@@ -112,14 +153,7 @@ impl ClusterConfig {
             path: path.to_path_buf(),
             message: e.to_string().trim_end().to_string(),
         })?;
-        if raw.cluster.mode == ClusterMode::Remote {
-            return Err(ConfigError::invalid(
-                path,
-                "cluster.mode",
-                "\"remote\"",
-                "worker daemons are not available in this build yet; use \"local\"",
-            ));
-        }
+        validate_remote(&raw, path)?;
         if raw.rollout.engine == EngineKind::Sglang {
             return Err(ConfigError::invalid(
                 path,
@@ -148,8 +182,83 @@ impl ClusterConfig {
             train_config: raw.cluster.train_config.map(|p| base.join(p)),
             rollout: raw.rollout,
             train: raw.train,
+            nodes: raw.nodes,
+            heartbeat_interval_ms: raw.cluster.heartbeat_interval_ms,
+            dead_after_ms: raw.cluster.dead_after_ms,
         })
     }
+}
+
+/// Remote mode needs nodes with `host:port` addresses, and heartbeats faster than the
+/// dead-node timeout; local mode must not list nodes.
+fn validate_remote(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
+    let c = &raw.cluster;
+    match c.mode {
+        ClusterMode::Local => {
+            if !raw.nodes.is_empty() {
+                return Err(ConfigError::invalid(
+                    path,
+                    "nodes",
+                    format!("{} entries", raw.nodes.len()),
+                    "[[nodes]] are only used with cluster.mode = \"remote\"",
+                ));
+            }
+        }
+        ClusterMode::Remote => {
+            if raw.nodes.is_empty() {
+                return Err(ConfigError::invalid(
+                    path,
+                    "nodes",
+                    "[]",
+                    "remote mode needs at least one [[nodes]] entry with an address",
+                ));
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for (i, n) in raw.nodes.iter().enumerate() {
+                let key = format!("nodes[{i}].address");
+                let ok = n
+                    .address
+                    .rsplit_once(':')
+                    .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+                if !ok {
+                    return Err(ConfigError::invalid(
+                        path,
+                        key,
+                        format!("{:?}", n.address),
+                        "must be host:port",
+                    ));
+                }
+                if !seen.insert(n.address.clone()) {
+                    return Err(ConfigError::invalid(
+                        path,
+                        key,
+                        format!("{:?}", n.address),
+                        "is listed twice",
+                    ));
+                }
+            }
+        }
+    }
+    if c.heartbeat_interval_ms == 0 {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.heartbeat_interval_ms",
+            0,
+            "must be at least 1",
+        ));
+    }
+    if c.dead_after_ms <= c.heartbeat_interval_ms {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.dead_after_ms",
+            c.dead_after_ms,
+            format!(
+                "must be longer than cluster.heartbeat_interval_ms ({})",
+                c.heartbeat_interval_ms
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -186,6 +295,49 @@ mod tests {
         let err = parse("[train]\nlr = \"fast\"\n").unwrap_err().to_string();
         assert!(err.contains("lr"), "{err}");
         assert!(err.contains("fast") || err.contains("string"), "{err}");
+    }
+
+    #[test]
+    fn remote_mode_parses_nodes_and_timeouts() {
+        let c = parse(
+            "[cluster]\nmode = \"remote\"\nheartbeat_interval_ms = 200\n\n[[nodes]]\naddress = \"127.0.0.1:7001\"\ngpus = [0, 1]\n\n[[nodes]]\naddress = \"10.0.0.2:7001\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.mode, ClusterMode::Remote);
+        assert_eq!(c.nodes.len(), 2);
+        assert_eq!(c.nodes[0].gpus, vec![0, 1]);
+        assert_eq!((c.heartbeat_interval_ms, c.dead_after_ms), (200, 3000));
+    }
+
+    #[test]
+    fn remote_mode_errors_name_key_and_value() {
+        let err = parse("[cluster]\nmode = \"remote\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("nodes") && err.contains("at least one"),
+            "{err}"
+        );
+        let err = parse("[cluster]\nmode = \"remote\"\n[[nodes]]\naddress = \"localhost\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("nodes[0].address") && err.contains("localhost"),
+            "{err}"
+        );
+        let err = parse(
+            "[cluster]\nmode = \"remote\"\ndead_after_ms = 500\n[[nodes]]\naddress = \"h:1\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.dead_after_ms") && err.contains("500"),
+            "{err}"
+        );
+        let err = parse("[[nodes]]\naddress = \"h:1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only used with"), "{err}");
     }
 
     #[test]

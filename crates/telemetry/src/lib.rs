@@ -1,12 +1,17 @@
-//! What a run leaves behind for people: console logs, `metrics.jsonl`, TensorBoard
-//! event files, and a PNG plot.
+//! What a run leaves behind for people: console logs, OpenTelemetry spans, `metrics.jsonl`,
+//! TensorBoard event files, and a PNG plot.
 
 pub mod logging;
 pub mod metrics;
 pub mod plot;
 pub mod tensorboard;
+pub mod trace_context;
 
-pub use logging::init_logging;
+pub use logging::{init_logging, shutdown_tracing, TracingGuard, OTLP_ENDPOINT_ENV};
 pub use metrics::{read_metrics, MetricsWriter, StepMetrics};
 pub use plot::{plot_reward_and_loss, PlotError};
 pub use tensorboard::TensorBoardWriter;
+pub use trace_context::{
+    inject_into_metadata, inject_trace_context, set_parent_from, set_parent_from_metadata,
+    span_with_remote_parent,
+};

@@ -1,0 +1,51 @@
+//! `worker`: the daemon that hosts rollout actors on one node for a remote-mode driver.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// Hosts Manta actors on this node; the driver spawns, calls and stops them over gRPC.
+/// Every call must carry the cluster token (MANTA_CLUSTER_TOKEN or MANTA_CLUSTER_TOKEN_FILE).
+#[derive(Parser, Debug)]
+#[command(name = "worker", version)]
+struct Args {
+    /// Address to serve gRPC on, e.g. 0.0.0.0:7100.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// GPUs this node offers, e.g. 0,1 (none: CPU only).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<u32>,
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let _telemetry = manta_telemetry::init_logging("manta-worker");
+    let token = match manta_runtime::load_token() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: listening on {}: {e}", args.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("worker listening on {}", args.listen);
+    let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
+    let stop = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    match manta_runtime::serve(daemon, listener, token, stop).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Remote mode end to end: two real `worker` processes on loopback, the real `driver`
+//! training 3 steps on them. One worker is SIGKILLed mid-run and restarted on the same
+//! port: the run completes, the trained sample ids have no gap and no repeat, and the
+//! restarted worker rejoins. Callers without the right token are refused.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use manta_telemetry::read_metrics;
+
+const TOKEN: &str = "e2e-cluster-token";
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Worker(Child);
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_worker(port: u16, log: &Path) -> Worker {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env("MANTA_CLUSTER_TOKEN", TOKEN)
+        .env_remove("MANTA_CLUSTER_TOKEN_FILE")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("worker starts");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "worker on {port} never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Worker(child)
+}
+
+#[test]
+fn worker_cli_documents_itself_and_needs_a_token() {
+    let help = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("--listen") && text.contains("--gpus"),
+        "{text}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .env_remove("MANTA_CLUSTER_TOKEN")
+        .env_remove("MANTA_CLUSTER_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("MANTA_CLUSTER_TOKEN"), "{err}");
+    // The token may come from a file instead.
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("token");
+    std::fs::write(&file, format!("{TOKEN}\n")).unwrap();
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env_remove("MANTA_CLUSTER_TOKEN")
+        .env("MANTA_CLUSTER_TOKEN_FILE", &file)
+        .stderr(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "worker never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = manta_runtime::WorkerClient::new(&format!("127.0.0.1:{port}"), TOKEN).unwrap();
+        client.describe(Duration::from_secs(5)).await.unwrap();
+        // Shutdown over gRPC stops the daemon.
+        client.shutdown().await.unwrap();
+    });
+    let status = child.wait().unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn callers_without_the_token_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _worker = start_worker(port, &tmp.path().join("worker.log"));
+    let addr = format!("127.0.0.1:{port}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let wrong = manta_runtime::WorkerClient::new(&addr, "not-the-token").unwrap();
+        let err = wrong
+            .describe(Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&addr) && err.contains("wrong cluster token"),
+            "{err}"
+        );
+        let mut bare =
+            manta_proto::cluster::worker_client::WorkerClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+        let status = bare
+            .describe(manta_proto::common::Empty {})
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        assert!(
+            status.message().contains("missing cluster token"),
+            "{status:?}"
+        );
+        let right = manta_runtime::WorkerClient::new(&addr, TOKEN).unwrap();
+        assert!(right.describe(Duration::from_secs(5)).await.is_ok());
+    });
+}
+
+#[test]
+fn two_workers_train_through_a_killed_and_restarted_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = [free_port(), free_port()];
+    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
+    let _w0 = start_worker(ports[0], &logs[0]);
+    let mut w1 = Some(start_worker(ports[1], &logs[1]));
+    let ws = workspace();
+    let cluster = tmp.path().join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
+             [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
+             [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
+            ws.join("train_config.yaml").display(),
+            ws.join("assets/tiny-qwen3").display(),
+            ports[0],
+            ports[1]
+        ),
+    )
+    .unwrap();
+    let runs = tmp.path().join("runs");
+    let save = tmp.path().join("ckpt");
+    let driver_log = tmp.path().join("driver.log");
+    let mut driver = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(&ws)
+        .args([
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--runs-dir",
+            runs.to_str().unwrap(),
+            "--save",
+            save.to_str().unwrap(),
+            "--save-interval",
+            "0",
+            "--rollout-batch-size",
+            "8",
+            "--n-samples",
+            "4",
+            "--num-rollout",
+            "3",
+            "--run-name",
+            "remote",
+        ])
+        .env("MANTA_CLUSTER_TOKEN", TOKEN)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&driver_log).unwrap())
+        .spawn()
+        .expect("driver starts");
+    let stdout = driver.stdout.take().unwrap();
+    let mut lines = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if line.starts_with("step ") && lines.iter().all(|l: &String| !l.starts_with("step ")) {
+            // Step 2's rollouts start now: kill worker 1 under them, then restart it.
+            drop(w1.take());
+            w1 = Some(start_worker(ports[1], &logs[1]));
+        }
+        lines.push(line);
+    }
+    let status = driver.wait().unwrap();
+    let stderr = std::fs::read_to_string(&driver_log).unwrap();
+    assert!(
+        status.success(),
+        "driver failed\nstdout:\n{}\nstderr:\n{stderr}",
+        lines.join("\n")
+    );
+    assert_eq!(lines.iter().filter(|l| l.starts_with("step ")).count(), 3);
+
+    // Every sample id of the 3 steps trained exactly once.
+    let text = std::fs::read_to_string(runs.join("remote/trained_ids.jsonl")).unwrap();
+    let mut ids: Vec<u64> = text
+        .lines()
+        .flat_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, (0..96).collect::<Vec<u64>>(), "{stderr}");
+
+    // Weights reached the workers each step; the restarted worker came back.
+    let rows = read_metrics(&runs.join("remote/metrics.jsonl")).unwrap();
+    assert_eq!(rows[0].1["cluster/live_nodes"], 2.0);
+    for (step, m) in &rows {
+        assert_eq!(m["weights/version"], *step as f64);
+        assert!(m["train/grad_norm"] > 0.0);
+    }
+    assert!(stderr.contains("node rejoined"), "{stderr}");
+    assert!(
+        std::fs::read_to_string(&logs[1])
+            .unwrap()
+            .matches("weights loaded")
+            .count()
+            >= 1
+    );
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step_000003"
+    );
+}
+
+#[test]
+fn unsatisfiable_placement_is_reported_before_anything_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = workspace();
+    let port = free_port();
+    let cluster = tmp.path().join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\n\n[train]\nmodel = \"{}\"\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{port}\"\n",
+            ws.join("train_config.yaml").display(),
+            ws.join("assets/tiny-qwen3").display(),
+        ),
+    )
+    .unwrap();
+    let runs = tmp.path().join("runs");
+    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(&ws)
+        .args([
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--runs-dir",
+            runs.to_str().unwrap(),
+            "--run-name",
+            "never",
+        ])
+        .env("MANTA_CLUSTER_TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("placement cannot be satisfied") && err.contains(&format!("127.0.0.1:{port}")),
+        "{err}"
+    );
+    assert!(!runs.join("never").exists(), "the run started anyway");
+}

@@ -1,0 +1,171 @@
+//! A typed client for one worker daemon; every call carries the cluster token and
+//! every error names the worker's address.
+
+use std::time::Duration;
+
+use manta_proto::cluster as cpb;
+use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
+use manta_proto::common as pb;
+use manta_proto::rollout as rpb;
+use manta_proto::rollout::rollout_client::RolloutClient as RolloutRpc;
+use manta_rollout::{EpisodeRequest, GenerationSettings};
+use tonic::codegen::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::auth::BearerToken;
+use crate::convert::request_to_pb;
+use crate::spawn::RolloutSpawnConfig;
+use crate::RuntimeError;
+
+type Authed = InterceptedService<Channel, BearerToken>;
+
+/// One worker, reached over gRPC. Cheap to clone; the channel reconnects by itself
+/// when a worker restarts on the same address.
+#[derive(Clone)]
+pub struct WorkerClient {
+    addr: String,
+    worker: WorkerRpc<Authed>,
+    rollout: RolloutRpc<Authed>,
+}
+
+impl WorkerClient {
+    /// A lazily connecting client for `addr` (`host:port`).
+    pub fn new(addr: &str, token: &str) -> Result<Self, RuntimeError> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| RuntimeError::Address {
+                addr: addr.to_string(),
+                message: e.to_string(),
+            })?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let channel = endpoint.connect_lazy();
+        let auth = BearerToken::new(token)?;
+        Ok(Self {
+            addr: addr.to_string(),
+            worker: WorkerRpc::with_interceptor(channel.clone(), auth.clone()),
+            rollout: RolloutRpc::with_interceptor(channel, auth),
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn rpc(&self, status: tonic::Status) -> RuntimeError {
+        RuntimeError::Rpc {
+            addr: self.addr.clone(),
+            status,
+        }
+    }
+
+    async fn timed<T>(
+        &self,
+        limit: Duration,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, RuntimeError> {
+        match tokio::time::timeout(limit, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(status)) => Err(self.rpc(status)),
+            Err(_) => Err(RuntimeError::Timeout {
+                addr: self.addr.clone(),
+                ms: limit.as_millis() as u64,
+            }),
+        }
+    }
+
+    pub async fn describe(&self, limit: Duration) -> Result<cpb::NodeResources, RuntimeError> {
+        let mut c = self.worker.clone();
+        self.timed(limit, c.describe(pb::Empty {})).await
+    }
+
+    pub async fn heartbeat(
+        &self,
+        sequence: u64,
+        limit: Duration,
+    ) -> Result<cpb::HeartbeatReply, RuntimeError> {
+        let mut c = self.worker.clone();
+        self.timed(limit, c.heartbeat(cpb::HeartbeatRequest { sequence }))
+            .await
+    }
+
+    /// Starts a rollout actor named `name` on the worker.
+    pub async fn spawn_rollout(
+        &self,
+        name: &str,
+        cfg: &RolloutSpawnConfig,
+    ) -> Result<(), RuntimeError> {
+        let config_json =
+            serde_json::to_string(cfg).map_err(|e| RuntimeError::Spawn(e.to_string()))?;
+        let mut c = self.worker.clone();
+        self.timed(
+            Duration::from_secs(120),
+            c.spawn_actor(cpb::SpawnActorRequest {
+                kind: cpb::ActorKind::Rollout as i32,
+                name: name.to_string(),
+                gpus: Vec::new(),
+                config_json,
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Loads `directory/model.safetensors` into every rollout actor on the worker.
+    pub async fn load_weights(&self, directory: &str, version: u64) -> Result<(), RuntimeError> {
+        let mut c = self.worker.clone();
+        self.timed(
+            Duration::from_secs(120),
+            c.load_weights(cpb::LoadWeightsRequest {
+                directory: directory.to_string(),
+                version,
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    pub async fn stop_actor(&self, name: &str) -> Result<(), RuntimeError> {
+        let mut c = self.worker.clone();
+        self.timed(
+            Duration::from_secs(10),
+            c.stop_actor(cpb::StopActorRequest {
+                name: name.to_string(),
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    pub async fn shutdown(&self) -> Result<(), RuntimeError> {
+        let mut c = self.worker.clone();
+        self.timed(Duration::from_secs(10), c.shutdown(pb::Empty {}))
+            .await?;
+        Ok(())
+    }
+
+    /// Starts episodes on actor `actor`; samples stream back as they finish.
+    pub async fn run_episodes(
+        &self,
+        actor: &str,
+        episodes: &[EpisodeRequest],
+        settings: GenerationSettings,
+    ) -> Result<tonic::Streaming<pb::Sample>, RuntimeError> {
+        let mut c = self.rollout.clone();
+        let request = rpb::RunEpisodesRequest {
+            episodes: episodes.iter().map(request_to_pb).collect(),
+            temperature: settings.temperature as f32,
+            max_response_len: settings.max_response_len as u32,
+            actor: actor.to_string(),
+            context_len: settings.context_len as u32,
+        };
+        let mut request = tonic::Request::new(request);
+        manta_telemetry::inject_into_metadata(&tracing::Span::current(), request.metadata_mut());
+        self.timed(Duration::from_secs(30), c.run_episodes(request))
+            .await
+    }
+
+    /// Maps a streaming error to one that names this worker.
+    pub fn stream_error(&self, status: tonic::Status) -> RuntimeError {
+        self.rpc(status)
+    }
+}

@@ -1,0 +1,42 @@
+//! The cluster runtime: what lets the driver use actors that live in `worker` daemons
+//! on other processes or nodes as if they were local.
+//!
+//! - [`auth`]: the cluster token, checked on every gRPC call (both sides).
+//! - [`spawn`]: building a rollout actor from its JSON spawn config.
+//! - [`server`]: the worker daemon's `Worker` and `Rollout` gRPC services.
+//! - [`client`]: a typed client for one worker.
+//! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
+
+pub mod auth;
+pub mod client;
+pub mod convert;
+pub mod pool;
+pub mod server;
+pub mod spawn;
+
+pub use auth::{load_token, AuthError, BearerToken, CheckToken};
+pub use client::WorkerClient;
+pub use pool::{NodeSpec, PoolOptions, RemotePool};
+pub use server::{serve, WorkerDaemon};
+pub use spawn::RolloutSpawnConfig;
+
+/// What can go wrong talking to or running a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error("worker {addr}: {status}", status = .status.message())]
+    Rpc { addr: String, status: tonic::Status },
+    #[error("worker {addr}: bad address: {message}")]
+    Address { addr: String, message: String },
+    #[error("worker {addr}: no answer within {ms} ms")]
+    Timeout { addr: String, ms: u64 },
+    #[error("worker {addr}: {message}")]
+    Node { addr: String, message: String },
+    #[error("placement cannot be satisfied: {0}")]
+    Placement(String),
+    #[error("spawning an actor: {0}")]
+    Spawn(String),
+    #[error(transparent)]
+    Wire(#[from] manta_core::wire::WireError),
+}

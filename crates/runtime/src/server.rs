@@ -1,0 +1,305 @@
+//! The worker daemon: hosts rollout actors and serves the `Worker` and `Rollout`
+//! gRPC services, every call checked against the cluster token.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::{Stream, StreamExt};
+use manta_config::TrainConfig;
+use manta_proto::cluster as cpb;
+use manta_proto::cluster::worker_server::{Worker, WorkerServer};
+use manta_proto::common as pb;
+use manta_proto::rollout as rpb;
+use manta_proto::rollout::rollout_server::{Rollout, RolloutServer};
+use manta_rollout::{GenerationSettings, RolloutMsg};
+use ractor::{call, ActorRef};
+use tokio::sync::{Mutex, Notify};
+use tonic::{Request, Response, Status};
+use tracing::{info, warn, Instrument};
+
+use crate::auth::CheckToken;
+use crate::convert::request_from_pb;
+use crate::spawn::{spawn_rollout, RolloutSpawnConfig};
+
+struct Hosted {
+    actor: ActorRef<RolloutMsg>,
+    max_concurrent: usize,
+}
+
+struct State {
+    actors: BTreeMap<String, Hosted>,
+    env_server: Option<manta_envs::ServerHandle>,
+}
+
+/// The daemon's state, shared by both services.
+#[derive(Clone)]
+pub struct WorkerDaemon {
+    gpus: Vec<u32>,
+    started: Instant,
+    state: Arc<Mutex<State>>,
+    shutdown: Arc<Notify>,
+}
+
+impl WorkerDaemon {
+    pub fn new(gpus: Vec<u32>) -> Self {
+        Self {
+            gpus,
+            started: Instant::now(),
+            state: Arc::new(Mutex::new(State {
+                actors: BTreeMap::new(),
+                env_server: None,
+            })),
+            shutdown: Arc::new(Notify::new()),
+        }
+    }
+
+    async fn actor(&self, name: &str) -> Result<(ActorRef<RolloutMsg>, usize), Status> {
+        let state = self.state.lock().await;
+        state
+            .actors
+            .get(name)
+            .map(|h| (h.actor.clone(), h.max_concurrent))
+            .ok_or_else(|| Status::not_found(format!("no actor named {name:?} on this worker")))
+    }
+
+    /// Stops every actor and the built-in environment server.
+    pub async fn stop_all(&self) {
+        let mut state = self.state.lock().await;
+        for (_, h) in std::mem::take(&mut state.actors) {
+            h.actor.stop(None);
+        }
+        if let Some(server) = state.env_server.take() {
+            server.shutdown().await;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerDaemon {
+    async fn heartbeat(
+        &self,
+        request: Request<cpb::HeartbeatRequest>,
+    ) -> Result<Response<cpb::HeartbeatReply>, Status> {
+        let actors = self.state.lock().await.actors.keys().cloned().collect();
+        Ok(Response::new(cpb::HeartbeatReply {
+            sequence: request.into_inner().sequence,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            actors,
+        }))
+    }
+
+    async fn describe(
+        &self,
+        _request: Request<pb::Empty>,
+    ) -> Result<Response<cpb::NodeResources>, Status> {
+        Ok(Response::new(cpb::NodeResources {
+            hostname: std::env::var("HOSTNAME").unwrap_or_default(),
+            gpus: self.gpus.clone(),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
+        }))
+    }
+
+    async fn spawn_actor(
+        &self,
+        request: Request<cpb::SpawnActorRequest>,
+    ) -> Result<Response<cpb::SpawnActorReply>, Status> {
+        let req = request.into_inner();
+        if req.kind != cpb::ActorKind::Rollout as i32 {
+            return Err(Status::unimplemented(format!(
+                "actor kind {} cannot be hosted by this worker (only ACTOR_KIND_ROLLOUT)",
+                req.kind
+            )));
+        }
+        let cfg =
+            RolloutSpawnConfig::from_json(&req.config_json).map_err(Status::invalid_argument)?;
+        let train = TrainConfig::from_file(&cfg.train_config)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut state = self.state.lock().await;
+        if state.actors.contains_key(&req.name) {
+            return Err(Status::already_exists(format!(
+                "an actor named {:?} already runs here",
+                req.name
+            )));
+        }
+        if RolloutSpawnConfig::needs_builtin(&train) && state.env_server.is_none() {
+            let addr = SocketAddr::from(([127, 0, 0, 1], 0));
+            let server = manta_envs::serve(addr, manta_envs::builtin_environments())
+                .await
+                .map_err(|e| {
+                    Status::internal(format!("starting the built-in environment server: {e}"))
+                })?;
+            info!(url = %server.base_url(), "built-in environment server started");
+            state.env_server = Some(server);
+        }
+        let builtin_url = state.env_server.as_ref().map(|s| s.base_url());
+        let actor = spawn_rollout(&req.name, &cfg, &train, builtin_url.as_deref())
+            .await
+            .map_err(|e| Status::internal(format!("{e:#}")))?;
+        info!(actor = %req.name, "rollout actor spawned");
+        state.actors.insert(
+            req.name.clone(),
+            Hosted {
+                actor,
+                max_concurrent: cfg.max_concurrent_episodes.max(1),
+            },
+        );
+        Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
+    }
+
+    async fn stop_actor(
+        &self,
+        request: Request<cpb::StopActorRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let name = request.into_inner().name;
+        let hosted = self.state.lock().await.actors.remove(&name);
+        match hosted {
+            Some(h) => {
+                h.actor.stop(None);
+                info!(actor = %name, "actor stopped");
+                Ok(Response::new(pb::Empty {}))
+            }
+            None => Err(Status::not_found(format!(
+                "no actor named {name:?} on this worker"
+            ))),
+        }
+    }
+
+    async fn shutdown(&self, _request: Request<pb::Empty>) -> Result<Response<pb::Empty>, Status> {
+        info!("shutdown requested");
+        self.shutdown.notify_one();
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn load_weights(
+        &self,
+        request: Request<cpb::LoadWeightsRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = request.into_inner();
+        let file = std::path::Path::new(&req.directory).join("model.safetensors");
+        let actors: Vec<(String, ActorRef<RolloutMsg>)> = {
+            let state = self.state.lock().await;
+            state
+                .actors
+                .iter()
+                .map(|(n, h)| (n.clone(), h.actor.clone()))
+                .collect()
+        };
+        let file_for_read = file.clone();
+        let weights =
+            tokio::task::spawn_blocking(move || tch::Tensor::read_safetensors(&file_for_read))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(|e| {
+                    Status::invalid_argument(format!("reading {}: {e}", file.display()))
+                })?;
+        for (name, actor) in actors {
+            let copy = weights
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            call!(actor, RolloutMsg::UpdateWeights, copy, req.version)
+                .map_err(|e| Status::internal(format!("actor {name}: {e}")))?
+                .map_err(|e| Status::internal(format!("actor {name}: {e}")))?;
+        }
+        info!(version = req.version, dir = %req.directory, "weights loaded");
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
+type SampleStream = Pin<Box<dyn Stream<Item = Result<pb::Sample, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Rollout for WorkerDaemon {
+    type RunEpisodesStream = SampleStream;
+
+    async fn run_episodes(
+        &self,
+        request: Request<rpb::RunEpisodesRequest>,
+    ) -> Result<Response<SampleStream>, Status> {
+        let span = tracing::info_span!("run_episodes");
+        manta_telemetry::set_parent_from_metadata(&span, request.metadata());
+        let req = request.into_inner();
+        let (actor, concurrency) = self.actor(&req.actor).await?;
+        let settings = GenerationSettings {
+            temperature: req.temperature as f64,
+            max_response_len: req.max_response_len as usize,
+            context_len: req.context_len as usize,
+        };
+        let episodes = req
+            .episodes
+            .into_iter()
+            .map(request_from_pb)
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(Status::invalid_argument)?;
+        // One episode per actor call, so each sample streams back as soon as it ends.
+        let stream = futures::stream::iter(episodes)
+            .map(move |episode| {
+                let actor = actor.clone();
+                let span = span.clone();
+                async move {
+                    let id = episode.sample_id;
+                    let mut samples =
+                        call!(actor, RolloutMsg::RunEpisodes, vec![episode], settings).map_err(
+                            |e| Status::internal(format!("sample {id}: rollout actor: {e}")),
+                        )?;
+                    let sample = samples.pop().ok_or_else(|| {
+                        Status::internal(format!("sample {id}: the rollout actor returned nothing"))
+                    })?;
+                    Ok(pb::Sample::from(&sample))
+                }
+                .instrument(span)
+            })
+            .buffer_unordered(concurrency);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn weight_version(
+        &self,
+        _request: Request<pb::Empty>,
+    ) -> Result<Response<rpb::WeightVersionReply>, Status> {
+        let actors: Vec<ActorRef<RolloutMsg>> = {
+            let state = self.state.lock().await;
+            state.actors.values().map(|h| h.actor.clone()).collect()
+        };
+        let mut version = 0;
+        for actor in actors {
+            version = version.max(call!(actor, RolloutMsg::WeightVersion).unwrap_or(0));
+        }
+        Ok(Response::new(rpb::WeightVersionReply { version }))
+    }
+}
+
+/// Serves both services on `listener` until a `Shutdown` call or `stop` resolves.
+pub async fn serve(
+    daemon: WorkerDaemon,
+    listener: tokio::net::TcpListener,
+    token: String,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let check = CheckToken::new(token);
+    let shutdown = daemon.shutdown.clone();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let result = tonic::transport::Server::builder()
+        .add_service(WorkerServer::with_interceptor(
+            daemon.clone(),
+            check.clone(),
+        ))
+        .add_service(RolloutServer::with_interceptor(daemon.clone(), check))
+        .serve_with_incoming_shutdown(incoming, async move {
+            tokio::select! {
+                _ = shutdown.notified() => {}
+                _ = stop => {}
+            }
+        })
+        .await;
+    if let Err(e) = &result {
+        warn!(error = %e, "worker server stopped with an error");
+    }
+    daemon.stop_all().await;
+    result
+}

@@ -1,0 +1,153 @@
+//! The remote pool against in-process worker daemons: placement errors are refused
+//! before anything starts, a stopped worker is declared dead within `dead_after`, and a
+//! worker back on the same port rejoins with its actors re-spawned.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use manta_runtime::pool::NodeSpec;
+use manta_runtime::{serve, PoolOptions, RemotePool, RolloutSpawnConfig, WorkerDaemon};
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "pool-test-token";
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn spawn_config() -> RolloutSpawnConfig {
+    RolloutSpawnConfig {
+        model_dir: workspace().join("assets/tiny-qwen3"),
+        seed: 1,
+        train_config: workspace().join("train_config.yaml"),
+        max_concurrent_episodes: 4,
+        max_batch_size: 4,
+    }
+}
+
+const OPTS: PoolOptions = PoolOptions {
+    heartbeat_interval: Duration::from_millis(100),
+    dead_after: Duration::from_millis(500),
+    no_live_node_timeout: Duration::from_secs(5),
+};
+
+async fn start_worker(
+    addr: std::net::SocketAddr,
+) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        let stop = async {
+            let _ = rx.await;
+        };
+        serve(WorkerDaemon::new(vec![]), listener, TOKEN.into(), stop)
+            .await
+            .unwrap();
+    });
+    (tx, handle)
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+async fn wait_for(pool: &RemotePool, live: usize, limit: Duration) -> Duration {
+    let started = Instant::now();
+    while pool.live_nodes() != live {
+        assert!(
+            started.elapsed() < limit,
+            "live nodes stayed {} (wanted {live})",
+            pool.live_nodes()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_is_checked_before_anything_starts() {
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = |address: String, gpus: Vec<u32>| NodeSpec { address, gpus };
+    let err = RemotePool::start(
+        &[node(addr.to_string(), vec![])],
+        "wrong",
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("placement cannot be satisfied")
+            && err.contains(&addr.to_string())
+            && err.contains("wrong cluster token"),
+        "{err}"
+    );
+    let err = RemotePool::start(
+        &[node(addr.to_string(), vec![0])],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("should offer GPU 0"), "{err}");
+    let dead = free_addr();
+    let err = RemotePool::start(
+        &[
+            node(addr.to_string(), vec![]),
+            node(dead.to_string(), vec![]),
+        ],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains(&dead.to_string()), "{err}");
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_declared_dead_and_rejoins() {
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let pool = RemotePool::start(
+        &[NodeSpec {
+            address: addr.to_string(),
+            gpus: vec![],
+        }],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .unwrap();
+    assert_eq!(pool.live_nodes(), 1);
+    let _ = stop.send(());
+    handle.await.unwrap();
+    let took = wait_for(&pool, 0, Duration::from_secs(3)).await;
+    assert!(
+        took <= OPTS.dead_after + OPTS.heartbeat_interval * 3,
+        "dead after {took:?}"
+    );
+    let (stop, handle) = start_worker(addr).await;
+    wait_for(&pool, 1, Duration::from_secs(10)).await;
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
