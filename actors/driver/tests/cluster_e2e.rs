@@ -239,6 +239,8 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
         assert!(m["train/grad_norm"] > 0.0);
     }
     assert!(stderr.contains("node rejoined"), "{stderr}");
+    // The kill really hit work in flight: the lost share was re-run elsewhere.
+    assert!(stderr.contains("re-queueing its episodes on another node"), "{stderr}");
     assert!(
         std::fs::read_to_string(&logs[1])
             .unwrap()
