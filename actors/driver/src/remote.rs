@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_runtime::pool::NodeSpec;
-use manta_runtime::{load_token, PoolOptions, RemotePool, RolloutSpawnConfig};
+use manta_runtime::{load_token, ClientTls, PoolOptions, RemotePool, RolloutSpawnConfig};
 use tracing::info;
 
 use crate::driver_actor::RunSummary;
@@ -62,9 +62,22 @@ pub async fn train_remote(
         engines_per_node = cluster.rollout.engines,
         "placing rollout actors on worker nodes"
     );
-    let pool = RemotePool::start(&nodes, &token, spawn, cluster.rollout.engines, opts)
-        .await
+    let tls = cluster
+        .tls
+        .as_ref()
+        .map(|t| ClientTls::from_file("cluster.tls_ca", &t.ca, t.domain.clone()))
+        .transpose()
         .with_context(|| format!("cluster {}", cluster.path.display()))?;
+    let pool = RemotePool::start_with_tls(
+        &nodes,
+        &token,
+        tls.as_ref(),
+        spawn,
+        cluster.rollout.engines,
+        opts,
+    )
+    .await
+    .with_context(|| format!("cluster {}", cluster.path.display()))?;
     let pool = Arc::new(pool);
     // The trainer, weight sync (with no local engines) and task listing stay here.
     let mut local_cluster = cluster.clone();

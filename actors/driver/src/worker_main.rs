@@ -1,12 +1,15 @@
 //! `worker`: the daemon that hosts rollout actors on one node for a remote-mode driver.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 
 /// Hosts Manta actors on this node; the driver spawns, calls and stops them over gRPC.
 /// Every call must carry the cluster token (MANTA_CLUSTER_TOKEN or MANTA_CLUSTER_TOKEN_FILE).
+/// With --tls-cert and --tls-key it serves TLS only; the driver then needs
+/// `[cluster] tls_ca` in cluster.toml naming the CA that signed the certificate.
 #[derive(Parser, Debug)]
 #[command(name = "worker", version)]
 struct Args {
@@ -16,6 +19,12 @@ struct Args {
     /// GPUs this node offers, e.g. 0,1 (none: CPU only).
     #[arg(long, value_delimiter = ',')]
     gpus: Vec<u32>,
+    /// Serve TLS with this certificate chain (PEM, leaf first); needs --tls-key.
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert; needs --tls-cert.
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -29,6 +38,16 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => match manta_runtime::ServerTls::from_files(cert, key) {
+            Ok(tls) => Some(tls),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        _ => None,
+    };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -36,12 +55,13 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!("worker listening on {}", args.listen);
+    let scheme = if tls.is_some() { "TLS" } else { "plaintext" };
+    println!("worker listening on {} ({scheme})", args.listen);
     let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
     let stop = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    match manta_runtime::serve(daemon, listener, token, stop).await {
+    match manta_runtime::serve_with_tls(daemon, listener, token, tls, stop).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

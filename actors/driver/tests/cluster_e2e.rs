@@ -240,7 +240,10 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     }
     assert!(stderr.contains("node rejoined"), "{stderr}");
     // The kill really hit work in flight: the lost share was re-run elsewhere.
-    assert!(stderr.contains("re-queueing its episodes on another node"), "{stderr}");
+    assert!(
+        stderr.contains("re-queueing its episodes on another node"),
+        "{stderr}"
+    );
     assert!(
         std::fs::read_to_string(&logs[1])
             .unwrap()

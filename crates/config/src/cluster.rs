@@ -42,6 +42,10 @@ struct ClusterSection {
     /// Remote mode: a worker silent this long is dead and its episodes move elsewhere.
     #[serde(default = "default_dead_after_ms")]
     dead_after_ms: u64,
+    /// Remote mode: reach the workers over TLS, trusting this CA (PEM; relative to cluster.toml).
+    tls_ca: Option<PathBuf>,
+    /// Remote mode: the name the workers' certificates must carry (default: each node's host).
+    tls_domain: Option<String>,
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -86,6 +90,8 @@ impl Default for ClusterSection {
             train_config: None,
             heartbeat_interval_ms: default_heartbeat_ms(),
             dead_after_ms: default_dead_after_ms(),
+            tls_ca: None,
+            tls_domain: None,
         }
     }
 }
@@ -124,6 +130,16 @@ struct RawCluster {
     nodes: Vec<NodeConfig>,
 }
 
+/// Remote mode over TLS: the CA the workers' certificates chain to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterTls {
+    /// `cluster.tls_ca`, resolved against the cluster file's folder; checked to exist
+    /// and hold a PEM certificate when the file is loaded.
+    pub ca: PathBuf,
+    /// `cluster.tls_domain`: overrides the name checked in each worker's certificate.
+    pub domain: Option<String>,
+}
+
 /// The parsed `cluster.toml`.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -139,6 +155,8 @@ pub struct ClusterConfig {
     pub nodes: Vec<NodeConfig>,
     pub heartbeat_interval_ms: u64,
     pub dead_after_ms: u64,
+    /// Remote mode: TLS to the workers (`cluster.tls_ca`); `None` is plaintext.
+    pub tls: Option<ClusterTls>,
 }
 
 impl ClusterConfig {
@@ -176,6 +194,7 @@ impl ClusterConfig {
         }
         raw.train.validate(path, "train.")?;
         let base = path.parent().unwrap_or(Path::new("."));
+        let tls = cluster_tls(&raw, path, base)?;
         Ok(ClusterConfig {
             path: path.to_path_buf(),
             mode: raw.cluster.mode,
@@ -185,8 +204,73 @@ impl ClusterConfig {
             nodes: raw.nodes,
             heartbeat_interval_ms: raw.cluster.heartbeat_interval_ms,
             dead_after_ms: raw.cluster.dead_after_ms,
+            tls,
         })
     }
+}
+
+/// `cluster.tls_ca` / `cluster.tls_domain`: remote mode only; the CA file must exist and
+/// hold a PEM certificate now, not at the first connection.
+fn cluster_tls(
+    raw: &RawCluster,
+    path: &Path,
+    base: &Path,
+) -> Result<Option<ClusterTls>, ConfigError> {
+    let c = &raw.cluster;
+    let Some(ca) = &c.tls_ca else {
+        if let Some(domain) = &c.tls_domain {
+            return Err(ConfigError::invalid(
+                path,
+                "cluster.tls_domain",
+                format!("{domain:?}"),
+                "only used together with cluster.tls_ca",
+            ));
+        }
+        return Ok(None);
+    };
+    let shown = format!("{:?}", ca.display().to_string());
+    if c.mode != ClusterMode::Remote {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.tls_ca",
+            shown,
+            "TLS to worker daemons is only used with cluster.mode = \"remote\"",
+        ));
+    }
+    let resolved = base.join(ca);
+    let text = std::fs::read_to_string(&resolved).map_err(|e| {
+        ConfigError::invalid(
+            path,
+            "cluster.tls_ca",
+            &shown,
+            format!("cannot read {}: {e}", resolved.display()),
+        )
+    })?;
+    if !text.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.tls_ca",
+            shown,
+            format!(
+                "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                resolved.display()
+            ),
+        ));
+    }
+    if let Some(domain) = &c.tls_domain {
+        if domain.is_empty() || domain.chars().any(|ch| ch.is_whitespace() || ch == '/') {
+            return Err(ConfigError::invalid(
+                path,
+                "cluster.tls_domain",
+                format!("{domain:?}"),
+                "must be a host name (or IP address) the workers' certificates carry",
+            ));
+        }
+    }
+    Ok(Some(ClusterTls {
+        ca: resolved,
+        domain: c.tls_domain.clone(),
+    }))
 }
 
 /// Remote mode needs nodes with `host:port` addresses, and heartbeats faster than the
@@ -338,6 +422,62 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("only used with"), "{err}");
+    }
+
+    #[test]
+    fn tls_ca_is_resolved_checked_and_remote_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("cluster.toml");
+        let remote = "[cluster]\nmode = \"remote\"\n";
+        let node = "[[nodes]]\naddress = \"worker-1:7100\"\n";
+        let load = |cluster_lines: &str| {
+            std::fs::write(&file, format!("{remote}{cluster_lines}{node}")).unwrap();
+            ClusterConfig::from_file(&file)
+        };
+        assert_eq!(load("").unwrap().tls, None);
+
+        let err = load("tls_ca = \"certs/ca.pem\"\n").unwrap_err().to_string();
+        assert!(
+            err.contains("cluster.tls_ca")
+                && err.contains("certs/ca.pem")
+                && err.contains("cannot read"),
+            "{err}"
+        );
+        std::fs::create_dir(dir.path().join("certs")).unwrap();
+        std::fs::write(dir.path().join("certs/ca.pem"), "not a certificate").unwrap();
+        let err = load("tls_ca = \"certs/ca.pem\"\n").unwrap_err().to_string();
+        assert!(err.contains("no PEM certificate"), "{err}");
+
+        std::fs::write(
+            dir.path().join("certs/ca.pem"),
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let tls = load("tls_ca = \"certs/ca.pem\"\ntls_domain = \"workers.internal\"\n")
+            .unwrap()
+            .tls
+            .unwrap();
+        assert_eq!(tls.ca, dir.path().join("certs/ca.pem"));
+        assert_eq!(tls.domain.as_deref(), Some("workers.internal"));
+
+        let err = load("tls_ca = \"certs/ca.pem\"\ntls_domain = \"a b\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cluster.tls_domain") && err.contains("a b"),
+            "{err}"
+        );
+        let err = load("tls_domain = \"x\"\n").unwrap_err().to_string();
+        assert!(
+            err.contains("only used together with cluster.tls_ca"),
+            "{err}"
+        );
+        std::fs::write(&file, "[cluster]\ntls_ca = \"certs/ca.pem\"\n").unwrap();
+        let err = ClusterConfig::from_file(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("cluster.tls_ca") && err.contains("remote"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::auth::BearerToken;
 use crate::convert::request_to_pb;
 use crate::spawn::RolloutSpawnConfig;
+use crate::tls::{error_chain, status_chain, ClientTls};
 use crate::RuntimeError;
 
 type Authed = InterceptedService<Channel, BearerToken>;
@@ -24,24 +25,39 @@ type Authed = InterceptedService<Channel, BearerToken>;
 #[derive(Clone)]
 pub struct WorkerClient {
     addr: String,
+    tls: bool,
     worker: WorkerRpc<Authed>,
     rollout: RolloutRpc<Authed>,
 }
 
 impl WorkerClient {
-    /// A lazily connecting client for `addr` (`host:port`).
+    /// A lazily connecting plaintext client for `addr` (`host:port`).
     pub fn new(addr: &str, token: &str) -> Result<Self, RuntimeError> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| RuntimeError::Address {
-                addr: addr.to_string(),
-                message: e.to_string(),
-            })?
+        Self::connect(addr, token, None)
+    }
+
+    /// A lazily connecting client for `addr`; over TLS (https, trusting `tls`'s CA)
+    /// when `tls` is given.
+    pub fn connect(addr: &str, token: &str, tls: Option<&ClientTls>) -> Result<Self, RuntimeError> {
+        let address = |message: String| RuntimeError::Address {
+            addr: addr.to_string(),
+            message,
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| address(e.to_string()))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
+        if let Some(tls) = tls {
+            endpoint = endpoint
+                .tls_config(tls.config())
+                .map_err(|e| address(format!("TLS setup: {}", error_chain(&e))))?;
+        }
         let channel = endpoint.connect_lazy();
         let auth = BearerToken::new(token)?;
         Ok(Self {
             addr: addr.to_string(),
+            tls: tls.is_some(),
             worker: WorkerRpc::with_interceptor(channel.clone(), auth.clone()),
             rollout: RolloutRpc::with_interceptor(channel, auth),
         })
@@ -52,6 +68,12 @@ impl WorkerClient {
     }
 
     fn rpc(&self, status: tonic::Status) -> RuntimeError {
+        let status = match tls_mismatch_hint(self.tls, &status) {
+            Some(hint) => {
+                tonic::Status::new(status.code(), format!("{} ({hint})", status_chain(&status)))
+            }
+            None => status,
+        };
         RuntimeError::Rpc {
             addr: self.addr.clone(),
             status,
@@ -167,5 +189,26 @@ impl WorkerClient {
     /// Maps a streaming error to one that names this worker.
     pub fn stream_error(&self, status: tonic::Status) -> RuntimeError {
         self.rpc(status)
+    }
+}
+
+/// A hint for a connection that broke in a way typical of one side speaking TLS and the
+/// other not (a refused TCP connection or a timeout gets none).
+fn tls_mismatch_hint(client_tls: bool, status: &tonic::Status) -> Option<&'static str> {
+    std::error::Error::source(status)?;
+    let chain = status_chain(status);
+    if chain.contains("tcp connect error") || chain.contains("timed out") {
+        return None;
+    }
+    if client_tls {
+        chain.contains("corrupt message").then_some(
+            "the worker may be serving plaintext: start it with --tls-cert/--tls-key, \
+             or remove cluster.tls_ca",
+        )
+    } else {
+        Some(
+            "if the worker serves TLS (--tls-cert/--tls-key), set cluster.tls_ca in \
+             cluster.toml to its CA certificate",
+        )
     }
 }

@@ -5,27 +5,34 @@
 //! - [`spawn`]: building a rollout actor from its JSON spawn config.
 //! - [`server`]: the worker daemon's `Worker` and `Rollout` gRPC services.
 //! - [`client`]: a typed client for one worker.
+//! - [`echo`]: the trivial actor behind the `Echo` RPC.
 //! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
+//! - [`tls`]: optional TLS (rustls) for the worker and its clients.
 
 pub mod auth;
 pub mod client;
 pub mod convert;
+pub mod echo;
 pub mod pool;
 pub mod server;
 pub mod spawn;
+pub mod tls;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
 pub use client::WorkerClient;
 pub use pool::{NodeSpec, PoolOptions, RemotePool};
-pub use server::{serve, WorkerDaemon};
+pub use server::{serve, serve_with_tls, WorkerDaemon};
 pub use spawn::RolloutSpawnConfig;
+pub use tls::{ClientTls, ServerTls, TlsError};
 
 /// What can go wrong talking to or running a worker.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error(transparent)]
     Auth(#[from] AuthError),
-    #[error("worker {addr}: {status}", status = .status.message())]
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("worker {addr}: {}", tls::status_chain(.status))]
     Rpc { addr: String, status: tonic::Status },
     #[error("worker {addr}: bad address: {message}")]
     Address { addr: String, message: String },

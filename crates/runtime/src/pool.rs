@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use crate::client::WorkerClient;
 use crate::spawn::RolloutSpawnConfig;
+use crate::tls::ClientTls;
 use crate::RuntimeError;
 
 /// Heartbeat and failover timing.
@@ -67,6 +68,18 @@ impl RemotePool {
         engines_per_node: usize,
         opts: PoolOptions,
     ) -> Result<Self, RuntimeError> {
+        Self::start_with_tls(nodes, token, None, spawn, engines_per_node, opts).await
+    }
+
+    /// [`RemotePool::start`], reaching the nodes over TLS when `tls` is given.
+    pub async fn start_with_tls(
+        nodes: &[NodeSpec],
+        token: &str,
+        tls: Option<&ClientTls>,
+        spawn: RolloutSpawnConfig,
+        engines_per_node: usize,
+        opts: PoolOptions,
+    ) -> Result<Self, RuntimeError> {
         if nodes.is_empty() || engines_per_node == 0 {
             return Err(RuntimeError::Placement(
                 "no node or no rollout engine to place".into(),
@@ -74,7 +87,7 @@ impl RemotePool {
         }
         let mut clients = Vec::new();
         for spec in nodes {
-            let client = WorkerClient::new(&spec.address, token)?;
+            let client = WorkerClient::connect(&spec.address, token, tls)?;
             let res = client
                 .describe(Duration::from_secs(5))
                 .await

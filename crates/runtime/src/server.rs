@@ -23,6 +23,7 @@ use tracing::{info, warn, Instrument};
 use crate::auth::CheckToken;
 use crate::convert::request_from_pb;
 use crate::spawn::{spawn_rollout, RolloutSpawnConfig};
+use crate::tls::ServerTls;
 
 struct Hosted {
     actor: ActorRef<RolloutMsg>,
@@ -209,6 +210,38 @@ impl Worker for WorkerDaemon {
         info!(version = req.version, dir = %req.directory, "weights loaded");
         Ok(Response::new(pb::Empty {}))
     }
+
+    async fn echo(
+        &self,
+        request: Request<cpb::EchoRequest>,
+    ) -> Result<Response<cpb::EchoReply>, Status> {
+        let req = request.into_inner();
+        let actor = crate::echo::echo_actor()
+            .await
+            .map_err(|e| Status::internal(format!("starting the echo actor: {e}")))?;
+        let payload = call!(actor, crate::echo::EchoMsg::Echo, req.payload)
+            .map_err(|e| Status::internal(format!("echo actor: {e}")))?;
+        Ok(Response::new(cpb::EchoReply {
+            sequence: req.sequence,
+            payload,
+        }))
+    }
+
+    async fn ingest_samples(
+        &self,
+        request: Request<tonic::Streaming<pb::Sample>>,
+    ) -> Result<Response<cpb::IngestReply>, Status> {
+        let mut stream = request.into_inner();
+        let mut reply = cpb::IngestReply::default();
+        while let Some(sample) = stream.message().await? {
+            reply.samples += 1;
+            reply.tokens += sample.tokens.len() as u64;
+            reply.array_bytes += 4
+                * (sample.tokens.len() + sample.loss_mask.len() + sample.rollout_log_probs.len())
+                    as u64;
+        }
+        Ok(Response::new(reply))
+    }
 }
 
 type SampleStream = Pin<Box<dyn Stream<Item = Result<pb::Sample, Status>> + Send>>;
@@ -281,10 +314,33 @@ pub async fn serve(
     token: String,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_with_tls(daemon, listener, token, None, stop).await
+}
+
+/// [`serve`], over TLS when `tls` is given (plaintext connections then fail their handshake).
+pub async fn serve_with_tls(
+    daemon: WorkerDaemon,
+    listener: tokio::net::TcpListener,
+    token: String,
+    tls: Option<ServerTls>,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     let check = CheckToken::new(token);
     let shutdown = daemon.shutdown.clone();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let result = tonic::transport::Server::builder()
+    // Small gRPC frames must not wait for delayed ACKs (Nagle): without TCP_NODELAY
+    // a call round trip took ~43 ms instead of ~0.1 ms. tonic's own nodelay option
+    // does not apply to a listener passed in.
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        conn.and_then(|tcp| {
+            tcp.set_nodelay(true)?;
+            Ok(tcp)
+        })
+    });
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls.config())?;
+    }
+    let result = builder
         .add_service(WorkerServer::with_interceptor(
             daemon.clone(),
             check.clone(),
