@@ -48,7 +48,7 @@ async fn main() -> ExitCode {
         },
         _ => None,
     };
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+    let listener = match std::net::TcpListener::bind(args.listen) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("error: listening on {}: {e}", args.listen);
@@ -57,14 +57,33 @@ async fn main() -> ExitCode {
     };
     let scheme = if tls.is_some() { "TLS" } else { "plaintext" };
     println!("worker listening on {} ({scheme})", args.listen);
+    // Actors run on this (multi-thread) runtime; gRPC on a control-plane thread.
     let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
-    let stop = async {
-        let _ = tokio::signal::ctrl_c().await;
+    let server =
+        match manta_runtime::server::spawn_control_plane(daemon.clone(), listener, token, tls) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: starting the control-plane thread: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+    let finished = tokio::task::spawn_blocking(move || server.join());
+    tokio::pin!(finished);
+    let joined = tokio::select! {
+        joined = &mut finished => joined,
+        _ = tokio::signal::ctrl_c() => {
+            daemon.request_shutdown();
+            finished.await
+        }
     };
-    match manta_runtime::serve_with_tls(daemon, listener, token, tls, stop).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+    match joined {
+        Ok(Ok(Ok(()))) => ExitCode::SUCCESS,
+        Ok(Ok(Err(e))) => {
             eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+        _ => {
+            eprintln!("error: the control-plane thread panicked");
             ExitCode::FAILURE
         }
     }

@@ -4,9 +4,10 @@
 //! time for two fresh `worker` processes to be ready, and a stream of samples totalling
 //! SAMPLE_MB of protobuf driver -> worker. Prints one JSON object.
 //!
-//! Diagnostic (`nodelay_*` keys): the same `WorkerDaemon` served by this binary with
-//! TCP_NODELAY on accepted sockets (`control_plane serve-nodelay ADDR`), to show what
-//! the `worker` binary's Nagle setting costs.
+//! Cross-process calls go through the transport `WorkerClient` uses (the lean HTTP/2
+//! channel, crates/runtime/src/transport.rs). Diagnostics against the same worker:
+//! `no_spin_*` (that channel without its response spin) and `tonic_channel_*` (tonic's
+//! stock `Channel`), to show what each part buys.
 //!
 //! usage: control_plane WORKER_BIN [RTT_SAMPLES=10000] [SAMPLE_MB=100]
 //! The worker needs MANTA_CLUSTER_TOKEN (set by bench/run_control_plane.sh).
@@ -18,17 +19,17 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
-use manta_proto::cluster::worker_server::WorkerServer;
 use manta_proto::common as pb;
 use manta_runtime::echo::{EchoActor, EchoMsg};
-use manta_runtime::{BearerToken, CheckToken, WorkerClient, WorkerDaemon};
+use manta_runtime::transport::{ClusterChannel, H2Channel};
+use manta_runtime::{BearerToken, WorkerClient};
 use prost::Message;
 use ractor::{call, Actor};
 use serde_json::json;
 use tonic::codegen::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
-type Rpc = WorkerRpc<InterceptedService<Channel, BearerToken>>;
+type Rpc = WorkerRpc<InterceptedService<ClusterChannel, BearerToken>>;
 
 /// Tokens per benchmark sample (response and prompt together).
 const SAMPLE_TOKENS: usize = 2048;
@@ -73,10 +74,28 @@ impl Drop for Workers {
     }
 }
 
-fn raw_client(addr: &str, token: &str) -> anyhow::Result<Rpc> {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))?
-        .tcp_nodelay(true)
-        .connect_lazy();
+/// Which transport a benchmark client uses.
+#[derive(Clone, Copy)]
+enum Transport {
+    /// What `WorkerClient` uses: the lean HTTP/2 channel with its response spin.
+    Lean,
+    /// The same channel, never spinning.
+    LeanNoSpin,
+    /// tonic's stock `Channel`.
+    Tonic,
+}
+
+fn raw_client(addr: &str, token: &str, transport: Transport) -> anyhow::Result<Rpc> {
+    let lean = || H2Channel::lazy(addr, Duration::from_secs(2));
+    let channel = match transport {
+        Transport::Lean => ClusterChannel::Lean(lean()?),
+        Transport::LeanNoSpin => ClusterChannel::Lean(lean()?.with_response_spin(Duration::ZERO)),
+        Transport::Tonic => ClusterChannel::Tonic(
+            Endpoint::from_shared(format!("http://{addr}"))?
+                .tcp_nodelay(true)
+                .connect_lazy(),
+        ),
+    };
     Ok(
         WorkerRpc::with_interceptor(channel, BearerToken::new(token)?)
             .max_decoding_message_size(64 << 20)
@@ -108,7 +127,7 @@ async fn start_cluster(
     }
     let ready = addrs.iter().map(|addr| async move {
         let client = WorkerClient::new(addr, token)?;
-        let mut rpc = raw_client(addr, token)?;
+        let mut rpc = raw_client(addr, token, Transport::Lean)?;
         loop {
             if client.describe(Duration::from_secs(1)).await.is_ok() {
                 break;
@@ -180,27 +199,6 @@ async fn echo_pipelined(rpc: &Rpc) -> anyhow::Result<f64> {
     Ok(PIPELINED_CALLS as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Diagnostic server: the same `WorkerDaemon` and token check as the `worker` binary,
-/// but with TCP_NODELAY set on every accepted connection (the worker's `serve` leaves
-/// Nagle on for sockets it accepts from its own listener).
-async fn serve_nodelay(addr: &str, token: String) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|r| {
-        r.and_then(|s| {
-            s.set_nodelay(true)?;
-            Ok(s)
-        })
-    });
-    tonic::transport::Server::builder()
-        .add_service(WorkerServer::with_interceptor(
-            WorkerDaemon::new(Vec::new()),
-            CheckToken::new(token),
-        ))
-        .serve_with_incoming(incoming)
-        .await?;
-    Ok(())
-}
-
 /// Deterministic pseudo-random samples (token ids below a Qwen-sized vocabulary) until
 /// their protobuf encoding reaches `bytes`.
 fn make_samples(bytes: usize) -> Vec<pb::Sample> {
@@ -248,14 +246,6 @@ fn make_samples(bytes: usize) -> Vec<pb::Sample> {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("serve-nodelay") {
-        let addr = args
-            .get(2)
-            .context("usage: control_plane serve-nodelay ADDR")?;
-        let token =
-            std::env::var("MANTA_CLUSTER_TOKEN").context("MANTA_CLUSTER_TOKEN is not set")?;
-        return serve_nodelay(addr, token).await;
-    }
     let worker_bin = args
         .get(1)
         .context("usage: control_plane WORKER_BIN [RTT_SAMPLES] [SAMPLE_MB]")?
@@ -307,11 +297,18 @@ async fn main() -> anyhow::Result<()> {
         cluster = Some((workers, addrs));
     }
     let (_workers, addrs) = cluster.context("no cluster started")?;
-    let mut rpc = raw_client(&addrs[0], &token)?;
+    let mut rpc = raw_client(&addrs[0], &token, Transport::Lean)?;
     let client = WorkerClient::new(&addrs[0], &token)?;
 
     // Cross-process round trips: Echo through the worker's actor, and Heartbeat.
     let (xp50, xp99, xmean) = echo_rtts(&mut rpc, n, warm).await?;
+    let mut us = Vec::with_capacity(n);
+    for i in 0..n as u64 {
+        let t = Instant::now();
+        client.echo(i, Duration::from_secs(5)).await?;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let (cp50, cp99, _) = summarize(us);
     let mut us = Vec::with_capacity(n);
     for i in 0..n as u64 {
         let t = Instant::now();
@@ -344,26 +341,15 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let ingest_s = median(secs.clone());
-    let _ = client.shutdown().await;
 
-    // Diagnostic: the same daemon with TCP_NODELAY on accepted sockets.
-    let addr = format!("127.0.0.1:{}", free_port()?);
-    let _nodelay = Workers(vec![Command::new(std::env::current_exe()?)
-        .args(["serve-nodelay", &addr])
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting the nodelay diagnostic server")?]);
-    let probe = WorkerClient::new(&addr, &token)?;
-    let t0 = Instant::now();
-    while probe.describe(Duration::from_secs(1)).await.is_err() {
-        if t0.elapsed() > Duration::from_secs(30) {
-            bail!("nodelay diagnostic server on {addr} not ready after 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let mut nd = raw_client(&addr, &token)?;
-    let (np50, np99, nmean) = echo_rtts(&mut nd, n, warm).await?;
-    let nd_cps = echo_pipelined(&nd).await?;
+    // Diagnostics against the same worker: the lean channel without its spin, and
+    // tonic's stock Channel.
+    let mut no_spin = raw_client(&addrs[0], &token, Transport::LeanNoSpin)?;
+    let (sp50, sp99, smean) = echo_rtts(&mut no_spin, n, warm).await?;
+    let mut stock = raw_client(&addrs[0], &token, Transport::Tonic)?;
+    let (tp50, tp99, tmean) = echo_rtts(&mut stock, n, warm).await?;
+    let stock_cps = echo_pipelined(&stock).await?;
+    let _ = client.shutdown().await;
 
     let out = json!({
         "rtt_samples": n,
@@ -375,10 +361,16 @@ async fn main() -> anyhow::Result<()> {
         "rtt_p50_us_cross_process": round(xp50, 1),
         "rtt_p99_us_cross_process": round(xp99, 1),
         "rtt_mean_us_cross_process": round(xmean, 1),
-        "nodelay_rtt_p50_us_cross_process": round(np50, 1),
-        "nodelay_rtt_p99_us_cross_process": round(np99, 1),
-        "nodelay_rtt_mean_us_cross_process": round(nmean, 1),
-        "nodelay_pipelined_calls_per_s_cross_process": round(nd_cps, 0),
+        "worker_client_echo_rtt_p50_us": round(cp50, 1),
+        "worker_client_echo_rtt_p99_us": round(cp99, 1),
+        "no_spin_rtt_p50_us_cross_process": round(sp50, 1),
+        "no_spin_rtt_p99_us_cross_process": round(sp99, 1),
+        "no_spin_rtt_mean_us_cross_process": round(smean, 1),
+        "tonic_channel_rtt_p50_us_cross_process": round(tp50, 1),
+        "tonic_channel_rtt_p99_us_cross_process": round(tp99, 1),
+        "tonic_channel_rtt_mean_us_cross_process": round(tmean, 1),
+        "tonic_channel_pipelined_calls_per_s_cross_process": round(stock_cps, 0),
+        "response_spin_us": manta_runtime::transport::DEFAULT_RESPONSE_SPIN.as_micros() as u64,
         "heartbeat_rtt_p50_us_cross_process": round(hp50, 1),
         "heartbeat_rtt_p99_us_cross_process": round(hp99, 1),
         "pipelined_calls": PIPELINED_CALLS,

@@ -42,6 +42,9 @@ struct ClusterSection {
     /// Remote mode: a worker silent this long is dead and its episodes move elsewhere.
     #[serde(default = "default_dead_after_ms")]
     dead_after_ms: u64,
+    /// Remote mode: how long spawning one actor on a worker may take (model load).
+    #[serde(default = "default_spawn_timeout_s")]
+    spawn_timeout_s: u64,
     /// Remote mode: reach the workers over TLS, trusting this CA (PEM; relative to cluster.toml).
     tls_ca: Option<PathBuf>,
     /// Remote mode: the name the workers' certificates must carry (default: each node's host).
@@ -53,6 +56,52 @@ fn default_heartbeat_ms() -> u64 {
 }
 fn default_dead_after_ms() -> u64 {
     3000
+}
+fn default_spawn_timeout_s() -> u64 {
+    120
+}
+fn default_restart_timeout_s() -> u64 {
+    120
+}
+
+/// What the driver does when the trainer's worker is lost mid-run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainerFailurePolicy {
+    /// Wait for the node to come back, re-create the trainer from the last checkpoint
+    /// (or the initial weights) and go on from the step after it.
+    #[default]
+    Restart,
+    /// Stop the run with a message saying how to resume.
+    Stop,
+}
+
+/// `[trainer]`: where the trainer runs and what happens when it is lost.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSection {
+    /// Remote mode: index into `[[nodes]]` of the worker hosting the trainer; absent,
+    /// the driver process hosts it.
+    pub node: Option<usize>,
+    /// GPUs of that node the trainer uses (empty: CPU).
+    #[serde(default)]
+    pub gpus: Vec<u32>,
+    #[serde(default)]
+    pub on_failure: TrainerFailurePolicy,
+    /// How long `on_failure = "restart"` waits for the trainer's node to answer again.
+    #[serde(default = "default_restart_timeout_s")]
+    pub restart_timeout_s: u64,
+}
+
+impl Default for TrainerSection {
+    fn default() -> Self {
+        Self {
+            node: None,
+            gpus: Vec::new(),
+            on_failure: TrainerFailurePolicy::Restart,
+            restart_timeout_s: default_restart_timeout_s(),
+        }
+    }
 }
 
 /// `[[nodes]]`: a worker daemon the driver uses in remote mode.
@@ -81,6 +130,14 @@ pub struct RolloutSection {
     /// Largest batch the native engine decodes at once.
     #[serde(default = "default_engine_batch")]
     pub max_batch_size: usize,
+    /// Remote mode: indices into `[[nodes]]` that host rollout engines (default: all).
+    pub nodes: Option<Vec<usize>>,
+    /// GPUs each engine uses (0: CPU; SGLang's tensor parallel size otherwise).
+    #[serde(default)]
+    pub gpus_per_engine: usize,
+    /// Engines share the trainer's GPUs on its node instead of using others.
+    #[serde(default)]
+    pub colocate: bool,
 }
 
 impl Default for ClusterSection {
@@ -90,6 +147,7 @@ impl Default for ClusterSection {
             train_config: None,
             heartbeat_interval_ms: default_heartbeat_ms(),
             dead_after_ms: default_dead_after_ms(),
+            spawn_timeout_s: default_spawn_timeout_s(),
             tls_ca: None,
             tls_domain: None,
         }
@@ -113,6 +171,9 @@ impl Default for RolloutSection {
             engines: 1,
             max_concurrent_episodes: default_concurrency(),
             max_batch_size: default_engine_batch(),
+            nodes: None,
+            gpus_per_engine: 0,
+            colocate: false,
         }
     }
 }
@@ -124,6 +185,8 @@ struct RawCluster {
     cluster: ClusterSection,
     #[serde(default)]
     rollout: RolloutSection,
+    #[serde(default)]
+    trainer: TrainerSection,
     #[serde(default)]
     train: TrainOverrides,
     #[serde(default)]
@@ -149,12 +212,14 @@ pub struct ClusterConfig {
     /// Absolute (resolved) path of the default train_config.yaml, if named.
     pub train_config: Option<PathBuf>,
     pub rollout: RolloutSection,
+    pub trainer: TrainerSection,
     /// Defaults for the training flags (`[train]`), below the command line.
     pub train: TrainOverrides,
     /// Worker daemons (remote mode only).
     pub nodes: Vec<NodeConfig>,
     pub heartbeat_interval_ms: u64,
     pub dead_after_ms: u64,
+    pub spawn_timeout_s: u64,
     /// Remote mode: TLS to the workers (`cluster.tls_ca`); `None` is plaintext.
     pub tls: Option<ClusterTls>,
 }
@@ -172,6 +237,7 @@ impl ClusterConfig {
             message: e.to_string().trim_end().to_string(),
         })?;
         validate_remote(&raw, path)?;
+        validate_placement(&raw, path)?;
         if raw.rollout.engine == EngineKind::Sglang {
             return Err(ConfigError::invalid(
                 path,
@@ -200,10 +266,12 @@ impl ClusterConfig {
             mode: raw.cluster.mode,
             train_config: raw.cluster.train_config.map(|p| base.join(p)),
             rollout: raw.rollout,
+            trainer: raw.trainer,
             train: raw.train,
             nodes: raw.nodes,
             heartbeat_interval_ms: raw.cluster.heartbeat_interval_ms,
             dead_after_ms: raw.cluster.dead_after_ms,
+            spawn_timeout_s: raw.cluster.spawn_timeout_s,
             tls,
         })
     }
@@ -271,6 +339,140 @@ fn cluster_tls(
         ca: resolved,
         domain: c.tls_domain.clone(),
     }))
+}
+
+impl ClusterConfig {
+    /// Indices of the nodes hosting rollout engines (remote mode).
+    pub fn rollout_nodes(&self) -> Vec<usize> {
+        match &self.rollout.nodes {
+            Some(nodes) => nodes.clone(),
+            None => (0..self.nodes.len()).collect(),
+        }
+    }
+
+    /// GPUs of node `node` for its rollout engine `engine` (empty on CPU): the node's
+    /// GPUs in order, skipping the trainer's unless engines are colocated with it.
+    pub fn engine_gpus(&self, node: usize, engine: usize) -> Vec<u32> {
+        let per = self.rollout.gpus_per_engine;
+        let trainer_here = self.trainer.node == Some(node) && !self.rollout.colocate;
+        let free: Vec<u32> = self.nodes[node]
+            .gpus
+            .iter()
+            .copied()
+            .filter(|g| !(trainer_here && self.trainer.gpus.contains(g)))
+            .collect();
+        free.into_iter().skip(engine * per).take(per).collect()
+    }
+}
+
+/// Roles must fit the nodes: the trainer's node and GPUs exist, rollout nodes exist,
+/// and each node has GPUs for its engines (plus the trainer's, unless colocated).
+fn validate_placement(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
+    let t = &raw.trainer;
+    let r = &raw.rollout;
+    if raw.cluster.mode == ClusterMode::Local {
+        for (key, set) in [
+            ("trainer.node", t.node.is_some()),
+            ("rollout.nodes", r.nodes.is_some()),
+        ] {
+            if set {
+                return Err(ConfigError::invalid(
+                    path,
+                    key,
+                    "set",
+                    "node placement is only used with cluster.mode = \"remote\"",
+                ));
+            }
+        }
+        return Ok(());
+    }
+    let n = raw.nodes.len();
+    if let Some(node) = t.node {
+        if node >= n {
+            return Err(ConfigError::invalid(
+                path,
+                "trainer.node",
+                node,
+                format!(
+                    "there are {n} [[nodes]] (indices 0..{})",
+                    n.saturating_sub(1)
+                ),
+            ));
+        }
+        let offered = &raw.nodes[node].gpus;
+        if let Some(g) = t.gpus.iter().find(|g| !offered.contains(g)) {
+            return Err(ConfigError::invalid(
+                path,
+                "trainer.gpus",
+                format!("{:?}", t.gpus),
+                format!("GPU {g} is not among nodes[{node}].gpus {offered:?}"),
+            ));
+        }
+    } else if !t.gpus.is_empty() {
+        return Err(ConfigError::invalid(
+            path,
+            "trainer.gpus",
+            format!("{:?}", t.gpus),
+            "the trainer runs in the driver (no trainer.node); GPUs there are not placed",
+        ));
+    }
+    if t.restart_timeout_s == 0 {
+        return Err(ConfigError::invalid(
+            path,
+            "trainer.restart_timeout_s",
+            0,
+            "must be at least 1",
+        ));
+    }
+    let rollout_nodes: Vec<usize> = match &r.nodes {
+        Some(list) => {
+            if list.is_empty() {
+                return Err(ConfigError::invalid(
+                    path,
+                    "rollout.nodes",
+                    "[]",
+                    "name at least one node",
+                ));
+            }
+            if let Some(bad) = list.iter().find(|&&i| i >= n) {
+                return Err(ConfigError::invalid(
+                    path,
+                    "rollout.nodes",
+                    format!("{list:?}"),
+                    format!("node {bad} does not exist: there are {n} [[nodes]]"),
+                ));
+            }
+            list.clone()
+        }
+        None => (0..n).collect(),
+    };
+    for (i, node) in raw.nodes.iter().enumerate() {
+        let trainer = if t.node == Some(i) && !r.colocate {
+            t.gpus.len()
+        } else {
+            0
+        };
+        let engines = if rollout_nodes.contains(&i) {
+            r.engines * r.gpus_per_engine
+        } else {
+            0
+        };
+        if trainer + engines > node.gpus.len() {
+            return Err(ConfigError::invalid(
+                path,
+                format!("nodes[{i}].gpus"),
+                format!("{:?}", node.gpus),
+                format!(
+                    "placement cannot be satisfied: the node needs {} GPUs ({trainer} for the trainer, \
+                     {} engines x rollout.gpus_per_engine {})",
+                    trainer + engines,
+                    if rollout_nodes.contains(&i) { r.engines } else { 0 },
+                    r.gpus_per_engine
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Remote mode needs nodes with `host:port` addresses, and heartbeats faster than the
@@ -391,6 +593,60 @@ mod tests {
         assert_eq!(c.nodes.len(), 2);
         assert_eq!(c.nodes[0].gpus, vec![0, 1]);
         assert_eq!((c.heartbeat_interval_ms, c.dead_after_ms), (200, 3000));
+    }
+
+    #[test]
+    fn trainer_and_rollout_roles_place_on_nodes() {
+        let c = parse(
+            "[cluster]\nmode = \"remote\"\n\n[trainer]\nnode = 1\ngpus = [0]\non_failure = \"stop\"\n\n\
+             [rollout]\nengines = 2\ngpus_per_engine = 1\nnodes = [1]\n\n\
+             [[nodes]]\naddress = \"a:1\"\n\n[[nodes]]\naddress = \"b:1\"\ngpus = [0, 1, 2]\n",
+        )
+        .unwrap();
+        assert_eq!(c.trainer.node, Some(1));
+        assert_eq!(c.trainer.on_failure, TrainerFailurePolicy::Stop);
+        assert_eq!(c.rollout_nodes(), vec![1]);
+        // The trainer keeps GPU 0; engines take the others in order.
+        assert_eq!(c.engine_gpus(1, 0), vec![1]);
+        assert_eq!(c.engine_gpus(1, 1), vec![2]);
+        assert_eq!(c.trainer.restart_timeout_s, 120);
+    }
+
+    #[test]
+    fn placement_that_cannot_fit_is_refused_naming_the_node() {
+        let base = "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0, 1]\n";
+        let err = parse(&format!("{base}\n[trainer]\nnode = 0\ngpus = [0]\n\n[rollout]\nengines = 2\ngpus_per_engine = 1\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("nodes[0].gpus") && err.contains("needs 3 GPUs"),
+            "{err}"
+        );
+        // Colocated engines share the trainer's GPUs: it fits.
+        parse(&format!("{base}\n[trainer]\nnode = 0\ngpus = [0]\n\n[rollout]\nengines = 2\ngpus_per_engine = 1\ncolocate = true\n")).unwrap();
+        let err = parse(&format!("{base}\n[trainer]\nnode = 3\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("trainer.node") && err.contains('3'), "{err}");
+        let err = parse(&format!("{base}\n[trainer]\nnode = 0\ngpus = [7]\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trainer.gpus") && err.contains("GPU 7"),
+            "{err}"
+        );
+        let err = parse(&format!("{base}\n[rollout]\nnodes = [0, 2]\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rollout.nodes") && err.contains("node 2"),
+            "{err}"
+        );
+        let err = parse("[trainer]\nnode = 0\n").unwrap_err().to_string();
+        assert!(
+            err.contains("trainer.node") && err.contains("remote"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -10,15 +10,19 @@ use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_client::RolloutClient as RolloutRpc;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 use tonic::codegen::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::auth::BearerToken;
 use crate::convert::request_to_pb;
 use crate::spawn::RolloutSpawnConfig;
 use crate::tls::{error_chain, status_chain, ClientTls};
+use crate::transport::{ClusterChannel, H2Channel};
 use crate::RuntimeError;
 
-type Authed = InterceptedService<Channel, BearerToken>;
+type Authed = InterceptedService<ClusterChannel, BearerToken>;
+
+/// How long to wait for a worker's TCP connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One worker, reached over gRPC. Cheap to clone; the channel reconnects by itself
 /// when a worker restarts on the same address.
@@ -43,17 +47,20 @@ impl WorkerClient {
             addr: addr.to_string(),
             message,
         };
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
-            .map_err(|e| address(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true);
-        if let Some(tls) = tls {
-            endpoint = endpoint
-                .tls_config(tls.config())
-                .map_err(|e| address(format!("TLS setup: {}", error_chain(&e))))?;
-        }
-        let channel = endpoint.connect_lazy();
+        let channel = match tls {
+            None => ClusterChannel::Lean(
+                H2Channel::lazy(addr, CONNECT_TIMEOUT).map_err(|e| address(e.to_string()))?,
+            ),
+            Some(tls) => ClusterChannel::Tonic(
+                Endpoint::from_shared(format!("https://{addr}"))
+                    .map_err(|e| address(e.to_string()))?
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .tls_config(tls.config())
+                    .map_err(|e| address(format!("TLS setup: {}", error_chain(&e))))?
+                    .connect_lazy(),
+            ),
+        };
         let auth = BearerToken::new(token)?;
         Ok(Self {
             addr: addr.to_string(),
@@ -98,6 +105,21 @@ impl WorkerClient {
     pub async fn describe(&self, limit: Duration) -> Result<cpb::NodeResources, RuntimeError> {
         let mut c = self.worker.clone();
         self.timed(limit, c.describe(pb::Empty {})).await
+    }
+
+    /// A round trip through the worker's echo actor (its actor system, not just the server).
+    pub async fn echo(&self, sequence: u64, limit: Duration) -> Result<u64, RuntimeError> {
+        let mut c = self.worker.clone();
+        let reply = self
+            .timed(
+                limit,
+                c.echo(cpb::EchoRequest {
+                    sequence,
+                    payload: Vec::new(),
+                }),
+            )
+            .await?;
+        Ok(reply.sequence)
     }
 
     pub async fn heartbeat(

@@ -17,6 +17,7 @@ pub mod pool;
 pub mod server;
 pub mod spawn;
 pub mod tls;
+pub mod transport;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
 pub use client::WorkerClient;

@@ -1,5 +1,10 @@
 //! The worker daemon: hosts rollout actors and serves the `Worker` and `Rollout`
 //! gRPC services, every call checked against the cluster token.
+//!
+//! The `worker` binary serves gRPC from a control-plane thread of its own
+//! ([`spawn_control_plane`], a current-thread runtime) while actors run on the main
+//! multi-thread runtime: a small call and the echo actor then stay on one thread,
+//! with no cross-thread wake-up, and episode work never queues behind them.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -39,15 +44,19 @@ struct State {
 #[derive(Clone)]
 pub struct WorkerDaemon {
     gpus: Vec<u32>,
+    /// Where hosted actors (and the built-in environment server) run.
+    actors_runtime: tokio::runtime::Handle,
     started: Instant,
     state: Arc<Mutex<State>>,
     shutdown: Arc<Notify>,
 }
 
 impl WorkerDaemon {
+    /// A daemon offering `gpus`. Call it inside a Tokio runtime: hosted actors run there.
     pub fn new(gpus: Vec<u32>) -> Self {
         Self {
             gpus,
+            actors_runtime: tokio::runtime::Handle::current(),
             started: Instant::now(),
             state: Arc::new(Mutex::new(State {
                 actors: BTreeMap::new(),
@@ -64,6 +73,11 @@ impl WorkerDaemon {
             .get(name)
             .map(|h| (h.actor.clone(), h.max_concurrent))
             .ok_or_else(|| Status::not_found(format!("no actor named {name:?} on this worker")))
+    }
+
+    /// Asks [`serve`] to stop (as the `Shutdown` RPC does).
+    pub fn request_shutdown(&self) {
+        self.shutdown.notify_one();
     }
 
     /// Stops every actor and the built-in environment server.
@@ -129,8 +143,11 @@ impl Worker for WorkerDaemon {
         }
         if RolloutSpawnConfig::needs_builtin(&train) && state.env_server.is_none() {
             let addr = SocketAddr::from(([127, 0, 0, 1], 0));
-            let server = manta_envs::serve(addr, manta_envs::builtin_environments())
+            let server = self
+                .actors_runtime
+                .spawn(manta_envs::serve(addr, manta_envs::builtin_environments()))
                 .await
+                .map_err(|e| Status::internal(e.to_string()))?
                 .map_err(|e| {
                     Status::internal(format!("starting the built-in environment server: {e}"))
                 })?;
@@ -138,9 +155,16 @@ impl Worker for WorkerDaemon {
             state.env_server = Some(server);
         }
         let builtin_url = state.env_server.as_ref().map(|s| s.base_url());
-        let actor = spawn_rollout(&req.name, &cfg, &train, builtin_url.as_deref())
-            .await
-            .map_err(|e| Status::internal(format!("{e:#}")))?;
+        let name = req.name.clone();
+        let spawn_cfg = cfg.clone();
+        let actor =
+            self.actors_runtime
+                .spawn(async move {
+                    spawn_rollout(&name, &spawn_cfg, &train, builtin_url.as_deref()).await
+                })
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(|e| Status::internal(format!("{e:#}")))?;
         info!(actor = %req.name, "rollout actor spawned");
         state.actors.insert(
             req.name.clone(),
@@ -358,4 +382,34 @@ pub async fn serve_with_tls(
     }
     daemon.stop_all().await;
     result
+}
+
+/// Serves `daemon` from a thread of its own running a current-thread runtime (see the
+/// module docs), until a `Shutdown` call or [`WorkerDaemon::request_shutdown`].
+pub fn spawn_control_plane(
+    daemon: WorkerDaemon,
+    listener: std::net::TcpListener,
+    token: String,
+    tls: Option<ServerTls>,
+) -> std::io::Result<std::thread::JoinHandle<Result<(), String>>> {
+    listener.set_nonblocking(true)?;
+    std::thread::Builder::new()
+        .name("manta-control-plane".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("starting the control-plane runtime: {e}"))?;
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)
+                    .map_err(|e| format!("listening: {e}"))?;
+                serve_with_tls(daemon, listener, token, tls, std::future::pending())
+                    .await
+                    .map_err(|e| tls_error_text(&e))
+            })
+        })
+}
+
+fn tls_error_text(e: &tonic::transport::Error) -> String {
+    crate::tls::error_chain(e)
 }
