@@ -8,15 +8,21 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
+use manta_config::TrainerFailurePolicy;
 use manta_rollout::GenerationSettings;
+use manta_runtime::TrainerCallError;
 use manta_telemetry::{MetricsWriter, TensorBoardWriter};
-use manta_trainer::TrainerMsg;
-use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::field::Empty;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{error, info, info_span, warn, Instrument};
 
-use crate::step::{run_step, StepActors};
+use crate::run::TrainerRecovery;
+use crate::step::{run_step, sync_weights, StepActors};
 use crate::tasks::TaskSampler;
+use crate::trainer_handle::TrainerHandle;
+
+/// Trainer restarts in a row (no step completed in between) before the run gives up.
+const MAX_TRAINER_RESTARTS: u32 = 3;
 
 /// How a run ended.
 #[derive(Debug, Clone)]
@@ -40,6 +46,10 @@ pub enum DriverMsg {
 /// Everything the loop needs.
 pub struct RunPlan {
     pub actors: StepActors,
+    /// What to do when a remote trainer is lost.
+    pub recovery: TrainerRecovery,
+    /// The weight version the engines hold at the start (the resumed step, or 0).
+    pub weight_version: u64,
     pub sampler: TaskSampler,
     pub rollout_batch_size: usize,
     pub n_samples: usize,
@@ -60,7 +70,11 @@ pub struct DriverState {
     tensorboard: Option<TensorBoardWriter>,
     next_step: u64,
     steps_done: u64,
-    trained_ids: Vec<u64>,
+    /// Sample ids trained on, per step.
+    trained: Vec<(u64, Vec<u64>)>,
+    weight_version: u64,
+    /// Trainer restarts since the last completed step.
+    restarts: u32,
     reply: Option<RpcReplyPort<Result<RunSummary, String>>>,
     started: Instant,
 }
@@ -88,9 +102,11 @@ impl Actor for DriverActor {
         Ok(DriverState {
             tensorboard,
             next_step: plan.first_step,
+            weight_version: plan.weight_version,
             plan,
             steps_done: 0,
-            trained_ids: Vec::new(),
+            trained: Vec::new(),
+            restarts: 0,
             reply: None,
             started: Instant::now(),
         })
@@ -119,11 +135,24 @@ impl Actor for DriverActor {
                     }
                     return Ok(());
                 }
-                match one_step(state).await {
+                let step = state.next_step;
+                let outcome = match one_step(state).await {
+                    Ok(()) => {
+                        state.restarts = 0;
+                        Ok(())
+                    }
+                    Err(e) => match e.downcast_ref::<TrainerCallError>() {
+                        Some(TrainerCallError::Lost { .. }) => {
+                            trainer_lost(state, step, &format!("{e:#}")).await
+                        }
+                        _ => Err(format!("step {step}: {e:#}")),
+                    },
+                };
+                match outcome {
                     Ok(()) => myself.send_message(DriverMsg::Step)?,
-                    Err(e) => {
+                    Err(message) => {
                         if let Some(reply) = state.reply.take() {
-                            let _ = reply.send(Err(format!("step {}: {e:#}", state.next_step)));
+                            let _ = reply.send(Err(message));
                         }
                     }
                 }
@@ -180,7 +209,8 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         );
     }
     append_trained_ids(&plan.run_dir, step, &outcome.trained_ids)?;
-    state.trained_ids.extend(outcome.trained_ids);
+    state.trained.push((step, outcome.trained_ids));
+    state.weight_version = step;
     state.steps_done += 1;
     state.next_step += 1;
     if let Some(dir) = &plan.save {
@@ -213,11 +243,7 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
         Ok(()) => info!(plot = %png.display(), "wrote the reward/loss plot"),
         Err(e) => warn!(error = %e, "no plot written"),
     }
-    let version = call!(
-        plan.actors.weight_sync,
-        manta_weight_sync::WeightSyncMsg::Version
-    )
-    .unwrap_or(0);
+    let version = state.weight_version;
     info!(
         steps = state.steps_done,
         seconds = state.started.elapsed().as_secs_f64(),
@@ -229,9 +255,124 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
         steps_done: state.steps_done,
         last_step: last_done,
         interrupted,
-        trained_ids: state.trained_ids.clone(),
+        trained_ids: state
+            .trained
+            .iter()
+            .flat_map(|(_, ids)| ids.iter().copied())
+            .collect(),
         final_weight_version: version,
     })
+}
+
+/// A remote trainer was lost during `step`: stop with a message saying how to resume,
+/// or re-create it from the last checkpoint and go on from there, as configured.
+async fn trainer_lost(state: &mut DriverState, step: u64, cause: &str) -> Result<(), String> {
+    let latest = state
+        .plan
+        .save
+        .as_ref()
+        .filter(|dir| dir.join("latest").is_file())
+        .and_then(|dir| latest_checkpoint(dir).ok());
+    let resume = match (&state.plan.save, &latest) {
+        (Some(dir), Some(ckpt)) => format!(
+            "resume with --load {} (latest checkpoint {})",
+            dir.display(),
+            ckpt.display()
+        ),
+        _ => "no checkpoint was saved yet (--save DIR --save-interval N keeps one)".into(),
+    };
+    match state.plan.recovery.policy {
+        TrainerFailurePolicy::Stop => {
+            error!(step, "{cause}");
+            Err(format!(
+                "step {step}: {cause}\ncluster.toml [trainer] on_failure = \"stop\": the run stops here; {resume}"
+            ))
+        }
+        TrainerFailurePolicy::Restart if state.restarts >= MAX_TRAINER_RESTARTS => Err(format!(
+            "step {step}: {cause}\nthe trainer was lost {} times in a row without finishing a step; \
+             stopping; {resume}",
+            state.restarts + 1
+        )),
+        TrainerFailurePolicy::Restart => {
+            state.restarts += 1;
+            let from = latest
+                .as_ref()
+                .and_then(|c| c.file_name())
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("step_"))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            warn!(
+                step,
+                restored_step = from,
+                "{cause}; restarting the trainer from {}",
+                latest
+                    .as_ref()
+                    .map(|c| format!("checkpoint {}", c.display()))
+                    .unwrap_or_else(|| "its initial weights (no checkpoint yet)".into())
+            );
+            restart_trainer(state, latest.as_deref())
+                .await
+                .map_err(|e| format!("step {step}: {cause}\nrestarting the trainer failed: {e:#}; {resume}"))
+        }
+    }
+}
+
+/// Re-creates the remote trainer, restores `checkpoint` (or keeps the initial weights),
+/// syncs the engines, and rewinds the loop to the step after the restored one.
+async fn restart_trainer(
+    state: &mut DriverState,
+    checkpoint: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let plan = &mut state.plan;
+    let remote = plan
+        .actors
+        .trainer
+        .remote()
+        .context("only a trainer on a worker can be restarted")?;
+    remote.restart(plan.recovery.restart_timeout).await?;
+    let from = match checkpoint {
+        Some(ckpt) => plan
+            .actors
+            .trainer
+            .load_checkpoint(ckpt)
+            .await
+            .with_context(|| format!("loading {}", ckpt.display()))?,
+        None => 0,
+    };
+    sync_weights(&plan.actors, from).await?;
+    // Steps after the restored one will be trained again: forget them.
+    state.trained.retain(|(s, _)| *s <= from);
+    truncate_trained_ids(&plan.run_dir, from)?;
+    state.next_step = from + 1;
+    state.weight_version = from;
+    info!(
+        next_step = state.next_step,
+        "trainer restarted; steps after {from} run again (metrics.jsonl repeats them)"
+    );
+    Ok(())
+}
+
+/// Keeps only the records of steps up to `last` in `run_dir/trained_ids.jsonl`.
+fn truncate_trained_ids(run_dir: &std::path::Path, last: u64) -> anyhow::Result<()> {
+    let path = run_dir.join("trained_ids.jsonl");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= last)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let tmp = run_dir.join("trained_ids.jsonl.tmp");
+    std::fs::write(&tmp, kept).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("replacing {}", path.display()))?;
+    Ok(())
 }
 
 /// Appends `{"step": N, "ids": [...]}` to `run_dir/trained_ids.jsonl`, so sample
@@ -252,15 +393,16 @@ fn append_trained_ids(run_dir: &std::path::Path, step: u64, ids: &[u64]) -> anyh
 /// Saves `dir/step_NNNNNN` and then points `dir/latest` at it (written atomically), so
 /// `--load dir` always finds a complete checkpoint.
 pub async fn save_checkpoint(
-    trainer: &ActorRef<TrainerMsg>,
+    trainer: &TrainerHandle,
     dir: &std::path::Path,
     step: u64,
 ) -> anyhow::Result<()> {
     let name = format!("step_{step:06}");
     let target = dir.join(&name);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    call!(trainer, TrainerMsg::SaveCheckpoint, target.clone(), step)
-        .context("the trainer did not answer")?
+    trainer
+        .save_checkpoint(&target, step)
+        .await
         .with_context(|| format!("saving checkpoint {}", target.display()))?;
     let tmp = dir.join("latest.tmp");
     std::fs::write(&tmp, &name).with_context(|| format!("writing {}", tmp.display()))?;

@@ -10,3 +10,4 @@ pub mod remote;
 pub mod run;
 pub mod step;
 pub mod tasks;
+pub mod trainer_handle;

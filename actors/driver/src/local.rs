@@ -29,9 +29,10 @@ pub use manta_runtime::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL}
 
 /// Handles to everything local mode started.
 pub struct LocalWorker {
-    pub trainer: ActorRef<TrainerMsg>,
+    /// The in-process trainer (absent when a worker daemon hosts it).
+    pub trainer: Option<ActorRef<TrainerMsg>>,
     pub rollouts: Vec<ActorRef<RolloutMsg>>,
-    pub weight_sync: ActorRef<WeightSyncMsg>,
+    pub weight_sync: Option<ActorRef<WeightSyncMsg>>,
     /// One client per environment, for listing tasks.
     pub env_clients: BTreeMap<String, OrsClient>,
     env_server: Option<manta_envs::ServerHandle>,
@@ -48,8 +49,12 @@ impl LocalWorker {
         for r in &self.rollouts {
             r.stop(None);
         }
-        self.weight_sync.stop(None);
-        self.trainer.stop(None);
+        if let Some(w) = &self.weight_sync {
+            w.stop(None);
+        }
+        if let Some(t) = &self.trainer {
+            t.stop(None);
+        }
         if let Some(upload) = self.upload {
             let stats = upload.shutdown(UPLOAD_FLUSH_TIMEOUT).await;
             info!(
@@ -111,24 +116,10 @@ pub(crate) fn environment_clients(
     )
 }
 
-/// Starts the local worker's actors.
-pub async fn start(
-    cluster: &ClusterConfig,
-    train: &TrainConfig,
-    settings: &TrainSettings,
-) -> anyhow::Result<LocalWorker> {
-    let model_dir = settings.model.as_path();
-    check_model_dir(model_dir)?;
-    let env_server = start_builtin_server(train).await?;
-    let upload = start_uploader(train)?;
-    let builtin_url = env_server.as_ref().map(|s| s.base_url());
-    let tokenizer = Arc::new(
-        Tokenizer::from_dir(model_dir)
-            .with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
-    );
-    let device = Device::Cpu;
-    let trainer_opts = TrainerOptions {
-        model_dir: model_dir.to_path_buf(),
+/// The trainer's options from the resolved settings.
+pub fn trainer_options(settings: &TrainSettings, device: Device) -> TrainerOptions {
+    TrainerOptions {
+        model_dir: settings.model.clone(),
         seed: settings.seed,
         device,
         adam: AdamWConfig {
@@ -148,10 +139,39 @@ pub async fn start(
         use_rollout_logprobs: false,
         logprob_chunk: 1024,
         gradient_checkpointing: settings.gradient_checkpointing,
-    };
-    let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, trainer_opts)
+    }
+}
+
+/// Starts the local worker's actors; the trainer (and weight sync) only when
+/// `host_trainer` (remote mode may place the trainer on a worker instead).
+pub async fn start(
+    cluster: &ClusterConfig,
+    train: &TrainConfig,
+    settings: &TrainSettings,
+    host_trainer: bool,
+) -> anyhow::Result<LocalWorker> {
+    let model_dir = settings.model.as_path();
+    check_model_dir(model_dir)?;
+    let env_server = start_builtin_server(train).await?;
+    let upload = start_uploader(train)?;
+    let builtin_url = env_server.as_ref().map(|s| s.base_url());
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(model_dir)
+            .with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
+    );
+    let device = Device::Cpu;
+    let trainer = if host_trainer {
+        let (trainer, _) = Actor::spawn(
+            Some("trainer".into()),
+            TrainerActor,
+            trainer_options(settings, device),
+        )
         .await
         .context("starting the trainer")?;
+        Some(trainer)
+    } else {
+        None
+    };
     let mut rollouts = Vec::new();
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
@@ -193,16 +213,22 @@ pub async fn start(
             .context("starting a rollout actor")?;
         rollouts.push(rollout);
     }
-    let (weight_sync, _) = Actor::spawn(
-        Some("weight-sync".into()),
-        WeightSyncActor,
-        WeightSyncArgs {
-            trainer: trainer.clone(),
-            engines: rollouts.clone(),
-        },
-    )
-    .await
-    .context("starting weight sync")?;
+    let weight_sync = match &trainer {
+        Some(trainer) => Some(
+            Actor::spawn(
+                Some("weight-sync".into()),
+                WeightSyncActor,
+                WeightSyncArgs {
+                    trainer: trainer.clone(),
+                    engines: rollouts.clone(),
+                },
+            )
+            .await
+            .context("starting weight sync")?
+            .0,
+        ),
+        None => None,
+    };
     Ok(LocalWorker {
         trainer,
         rollouts,

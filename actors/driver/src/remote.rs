@@ -1,5 +1,6 @@
-//! Remote mode: the trainer stays in the driver; rollout actors live on the `worker`
-//! daemons cluster.toml lists. Placement is checked before anything starts.
+//! Remote mode: rollout actors live on the `worker` daemons cluster.toml lists, and the
+//! trainer either on one of them (`[trainer] node = N`) or in the driver. Every node is
+//! checked (reachable, token accepted, GPUs present) before anything starts.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -8,19 +9,26 @@ use std::time::Duration;
 use anyhow::Context;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_runtime::pool::NodeSpec;
-use manta_runtime::{load_token, ClientTls, PoolOptions, RemotePool, RolloutSpawnConfig};
+use manta_runtime::{
+    load_token, ClientTls, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
+    TrainerSpawnConfig, WorkerClient,
+};
 use tracing::info;
 
 use crate::driver_actor::RunSummary;
 use crate::local;
-use crate::run::{default_run_name, run_with_worker};
-use crate::step::Rollouts;
+use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
+use crate::step::{Rollouts, StepActors};
+use crate::trainer_handle::TrainerHandle;
+
+/// The trainer actor's name on its worker.
+const TRAINER_NAME: &str = "trainer-0";
 
 fn absolute(path: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
     std::fs::canonicalize(path).with_context(|| format!("resolving {}", path.display()))
 }
 
-/// Runs a training job with rollouts on worker daemons.
+/// Runs a training job with rollouts (and optionally the trainer) on worker daemons.
 pub async fn train_remote(
     cluster: ClusterConfig,
     train: TrainConfig,
@@ -30,6 +38,12 @@ pub async fn train_remote(
     let token = load_token().context("remote mode needs the cluster token")?;
     let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
     settings.run_name = Some(run_name.clone());
+    // Workers read and write these paths: make them absolute (shared disk or one machine).
+    settings.model = absolute(&settings.model)?;
+    if let Some(save) = &settings.save {
+        std::fs::create_dir_all(save).with_context(|| format!("creating {}", save.display()))?;
+        settings.save = Some(absolute(save)?);
+    }
     let weights_dir = absolute(&settings.runs_dir)
         .or_else(|_| {
             std::fs::create_dir_all(&settings.runs_dir)?;
@@ -37,16 +51,16 @@ pub async fn train_remote(
         })?
         .join(&run_name)
         .join("weights");
-    let nodes: Vec<NodeSpec> = cluster
-        .nodes
-        .iter()
-        .map(|n| NodeSpec {
-            address: n.address.clone(),
-            gpus: n.gpus.clone(),
+    let rollout_nodes: Vec<NodeSpec> = cluster
+        .rollout_nodes()
+        .into_iter()
+        .map(|i| NodeSpec {
+            address: cluster.nodes[i].address.clone(),
+            gpus: cluster.nodes[i].gpus.clone(),
         })
         .collect();
     let spawn = RolloutSpawnConfig {
-        model_dir: absolute(&settings.model)?,
+        model_dir: settings.model.clone(),
         seed: settings.seed,
         train_config: absolute(&train.path)?,
         max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
@@ -57,19 +71,35 @@ pub async fn train_remote(
         dead_after: Duration::from_millis(cluster.dead_after_ms),
         no_live_node_timeout: Duration::from_secs(60),
     };
-    info!(
-        nodes = nodes.len(),
-        engines_per_node = cluster.rollout.engines,
-        "placing rollout actors on worker nodes"
-    );
     let tls = cluster
         .tls
         .as_ref()
         .map(|t| ClientTls::from_file("cluster.tls_ca", &t.ca, t.domain.clone()))
         .transpose()
         .with_context(|| format!("cluster {}", cluster.path.display()))?;
+    let in_cluster = |e: manta_runtime::RuntimeError| {
+        anyhow::Error::new(e).context(format!("cluster {}", cluster.path.display()))
+    };
+    // The trainer's node is checked before anything is spawned anywhere.
+    let trainer_client = match cluster.trainer.node {
+        Some(i) => {
+            let client = WorkerClient::connect(&cluster.nodes[i].address, &token, tls.as_ref())
+                .map_err(in_cluster)?;
+            RemoteTrainer::check(&client, &cluster.trainer.gpus)
+                .await
+                .map_err(in_cluster)?;
+            Some(client)
+        }
+        None => None,
+    };
+    info!(
+        nodes = rollout_nodes.len(),
+        engines_per_node = cluster.rollout.engines,
+        trainer = %cluster.trainer.node.map_or("driver".to_string(), |i| cluster.nodes[i].address.clone()),
+        "placing actors on worker nodes"
+    );
     let pool = RemotePool::start_with_tls(
-        &nodes,
+        &rollout_nodes,
         &token,
         tls.as_ref(),
         spawn,
@@ -77,17 +107,54 @@ pub async fn train_remote(
         opts,
     )
     .await
-    .with_context(|| format!("cluster {}", cluster.path.display()))?;
+    .map_err(in_cluster)?;
     let pool = Arc::new(pool);
-    // The trainer, weight sync (with no local engines) and task listing stay here.
+    // Task listing (and the trainer, unless a worker hosts it) stays here.
     let mut local_cluster = cluster.clone();
     local_cluster.rollout.engines = 0;
-    let worker = local::start(&local_cluster, &train, &settings).await?;
-    let rollouts = Rollouts::Remote {
-        pool: pool.clone(),
-        weights_dir,
+    let worker = local::start(&local_cluster, &train, &settings, trainer_client.is_none()).await?;
+    let trainer = match (trainer_client, &worker.trainer) {
+        (Some(client), _) => {
+            let options = local::trainer_options(&settings, tch::Device::Cpu);
+            let remote = RemoteTrainer::start(
+                client,
+                TRAINER_NAME,
+                TrainerSpawnConfig::from_options(&options),
+                cluster.trainer.gpus.clone(),
+                Duration::from_secs(cluster.spawn_timeout_s),
+                opts.heartbeat_interval,
+                opts.dead_after,
+            )
+            .await
+            .map_err(in_cluster)?;
+            TrainerHandle::Remote(Arc::new(remote))
+        }
+        (None, Some(local)) => TrainerHandle::Local(local.clone()),
+        (None, None) => anyhow::bail!("no trainer was started"),
     };
-    let result = run_with_worker(&worker, rollouts, &train, &settings, stop).await;
+    let actors = StepActors {
+        trainer: trainer.clone(),
+        rollouts: Rollouts::Remote {
+            pool: pool.clone(),
+            weights_dir,
+        },
+    };
+    let recovery = TrainerRecovery {
+        policy: cluster.trainer.on_failure,
+        restart_timeout: Duration::from_secs(cluster.trainer.restart_timeout_s),
+    };
+    let result = run_with_actors(
+        &worker.env_clients,
+        actors,
+        &train,
+        &settings,
+        recovery,
+        stop,
+    )
+    .await;
+    if let Some(remote) = trainer.remote() {
+        remote.shutdown().await;
+    }
     worker.shutdown().await;
     if let Ok(pool) = Arc::try_unwrap(pool) {
         pool.shutdown().await;

@@ -7,19 +7,19 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
+use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings, TrainerFailurePolicy};
+use manta_rollout::ors::OrsClient;
 use manta_rollout::{GenerationSettings, TaskRef};
 use manta_telemetry::MetricsWriter;
-use manta_trainer::TrainerMsg;
-use manta_weight_sync::WeightSyncMsg;
 use ractor::{call, Actor};
 use tracing::info;
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
-use crate::local::{self, LocalWorker};
-use crate::step::{Rollouts, StepActors};
+use crate::local;
+use crate::step::{sync_weights, Rollouts, StepActors};
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
+use crate::trainer_handle::TrainerHandle;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -54,10 +54,13 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
 
 /// Lists every configured split of every environment from its server, shuffled with
 /// the cookbook's seed 42 and capped by `num_samples`.
-async fn list_tasks(worker: &LocalWorker, train: &TrainConfig) -> anyhow::Result<Vec<TaskRef>> {
+async fn list_tasks(
+    env_clients: &std::collections::BTreeMap<String, OrsClient>,
+    train: &TrainConfig,
+) -> anyhow::Result<Vec<TaskRef>> {
     let mut tasks = Vec::new();
     for (name, env) in &train.environments {
-        let client = &worker.env_clients[name];
+        let client = &env_clients[name];
         for split in &env.splits {
             let listed = client
                 .list_tasks(split)
@@ -108,23 +111,58 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     if cluster.mode == ClusterMode::Remote {
         return crate::remote::train_remote(cluster, train, settings, stop).await;
     }
-    let worker = local::start(&cluster, &train, &settings).await?;
-    let rollouts = Rollouts::Local(worker.rollouts.clone());
-    let result = run_with_worker(&worker, rollouts, &train, &settings, stop).await;
+    let worker = local::start(&cluster, &train, &settings, true).await?;
+    let (trainer, weight_sync) = match (&worker.trainer, &worker.weight_sync) {
+        (Some(t), Some(w)) => (t.clone(), w.clone()),
+        _ => anyhow::bail!("local mode started without a trainer"),
+    };
+    let actors = StepActors {
+        trainer: TrainerHandle::Local(trainer),
+        rollouts: Rollouts::Local {
+            actors: worker.rollouts.clone(),
+            weight_sync,
+        },
+    };
+    let result = run_with_actors(
+        &worker.env_clients,
+        actors,
+        &train,
+        &settings,
+        TrainerRecovery::default(),
+        stop,
+    )
+    .await;
     worker.shutdown().await;
     result
 }
 
-pub(crate) async fn run_with_worker(
-    worker: &LocalWorker,
-    rollouts: Rollouts,
+/// What the driver does when a remote trainer is lost (cluster.toml `[trainer]`).
+#[derive(Debug, Clone, Copy)]
+pub struct TrainerRecovery {
+    pub policy: TrainerFailurePolicy,
+    pub restart_timeout: std::time::Duration,
+}
+
+impl Default for TrainerRecovery {
+    fn default() -> Self {
+        Self {
+            policy: TrainerFailurePolicy::Stop,
+            restart_timeout: std::time::Duration::from_secs(120),
+        }
+    }
+}
+
+pub(crate) async fn run_with_actors(
+    env_clients: &std::collections::BTreeMap<String, OrsClient>,
+    actors: StepActors,
     train: &TrainConfig,
     settings: &TrainSettings,
+    recovery: TrainerRecovery,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
     let tasks = match &settings.task_data {
         Some(path) => read_tasks_jsonl(path)?,
-        None => list_tasks(worker, train).await?,
+        None => list_tasks(env_clients, train).await?,
     };
     if let Some(t) = tasks
         .iter()
@@ -143,20 +181,14 @@ pub(crate) async fn run_with_worker(
     let mut first_step = 1;
     if let Some(dir) = &settings.load {
         let checkpoint = latest_checkpoint(dir)?;
-        let step = call!(
-            worker.trainer,
-            TrainerMsg::LoadCheckpoint,
-            checkpoint.clone()
-        )
-        .context("the trainer did not answer")?
-        .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
-        call!(worker.weight_sync, WeightSyncMsg::Sync, step)
-            .context("weight sync did not answer")?
-            .context("syncing resumed weights to the engines")?;
-        rollouts
-            .publish_weights(&worker.trainer, step)
+        let step = actors
+            .trainer
+            .load_checkpoint(&checkpoint)
             .await
-            .context("publishing resumed weights to the workers")?;
+            .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
+        sync_weights(&actors, step)
+            .await
+            .context("syncing resumed weights to the engines")?;
         info!(checkpoint = %checkpoint.display(), step, "resumed");
         first_step = step + 1;
     }
@@ -172,11 +204,8 @@ pub(crate) async fn run_with_worker(
         .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
     info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");
     let plan = RunPlan {
-        actors: StepActors {
-            trainer: worker.trainer.clone(),
-            rollouts,
-            weight_sync: worker.weight_sync.clone(),
-        },
+        actors,
+        recovery,
         sampler: TaskSampler::new(tasks, settings.seed),
         rollout_batch_size: settings.rollout_batch_size,
         n_samples: settings.n_samples,
@@ -186,6 +215,7 @@ pub(crate) async fn run_with_worker(
             context_len: settings.context_len,
         },
         first_step,
+        weight_version: first_step - 1,
         last_step: settings.num_rollout as u64,
         save: settings.save.clone(),
         save_interval: settings.save_interval,

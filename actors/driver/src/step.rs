@@ -11,22 +11,27 @@ use manta_core::advantage::is_zero_std;
 use manta_core::{group_advantages, AdvantageOptions, Sample, SampleStatus};
 use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg, TaskRef};
 use manta_telemetry::StepMetrics;
-use manta_trainer::{TrainBatch, TrainerMsg};
+use manta_trainer::TrainBatch;
 use manta_weight_sync::WeightSyncMsg;
 use ractor::{call, ActorRef};
 use tracing::warn;
 
+use crate::trainer_handle::TrainerHandle;
+
 /// The actors a step talks to.
 pub struct StepActors {
-    pub trainer: ActorRef<TrainerMsg>,
+    pub trainer: TrainerHandle,
     pub rollouts: Rollouts,
-    pub weight_sync: ActorRef<WeightSyncMsg>,
 }
 
 /// Where rollouts run: in-process actors, or actors on worker daemons. The step loop
 /// calls both the same way.
 pub enum Rollouts {
-    Local(Vec<ActorRef<RolloutMsg>>),
+    /// In-process engines; weight sync moves tensors straight from the trainer.
+    Local {
+        actors: Vec<ActorRef<RolloutMsg>>,
+        weight_sync: ActorRef<WeightSyncMsg>,
+    },
     Remote {
         pool: Arc<manta_runtime::RemotePool>,
         /// Where each step's weights are written for workers to load.
@@ -43,42 +48,54 @@ impl Rollouts {
         generation: GenerationSettings,
     ) -> anyhow::Result<Vec<Sample>> {
         match self {
-            Rollouts::Local(actors) => run_local(actors, requests, n_samples, generation).await,
+            Rollouts::Local { actors, .. } => {
+                run_local(actors, requests, n_samples, generation).await
+            }
             Rollouts::Remote { pool, .. } => Ok(pool.run_episodes(requests, generation).await?),
         }
-    }
-
-    /// After the trainer's step: remote engines load the new weights from disk.
-    pub(crate) async fn publish_weights(
-        &self,
-        trainer: &ActorRef<TrainerMsg>,
-        version: u64,
-    ) -> anyhow::Result<()> {
-        let Rollouts::Remote { pool, weights_dir } = self else {
-            return Ok(());
-        };
-        let weights =
-            call!(trainer, TrainerMsg::ExportWeights).context("the trainer did not answer")?;
-        let dir = weights_dir.join(format!("v{version:06}"));
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let file = dir.join("model.safetensors");
-        tch::Tensor::write_safetensors(&weights, &file)
-            .with_context(|| format!("writing {}", file.display()))?;
-        pool.load_weights(&dir.to_string_lossy(), version).await?;
-        // Only the current version is needed (a rejoining node loads it); drop the last.
-        if let Some(previous) = version.checked_sub(1) {
-            let _ = std::fs::remove_dir_all(weights_dir.join(format!("v{previous:06}")));
-        }
-        Ok(())
     }
 
     /// Worker nodes answering heartbeats (remote mode only).
     fn live_nodes(&self) -> Option<usize> {
         match self {
-            Rollouts::Local(_) => None,
+            Rollouts::Local { .. } => None,
             Rollouts::Remote { pool, .. } => Some(pool.live_nodes()),
         }
     }
+}
+
+/// Moves the trainer's current weights into every engine as `version`: in-process
+/// through the weight-sync actor; to workers as a safetensors file they load.
+pub async fn sync_weights(actors: &StepActors, version: u64) -> anyhow::Result<()> {
+    match &actors.rollouts {
+        Rollouts::Local { weight_sync, .. } => {
+            call!(weight_sync, WeightSyncMsg::Sync, version)
+                .context("weight sync did not answer")?
+                .context("weight sync failed")?;
+        }
+        Rollouts::Remote { pool, weights_dir } => {
+            let dir = weights_dir.join(format!("v{version:06}"));
+            actors
+                .trainer
+                .export_weights_to(&dir)
+                .await
+                .context("exporting weights for the workers")?;
+            pool.load_weights(&dir.to_string_lossy(), version)
+                .await
+                .context("publishing weights to the workers")?;
+            // Only the current version is needed (a rejoining node loads it).
+            for entry in std::fs::read_dir(weights_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if entry.path() != dir {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whole groups go to one rollout actor, round robin.
@@ -154,9 +171,11 @@ pub async fn run_step(
         );
     } else {
         let tokens: usize = batch.samples.iter().map(|s| s.tokens.len()).sum();
-        let train = call!(actors.trainer, TrainerMsg::TrainStep, batch)
-            .context("the trainer did not answer")?
-            .context("training step failed")?;
+        let train = actors
+            .trainer
+            .train_step(step, batch)
+            .await
+            .context("training step")?;
         m.extend(train);
         let train_time = train_started.elapsed().as_secs_f64();
         m.insert("perf/train_time".into(), train_time);
@@ -166,14 +185,7 @@ pub async fn run_step(
         );
     }
     let sync_started = Instant::now();
-    let report = call!(actors.weight_sync, WeightSyncMsg::Sync, step)
-        .context("weight sync did not answer")?
-        .context("weight sync failed")?;
-    actors
-        .rollouts
-        .publish_weights(&actors.trainer, report.version)
-        .await
-        .context("publishing weights to the workers")?;
+    sync_weights(actors, step).await?;
     if let Some(live) = actors.rollouts.live_nodes() {
         m.insert("cluster/live_nodes".into(), live as f64);
     }
@@ -181,7 +193,7 @@ pub async fn run_step(
         "perf/update_weights_time".into(),
         sync_started.elapsed().as_secs_f64(),
     );
-    m.insert("weights/version".into(), report.version as f64);
+    m.insert("weights/version".into(), step as f64);
     let step_time = started.elapsed().as_secs_f64();
     m.insert("perf/rollout_time".into(), rollout_time);
     m.insert("perf/step_time".into(), step_time);

@@ -296,3 +296,175 @@ fn unsatisfiable_placement_is_reported_before_anything_starts() {
     );
     assert!(!runs.join("never").exists(), "the run started anyway");
 }
+
+/// A cluster file with rollouts on node 0 and the trainer on node 1.
+fn trainer_on_node_1(dir: &Path, ports: [u16; 2], on_failure: &str) -> PathBuf {
+    let ws = workspace();
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
+             [trainer]\nnode = 1\non_failure = \"{on_failure}\"\nrestart_timeout_s = 30\n\n\
+             [rollout]\nengines = 1\nnodes = [0]\nmax_concurrent_episodes = 16\n\n\
+             [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
+            ws.join("train_config.yaml").display(),
+            ws.join("assets/tiny-qwen3").display(),
+            ports[0],
+            ports[1]
+        ),
+    )
+    .unwrap();
+    cluster
+}
+
+fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
+    cmd.current_dir(workspace())
+        .args([
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--runs-dir",
+            runs.to_str().unwrap(),
+            "--save",
+            save.to_str().unwrap(),
+            "--save-interval",
+            "1",
+            "--rollout-batch-size",
+            "8",
+            "--n-samples",
+            "4",
+            "--num-rollout",
+            "3",
+            "--run-name",
+            "remote",
+        ])
+        .env("MANTA_CLUSTER_TOKEN", TOKEN)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap());
+    cmd
+}
+
+/// Steps recorded in trained_ids.jsonl, and every id in them.
+fn trained(runs: &Path) -> (Vec<u64>, Vec<u64>) {
+    let text = std::fs::read_to_string(runs.join("remote/trained_ids.jsonl")).unwrap_or_default();
+    let mut steps = Vec::new();
+    let mut ids = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        steps.push(v["step"].as_u64().unwrap());
+        ids.extend(
+            v["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap()),
+        );
+    }
+    ids.sort_unstable();
+    (steps, ids)
+}
+
+/// Waits until the checkpoint directory's `latest` names step 1.
+fn wait_for_first_checkpoint(save: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(save.join("latest"))
+        .map(|s| s.trim() != "step_000001")
+        .unwrap_or(true)
+    {
+        assert!(Instant::now() < deadline, "no step-1 checkpoint");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_lost_trainer_restarts_from_its_last_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = [free_port(), free_port()];
+    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
+    let _w0 = start_worker(ports[0], &logs[0]);
+    let mut w1 = Some(start_worker(ports[1], &logs[1]));
+    let cluster = trainer_on_node_1(tmp.path(), ports, "restart");
+    let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
+    let driver_log = tmp.path().join("driver.log");
+    let mut driver = driver_command(&cluster, &runs, &save, &driver_log)
+        .spawn()
+        .expect("driver starts");
+    let mut lines = Vec::new();
+    for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line.starts_with("step ") && lines.iter().all(|l: &String| !l.starts_with("step ")) {
+            // Step 1 is trained and saved; kill the trainer's worker under step 2 and
+            // bring the node back.
+            wait_for_first_checkpoint(&save);
+            drop(w1.take());
+            w1 = Some(start_worker(ports[1], &logs[1]));
+        }
+        lines.push(line);
+    }
+    let status = driver.wait().unwrap();
+    let stderr = std::fs::read_to_string(&driver_log).unwrap();
+    assert!(
+        status.success(),
+        "driver failed\nstdout:\n{}\nstderr:\n{stderr}",
+        lines.join("\n")
+    );
+    assert!(
+        stderr.contains("was lost") && stderr.contains("restarting the trainer from checkpoint"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("trainer re-created"), "{stderr}");
+    // Each step's samples were trained exactly once in the surviving record.
+    let (steps, ids) = trained(&runs);
+    assert_eq!(steps, vec![1, 2, 3], "{stderr}");
+    assert_eq!(ids, (0..96).collect::<Vec<u64>>());
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step_000003"
+    );
+    // The new trainer on the restarted worker did the later steps.
+    let w1_log = std::fs::read_to_string(&logs[1]).unwrap();
+    assert!(w1_log.matches("trainer spawned").count() >= 2, "{w1_log}");
+    let rows = read_metrics(&runs.join("remote/metrics.jsonl")).unwrap();
+    let (last_step, last) = rows.last().unwrap();
+    assert_eq!((*last_step, last["weights/version"]), (3, 3.0));
+}
+
+#[test]
+fn a_lost_trainer_stops_the_run_when_configured_to() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = [free_port(), free_port()];
+    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
+    let _w0 = start_worker(ports[0], &logs[0]);
+    let mut w1 = Some(start_worker(ports[1], &logs[1]));
+    let cluster = trainer_on_node_1(tmp.path(), ports, "stop");
+    let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
+    let driver_log = tmp.path().join("driver.log");
+    let mut driver = driver_command(&cluster, &runs, &save, &driver_log)
+        .spawn()
+        .expect("driver starts");
+    for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
+        if line.unwrap().starts_with("step ") && w1.is_some() {
+            wait_for_first_checkpoint(&save);
+            drop(w1.take());
+        }
+    }
+    let status = driver.wait().unwrap();
+    let stderr = std::fs::read_to_string(&driver_log).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{}", ports[1]))
+            && stderr.contains("on_failure = \"stop\"")
+            && stderr.contains(&format!("--load {}", save.display())),
+        "{stderr}"
+    );
+    // Nothing after the lost step was recorded as trained; the checkpoint is intact.
+    let (steps, _) = trained(&runs);
+    assert_eq!(steps, vec![1], "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step_000001"
+    );
+}

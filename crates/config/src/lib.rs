@@ -14,7 +14,10 @@ mod error;
 mod settings;
 mod train;
 
-pub use cluster::{ClusterConfig, ClusterMode, ClusterTls, EngineKind, NodeConfig, RolloutSection};
+pub use cluster::{
+    ClusterConfig, ClusterMode, ClusterTls, EngineKind, NodeConfig, RolloutSection,
+    TrainerFailurePolicy, TrainerSection,
+};
 pub use error::ConfigError;
 pub use settings::{TrainOverrides, TrainSettings};
 pub use train::{

@@ -8,13 +8,15 @@ use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
 use manta_proto::common as pb;
 use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_client::RolloutClient as RolloutRpc;
+use manta_proto::trainer as tpb;
+use manta_proto::trainer::trainer_client::TrainerClient as TrainerRpc;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 use tonic::codegen::InterceptedService;
 use tonic::transport::Endpoint;
 
 use crate::auth::BearerToken;
 use crate::convert::request_to_pb;
-use crate::spawn::RolloutSpawnConfig;
+use crate::spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::{error_chain, status_chain, ClientTls};
 use crate::transport::{ClusterChannel, H2Channel};
 use crate::RuntimeError;
@@ -32,7 +34,11 @@ pub struct WorkerClient {
     tls: bool,
     worker: WorkerRpc<Authed>,
     rollout: RolloutRpc<Authed>,
+    trainer: TrainerRpc<Authed>,
 }
+
+/// Largest message to or from a trainer (a rank's share of a batch).
+pub const MAX_TRAINER_MESSAGE: usize = 1 << 30;
 
 impl WorkerClient {
     /// A lazily connecting plaintext client for `addr` (`host:port`).
@@ -66,7 +72,10 @@ impl WorkerClient {
             addr: addr.to_string(),
             tls: tls.is_some(),
             worker: WorkerRpc::with_interceptor(channel.clone(), auth.clone()),
-            rollout: RolloutRpc::with_interceptor(channel, auth),
+            rollout: RolloutRpc::with_interceptor(channel.clone(), auth.clone()),
+            trainer: TrainerRpc::with_interceptor(channel, auth)
+                .max_encoding_message_size(MAX_TRAINER_MESSAGE)
+                .max_decoding_message_size(MAX_TRAINER_MESSAGE),
         })
     }
 
@@ -151,6 +160,96 @@ impl WorkerClient {
             }),
         )
         .await?;
+        Ok(())
+    }
+
+    /// Starts a trainer actor named `name` on the worker, on `gpus` (none: CPU).
+    pub async fn spawn_trainer(
+        &self,
+        name: &str,
+        cfg: &TrainerSpawnConfig,
+        gpus: &[u32],
+        limit: Duration,
+    ) -> Result<(), RuntimeError> {
+        let config_json =
+            serde_json::to_string(cfg).map_err(|e| RuntimeError::Spawn(e.to_string()))?;
+        let mut c = self.worker.clone();
+        self.timed(
+            limit,
+            c.spawn_actor(cpb::SpawnActorRequest {
+                kind: cpb::ActorKind::Trainer as i32,
+                name: name.to_string(),
+                gpus: gpus.to_vec(),
+                config_json,
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// One GRPO step on trainer `actor` (no time limit: a step takes what it takes;
+    /// a lost worker breaks the connection).
+    pub async fn train_step(
+        &self,
+        actor: &str,
+        step: u64,
+        batch: &manta_trainer::TrainBatch,
+    ) -> Result<std::collections::BTreeMap<String, f64>, RuntimeError> {
+        let mut c = self.trainer.clone();
+        let request = tpb::TrainStepRequest {
+            step,
+            samples: batch.samples.iter().map(pb::Sample::from).collect(),
+            advantages: batch.advantages.iter().map(|&a| a as f32).collect(),
+            global_batch_samples: batch.global_samples as u32,
+            actor: actor.to_string(),
+        };
+        let reply = c
+            .train_step(request)
+            .await
+            .map_err(|s| self.rpc(s))?
+            .into_inner();
+        Ok(reply.metrics.into_iter().collect())
+    }
+
+    pub async fn save_checkpoint(
+        &self,
+        actor: &str,
+        directory: &str,
+        step: u64,
+    ) -> Result<(), RuntimeError> {
+        let mut c = self.trainer.clone();
+        c.save_checkpoint(tpb::SaveCheckpointRequest {
+            directory: directory.to_string(),
+            step,
+            actor: actor.to_string(),
+        })
+        .await
+        .map_err(|s| self.rpc(s))?;
+        Ok(())
+    }
+
+    /// Restores trainer `actor` from a checkpoint; returns the checkpoint's step.
+    pub async fn load_checkpoint(&self, actor: &str, directory: &str) -> Result<u64, RuntimeError> {
+        let mut c = self.trainer.clone();
+        let reply = c
+            .load_checkpoint(tpb::LoadCheckpointRequest {
+                directory: directory.to_string(),
+                actor: actor.to_string(),
+            })
+            .await
+            .map_err(|s| self.rpc(s))?;
+        Ok(reply.into_inner().step)
+    }
+
+    /// Has trainer `actor` write its weights as `directory/model.safetensors`.
+    pub async fn export_weights(&self, actor: &str, directory: &str) -> Result<(), RuntimeError> {
+        let mut c = self.trainer.clone();
+        c.export_weights(tpb::ExportWeightsRequest {
+            directory: directory.to_string(),
+            actor: actor.to_string(),
+        })
+        .await
+        .map_err(|s| self.rpc(s))?;
         Ok(())
     }
 

@@ -2,11 +2,14 @@
 //! on other processes or nodes as if they were local.
 //!
 //! - [`auth`]: the cluster token, checked on every gRPC call (both sides).
-//! - [`spawn`]: building a rollout actor from its JSON spawn config.
+//! - [`spawn`]: building rollout and trainer actors from their JSON spawn configs.
 //! - [`server`]: the worker daemon's `Worker` and `Rollout` gRPC services.
 //! - [`client`]: a typed client for one worker.
 //! - [`echo`]: the trivial actor behind the `Echo` RPC.
 //! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
+//! - [`remote_trainer`]: a trainer on a worker, its heartbeat and restart.
+//! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
+//! - [`weights`]: weights written for engines to load.
 //! - [`tls`]: optional TLS (rustls) for the worker and its clients.
 
 pub mod auth;
@@ -14,16 +17,19 @@ pub mod client;
 pub mod convert;
 pub mod echo;
 pub mod pool;
+pub mod remote_trainer;
 pub mod server;
 pub mod spawn;
 pub mod tls;
 pub mod transport;
+pub mod weights;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
 pub use client::WorkerClient;
 pub use pool::{NodeSpec, PoolOptions, RemotePool};
+pub use remote_trainer::{RemoteTrainer, TrainerCallError};
 pub use server::{serve, serve_with_tls, WorkerDaemon};
-pub use spawn::RolloutSpawnConfig;
+pub use spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
 pub use tls::{ClientTls, ServerTls, TlsError};
 
 /// What can go wrong talking to or running a worker.

@@ -19,7 +19,10 @@ use manta_proto::cluster::worker_server::{Worker, WorkerServer};
 use manta_proto::common as pb;
 use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_server::{Rollout, RolloutServer};
+use manta_proto::trainer as tpb;
+use manta_proto::trainer::trainer_server::{Trainer, TrainerServer};
 use manta_rollout::{GenerationSettings, RolloutMsg};
+use manta_trainer::{TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
 use tokio::sync::{Mutex, Notify};
 use tonic::{Request, Response, Status};
@@ -27,7 +30,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::auth::CheckToken;
 use crate::convert::request_from_pb;
-use crate::spawn::{spawn_rollout, RolloutSpawnConfig};
+use crate::spawn::{spawn_rollout, spawn_trainer, RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::ServerTls;
 
 struct Hosted {
@@ -37,6 +40,7 @@ struct Hosted {
 
 struct State {
     actors: BTreeMap<String, Hosted>,
+    trainers: BTreeMap<String, ActorRef<TrainerMsg>>,
     env_server: Option<manta_envs::ServerHandle>,
 }
 
@@ -60,6 +64,7 @@ impl WorkerDaemon {
             started: Instant::now(),
             state: Arc::new(Mutex::new(State {
                 actors: BTreeMap::new(),
+                trainers: BTreeMap::new(),
                 env_server: None,
             })),
             shutdown: Arc::new(Notify::new()),
@@ -75,6 +80,15 @@ impl WorkerDaemon {
             .ok_or_else(|| Status::not_found(format!("no actor named {name:?} on this worker")))
     }
 
+    async fn trainer(&self, name: &str) -> Result<ActorRef<TrainerMsg>, Status> {
+        let state = self.state.lock().await;
+        state
+            .trainers
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("no trainer named {name:?} on this worker")))
+    }
+
     /// Asks [`serve`] to stop (as the `Shutdown` RPC does).
     pub fn request_shutdown(&self) {
         self.shutdown.notify_one();
@@ -86,9 +100,51 @@ impl WorkerDaemon {
         for (_, h) in std::mem::take(&mut state.actors) {
             h.actor.stop(None);
         }
+        for (_, t) in std::mem::take(&mut state.trainers) {
+            t.stop(None);
+        }
         if let Some(server) = state.env_server.take() {
             server.shutdown().await;
         }
+    }
+}
+
+impl WorkerDaemon {
+    async fn spawn_trainer_actor(
+        &self,
+        req: cpb::SpawnActorRequest,
+    ) -> Result<Response<cpb::SpawnActorReply>, Status> {
+        let cfg =
+            TrainerSpawnConfig::from_json(&req.config_json).map_err(Status::invalid_argument)?;
+        if let Some(g) = req.gpus.iter().find(|g| !self.gpus.contains(g)) {
+            return Err(Status::failed_precondition(format!(
+                "trainer {:?} asks for GPU {g}, but this worker offers {:?}",
+                req.name, self.gpus
+            )));
+        }
+        let options = cfg
+            .into_options(&req.gpus)
+            .map_err(Status::failed_precondition)?;
+        if self.state.lock().await.trainers.contains_key(&req.name) {
+            return Err(Status::already_exists(format!(
+                "a trainer named {:?} already runs here",
+                req.name
+            )));
+        }
+        let name = req.name.clone();
+        let actor = self
+            .actors_runtime
+            .spawn(async move { spawn_trainer(&name, options).await })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::internal(format!("{e:#}")))?;
+        info!(actor = %req.name, gpus = ?req.gpus, "trainer spawned");
+        self.state
+            .lock()
+            .await
+            .trainers
+            .insert(req.name.clone(), actor);
+        Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
     }
 }
 
@@ -98,7 +154,15 @@ impl Worker for WorkerDaemon {
         &self,
         request: Request<cpb::HeartbeatRequest>,
     ) -> Result<Response<cpb::HeartbeatReply>, Status> {
-        let actors = self.state.lock().await.actors.keys().cloned().collect();
+        let actors = {
+            let state = self.state.lock().await;
+            state
+                .actors
+                .keys()
+                .chain(state.trainers.keys())
+                .cloned()
+                .collect()
+        };
         Ok(Response::new(cpb::HeartbeatReply {
             sequence: request.into_inner().sequence,
             uptime_ms: self.started.elapsed().as_millis() as u64,
@@ -124,9 +188,12 @@ impl Worker for WorkerDaemon {
         request: Request<cpb::SpawnActorRequest>,
     ) -> Result<Response<cpb::SpawnActorReply>, Status> {
         let req = request.into_inner();
+        if req.kind == cpb::ActorKind::Trainer as i32 {
+            return self.spawn_trainer_actor(req).await;
+        }
         if req.kind != cpb::ActorKind::Rollout as i32 {
             return Err(Status::unimplemented(format!(
-                "actor kind {} cannot be hosted by this worker (only ACTOR_KIND_ROLLOUT)",
+                "actor kind {} cannot be hosted by this worker (ACTOR_KIND_ROLLOUT or ACTOR_KIND_TRAINER)",
                 req.kind
             )));
         }
@@ -181,7 +248,15 @@ impl Worker for WorkerDaemon {
         request: Request<cpb::StopActorRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         let name = request.into_inner().name;
-        let hosted = self.state.lock().await.actors.remove(&name);
+        let (hosted, trainer) = {
+            let mut state = self.state.lock().await;
+            (state.actors.remove(&name), state.trainers.remove(&name))
+        };
+        if let Some(t) = trainer {
+            t.stop(None);
+            info!(actor = %name, "trainer stopped");
+            return Ok(Response::new(pb::Empty {}));
+        }
         match hosted {
             Some(h) => {
                 h.actor.stop(None);
@@ -331,6 +406,89 @@ impl Rollout for WorkerDaemon {
     }
 }
 
+fn trainer_call<T>(
+    name: &str,
+    result: Result<T, ractor::RactorErr<TrainerMsg>>,
+) -> Result<T, Status> {
+    result.map_err(|e| Status::unavailable(format!("trainer {name} did not answer: {e}")))
+}
+
+#[tonic::async_trait]
+impl Trainer for WorkerDaemon {
+    async fn train_step(
+        &self,
+        request: Request<tpb::TrainStepRequest>,
+    ) -> Result<Response<tpb::TrainStepReply>, Status> {
+        let req = request.into_inner();
+        let trainer = self.trainer(&req.actor).await?;
+        if req.advantages.len() != req.samples.len() {
+            return Err(Status::invalid_argument(format!(
+                "{} advantages for {} samples",
+                req.advantages.len(),
+                req.samples.len()
+            )));
+        }
+        let samples = req
+            .samples
+            .into_iter()
+            .map(manta_core::Sample::try_from)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let batch = TrainBatch {
+            samples,
+            advantages: req.advantages.iter().map(|&a| a as f64).collect(),
+            global_samples: req.global_batch_samples as usize,
+        };
+        let metrics = trainer_call(&req.actor, call!(trainer, TrainerMsg::TrainStep, batch))?
+            .map_err(|e| Status::internal(format!("training step {} failed: {e}", req.step)))?;
+        Ok(Response::new(tpb::TrainStepReply {
+            metrics: metrics.into_iter().collect(),
+        }))
+    }
+
+    async fn save_checkpoint(
+        &self,
+        request: Request<tpb::SaveCheckpointRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = request.into_inner();
+        let trainer = self.trainer(&req.actor).await?;
+        let dir = std::path::PathBuf::from(&req.directory);
+        trainer_call(
+            &req.actor,
+            call!(trainer, TrainerMsg::SaveCheckpoint, dir, req.step),
+        )?
+        .map_err(|e| Status::internal(format!("saving {}: {e}", req.directory)))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn load_checkpoint(
+        &self,
+        request: Request<tpb::LoadCheckpointRequest>,
+    ) -> Result<Response<tpb::LoadCheckpointReply>, Status> {
+        let req = request.into_inner();
+        let trainer = self.trainer(&req.actor).await?;
+        let dir = std::path::PathBuf::from(&req.directory);
+        let step = trainer_call(&req.actor, call!(trainer, TrainerMsg::LoadCheckpoint, dir))?
+            .map_err(|e| Status::failed_precondition(format!("loading {}: {e}", req.directory)))?;
+        Ok(Response::new(tpb::LoadCheckpointReply { step }))
+    }
+
+    async fn export_weights(
+        &self,
+        request: Request<tpb::ExportWeightsRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let req = request.into_inner();
+        let trainer = self.trainer(&req.actor).await?;
+        let weights = trainer_call(&req.actor, call!(trainer, TrainerMsg::ExportWeights))?;
+        let dir = std::path::PathBuf::from(&req.directory);
+        tokio::task::spawn_blocking(move || crate::weights::write_weights(&dir, &weights))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::internal(format!("{e:#}")))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
 /// Serves both services on `listener` until a `Shutdown` call or `stop` resolves.
 pub async fn serve(
     daemon: WorkerDaemon,
@@ -369,7 +527,16 @@ pub async fn serve_with_tls(
             daemon.clone(),
             check.clone(),
         ))
-        .add_service(RolloutServer::with_interceptor(daemon.clone(), check))
+        .add_service(RolloutServer::with_interceptor(
+            daemon.clone(),
+            check.clone(),
+        ))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            TrainerServer::new(daemon.clone())
+                .max_decoding_message_size(crate::client::MAX_TRAINER_MESSAGE)
+                .max_encoding_message_size(crate::client::MAX_TRAINER_MESSAGE),
+            check,
+        ))
         .serve_with_incoming_shutdown(incoming, async move {
             tokio::select! {
                 _ = shutdown.notified() => {}

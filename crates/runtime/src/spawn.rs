@@ -1,4 +1,4 @@
-//! Building a rollout actor on a worker from the JSON the driver sends in `SpawnActor`.
+//! Building actors on a worker from the JSON the driver sends in `SpawnActor`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -13,6 +13,9 @@ use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg};
 use manta_tokenizer::Tokenizer;
+use manta_trainer::loss::ClipRange;
+use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
 
@@ -139,5 +142,107 @@ pub async fn spawn_rollout(
     let (actor, _) = Actor::spawn(Some(name.to_string()), RolloutActor, args)
         .await
         .with_context(|| format!("starting rollout actor {name}"))?;
+    Ok(actor)
+}
+
+/// A trainer's arguments as they travel in `SpawnActorRequest.config_json`: the
+/// driver's `TrainerOptions` without the device, which the worker picks from the
+/// request's GPUs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSpawnConfig {
+    /// Hugging Face model directory, as the worker sees it.
+    pub model_dir: PathBuf,
+    pub seed: u64,
+    pub lr: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_eps: f64,
+    pub weight_decay: f64,
+    pub eps_clip: f64,
+    pub eps_clip_high: f64,
+    pub clip_grad: f64,
+    pub temperature: f64,
+    pub max_tokens_per_gpu: usize,
+    pub use_rollout_logprobs: bool,
+    pub logprob_chunk: i64,
+    pub gradient_checkpointing: bool,
+}
+
+impl TrainerSpawnConfig {
+    /// Parses `config_json`, naming the problem.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| format!("trainer spawn config_json: {e}"))
+    }
+
+    pub fn from_options(o: &TrainerOptions) -> Self {
+        Self {
+            model_dir: o.model_dir.clone(),
+            seed: o.seed,
+            lr: o.adam.lr,
+            adam_beta1: o.adam.beta1,
+            adam_beta2: o.adam.beta2,
+            adam_eps: o.adam.eps,
+            weight_decay: o.adam.weight_decay,
+            eps_clip: o.clip.eps_clip,
+            eps_clip_high: o.clip.eps_clip_high,
+            clip_grad: o.clip_grad,
+            temperature: o.temperature,
+            max_tokens_per_gpu: o.max_tokens_per_gpu,
+            use_rollout_logprobs: o.use_rollout_logprobs,
+            logprob_chunk: o.logprob_chunk,
+            gradient_checkpointing: o.gradient_checkpointing,
+        }
+    }
+
+    /// The trainer's options on this worker: the first of `gpus` when any are named
+    /// (an error when this worker has no CUDA), else the CPU.
+    pub fn into_options(self, gpus: &[u32]) -> Result<TrainerOptions, String> {
+        let device = match gpus.first() {
+            None => tch::Device::Cpu,
+            Some(&g) if tch::Cuda::is_available() && (g as i64) < tch::Cuda::device_count() => {
+                tch::Device::Cuda(g as usize)
+            }
+            Some(g) => {
+                return Err(format!(
+                    "the trainer was placed on GPU {g}, but this worker sees {} CUDA devices",
+                    tch::Cuda::device_count()
+                ))
+            }
+        };
+        Ok(TrainerOptions {
+            model_dir: self.model_dir,
+            seed: self.seed,
+            device,
+            adam: AdamWConfig {
+                lr: self.lr,
+                beta1: self.adam_beta1,
+                beta2: self.adam_beta2,
+                eps: self.adam_eps,
+                weight_decay: self.weight_decay,
+            },
+            clip: ClipRange {
+                eps_clip: self.eps_clip,
+                eps_clip_high: self.eps_clip_high,
+            },
+            clip_grad: self.clip_grad,
+            temperature: self.temperature,
+            max_tokens_per_gpu: self.max_tokens_per_gpu,
+            use_rollout_logprobs: self.use_rollout_logprobs,
+            logprob_chunk: self.logprob_chunk,
+            gradient_checkpointing: self.gradient_checkpointing,
+        })
+    }
+}
+
+/// Starts a trainer actor (on the caller's runtime, which must be multi-threaded:
+/// the trainer computes in `block_in_place`).
+pub async fn spawn_trainer(
+    name: &str,
+    options: TrainerOptions,
+) -> anyhow::Result<ActorRef<TrainerMsg>> {
+    let (actor, _) = Actor::spawn(Some(name.to_string()), TrainerActor, options)
+        .await
+        .with_context(|| format!("starting trainer {name}"))?;
     Ok(actor)
 }

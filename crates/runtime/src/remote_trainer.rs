@@ -1,0 +1,232 @@
+//! A trainer hosted by a worker daemon, called like the in-process one, with its own
+//! heartbeat so that a lost node is noticed even while a long step is in flight.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use manta_trainer::TrainBatch;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::client::WorkerClient;
+use crate::spawn::TrainerSpawnConfig;
+use crate::RuntimeError;
+
+/// Why a trainer call did not give a result. The driver restarts a `Lost` trainer (or
+/// stops, as configured); a `Failed` call is a bug or bad input and stops the run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerCallError {
+    #[error("the trainer on worker {addr} was lost: {reason}")]
+    Lost { addr: String, reason: String },
+    #[error("trainer on {addr}: {message}")]
+    Failed { addr: String, message: String },
+}
+
+/// Where the trainer lives and how to reach it again.
+pub struct RemoteTrainer {
+    client: WorkerClient,
+    name: String,
+    spawn: TrainerSpawnConfig,
+    gpus: Vec<u32>,
+    spawn_timeout: Duration,
+    live: watch::Sender<bool>,
+    heartbeat: JoinHandle<()>,
+}
+
+impl RemoteTrainer {
+    /// Checks that the node answers and offers `gpus` (before anything is started).
+    pub async fn check(client: &WorkerClient, gpus: &[u32]) -> Result<(), RuntimeError> {
+        let res = client
+            .describe(Duration::from_secs(5))
+            .await
+            .map_err(|e| RuntimeError::Placement(format!("trainer node: {e}")))?;
+        if let Some(g) = gpus.iter().find(|g| !res.gpus.contains(g)) {
+            return Err(RuntimeError::Placement(format!(
+                "the trainer should use GPU {g} of node {}, but the worker reports GPUs {:?}",
+                client.addr(),
+                res.gpus
+            )));
+        }
+        Ok(())
+    }
+
+    /// Spawns trainer `name` on the worker and starts heartbeating it.
+    pub async fn start(
+        client: WorkerClient,
+        name: &str,
+        spawn: TrainerSpawnConfig,
+        gpus: Vec<u32>,
+        spawn_timeout: Duration,
+        heartbeat_interval: Duration,
+        dead_after: Duration,
+    ) -> Result<Self, RuntimeError> {
+        client
+            .spawn_trainer(name, &spawn, &gpus, spawn_timeout)
+            .await?;
+        info!(node = client.addr(), trainer = name, "trainer placed");
+        let (live, _) = watch::channel(true);
+        let heartbeat = tokio::spawn(heartbeat_loop(
+            client.clone(),
+            live.clone(),
+            heartbeat_interval,
+            dead_after,
+        ));
+        Ok(Self {
+            client,
+            name: name.to_string(),
+            spawn,
+            gpus,
+            spawn_timeout,
+            live,
+            heartbeat,
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        self.client.addr()
+    }
+
+    /// Runs `call` unless the node is, or is declared, dead first.
+    async fn guarded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, RuntimeError>>,
+    ) -> Result<T, TrainerCallError> {
+        let mut live = self.live.subscribe();
+        tokio::select! {
+            result = call => result.map_err(|e| self.classify(e)),
+            _ = live.wait_for(|l| !*l) => Err(TrainerCallError::Lost {
+                addr: self.addr().to_string(),
+                reason: "no heartbeat answer (node declared dead)".into(),
+            }),
+        }
+    }
+
+    /// A gRPC failure is a lost trainer unless the trainer itself answered with an error.
+    fn classify(&self, e: RuntimeError) -> TrainerCallError {
+        let addr = self.addr().to_string();
+        match &e {
+            RuntimeError::Rpc { status, .. }
+                if matches!(
+                    status.code(),
+                    tonic::Code::Internal
+                        | tonic::Code::InvalidArgument
+                        | tonic::Code::FailedPrecondition
+                ) =>
+            {
+                TrainerCallError::Failed {
+                    addr,
+                    message: status.message().to_string(),
+                }
+            }
+            _ => TrainerCallError::Lost {
+                addr,
+                reason: e.to_string(),
+            },
+        }
+    }
+
+    pub async fn train_step(
+        &self,
+        step: u64,
+        batch: &TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerCallError> {
+        self.guarded(self.client.train_step(&self.name, step, batch))
+            .await
+    }
+
+    pub async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError> {
+        self.guarded(
+            self.client
+                .save_checkpoint(&self.name, &dir.to_string_lossy(), step),
+        )
+        .await
+    }
+
+    pub async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
+        self.guarded(
+            self.client
+                .load_checkpoint(&self.name, &dir.to_string_lossy()),
+        )
+        .await
+    }
+
+    /// Has the trainer write its weights as `dir/model.safetensors`.
+    pub async fn export_weights(&self, dir: &Path) -> Result<(), TrainerCallError> {
+        self.guarded(
+            self.client
+                .export_weights(&self.name, &dir.to_string_lossy()),
+        )
+        .await
+    }
+
+    /// Waits (up to `timeout`) for the node to answer, then re-creates the trainer from
+    /// its spawn config (initial weights); the caller restores a checkpoint after.
+    pub async fn restart(&self, timeout: Duration) -> Result<(), RuntimeError> {
+        let started = Instant::now();
+        loop {
+            match self.client.describe(Duration::from_secs(2)).await {
+                Ok(_) => break,
+                Err(e) if started.elapsed() >= timeout => {
+                    return Err(RuntimeError::Node {
+                        addr: self.addr().to_string(),
+                        message: format!(
+                            "the trainer's node did not come back within {timeout:?}: {e}"
+                        ),
+                    })
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        // A worker that survived (a hung call, a lost connection) may still host it.
+        if let Err(e) = self.client.stop_actor(&self.name).await {
+            warn!(node = self.addr(), error = %e, "no old trainer to stop");
+        }
+        self.client
+            .spawn_trainer(&self.name, &self.spawn, &self.gpus, self.spawn_timeout)
+            .await?;
+        self.live.send_replace(true);
+        info!(node = self.addr(), trainer = %self.name, "trainer re-created");
+        Ok(())
+    }
+
+    /// Stops the heartbeat and the trainer (the worker keeps running).
+    pub async fn shutdown(&self) {
+        self.heartbeat.abort();
+        let _ = self.client.stop_actor(&self.name).await;
+    }
+}
+
+impl Drop for RemoteTrainer {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+/// Marks the node dead after `dead_after` without an answer. Only reachability is
+/// tracked: bringing the trainer back is the driver's decision ([`RemoteTrainer::restart`]).
+async fn heartbeat_loop(
+    client: WorkerClient,
+    live: watch::Sender<bool>,
+    interval: Duration,
+    dead_after: Duration,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_ok = Instant::now();
+    let mut sequence = 0;
+    loop {
+        ticker.tick().await;
+        sequence += 1;
+        match client.heartbeat(sequence, interval).await {
+            Ok(_) => last_ok = Instant::now(),
+            Err(e) => {
+                if *live.borrow() && last_ok.elapsed() >= dead_after {
+                    live.send_replace(false);
+                    warn!(node = client.addr(), error = %e, "trainer node dead: no heartbeat for {dead_after:?}");
+                }
+            }
+        }
+    }
+}
