@@ -6,6 +6,7 @@
 //! - [`server`]: the worker daemon's `Worker` and `Rollout` gRPC services.
 //! - [`client`]: a typed client for one worker.
 //! - [`echo`]: the trivial actor behind the `Echo` RPC.
+//! - [`node`]: the node supervisor every hosted actor is linked to.
 //! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
 //! - [`remote_trainer`]: a trainer on a worker, its heartbeat and restart.
 //! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
@@ -16,6 +17,7 @@ pub mod auth;
 pub mod client;
 pub mod convert;
 pub mod echo;
+pub mod node;
 pub mod pool;
 pub mod remote_trainer;
 pub mod server;

@@ -30,6 +30,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::auth::CheckToken;
 use crate::convert::request_from_pb;
+use crate::node::NodeMsg;
 use crate::spawn::{spawn_rollout, spawn_trainer, RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::ServerTls;
 
@@ -53,6 +54,8 @@ pub struct WorkerDaemon {
     started: Instant,
     state: Arc<Mutex<State>>,
     shutdown: Arc<Notify>,
+    /// The node supervisor every hosted actor is linked to (started on first spawn).
+    node: Arc<tokio::sync::OnceCell<ActorRef<NodeMsg>>>,
 }
 
 impl WorkerDaemon {
@@ -68,7 +71,33 @@ impl WorkerDaemon {
                 env_server: None,
             })),
             shutdown: Arc::new(Notify::new()),
+            node: Arc::new(tokio::sync::OnceCell::new()),
         }
+    }
+
+    /// Links `cell` to the node supervisor, starting it (and the task that takes
+    /// exited actors off the registry) on first use.
+    async fn supervise(&self, cell: ractor::ActorCell) -> Result<(), Status> {
+        let node = self
+            .node
+            .get_or_try_init(|| async {
+                let (node, mut exits) = self
+                    .actors_runtime
+                    .spawn(crate::node::start_node_actor())
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))?
+                    .map_err(|e| Status::internal(format!("starting the node supervisor: {e}")))?;
+                let state = self.state.clone();
+                self.actors_runtime.spawn(async move {
+                    while let Some(exit) = exits.recv().await {
+                        forget_exited(&state, &exit).await;
+                    }
+                });
+                Ok::<_, Status>(node)
+            })
+            .await?;
+        cell.link(node.get_cell());
+        Ok(())
     }
 
     async fn actor(&self, name: &str) -> Result<(ActorRef<RolloutMsg>, usize), Status> {
@@ -138,6 +167,7 @@ impl WorkerDaemon {
             .await
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(|e| Status::internal(format!("{e:#}")))?;
+        self.supervise(actor.get_cell()).await?;
         info!(actor = %req.name, gpus = ?req.gpus, "trainer spawned");
         self.state
             .lock()
@@ -232,6 +262,7 @@ impl Worker for WorkerDaemon {
                 .await
                 .map_err(|e| Status::internal(e.to_string()))?
                 .map_err(|e| Status::internal(format!("{e:#}")))?;
+        self.supervise(actor.get_cell()).await?;
         info!(actor = %req.name, "rollout actor spawned");
         state.actors.insert(
             req.name.clone(),
@@ -403,6 +434,33 @@ impl Rollout for WorkerDaemon {
             version = version.max(call!(actor, RolloutMsg::WeightVersion).unwrap_or(0));
         }
         Ok(Response::new(rpb::WeightVersionReply { version }))
+    }
+}
+
+/// Takes an actor that ended off the registry, unless it was already removed (asked to
+/// stop) or its name now belongs to a newer actor.
+async fn forget_exited(state: &Mutex<State>, exit: &crate::node::ActorExit) {
+    let mut state = state.lock().await;
+    let rollout = state
+        .actors
+        .get(&exit.name)
+        .is_some_and(|h| h.actor.get_id() == exit.id);
+    let trainer = state
+        .trainers
+        .get(&exit.name)
+        .is_some_and(|t| t.get_id() == exit.id);
+    if rollout {
+        state.actors.remove(&exit.name);
+    }
+    if trainer {
+        state.trainers.remove(&exit.name);
+    }
+    if rollout || trainer {
+        warn!(
+            actor = %exit.name,
+            how = %exit.how,
+            "a hosted actor ended on its own; removed from this node (the driver re-creates it)"
+        );
     }
 }
 

@@ -11,6 +11,10 @@ use tokio::sync::oneshot;
 
 const TOKEN: &str = "pool-test-token";
 
+/// Hosted actors register their names process-wide (ractor's registry), and every test
+/// here hosts `rollout-0-0`: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -69,6 +73,7 @@ async fn wait_for(pool: &RemotePool, live: usize, limit: Duration) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placement_is_checked_before_anything_starts() {
+    let _serial = SERIAL.lock().await;
     let addr = free_addr();
     let (stop, handle) = start_worker(addr).await;
     let node = |address: String, gpus: Vec<u32>| NodeSpec { address, gpus };
@@ -123,6 +128,7 @@ async fn placement_is_checked_before_anything_starts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_worker_is_declared_dead_and_rejoins() {
+    let _serial = SERIAL.lock().await;
     let addr = free_addr();
     let (stop, handle) = start_worker(addr).await;
     let pool = RemotePool::start(
@@ -147,6 +153,54 @@ async fn a_stopped_worker_is_declared_dead_and_rejoins() {
     );
     let (stop, handle) = start_worker(addr).await;
     wait_for(&pool, 1, Duration::from_secs(10)).await;
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_actor_is_dropped_by_the_node_supervisor_and_respawned() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let pool = RemotePool::start(
+        &[NodeSpec {
+            address: addr.to_string(),
+            gpus: vec![],
+        }],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .unwrap();
+    let client = manta_runtime::WorkerClient::new(&addr.to_string(), TOKEN).unwrap();
+    let listed = |reply: manta_proto::cluster::HeartbeatReply| reply.actors;
+    let before = client.heartbeat(1, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(listed(before), vec!["rollout-0-0".to_string()]);
+    // The actor dies without being asked to (the daemon runs in this process).
+    let cell = ractor::registry::where_is("rollout-0-0").expect("actor registered");
+    let old_id = cell.get_id();
+    cell.kill();
+    // The supervisor takes it off the node; the pool's heartbeat sees it missing and
+    // spawns it again: a new actor under the same name.
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never respawned"
+        );
+        if let Some(cell) = ractor::registry::where_is("rollout-0-0") {
+            if cell.get_id() != old_id {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_for(&pool, 1, Duration::from_secs(5)).await;
+    let after = client.heartbeat(2, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(listed(after), vec!["rollout-0-0".to_string()]);
     pool.shutdown().await;
     let _ = stop.send(());
     handle.await.unwrap();
