@@ -43,13 +43,17 @@ async fn run(cli: Cli) -> ExitCode {
         }
         None => cli.train,
     };
-    // First Ctrl-C: finish the current step, checkpoint, stop. Second: exit now.
+    // First Ctrl-C: finish the current step, checkpoint, stop every actor. Second: stop
+    // the actors on the workers (2 s at most) and exit now.
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     tokio::spawn(async move {
         while tokio::signal::ctrl_c().await.is_ok() {
             if flag.swap(true, Ordering::SeqCst) {
-                eprintln!("second Ctrl-C: exiting now");
+                eprintln!("second Ctrl-C: stopping actors on the workers and exiting now");
+                let stopped =
+                    manta_driver::shutdown::force_stop(std::time::Duration::from_secs(2)).await;
+                eprintln!("stopped {stopped} remote actors");
                 std::process::exit(130);
             }
             eprintln!("Ctrl-C: stopping after the current step (press again to exit now)");

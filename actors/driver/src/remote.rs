@@ -108,6 +108,9 @@ pub async fn train_remote(
     )
     .await
     .map_err(in_cluster)?;
+    for (client, actors) in pool.placed() {
+        crate::shutdown::register(client, actors);
+    }
     let pool = Arc::new(pool);
     // Task listing (and the trainer, unless a worker hosts it) stays here.
     let mut local_cluster = cluster.clone();
@@ -127,6 +130,8 @@ pub async fn train_remote(
             )
             .await
             .map_err(in_cluster)?;
+            let (client, name) = remote.placed();
+            crate::shutdown::register(client, vec![name]);
             TrainerHandle::Remote(Arc::new(remote))
         }
         (None, Some(local)) => TrainerHandle::Local(local.clone()),

@@ -319,7 +319,7 @@ fn trainer_on_node_1(dir: &Path, ports: [u16; 2], on_failure: &str) -> PathBuf {
     cluster
 }
 
-fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path) -> Command {
+fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path, steps: u32) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
     cmd.current_dir(workspace())
         .args([
@@ -336,7 +336,7 @@ fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path) -> Comma
             "--n-samples",
             "4",
             "--num-rollout",
-            "3",
+            &steps.to_string(),
             "--run-name",
             "remote",
         ])
@@ -389,7 +389,7 @@ fn a_lost_trainer_restarts_from_its_last_checkpoint() {
     let cluster = trainer_on_node_1(tmp.path(), ports, "restart");
     let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
     let driver_log = tmp.path().join("driver.log");
-    let mut driver = driver_command(&cluster, &runs, &save, &driver_log)
+    let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 3)
         .spawn()
         .expect("driver starts");
     let mut lines = Vec::new();
@@ -442,7 +442,7 @@ fn a_lost_trainer_stops_the_run_when_configured_to() {
     let cluster = trainer_on_node_1(tmp.path(), ports, "stop");
     let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
     let driver_log = tmp.path().join("driver.log");
-    let mut driver = driver_command(&cluster, &runs, &save, &driver_log)
+    let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 3)
         .spawn()
         .expect("driver starts");
     for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
@@ -467,4 +467,83 @@ fn a_lost_trainer_stops_the_run_when_configured_to() {
         std::fs::read_to_string(save.join("latest")).unwrap().trim(),
         "step_000001"
     );
+}
+
+/// Actors each worker reports hosting.
+fn hosted(ports: [u16; 2]) -> Vec<Vec<String>> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for port in ports {
+            let client =
+                manta_runtime::WorkerClient::new(&format!("127.0.0.1:{port}"), TOKEN).unwrap();
+            let reply = client.heartbeat(1, Duration::from_secs(5)).await.unwrap();
+            out.push(reply.actors);
+        }
+        out
+    })
+}
+
+fn interrupt(child: &Child) {
+    let ok = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -INT failed");
+}
+
+/// Ctrl-C once: the step ends, the checkpoint is written, and the actors on both
+/// workers are stopped. Twice: the driver exits at once and still stops them.
+#[test]
+fn ctrl_c_stops_the_actors_on_every_worker() {
+    for presses in [1, 2] {
+        let tmp = tempfile::tempdir().unwrap();
+        let ports = [free_port(), free_port()];
+        let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
+        let _w0 = start_worker(ports[0], &logs[0]);
+        let _w1 = start_worker(ports[1], &logs[1]);
+        let cluster = trainer_on_node_1(tmp.path(), ports, "stop");
+        let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
+        let driver_log = tmp.path().join("driver.log");
+        let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 1000)
+            .spawn()
+            .expect("driver starts");
+        let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
+        // Wait for the first step: every actor is placed and busy.
+        loop {
+            let line = lines.next().expect("driver output").unwrap();
+            if line.starts_with("step ") {
+                break;
+            }
+        }
+        let placed = hosted(ports);
+        assert_eq!(
+            placed,
+            vec![
+                vec!["rollout-0-0".to_string()],
+                vec!["trainer-0".to_string()]
+            ]
+        );
+        for _ in 0..presses {
+            interrupt(&driver);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let started = Instant::now();
+        let status = driver.wait().unwrap();
+        let stderr = std::fs::read_to_string(&driver_log).unwrap();
+        if presses == 1 {
+            assert!(status.success(), "{stderr}");
+            assert!(stderr.contains("stopped on request"), "{stderr}");
+        } else {
+            assert_eq!(status.code(), Some(130), "{stderr}");
+            assert!(stderr.contains("stopped 2 remote actors"), "{stderr}");
+            assert!(started.elapsed() < Duration::from_secs(5));
+        }
+        assert_eq!(
+            hosted(ports),
+            vec![Vec::<String>::new(), Vec::new()],
+            "{stderr}"
+        );
+    }
 }

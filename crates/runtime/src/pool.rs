@@ -128,6 +128,15 @@ impl RemotePool {
         Ok(Self { shared, heartbeats })
     }
 
+    /// Each node's client and the actors placed on it.
+    pub fn placed(&self) -> Vec<(WorkerClient, Vec<String>)> {
+        self.shared
+            .nodes
+            .iter()
+            .map(|n| (n.client.clone(), n.actors.clone()))
+            .collect()
+    }
+
     /// Nodes answering heartbeats now.
     pub fn live_nodes(&self) -> usize {
         self.shared

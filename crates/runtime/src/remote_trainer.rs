@@ -88,6 +88,11 @@ impl RemoteTrainer {
         self.client.addr()
     }
 
+    /// The worker's client and the trainer's name there.
+    pub fn placed(&self) -> (WorkerClient, String) {
+        (self.client.clone(), self.name.clone())
+    }
+
     /// Runs `call` unless the node is, or is declared, dead first.
     async fn guarded<T>(
         &self,
