@@ -236,17 +236,21 @@ impl H2Channel {
         let mut response = std::pin::pin!(response);
         let mut sending = std::pin::pin!(sending);
         // A unary body is queued on the first poll; a longer one streams while the
-        // response is awaited (a server may answer before the body ends).
+        // response is awaited. A server may answer before the body ends (a refused
+        // token): the stream then closes under the sender, possibly between two of its
+        // writes when the connection runs on another thread. Such a send error only
+        // matters if no response comes.
+        let mut send_error: Option<BoxError> = None;
         let sent = match futures::FutureExt::now_or_never(sending.as_mut()) {
             Some(result) => {
-                result?;
+                send_error = result.err();
                 true
             }
             None => false,
         };
         // Counted until the response headers arrive.
         let waiting = Waiting::enter(&self.inner.waiting);
-        if sent && !self.inner.response_spin.is_zero() {
+        if sent && send_error.is_none() && !self.inner.response_spin.is_zero() {
             let until = Instant::now() + self.inner.response_spin;
             while waiting.alone() && Instant::now() < until {
                 if let Some(r) = futures::FutureExt::now_or_never(response.as_mut()) {
@@ -256,19 +260,24 @@ impl H2Channel {
             }
         }
         let response = if sent {
-            response.await?
+            response.await
         } else {
             let mut sent = false;
             std::future::poll_fn(|cx| {
                 if !sent {
                     if let Poll::Ready(r) = sending.as_mut().poll(cx) {
                         sent = true;
-                        r?;
+                        send_error = r.err();
                     }
                 }
-                response.as_mut().poll(cx).map_err(BoxError::from)
+                response.as_mut().poll(cx)
             })
-            .await?
+            .await
+        };
+        let response = match (response, send_error) {
+            (Ok(response), _) => response,
+            (Err(e), Some(send)) => return Err(format!("{send} (then: {e})").into()),
+            (Err(e), None) => return Err(e.into()),
         };
         drop(waiting);
         finish(response)
