@@ -112,6 +112,12 @@ pub async fn train_remote(
         crate::shutdown::register(client, actors);
     }
     let pool = Arc::new(pool);
+    let weak = Arc::downgrade(&pool);
+    crate::shutdown::before_stop(move || {
+        if let Some(pool) = weak.upgrade() {
+            pool.stop_heartbeats();
+        }
+    });
     // Task listing (and the trainer, unless a worker hosts it) stays here.
     let mut local_cluster = cluster.clone();
     local_cluster.rollout.engines = 0;

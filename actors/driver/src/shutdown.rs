@@ -10,6 +10,15 @@ use manta_runtime::WorkerClient;
 use tracing::warn;
 
 static PLACED: Mutex<Vec<(WorkerClient, Vec<String>)>> = Mutex::new(Vec::new());
+/// Run first: whatever would re-spawn actors (the pool's heartbeats) must stop.
+static BEFORE: Mutex<Vec<Box<dyn Fn() + Send>>> = Mutex::new(Vec::new());
+
+/// Registers something to run before the actors are stopped.
+pub fn before_stop(hook: impl Fn() + Send + 'static) {
+    if let Ok(mut hooks) = BEFORE.lock() {
+        hooks.push(Box::new(hook));
+    }
+}
 
 /// Records actors placed on a worker, to be stopped by [`force_stop`].
 pub fn register(client: WorkerClient, actors: Vec<String>) {
@@ -21,6 +30,11 @@ pub fn register(client: WorkerClient, actors: Vec<String>) {
 /// Stops every registered actor, all workers at once, waiting at most `limit`.
 /// Returns how many stop calls succeeded.
 pub async fn force_stop(limit: Duration) -> usize {
+    if let Ok(hooks) = BEFORE.lock() {
+        for hook in hooks.iter() {
+            hook();
+        }
+    }
     let placed = PLACED.lock().map(|p| p.clone()).unwrap_or_default();
     let calls = placed.iter().flat_map(|(client, actors)| {
         actors.iter().map(move |a| async move {

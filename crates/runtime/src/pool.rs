@@ -137,6 +137,14 @@ impl RemotePool {
             .collect()
     }
 
+    /// Stops heartbeats (and with them rejoins that would re-spawn actors), for a
+    /// shutdown that stops the actors from outside.
+    pub fn stop_heartbeats(&self) {
+        for h in &self.heartbeats {
+            h.abort();
+        }
+    }
+
     /// Nodes answering heartbeats now.
     pub fn live_nodes(&self) -> usize {
         self.shared
