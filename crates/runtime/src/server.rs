@@ -630,11 +630,7 @@ pub fn spawn_control_plane(
                     .map_err(|e| format!("listening: {e}"))?;
                 serve_with_tls(daemon, listener, token, tls, std::future::pending())
                     .await
-                    .map_err(|e| tls_error_text(&e))
+                    .map_err(|e| crate::tls::error_chain(&e))
             })
         })
-}
-
-fn tls_error_text(e: &tonic::transport::Error) -> String {
-    crate::tls::error_chain(e)
 }
