@@ -379,19 +379,69 @@ fn wait_for_first_checkpoint(save: &Path) {
     }
 }
 
+/// Two workers with rollouts on node 0 and the trainer on node 1, and the paths of a
+/// driver run against them.
+struct TrainerCluster {
+    /// Holds the run's files until the test ends.
+    _tmp: tempfile::TempDir,
+    ports: [u16; 2],
+    logs: [PathBuf; 2],
+    _w0: Worker,
+    w1: Option<Worker>,
+    cluster: PathBuf,
+    runs: PathBuf,
+    save: PathBuf,
+    driver_log: PathBuf,
+}
+
+impl TrainerCluster {
+    fn start(on_failure: &str) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let ports = [free_port(), free_port()];
+        let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
+        let _w0 = start_worker(ports[0], &logs[0]);
+        let w1 = Some(start_worker(ports[1], &logs[1]));
+        let cluster = trainer_on_node_1(tmp.path(), ports, on_failure);
+        let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
+        let driver_log = tmp.path().join("driver.log");
+        Self {
+            _tmp: tmp,
+            ports,
+            logs,
+            _w0,
+            w1,
+            cluster,
+            runs,
+            save,
+            driver_log,
+        }
+    }
+
+    /// Starts the driver for `steps` steps, saving every step; stdout is piped.
+    fn driver(&self, steps: u32) -> Child {
+        driver_command(
+            &self.cluster,
+            &self.runs,
+            &self.save,
+            &self.driver_log,
+            steps,
+        )
+        .spawn()
+        .expect("driver starts")
+    }
+}
+
 #[test]
 fn a_lost_trainer_restarts_from_its_last_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ports = [free_port(), free_port()];
-    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
-    let _w0 = start_worker(ports[0], &logs[0]);
-    let mut w1 = Some(start_worker(ports[1], &logs[1]));
-    let cluster = trainer_on_node_1(tmp.path(), ports, "restart");
-    let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
-    let driver_log = tmp.path().join("driver.log");
-    let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 3)
-        .spawn()
-        .expect("driver starts");
+    let mut c = TrainerCluster::start("restart");
+    let (ports, logs, runs, save, driver_log) = (
+        c.ports,
+        c.logs.clone(),
+        c.runs.clone(),
+        c.save.clone(),
+        c.driver_log.clone(),
+    );
+    let mut driver = c.driver(3);
     let mut lines = Vec::new();
     for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
         let line = line.unwrap();
@@ -399,8 +449,8 @@ fn a_lost_trainer_restarts_from_its_last_checkpoint() {
             // Step 1 is trained and saved; kill the trainer's worker under step 2 and
             // bring the node back.
             wait_for_first_checkpoint(&save);
-            drop(w1.take());
-            w1 = Some(start_worker(ports[1], &logs[1]));
+            drop(c.w1.take());
+            c.w1 = Some(start_worker(ports[1], &logs[1]));
         }
         lines.push(line);
     }
@@ -434,21 +484,18 @@ fn a_lost_trainer_restarts_from_its_last_checkpoint() {
 
 #[test]
 fn a_lost_trainer_stops_the_run_when_configured_to() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ports = [free_port(), free_port()];
-    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
-    let _w0 = start_worker(ports[0], &logs[0]);
-    let mut w1 = Some(start_worker(ports[1], &logs[1]));
-    let cluster = trainer_on_node_1(tmp.path(), ports, "stop");
-    let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
-    let driver_log = tmp.path().join("driver.log");
-    let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 3)
-        .spawn()
-        .expect("driver starts");
+    let mut c = TrainerCluster::start("stop");
+    let (ports, runs, save, driver_log) = (
+        c.ports,
+        c.runs.clone(),
+        c.save.clone(),
+        c.driver_log.clone(),
+    );
+    let mut driver = c.driver(3);
     for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
-        if line.unwrap().starts_with("step ") && w1.is_some() {
+        if line.unwrap().starts_with("step ") && c.w1.is_some() {
             wait_for_first_checkpoint(&save);
-            drop(w1.take());
+            drop(c.w1.take());
         }
     }
     let status = driver.wait().unwrap();
@@ -498,17 +545,9 @@ fn interrupt(child: &Child) {
 #[test]
 fn ctrl_c_stops_the_actors_on_every_worker() {
     for presses in [1, 2] {
-        let tmp = tempfile::tempdir().unwrap();
-        let ports = [free_port(), free_port()];
-        let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
-        let _w0 = start_worker(ports[0], &logs[0]);
-        let _w1 = start_worker(ports[1], &logs[1]);
-        let cluster = trainer_on_node_1(tmp.path(), ports, "stop");
-        let (runs, save) = (tmp.path().join("runs"), tmp.path().join("ckpt"));
-        let driver_log = tmp.path().join("driver.log");
-        let mut driver = driver_command(&cluster, &runs, &save, &driver_log, 1000)
-            .spawn()
-            .expect("driver starts");
+        let c = TrainerCluster::start("stop");
+        let (ports, driver_log) = (c.ports, c.driver_log.clone());
+        let mut driver = c.driver(1000);
         let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
         // Wait for the first step: every actor is placed and busy.
         loop {
