@@ -70,10 +70,9 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<u32>>>()?;
 
     let engine = NativeEngine::start(NativeEngineOptions {
-        model_dir: dir.clone(),
         seed: args.seed,
-        device: Device::cuda_if_available(),
-        max_batch_size: 1,
+        max_running_requests: 1,
+        ..NativeEngineOptions::new(dir.clone(), Device::cuda_if_available())
     })
     .with_context(|| format!("cannot load the model in {}", dir.display()))?;
     let out = engine
@@ -83,7 +82,9 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
                 max_new_tokens: args.max_new_tokens,
                 temperature: args.temperature,
                 stop_token_ids,
+                ..SamplingParams::default()
             },
+            rid: None,
         })
         .await
         .context("generation failed")?;

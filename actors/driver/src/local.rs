@@ -13,9 +13,8 @@ use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
 use manta_rollout::ors::OrsClient;
-use manta_rollout::{
-    EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
-};
+use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, Uploader};
+use manta_runtime::OpenRewardAccess;
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
@@ -89,14 +88,9 @@ pub(crate) async fn start_builtin_server(
 }
 
 /// The trajectory uploader, when train_config names `openreward_run_name` and
-/// `OPENREWARD_API_KEY` is set (see [`UploadConfig::from_env`]).
+/// `OPENREWARD_API_KEY` is set (the same rule rollout actors on workers follow).
 fn start_uploader(train: &TrainConfig) -> anyhow::Result<Option<Uploader>> {
-    let Some(config) = UploadConfig::from_env(train.openreward_run_name.as_deref()) else {
-        return Ok(None);
-    };
-    info!(run = %config.run_name, api = %config.api_url, "uploading trajectories to OpenReward");
-    let uploader = Uploader::start(config).context("starting the trajectory uploader")?;
-    Ok(Some(uploader))
+    OpenRewardAccess::from_env(train).start_uploader()
 }
 
 /// Resolves each environment's server URL and builds one ORS client for it; the flag
@@ -106,7 +100,11 @@ pub(crate) fn environment_clients(
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
     Ok(
-        manta_runtime::spawn::environment_clients(train, builtin_url)?
+        manta_runtime::spawn::environment_clients(
+            train,
+            builtin_url,
+            &OpenRewardAccess::from_env(train),
+        )?
             .into_iter()
             .map(|(name, client)| {
                 let builtin = train.environments[&name].url.as_deref() == Some(BUILTIN_URL);
@@ -176,10 +174,9 @@ pub async fn start(
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
         let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
-            model_dir: model_dir.to_path_buf(),
             seed: settings.seed,
-            device,
-            max_batch_size: cluster.rollout.max_batch_size,
+            max_running_requests: cluster.rollout.max_batch_size,
+            ..NativeEngineOptions::new(model_dir, device)
         })
         .context("starting the native engine")?;
         let environments = environment_clients(train, builtin_url.as_deref())?

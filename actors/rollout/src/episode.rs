@@ -309,7 +309,9 @@ async fn episode_loop(
                 max_new_tokens: max_new,
                 temperature: settings.temperature,
                 stop_token_ids: ctx.stop_token_ids.clone(),
+                ..SamplingParams::default()
             },
+            rid: None,
         };
         let out = match ctx
             .engine

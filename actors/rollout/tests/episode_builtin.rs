@@ -47,6 +47,7 @@ impl Engine for ScriptedPolicy {
                 FinishReason::Length
             },
             weight_version: 7,
+            ..GenerateOutput::default()
         })
     }
     async fn update_weights(&self, _: NamedTensors, _: u64) -> Result<(), EngineError> {

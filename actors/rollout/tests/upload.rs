@@ -50,6 +50,7 @@ impl Engine for ScriptedPolicy {
                 FinishReason::Length
             },
             weight_version: 3,
+            ..GenerateOutput::default()
         })
     }
     async fn update_weights(&self, _: NamedTensors, _: u64) -> Result<(), EngineError> {

@@ -12,6 +12,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
 
+mod paged;
+pub use paged::{PagedBatch, PagedKvCache, PagedSeq};
+
 /// How tokens of a batch may attend to each other.
 pub enum Attention<'a> {
     /// Causal attention within each row. `key_mask` [B, S] (1 = real token, 0 = padding) where S = cached length + T;

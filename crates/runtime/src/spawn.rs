@@ -1,7 +1,7 @@
 //! Building actors on a worker from the JSON the driver sends in `SpawnActor`.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,13 +11,16 @@ use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
-use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg};
+use manta_rollout::{
+    EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
+};
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
+use tracing::info;
 
 /// The value of an environment's `url` that means "Manta's built-in server".
 pub const BUILTIN_URL: &str = "builtin";
@@ -25,16 +28,105 @@ pub const BUILTIN_URL: &str = "builtin";
 pub const DEFAULT_SESSION_URL: &str = "https://sessions.openreward.ai";
 
 /// A rollout actor's arguments as they travel in `SpawnActorRequest.config_json`.
+/// Everything but the model comes from the driver, so a worker needs no copy of the
+/// run's files and nothing in its environment.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RolloutSpawnConfig {
     /// Hugging Face model directory, as the worker sees it.
     pub model_dir: PathBuf,
     pub seed: u64,
-    /// train_config.yaml, as the worker sees it (environments, prompt, thinking).
-    pub train_config: PathBuf,
+    /// train_config.yaml (environments, prompt, thinking), shipped as text.
+    pub train_config: ShippedTrainConfig,
     pub max_concurrent_episodes: usize,
     pub max_batch_size: usize,
+    /// OpenReward access (API key, session URL, trajectory upload), from the driver.
+    #[serde(default)]
+    pub openreward: OpenRewardAccess,
+}
+
+/// train_config.yaml's text; `path` only names it in messages.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ShippedTrainConfig {
+    pub path: PathBuf,
+    pub yaml: String,
+}
+
+impl ShippedTrainConfig {
+    /// Reads the driver's file.
+    pub fn read(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            path: path.to_path_buf(),
+            yaml: std::fs::read_to_string(path)?,
+        })
+    }
+
+    /// Parses the text as the driver did, naming the driver's path in errors.
+    pub fn parse(&self) -> Result<TrainConfig, manta_config::ConfigError> {
+        TrainConfig::from_yaml_str(&self.yaml, &self.path)
+    }
+}
+
+/// What rollouts need to reach OpenReward: resolved once where the run starts (the
+/// driver's environment) and handed to every rollout actor, wherever it runs.
+#[derive(Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OpenRewardAccess {
+    /// `OPENREWARD_API_KEY`: sent to environment servers and the upload API.
+    pub api_key: Option<String>,
+    /// `OPENREWARD_SESSION_URL`: environments without a `url` run there.
+    pub session_url: Option<String>,
+    /// Trajectory upload, when on (see [`UploadConfig::from_env`]).
+    pub upload: Option<UploadTarget>,
+}
+
+/// Where trajectories go; the key is [`OpenRewardAccess::api_key`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UploadTarget {
+    pub api_url: String,
+    pub run_name: String,
+}
+
+/// Never prints the key.
+impl std::fmt::Debug for OpenRewardAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenRewardAccess")
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("session_url", &self.session_url)
+            .field("upload", &self.upload)
+            .finish()
+    }
+}
+
+impl OpenRewardAccess {
+    /// From this process's environment and train_config's `openreward_run_name`.
+    pub fn from_env(train: &TrainConfig) -> Self {
+        let upload = UploadConfig::from_env(train.openreward_run_name.as_deref());
+        Self {
+            api_key: upload
+                .as_ref()
+                .map(|u| u.api_key.clone())
+                .or_else(|| std::env::var("OPENREWARD_API_KEY").ok()),
+            session_url: std::env::var("OPENREWARD_SESSION_URL").ok(),
+            upload: upload.map(|u| UploadTarget {
+                api_url: u.api_url,
+                run_name: u.run_name,
+            }),
+        }
+    }
+
+    /// Starts the trajectory uploader when upload is on (needs a tokio runtime).
+    pub fn start_uploader(&self) -> anyhow::Result<Option<Uploader>> {
+        let (Some(target), Some(key)) = (&self.upload, &self.api_key) else {
+            return Ok(None);
+        };
+        let config = UploadConfig::new(&target.api_url, key, &target.run_name);
+        info!(run = %target.run_name, api = %target.api_url, "uploading trajectories to OpenReward");
+        let uploader = Uploader::start(config).context("starting the trajectory uploader")?;
+        Ok(Some(uploader))
+    }
 }
 
 impl RolloutSpawnConfig {
@@ -56,6 +148,7 @@ impl RolloutSpawnConfig {
 pub fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
+    access: &OpenRewardAccess,
 ) -> anyhow::Result<BTreeMap<String, OrsClient>> {
     let mut out = BTreeMap::new();
     for (name, env) in &train.environments {
@@ -65,12 +158,14 @@ pub fn environment_clients(
                 .context("the built-in environment server is not running")?
                 .to_string(),
             Some(url) => url.to_string(),
-            None => std::env::var("OPENREWARD_SESSION_URL")
-                .unwrap_or_else(|_| DEFAULT_SESSION_URL.to_string()),
+            None => access
+                .session_url
+                .clone()
+                .unwrap_or_else(|| DEFAULT_SESSION_URL.to_string()),
         };
         let options = OrsClientOptions {
             base_url,
-            api_key: std::env::var("OPENREWARD_API_KEY").ok(),
+            api_key: access.api_key.clone(),
             deployment: (!builtin).then(|| name.clone()),
             variant: env.variant.clone(),
             secrets: train.resolved_secrets(name),
@@ -95,25 +190,26 @@ pub fn stop_token_ids(tokenizer: &Tokenizer) -> Vec<u32> {
     ids
 }
 
-/// Starts a rollout actor with a native CPU engine and its own ORS clients.
+/// Starts a rollout actor with a native CPU engine, its own ORS clients and, when
+/// upload is on, its own trajectory uploader (returned for flushing at stop).
 pub async fn spawn_rollout(
     name: &str,
     cfg: &RolloutSpawnConfig,
     train: &TrainConfig,
     builtin_url: Option<&str>,
-) -> anyhow::Result<ActorRef<RolloutMsg>> {
+) -> anyhow::Result<(ActorRef<RolloutMsg>, Option<Uploader>)> {
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&cfg.model_dir)
             .with_context(|| format!("loading the tokenizer from {}", cfg.model_dir.display()))?,
     );
     let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
-        model_dir: cfg.model_dir.clone(),
         seed: cfg.seed,
-        device: tch::Device::Cpu,
-        max_batch_size: cfg.max_batch_size.max(1),
+        max_running_requests: cfg.max_batch_size.max(1),
+        ..NativeEngineOptions::new(&cfg.model_dir, tch::Device::Cpu)
     })
     .with_context(|| format!("starting the native engine on {}", cfg.model_dir.display()))?;
-    let environments = environment_clients(train, builtin_url)?
+    let upload = cfg.openreward.start_uploader()?;
+    let environments = environment_clients(train, builtin_url, &cfg.openreward)?
         .into_iter()
         .map(|(name, client)| {
             let config = train.environments[&name].clone();
@@ -132,7 +228,7 @@ pub async fn spawn_rollout(
         chat: ChatFormat::new(tokenizer.clone(), train.thinking),
         system_prompt_template: train.system_prompt_template.clone(),
         stop_token_ids: stop_token_ids(&tokenizer),
-        upload: None,
+        upload: upload.clone(),
     };
     let args = RolloutArgs {
         context,
@@ -142,7 +238,7 @@ pub async fn spawn_rollout(
     let (actor, _) = Actor::spawn(Some(name.to_string()), RolloutActor, args)
         .await
         .with_context(|| format!("starting rollout actor {name}"))?;
-    Ok(actor)
+    Ok((actor, upload))
 }
 
 /// A trainer's arguments as they travel in `SpawnActorRequest.config_json`: the

@@ -1,0 +1,366 @@
+//! The native engine: Manta's own model code (shared with the trainer) behind a
+//! continuous-batching loop on a dedicated thread, with a paged KV cache and prefix reuse.
+//!
+//! - [`scheduler`]: who runs in the next step (decode, chunked prefill, admission, preemption).
+//! - [`block_pool`] / [`prefix_cache`]: KV blocks and the radix cache of computed prefixes.
+//! - [`sampler`]: temperature, top-k, top-p, min-p and per-request seeds on the device.
+//! - [`stop`]: stop ids, stop strings, length limits.
+//! - [`worker`]: the engine thread.
+
+mod block_pool;
+mod prefix_cache;
+mod sampler;
+mod scheduler;
+mod sequence;
+mod stop;
+mod worker;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+
+use async_trait::async_trait;
+use manta_model::{CausalLm, ModelConfig, PagedKvCache};
+use manta_tokenizer::Tokenizer;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tch::{nn, Device, Kind};
+use tokio::sync::oneshot;
+use tracing::info;
+
+use super::{
+    Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, NamedTensors, PauseMode,
+};
+use scheduler::Scheduler;
+use sequence::Sequence;
+use stop::StopCheck;
+use worker::{Command, Worker};
+
+/// How to start a native engine. `NativeEngineOptions::new` gives the defaults.
+#[derive(Debug, Clone)]
+pub struct NativeEngineOptions {
+    pub model_dir: PathBuf,
+    /// Seeds random init (when the directory has no weights) and requests without a seed.
+    pub seed: u64,
+    pub device: Device,
+    /// Weights and KV dtype; default bf16 on CUDA, fp32 on the CPU.
+    pub kind: Option<Kind>,
+    /// Most requests decoding together (SGLang's `--max-running-requests`).
+    pub max_running_requests: usize,
+    /// KV cache size in tokens (SGLang's `--max-total-tokens`); default: see `mem_fraction_static`.
+    pub max_total_tokens: Option<usize>,
+    /// On CUDA, the share of the GPU's memory for weights + KV cache when
+    /// `max_total_tokens` is not set (SGLang's `--mem-fraction-static`).
+    pub mem_fraction_static: f64,
+    /// Tokens per KV block (prefix reuse works in whole blocks).
+    pub block_size: usize,
+    /// Most tokens one step computes: long prompts are prefilled in chunks of this size.
+    pub chunked_prefill_size: usize,
+    /// Longest sequence (prompt + output); default the model's `max_position_embeddings`.
+    pub context_length: Option<usize>,
+}
+
+impl NativeEngineOptions {
+    pub fn new(model_dir: impl Into<PathBuf>, device: Device) -> Self {
+        Self {
+            model_dir: model_dir.into(),
+            seed: 0,
+            device,
+            kind: None,
+            max_running_requests: 256,
+            max_total_tokens: None,
+            mem_fraction_static: 0.85,
+            block_size: 16,
+            chunked_prefill_size: if device.is_cuda() { 8192 } else { 2048 },
+            context_length: None,
+        }
+    }
+}
+
+/// Counters the engine keeps (read by benchmarks and `/get_server_info`).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub steps: AtomicU64,
+    pub tokens_computed: AtomicU64,
+    pub tokens_sampled: AtomicU64,
+    /// Running requests sent back to the queue to free KV blocks (recomputed later).
+    pub preemptions: AtomicU64,
+}
+
+impl EngineStats {
+    fn add_step(&self, computed: usize, sampled: usize) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.tokens_computed
+            .fetch_add(computed as u64, Ordering::Relaxed);
+        self.tokens_sampled
+            .fetch_add(sampled as u64, Ordering::Relaxed);
+    }
+}
+
+/// Handle to the engine thread; cheap to share.
+pub struct NativeEngine {
+    commands: mpsc::Sender<Command>,
+    version: Arc<AtomicU64>,
+    stats: Arc<EngineStats>,
+    info: EngineInfo,
+    eos_ids: Vec<u32>,
+    has_tokenizer: bool,
+    seed: u64,
+    requests: AtomicU64,
+}
+
+/// KV budget when none is given: on the CPU up to 2 GiB (or what the running requests
+/// could use at full context); on CUDA a share of the device's memory after the weights.
+fn default_kv_tokens(
+    opts: &NativeEngineOptions,
+    cfg: &ModelConfig,
+    kind: Kind,
+    ctx: usize,
+) -> usize {
+    let per_token = PagedKvCache::bytes_per_block(cfg, 1, kind).max(1);
+    let want = opts.max_running_requests.saturating_mul(ctx);
+    // On CUDA the budget is capped until the device's free memory can be read
+    // (`--max-total-tokens` sets it exactly).
+    let cap_bytes: usize = if opts.device.is_cuda() {
+        16 << 30
+    } else {
+        2 << 30
+    };
+    want.min(cap_bytes / per_token).max(opts.block_size * 4)
+}
+
+impl NativeEngine {
+    /// Loads the model on a new thread and starts serving.
+    pub fn start(opts: NativeEngineOptions) -> Result<Arc<Self>, EngineError> {
+        let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
+        let kind = opts.kind.unwrap_or(if opts.device.is_cuda() {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        });
+        let context_length = opts
+            .context_length
+            .unwrap_or(cfg.max_position_embeddings.max(1) as usize);
+        let tokenizer = Tokenizer::from_dir(&opts.model_dir).ok().map(Arc::new);
+        let eos_ids: Vec<u32> = cfg
+            .eos_token_ids()
+            .iter()
+            .filter_map(|&e| u32::try_from(e).ok())
+            .collect();
+        let kv_tokens = opts
+            .max_total_tokens
+            .unwrap_or_else(|| default_kv_tokens(&opts, &cfg, kind, context_length));
+        let num_blocks = kv_tokens.div_ceil(opts.block_size).max(1);
+        let info = EngineInfo {
+            model_path: opts.model_dir.clone(),
+            device: format!("{:?}", opts.device),
+            dtype: format!("{kind:?}"),
+            context_length,
+            max_running_requests: opts.max_running_requests,
+            max_total_tokens: num_blocks * opts.block_size,
+            block_size: opts.block_size,
+            vocab_size: cfg.vocab_size as usize,
+        };
+        let (tx, rx) = mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), EngineError>>();
+        let version = Arc::new(AtomicU64::new(0));
+        let stats = Arc::new(EngineStats::default());
+        let (thread_version, thread_stats) = (version.clone(), stats.clone());
+        let thread_tokenizer = tokenizer.clone();
+        let thread_opts = opts.clone();
+        std::thread::Builder::new()
+            .name("manta-native-engine".into())
+            .spawn(move || {
+                let built = (|| -> Result<Worker, EngineError> {
+                    tch::manual_seed(thread_opts.seed as i64);
+                    let mut vs = nn::VarStore::new(thread_opts.device);
+                    let model = CausalLm::new(&vs.root(), &cfg);
+                    let dir = &thread_opts.model_dir;
+                    if dir.join("model.safetensors").exists()
+                        || dir.join("model.safetensors.index.json").exists()
+                    {
+                        manta_model::load_weights(&mut vs, dir)?;
+                    }
+                    vs.set_kind(kind);
+                    vs.freeze();
+                    let kv = PagedKvCache::new(
+                        &cfg,
+                        num_blocks,
+                        thread_opts.block_size,
+                        kind,
+                        thread_opts.device,
+                    );
+                    let sched = Scheduler::new(
+                        num_blocks,
+                        thread_opts.block_size,
+                        thread_opts.max_running_requests,
+                        thread_opts.chunked_prefill_size,
+                    );
+                    Ok(Worker::new(
+                        vs,
+                        model,
+                        kv,
+                        sched,
+                        thread_tokenizer,
+                        thread_opts.device,
+                        context_length,
+                        thread_version,
+                        thread_stats,
+                    ))
+                })();
+                match built {
+                    Ok(worker) => {
+                        let _ = ready_tx.send(Ok(()));
+                        worker.serve(rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Stopped(format!("cannot start engine thread: {e}")))?;
+        ready_rx
+            .recv()
+            .map_err(|_| EngineError::Stopped("engine thread exited during start".into()))??;
+        info!(
+            model = %opts.model_dir.display(),
+            device = ?opts.device,
+            kv_tokens = num_blocks * opts.block_size,
+            "native engine ready"
+        );
+        Ok(Arc::new(Self {
+            commands: tx,
+            version,
+            stats,
+            info,
+            eos_ids,
+            has_tokenizer: tokenizer.is_some(),
+            seed: opts.seed,
+            requests: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.commands
+            .send(cmd)
+            .map_err(|_| EngineError::Stopped("engine thread has exited".into()))
+    }
+
+    /// Checks a request against this engine; messages name the field.
+    fn validate(&self, request: &GenerateRequest) -> Result<(), EngineError> {
+        if request.input_ids.is_empty() {
+            return Err(EngineError::BadRequest("input_ids: empty".into()));
+        }
+        let vocab = self.info.vocab_size;
+        if let Some(bad) = request.input_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadRequest(format!(
+                "input_ids: token id {bad} is outside the vocabulary ({vocab})"
+            )));
+        }
+        request.params.validate()?;
+        if !request.params.stop.is_empty() && !self.has_tokenizer {
+            return Err(EngineError::BadRequest(
+                "sampling_params.stop: stop strings need a tokenizer, and the model directory has none"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+async fn answer<T>(rx: oneshot::Receiver<T>) -> Result<T, EngineError> {
+    rx.await
+        .map_err(|_| EngineError::Stopped("engine thread dropped the request".into()))
+}
+
+#[async_trait]
+impl Engine for NativeEngine {
+    async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput, EngineError> {
+        self.validate(&request)?;
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        let seed = request
+            .params
+            .seed
+            .unwrap_or_else(|| self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n);
+        let (tx, rx) = oneshot::channel();
+        let prompt_len = request.input_ids.len();
+        let seq = Sequence {
+            id: 0,
+            rid: request.rid.clone().unwrap_or_else(|| format!("native-{n}")),
+            tokens: request.input_ids,
+            prompt_len,
+            logprobs: Vec::new(),
+            blocks: Vec::new(),
+            num_computed: 0,
+            cached_blocks: 0,
+            cache_key: None,
+            cached_tokens: None,
+            stop: StopCheck::new(&request.params, &self.eos_ids),
+            params: request.params,
+            rng: StdRng::seed_from_u64(seed),
+            weight_version: self.version.load(Ordering::SeqCst),
+            reply: Some(tx),
+        };
+        if seq.params.max_new_tokens == 0 {
+            return Ok(GenerateOutput {
+                prompt_tokens: prompt_len,
+                weight_version: seq.weight_version,
+                ..GenerateOutput::default()
+            });
+        }
+        self.send(Command::Generate(Box::new(seq)))?;
+        answer(rx).await?
+    }
+
+    async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::UpdateWeights(weights, version, tx))?;
+        answer(rx).await?
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.version.load(Ordering::SeqCst)
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        dir: PathBuf,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::LoadFromDisk(dir, version, tx))?;
+        answer(rx).await?
+    }
+
+    async fn abort(&self, rid: Option<String>) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Abort(rid, tx))?;
+        answer(rx).await
+    }
+
+    async fn pause(&self, mode: PauseMode) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Pause(mode, tx))?;
+        answer(rx).await
+    }
+
+    async fn resume(&self) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Resume(tx))?;
+        answer(rx).await
+    }
+
+    async fn flush_cache(&self) -> Result<bool, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Flush(tx))?;
+        answer(rx).await
+    }
+}

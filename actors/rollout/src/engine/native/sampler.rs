@@ -1,0 +1,149 @@
+//! Next-token choice for a batch of rows, on the device that holds the logits.
+//!
+//! Sampling is inverse-CDF with one uniform number per row drawn on the host from the
+//! request's own generator, so a request's tokens depend on its seed and prompt only, not
+//! on which other requests share the batch. Reported log-probs are those of the sampled
+//! token under `log_softmax(logits / temperature)` — the distribution the trainer scores
+//! — whatever top-k / top-p / min-p filtering chose it.
+
+use tch::{Device, Kind, Tensor};
+
+/// The per-row controls the sampler needs.
+#[derive(Debug, Clone, Copy)]
+pub struct RowSampling {
+    pub greedy: bool,
+    pub temperature: f64,
+    pub top_k: i64,
+    pub top_p: f64,
+    pub min_p: f64,
+    /// Uniform in [0, 1), from the request's generator.
+    pub uniform: f64,
+}
+
+impl RowSampling {
+    fn filters(&self, vocab: i64) -> bool {
+        !self.greedy
+            && ((self.top_k > 0 && self.top_k < vocab) || self.top_p < 1.0 || self.min_p > 0.0)
+    }
+}
+
+/// Chooses one token per row of `logits` [S, V]; returns (token ids, log-probs).
+pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
+    let device = logits.device();
+    let vocab = logits.size()[1];
+    let logits = logits.to_kind(Kind::Float);
+    let column = |values: Vec<f32>| Tensor::from_slice(&values).to(device).unsqueeze(1);
+    // Greedy rows report the unscaled distribution (temperature 1).
+    let temps = column(
+        rows.iter()
+            .map(|r| if r.greedy { 1.0 } else { r.temperature as f32 })
+            .collect(),
+    );
+    let logp = (logits / temps).log_softmax(-1, Kind::Float);
+    let argmax = logp.argmax(-1, false);
+    let next = if rows.iter().all(|r| r.greedy) {
+        argmax
+    } else {
+        let probs = logp.exp();
+        let uniform = column(rows.iter().map(|r| r.uniform as f32).collect());
+        let drawn = if rows.iter().any(|r| r.filters(vocab)) {
+            let (sorted, order) = probs.sort(-1, true);
+            let cdf = sorted.cumsum(-1, Kind::Float);
+            let rank = Tensor::arange(vocab, (Kind::Int64, device)).unsqueeze(0);
+            let top_k = Tensor::from_slice(
+                &rows
+                    .iter()
+                    .map(|r| if r.top_k > 0 { r.top_k } else { vocab })
+                    .collect::<Vec<i64>>(),
+            )
+            .to(device)
+            .unsqueeze(1);
+            let top_p = column(rows.iter().map(|r| r.top_p as f32).collect());
+            let min_p = column(rows.iter().map(|r| r.min_p as f32).collect());
+            // Mass before a token below top_p keeps it, so the most likely token always stays.
+            let keep = (&cdf - &sorted)
+                .lt_tensor(&top_p)
+                .logical_and(&rank.lt_tensor(&top_k))
+                .logical_and(&sorted.ge_tensor(&(sorted.narrow(1, 0, 1) * min_p)));
+            let kept = sorted * keep.to_kind(Kind::Float);
+            let kept_cdf = kept.cumsum(-1, Kind::Float);
+            let target = uniform * kept_cdf.narrow(1, vocab - 1, 1);
+            let pos = target
+                .searchsorted(&kept_cdf, false, true, "right", None::<Tensor>)
+                .clamp_max(vocab - 1);
+            order.gather(1, &pos, false).squeeze_dim(1)
+        } else {
+            let cdf = probs.cumsum(-1, Kind::Float);
+            let target = uniform * cdf.narrow(1, vocab - 1, 1);
+            target
+                .searchsorted(&cdf, false, true, "right", None::<Tensor>)
+                .clamp_max(vocab - 1)
+                .squeeze_dim(1)
+        };
+        let greedy =
+            Tensor::from_slice(&rows.iter().map(|r| r.greedy).collect::<Vec<bool>>()).to(device);
+        argmax.where_self(&greedy, &drawn)
+    };
+    let next_logp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+    let ids = Vec::<i64>::try_from(&next.to(Device::Cpu)).unwrap_or_default();
+    let lps = Vec::<f32>::try_from(&next_logp.to(Device::Cpu)).unwrap_or_default();
+    (ids, lps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(uniform: f64) -> RowSampling {
+        RowSampling {
+            greedy: false,
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            min_p: 0.0,
+            uniform,
+        }
+    }
+
+    #[test]
+    fn inverse_cdf_picks_the_token_whose_interval_holds_the_draw() {
+        // probs 0.1, 0.2, 0.7
+        let logits = Tensor::from_slice(&[0.1f32, 0.2, 0.7]).log().unsqueeze(0);
+        let pick = |u| sample(&logits, &[row(u)]).0[0];
+        assert_eq!(pick(0.05), 0);
+        assert_eq!(pick(0.15), 1);
+        assert_eq!(pick(0.95), 2);
+        // top-k 1 keeps only the most likely token; top-p 0.6 too; min-p 0.2 drops token 0.
+        let only = |r: RowSampling| sample(&logits, &[r]).0[0];
+        assert_eq!(
+            only(RowSampling {
+                top_k: 1,
+                ..row(0.0)
+            }),
+            2
+        );
+        assert_eq!(
+            only(RowSampling {
+                top_p: 0.6,
+                ..row(0.99)
+            }),
+            2
+        );
+        assert_eq!(
+            only(RowSampling {
+                min_p: 0.2,
+                ..row(0.999)
+            }),
+            1
+        );
+        // The reported log-prob is the unfiltered one.
+        let (_, lp) = sample(
+            &logits,
+            &[RowSampling {
+                top_k: 1,
+                ..row(0.5)
+            }],
+        );
+        assert!((lp[0] - 0.7f32.ln()).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,356 @@
+//! The engine thread: owns the model, the paged KV cache and the scheduler, takes
+//! commands between steps, and runs one batched model step at a time.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+
+use manta_model::{CausalLm, PagedBatch, PagedKvCache, PagedSeq};
+use manta_tokenizer::Tokenizer;
+use tch::{nn, Device, Tensor};
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use super::sampler::{sample, RowSampling};
+use super::scheduler::{Planned, Scheduler};
+use super::sequence::Sequence;
+use super::EngineStats;
+use crate::engine::{EngineError, FinishReason, NamedTensors, PauseMode};
+
+pub enum Command {
+    Generate(Box<Sequence>),
+    UpdateWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
+    LoadFromDisk(PathBuf, u64, oneshot::Sender<Result<(), EngineError>>),
+    Abort(Option<String>, oneshot::Sender<()>),
+    Pause(PauseMode, oneshot::Sender<()>),
+    Resume(oneshot::Sender<()>),
+    Flush(oneshot::Sender<bool>),
+}
+
+/// A weight change waiting for the requests that arrived before it to finish.
+enum Update {
+    Tensors(NamedTensors),
+    Disk(PathBuf),
+}
+
+pub struct Worker {
+    pub vs: nn::VarStore,
+    pub model: CausalLm,
+    pub kv: PagedKvCache,
+    pub sched: Scheduler,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub device: Device,
+    pub context_length: usize,
+    pub version: Arc<AtomicU64>,
+    pub stats: Arc<EngineStats>,
+    /// Requests with an id below this run on the old weights; later ones wait for the update.
+    updates: VecDeque<(u64, Update, u64, oneshot::Sender<Result<(), EngineError>>)>,
+    paused: Option<PauseMode>,
+    drain_waiters: Vec<oneshot::Sender<()>>,
+    next_id: u64,
+}
+
+impl Worker {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        vs: nn::VarStore,
+        model: CausalLm,
+        kv: PagedKvCache,
+        sched: Scheduler,
+        tokenizer: Option<Arc<Tokenizer>>,
+        device: Device,
+        context_length: usize,
+        version: Arc<AtomicU64>,
+        stats: Arc<EngineStats>,
+    ) -> Self {
+        // A sequence alone must always fit the pool, so preemption can always make progress.
+        let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
+        Self {
+            vs,
+            model,
+            kv,
+            sched,
+            tokenizer,
+            device,
+            context_length,
+            version,
+            stats,
+            updates: VecDeque::new(),
+            paused: None,
+            drain_waiters: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    /// Serves until every handle is dropped.
+    pub fn serve(mut self, rx: mpsc::Receiver<Command>) {
+        let _guard = tch::no_grad_guard();
+        loop {
+            let busy = !self.sched.running.is_empty()
+                || (!self.sched.waiting.is_empty() && self.paused.is_none());
+            if !busy && self.updates.is_empty() {
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.apply_due_updates();
+            if self.paused != Some(PauseMode::InPlace) {
+                self.step();
+            }
+            if self.sched.running.is_empty() {
+                for w in self.drain_waiters.drain(..) {
+                    let _ = w.send(());
+                }
+            }
+        }
+        debug!("native engine thread exiting");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(mut seq) => {
+                seq.id = self.next_id;
+                self.next_id += 1;
+                if seq.tokens.len() >= self.context_length {
+                    seq.fail(EngineError::BadRequest(format!(
+                        "input_ids: {} tokens do not fit the context length {}",
+                        seq.tokens.len(),
+                        self.context_length
+                    )));
+                    return;
+                }
+                self.sched.waiting.push_back(*seq);
+            }
+            Command::UpdateWeights(w, v, reply) => {
+                self.updates
+                    .push_back((self.next_id, Update::Tensors(w), v, reply))
+            }
+            Command::LoadFromDisk(dir, v, reply) => {
+                self.updates
+                    .push_back((self.next_id, Update::Disk(dir), v, reply))
+            }
+            Command::Abort(rid, reply) => {
+                self.abort(rid.as_deref());
+                let _ = reply.send(());
+            }
+            Command::Pause(mode, reply) => {
+                match mode {
+                    PauseMode::Abort => {
+                        self.abort(None);
+                        self.paused = Some(PauseMode::Abort);
+                        let _ = reply.send(());
+                    }
+                    PauseMode::InPlace => {
+                        self.paused = Some(PauseMode::InPlace);
+                        let _ = reply.send(());
+                    }
+                    // Answered once the running requests are done.
+                    PauseMode::Drain => {
+                        self.paused = Some(PauseMode::Drain);
+                        self.drain_waiters.push(reply);
+                    }
+                }
+            }
+            Command::Resume(reply) => {
+                self.paused = None;
+                let _ = reply.send(());
+            }
+            Command::Flush(reply) => {
+                let idle = self.sched.is_idle();
+                if idle {
+                    self.sched.cache.clear(&mut self.sched.pool);
+                }
+                let _ = reply.send(idle);
+            }
+        }
+    }
+
+    fn abort(&mut self, rid: Option<&str>) {
+        let hit = |s: &Sequence| rid.is_none_or(|r| s.rid == r);
+        let waiting = std::mem::take(&mut self.sched.waiting);
+        for mut seq in waiting {
+            if hit(&seq) {
+                seq.finish(FinishReason::Abort, None);
+            } else {
+                self.sched.waiting.push_back(seq);
+            }
+        }
+        let running = std::mem::take(&mut self.sched.running);
+        for seq in running {
+            if hit(&seq) {
+                let mut seq = self.sched.release(seq);
+                seq.finish(FinishReason::Abort, None);
+            } else {
+                self.sched.running.push(seq);
+            }
+        }
+    }
+
+    /// Applies weight updates once no request from before them is running.
+    fn apply_due_updates(&mut self) {
+        while let Some((barrier, _, _, _)) = self.updates.front() {
+            let barrier = *barrier;
+            let old_running = self.sched.running.iter().any(|s| s.id < barrier);
+            let old_waiting = self.sched.waiting.iter().any(|s| s.id < barrier);
+            if old_running || (old_waiting && self.paused.is_none()) {
+                return;
+            }
+            let Some((_, update, version, reply)) = self.updates.pop_front() else {
+                return;
+            };
+            let result = match update {
+                Update::Tensors(w) => self.load_tensors(w),
+                Update::Disk(dir) => {
+                    manta_model::load_weights(&mut self.vs, &dir).map_err(EngineError::from)
+                }
+            };
+            if result.is_ok() {
+                // Cached keys and values were computed by the old weights.
+                self.sched.cache.clear(&mut self.sched.pool);
+                self.version.store(version, Ordering::SeqCst);
+                info!(version, "native engine weights updated");
+            }
+            let _ = reply.send(result);
+        }
+    }
+
+    fn load_tensors(&mut self, weights: NamedTensors) -> Result<(), EngineError> {
+        let mut vars = self.vs.variables();
+        if weights.len() != vars.len() {
+            return Err(EngineError::Weights(format!(
+                "got {} tensors, the engine's model has {}",
+                weights.len(),
+                vars.len()
+            )));
+        }
+        for (name, src) in &weights {
+            let dst = vars
+                .get(name)
+                .ok_or_else(|| EngineError::Weights(format!("unknown tensor {name}")))?;
+            if dst.size() != src.size() {
+                return Err(EngineError::Weights(format!(
+                    "tensor {name} has shape {:?}, the engine expects {:?}",
+                    src.size(),
+                    dst.size()
+                )));
+            }
+        }
+        for (name, src) in weights {
+            if let Some(dst) = vars.get_mut(&name) {
+                dst.copy_(&src.to_device(self.device).to_kind(dst.kind()));
+            }
+        }
+        Ok(())
+    }
+
+    /// One model step over the planned sequences; a failing step fails its requests and
+    /// the engine keeps serving.
+    fn step(&mut self) {
+        let barrier = self.updates.front().map(|u| u.0);
+        let paused = self.paused.is_some();
+        // Paused engines and weight-update barriers hold new requests back.
+        let (plan, rejected) = self
+            .sched
+            .plan(|s| !paused && barrier.is_none_or(|b| s.id < b));
+        self.stats
+            .preemptions
+            .store(self.sched.preemptions, std::sync::atomic::Ordering::Relaxed);
+        for (mut seq, err) in rejected {
+            seq.fail(err);
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let result = catch_unwind(AssertUnwindSafe(|| self.run(&plan)));
+        match result {
+            Ok(()) => {}
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                warn!(error = %msg, "engine step failed; failing its requests");
+                let running = std::mem::take(&mut self.sched.running);
+                for seq in running {
+                    let mut seq = self.sched.release(seq);
+                    seq.fail(EngineError::Stopped(format!("model step failed: {msg}")));
+                }
+            }
+        }
+    }
+
+    fn run(&mut self, plan: &[Planned]) {
+        let bs = self.sched.block_size;
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut seqs = Vec::with_capacity(plan.len());
+        let mut sample_rows = Vec::new();
+        for p in plan {
+            let seq = &self.sched.running[p.index];
+            let start = seq.num_computed;
+            let end = start + p.q_len;
+            ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
+            positions.extend((start..end).map(|p| p as i64));
+            let slots = (0..end)
+                .map(|pos| (seq.blocks[pos / bs] as usize * bs + pos % bs) as i64)
+                .collect();
+            seqs.push(PagedSeq {
+                q_len: p.q_len,
+                slots,
+            });
+            if end == seq.tokens.len() {
+                sample_rows.push((ids.len() - 1) as i64);
+            }
+        }
+        let batch = PagedBatch::new(&seqs, self.device);
+        let input = Tensor::from_slice(&ids).to(self.device);
+        let pos = Tensor::from_slice(&positions).to(self.device);
+        let hidden = self.model.forward_paged(&input, &pos, &batch, &self.kv);
+        self.stats.add_step(ids.len(), sample_rows.len());
+        let mut finished = Vec::new();
+        let mut rows: Vec<RowSampling> = Vec::new();
+        let mut sampled_seqs = Vec::new();
+        for p in plan {
+            self.sched.computed(p.index, p.q_len);
+            let seq = &mut self.sched.running[p.index];
+            if seq.pending() == 0 {
+                rows.push(seq.row_sampling());
+                sampled_seqs.push(p.index);
+            }
+        }
+        if !rows.is_empty() {
+            let idx = Tensor::from_slice(&sample_rows).to(self.device);
+            let logits = self.model.logits(&hidden.index_select(0, &idx));
+            let (next, logprobs) = sample(&logits, &rows);
+            for ((&index, tok), lp) in sampled_seqs.iter().zip(next).zip(logprobs) {
+                let seq = &mut self.sched.running[index];
+                seq.tokens.push(tok as u32);
+                seq.logprobs.push(lp);
+                let done = seq
+                    .stop
+                    .check(seq.output(), self.tokenizer.as_ref())
+                    .or_else(|| {
+                        (seq.tokens.len() >= self.context_length)
+                            .then_some((FinishReason::Length, None))
+                    });
+                if let Some(done) = done {
+                    finished.push((index, done));
+                }
+            }
+        }
+        // Remove finished sequences from the back so indices stay valid.
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (index, (reason, matched)) in finished {
+            let seq = self.sched.running.remove(index);
+            let mut seq = self.sched.release(seq);
+            seq.finish(reason, matched);
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! Forward passes over a paged key/value cache, for engines that batch many sequences of
+//! different lengths (continuous batching): the new tokens of every sequence are laid out
+//! flat, their keys and values go into fixed-size blocks of a pool shared by all
+//! sequences, and each sequence attends to the slots of its own context.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{repeat_kv, CausalLm, SelfAttention};
+use crate::config::ModelConfig;
+
+/// Keys and values of every layer in one pool of `num_blocks × block_size` slots, allocated
+/// once. Slot `s` holds the token at offset `s % block_size` of block `s / block_size`.
+pub struct PagedKvCache {
+    /// Per layer, [num_slots, num_key_value_heads, head_dim].
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl PagedKvCache {
+    pub fn new(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
+        let slots = (num_blocks * block_size) as i64;
+        let shape = [slots, cfg.num_key_value_heads, cfg.head_dim()];
+        let layers = cfg.num_hidden_layers as usize;
+        Self {
+            k: (0..layers)
+                .map(|_| Tensor::zeros(shape, (kind, device)))
+                .collect(),
+            v: (0..layers)
+                .map(|_| Tensor::zeros(shape, (kind, device)))
+                .collect(),
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Bytes one block takes across all layers (keys and values), to size the pool.
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize, kind: Kind) -> usize {
+        let per_token = 2
+            * cfg.num_hidden_layers as usize
+            * cfg.num_key_value_heads as usize
+            * cfg.head_dim() as usize
+            * kind.elt_size_in_bytes();
+        per_token * block_size
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// The pools of one layer (keys, values), [num_slots, kv_heads, head_dim].
+    pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
+        (&self.k[i], &self.v[i])
+    }
+
+    /// Copies the slots `src` to the slots `dst` in every layer (copy-on-write of a
+    /// partially shared block).
+    pub fn copy_slots(&mut self, src: &[i64], dst: &[i64]) {
+        let device = self.k.first().map_or(Device::Cpu, |t| t.device());
+        let src = Tensor::from_slice(src).to(device);
+        let dst = Tensor::from_slice(dst).to(device);
+        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let rows = pool.index_select(0, &src);
+            let _ = pool.index_copy_(0, &dst, &rows);
+        }
+    }
+}
+
+/// One sequence's part of a paged forward: `q_len` new tokens (consecutive in the flat
+/// input) whose context, these tokens included, occupies `slots` (length = context length;
+/// the last `q_len` slots receive this call's keys and values).
+#[derive(Debug, Clone)]
+pub struct PagedSeq {
+    pub q_len: usize,
+    pub slots: Vec<i64>,
+}
+
+/// Tensors describing a flat batch, built once per forward and shared by all layers.
+pub struct PagedBatch {
+    /// [N] i64 slots receiving the new keys and values.
+    slot_mapping: Tensor,
+    /// Sequences with one new token that lead the batch, attended together:
+    /// (count, [Bd, max_ctx] i64 slots, [Bd, 1, 1, max_ctx] bool mask).
+    decode: Option<(usize, Tensor, Tensor)>,
+    /// The remaining sequences: (flat start, q_len, [ctx] i64 slots).
+    prefill: Vec<(usize, usize, Tensor)>,
+}
+
+impl PagedBatch {
+    /// Lays out `seqs` (in flat order) for a forward on `device`.
+    pub fn new(seqs: &[PagedSeq], device: Device) -> Self {
+        let mut slot_mapping = Vec::new();
+        for s in seqs {
+            assert!(
+                s.q_len >= 1 && s.q_len <= s.slots.len(),
+                "each sequence needs 1..=context new tokens"
+            );
+            slot_mapping.extend_from_slice(&s.slots[s.slots.len() - s.q_len..]);
+        }
+        let decode_count = seqs.iter().take_while(|s| s.q_len == 1).count();
+        let decode = (decode_count > 0).then(|| {
+            let group = &seqs[..decode_count];
+            let width = group.iter().map(|s| s.slots.len()).max().unwrap_or(1);
+            let mut slots = vec![0i64; decode_count * width];
+            let mut keep = vec![false; decode_count * width];
+            for (row, s) in group.iter().enumerate() {
+                slots[row * width..row * width + s.slots.len()].copy_from_slice(&s.slots);
+                keep[row * width..row * width + s.slots.len()].fill(true);
+            }
+            let rows = decode_count as i64;
+            (
+                decode_count,
+                Tensor::from_slice(&slots)
+                    .view([rows, width as i64])
+                    .to(device),
+                Tensor::from_slice(&keep)
+                    .view([rows, 1, 1, width as i64])
+                    .to(device),
+            )
+        });
+        let mut start = decode_count;
+        let prefill = seqs[decode_count..]
+            .iter()
+            .map(|s| {
+                let entry = (start, s.q_len, Tensor::from_slice(&s.slots).to(device));
+                start += s.q_len;
+                entry
+            })
+            .collect();
+        Self {
+            slot_mapping: Tensor::from_slice(&slot_mapping).to(device),
+            decode,
+            prefill,
+        }
+    }
+}
+
+impl SelfAttention {
+    /// x: [1, N, H] flat tokens. Writes their keys/values into the layer's pools and
+    /// returns the attention output [1, N, H].
+    fn forward_paged(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        pools: (&Tensor, &Tensor),
+        batch: &PagedBatch,
+    ) -> Tensor {
+        let n = x.size()[1];
+        let q = self.heads(x, &self.q_proj, &self.q_bias, self.num_heads, &self.q_norm);
+        let k = self.heads(
+            x,
+            &self.k_proj,
+            &self.k_bias,
+            self.num_kv_heads,
+            &self.k_norm,
+        );
+        let v = self.heads(x, &self.v_proj, &self.v_bias, self.num_kv_heads, &None);
+        let q = super::apply_rope(&q, cos, sin);
+        let k = super::apply_rope(&k, cos, sin);
+        // [1, heads, N, hd] -> [N, heads, hd]
+        let q = q.squeeze_dim(0).transpose(0, 1);
+        let (k_pool, v_pool) = pools;
+        let mut k_pool = k_pool.shallow_clone();
+        let mut v_pool = v_pool.shallow_clone();
+        let _ = k_pool.index_copy_(0, &batch.slot_mapping, &k.squeeze_dim(0).transpose(0, 1));
+        let _ = v_pool.index_copy_(0, &batch.slot_mapping, &v.squeeze_dim(0).transpose(0, 1));
+        let rep = self.num_heads / self.num_kv_heads;
+        let (hd, nkv) = (self.head_dim, self.num_kv_heads);
+        let mut outs = Vec::with_capacity(1 + batch.prefill.len());
+        if let Some((rows, slots, keep)) = &batch.decode {
+            let rows = *rows as i64;
+            let width = slots.size()[1];
+            let gather = |pool: &Tensor| {
+                let kv = pool
+                    .index_select(0, &slots.view([-1]))
+                    .view([rows, width, nkv, hd])
+                    .transpose(1, 2);
+                repeat_kv(&kv, rep)
+            };
+            let qd = q.narrow(0, 0, rows).unsqueeze(2);
+            let out = Tensor::scaled_dot_product_attention(
+                &qd,
+                &gather(&k_pool),
+                &gather(&v_pool),
+                Some(keep),
+                0.0,
+                false,
+                None,
+                false,
+            );
+            outs.push(out.view([rows, self.num_heads * hd]));
+        }
+        for (start, q_len, slots) in &batch.prefill {
+            let (start, q_len) = (*start as i64, *q_len as i64);
+            let ctx = slots.size()[0];
+            let gather = |pool: &Tensor| {
+                repeat_kv(
+                    &pool.index_select(0, slots).transpose(0, 1).unsqueeze(0),
+                    rep,
+                )
+            };
+            let qs = q.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
+            let (mask, causal) = if ctx == q_len {
+                (None, true)
+            } else {
+                let device = q.device();
+                let q_pos = Tensor::arange_start(ctx - q_len, ctx, (Kind::Int64, device));
+                let k_pos = Tensor::arange(ctx, (Kind::Int64, device));
+                (
+                    Some(
+                        k_pos
+                            .unsqueeze(0)
+                            .le_tensor(&q_pos.unsqueeze(1))
+                            .view([1, 1, q_len, ctx]),
+                    ),
+                    false,
+                )
+            };
+            let out = Tensor::scaled_dot_product_attention(
+                &qs,
+                &gather(&k_pool),
+                &gather(&v_pool),
+                mask.as_ref(),
+                0.0,
+                causal,
+                None,
+                false,
+            );
+            outs.push(
+                out.squeeze_dim(0)
+                    .transpose(0, 1)
+                    .reshape([q_len, self.num_heads * hd]),
+            );
+        }
+        let out = Tensor::cat(&outs, 0);
+        debug_assert_eq!(out.size()[0], n);
+        out.unsqueeze(0).linear(&self.o_proj, None::<Tensor>)
+    }
+}
+
+impl CausalLm {
+    /// Runs the new tokens of several sequences at once over a paged cache.
+    ///
+    /// `input_ids` and `positions` are [N] i64, the sequences' new tokens back to back in
+    /// the order of the `batch`'s sequences. Returns the final-normed hidden states [N, H].
+    pub fn forward_paged(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        batch: &PagedBatch,
+        cache: &PagedKvCache,
+    ) -> Tensor {
+        assert_eq!(
+            cache.k.len(),
+            self.layers.len(),
+            "PagedKvCache was made for a different number of layers"
+        );
+        let ids = input_ids.unsqueeze(0);
+        let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+        let (cos, sin) = self.rotary.cos_sin(&positions.unsqueeze(0), x.kind());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = &x
+                + layer.self_attn.forward_paged(
+                    &layer.input_layernorm.forward(&x),
+                    &cos,
+                    &sin,
+                    cache.layer(i),
+                    batch,
+                );
+            x = &h
+                + layer
+                    .mlp
+                    .forward(&layer.post_attention_layernorm.forward(&h));
+        }
+        self.norm.forward(&x).squeeze_dim(0)
+    }
+}
