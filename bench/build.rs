@@ -1,6 +1,5 @@
-//! libtorch_cuda.so is only reached through static initialisers, so `--as-needed`
-//! drops it and CUDA tensors then fail at run time; link it explicitly for the bench
-//! binaries (GPU.md).
+//! The bench binaries start without LD_LIBRARY_PATH, and libtorch_cuda.so (reached only
+//! through static initialisers) stays linked so CUDA works: see manta-libtorch-link.
 fn main() {
-    println!("cargo:rustc-link-arg-bins=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+    manta_libtorch_link::link_libtorch();
 }
