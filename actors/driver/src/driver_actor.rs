@@ -238,9 +238,9 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
             "stopped on request after step {last_done}"
         );
     }
-    let png = plan.run_dir.join("reward_loss.png");
-    match manta_telemetry::plot_reward_and_loss(plan.metrics.path(), &png) {
-        Ok(()) => info!(plot = %png.display(), "wrote the reward/loss plot"),
+    let png = plan.run_dir.join("curves.png");
+    match manta_telemetry::plot_curves(plan.metrics.path(), &png) {
+        Ok(_) => info!(plot = %png.display(), "wrote the training curves"),
         Err(e) => warn!(error = %e, "no plot written"),
     }
     let version = state.weight_version;

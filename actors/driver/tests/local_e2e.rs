@@ -106,7 +106,7 @@ fn three_local_steps_train_and_sync_then_resume() {
             assert!(m.contains_key(key), "missing {key}");
         }
     }
-    assert!(runs.join("first/reward_loss.png").is_file());
+    assert!(runs.join("first/curves.png").is_file());
     tensorboard_has_reward_for_steps(&runs.join("first"), &[1, 2, 3]);
 
     // The checkpoint's weights differ from the random init the run started from.

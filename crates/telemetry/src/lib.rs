@@ -9,7 +9,7 @@ pub mod trace_context;
 
 pub use logging::{init_logging, shutdown_tracing, TracingGuard, OTLP_ENDPOINT_ENV};
 pub use metrics::{read_metrics, MetricsWriter, StepMetrics};
-pub use plot::{plot_reward_and_loss, PlotError};
+pub use plot::{plot_curves, PlotError, PlottedSeries, PLOTTED_METRICS};
 pub use tensorboard::TensorBoardWriter;
 pub use trace_context::{
     inject_into_metadata, inject_trace_context, set_parent_from, set_parent_from_metadata,

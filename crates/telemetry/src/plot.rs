@@ -1,10 +1,12 @@
-//! A PNG of reward and loss per step, written beside metrics.jsonl at the end of a run.
+//! `curves.png`: the per-step curves people watch during GRPO, written beside
+//! metrics.jsonl at the end of a run. `train/loss` is left out on purpose: in on-policy
+//! GRPO the surrogate loss is ~0 by construction and says nothing about progress.
 
 use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::metrics::read_metrics;
+use crate::metrics::{read_metrics, StepMetrics};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlotError {
@@ -17,6 +19,22 @@ pub enum PlotError {
     Empty { path: String, metric: String },
     #[error("drawing {path}: {message}")]
     Draw { path: String, message: String },
+}
+
+/// The panels of the plot, in drawing order: (metric, title).
+pub const PLOTTED_METRICS: &[(&str, &str)] = &[
+    ("rollout/raw_reward", "reward"),
+    ("rollout/response_len/mean", "response length (tokens)"),
+    ("train/grad_norm", "grad norm"),
+    ("train/entropy_loss", "entropy"),
+    ("perf/step_time", "step time (s)"),
+];
+
+/// One panel that was drawn: its metric and how many steps it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlottedSeries {
+    pub metric: String,
+    pub points: usize,
 }
 
 const FONT_CANDIDATES: &[&str] = &[
@@ -42,23 +60,25 @@ fn register_font() -> bool {
     })
 }
 
-/// Plots `rollout/raw_reward` (top) and `train/loss` (bottom) against step.
-pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), PlotError> {
+/// (step, value) points of `metric`, in file order.
+fn series(rows: &[(u64, StepMetrics)], metric: &str) -> Vec<(f64, f64)> {
+    rows.iter()
+        .filter_map(|(step, m)| m.get(metric).map(|v| (*step as f64, *v)))
+        .collect()
+}
+
+/// Plots each of [`PLOTTED_METRICS`] against step, one panel each, and returns the
+/// panels drawn (a metric the run never logged is left blank and not returned).
+pub fn plot_curves(metrics_path: &Path, png_path: &Path) -> Result<Vec<PlottedSeries>, PlotError> {
     let rows = read_metrics(metrics_path).map_err(|source| PlotError::Read {
         path: metrics_path.display().to_string(),
         source,
     })?;
-    let series = |name: &str| -> Vec<(f64, f64)> {
-        rows.iter()
-            .filter_map(|(step, m)| m.get(name).map(|v| (*step as f64, *v)))
-            .collect()
-    };
-    let reward = series("rollout/raw_reward");
-    let loss = series("train/loss");
-    if reward.is_empty() {
+    let (reward_metric, _) = PLOTTED_METRICS[0];
+    if series(&rows, reward_metric).is_empty() {
         return Err(PlotError::Empty {
             path: metrics_path.display().to_string(),
-            metric: "rollout/raw_reward".into(),
+            metric: reward_metric.into(),
         });
     }
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
@@ -66,13 +86,13 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
         message: e.to_string(),
     };
     let labeled = register_font();
-    let root = BitMapBackend::new(png_path, (900, 700)).into_drawing_area();
+    let root = BitMapBackend::new(png_path, (1200, 1000)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-    let panels = root.split_evenly((2, 1));
-    for (panel, (name, data, color)) in panels.iter().zip([
-        ("rollout/raw_reward", &reward, BLUE),
-        ("train/loss", &loss, RED),
-    ]) {
+    let panels = root.split_evenly((3, 2));
+    let colors = [BLUE, RGBColor(0, 140, 0), RED, MAGENTA, BLACK];
+    let mut drawn = Vec::new();
+    for ((panel, (metric, title)), color) in panels.iter().zip(PLOTTED_METRICS).zip(colors) {
+        let data = series(&rows, metric);
         if data.is_empty() {
             continue;
         }
@@ -82,7 +102,7 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
         builder.margin(12);
         if labeled {
             builder
-                .caption(name, ("sans-serif", 22))
+                .caption(format!("{title}  [{metric}]"), ("sans-serif", 20))
                 .x_label_area_size(35)
                 .y_label_area_size(60);
         }
@@ -90,8 +110,9 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(|e| draw_err(&e))?;
         let mut mesh = chart.configure_mesh();
+        let step_label = |x: &f64| format!("{x:.0}");
         if labeled {
-            mesh.x_desc("step");
+            mesh.x_desc("step").x_label_formatter(&step_label);
         } else {
             mesh.disable_x_mesh()
                 .disable_y_mesh()
@@ -102,9 +123,13 @@ pub fn plot_reward_and_loss(metrics_path: &Path, png_path: &Path) -> Result<(), 
         chart
             .draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2)))
             .map_err(|e| draw_err(&e))?;
+        drawn.push(PlottedSeries {
+            metric: (*metric).to_string(),
+            points: data.len(),
+        });
     }
     root.present().map_err(|e| draw_err(&e))?;
-    Ok(())
+    Ok(drawn)
 }
 
 /// A padded [min, max] range that is never empty.
@@ -121,22 +146,58 @@ mod tests {
     use super::*;
     use crate::metrics::{MetricsWriter, StepMetrics};
 
-    #[test]
-    fn writes_a_png() {
-        let dir = tempfile::tempdir().unwrap();
-        let metrics = dir.path().join("metrics.jsonl");
-        let mut w = MetricsWriter::open(&metrics).unwrap();
+    /// Twenty steps with every metric a trainer logs, loss included.
+    fn write_run(path: &Path, with_entropy: bool) {
+        let mut w = MetricsWriter::open(path).unwrap();
         for step in 1..=20u64 {
+            let s = step as f64;
             let mut m = StepMetrics::new();
-            m.insert("rollout/raw_reward".into(), step as f64 / 20.0);
-            m.insert("train/loss".into(), 1.0 / step as f64);
+            m.insert("rollout/raw_reward".into(), s / 20.0);
+            m.insert("rollout/response_len/mean".into(), 8.0 - s / 10.0);
+            m.insert("train/grad_norm".into(), 1.0 / s);
+            m.insert("train/loss".into(), 0.0);
+            m.insert("train/pg_loss".into(), 0.0);
+            if with_entropy {
+                m.insert("train/entropy_loss".into(), 5.0 - s / 10.0);
+            }
+            m.insert("perf/step_time".into(), 0.4);
             w.write_step(step, &m).unwrap();
         }
-        let png = dir.path().join("plot.png");
-        plot_reward_and_loss(&metrics, &png).unwrap();
+    }
+
+    #[test]
+    fn plots_what_grpo_users_watch_and_not_the_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        write_run(&metrics, true);
+        let png = dir.path().join("curves.png");
+        let drawn = plot_curves(&metrics, &png).unwrap();
+        let names: Vec<&str> = drawn.iter().map(|s| s.metric.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "rollout/raw_reward",
+                "rollout/response_len/mean",
+                "train/grad_norm",
+                "train/entropy_loss",
+                "perf/step_time"
+            ]
+        );
+        assert!(!names.contains(&"train/loss"));
+        assert!(drawn.iter().all(|s| s.points == 20), "{drawn:?}");
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
-        assert!(bytes.len() > 2000);
+        assert!(bytes.len() > 5000, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn a_metric_the_run_never_logged_is_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        write_run(&metrics, false);
+        let drawn = plot_curves(&metrics, &dir.path().join("p.png")).unwrap();
+        assert_eq!(drawn.len(), 4);
+        assert!(drawn.iter().all(|s| s.metric != "train/entropy_loss"));
     }
 
     #[test]
@@ -144,7 +205,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let metrics = dir.path().join("metrics.jsonl");
         std::fs::write(&metrics, "").unwrap();
-        let err = plot_reward_and_loss(&metrics, &dir.path().join("p.png")).unwrap_err();
+        let err = plot_curves(&metrics, &dir.path().join("p.png")).unwrap_err();
         assert!(err.to_string().contains("rollout/raw_reward"));
     }
 }
