@@ -8,6 +8,7 @@ pub mod local;
 pub mod prepare_tasks;
 pub mod remote;
 pub mod run;
+pub mod run_dir;
 pub mod shutdown;
 pub mod step;
 pub mod tasks;

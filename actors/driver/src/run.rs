@@ -98,8 +98,21 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     let ResolvedConfig {
         cluster,
         train,
-        settings,
+        mut settings,
     } = resolve_config(args)?;
+    // Settled before anything writes under runs/<run> (remote mode's weights included).
+    let requested = settings.run_name.clone().unwrap_or_else(default_run_name);
+    let run = crate::run_dir::choose(&settings.runs_dir, &requested, settings.load.as_deref())?;
+    if run.name != requested {
+        println!(
+            "{} holds an earlier run; this run writes to {}",
+            settings.runs_dir.join(&requested).display(),
+            run.path.display()
+        );
+    } else if run.continues {
+        println!("resuming into {}", run.path.display());
+    }
+    settings.run_name = Some(run.name);
     info!(
         model = %settings.model.display(),
         steps = settings.num_rollout,
@@ -195,6 +208,8 @@ pub(crate) async fn run_with_actors(
     let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
     let run_dir: PathBuf = settings.runs_dir.join(&run_name);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    // A resumed run continuing its directory trains the steps after the checkpoint again.
+    crate::run_dir::rewind(&run_dir, first_step - 1)?;
     std::fs::write(
         run_dir.join("settings.json"),
         serde_json::to_string_pretty(settings)?,

@@ -231,3 +231,74 @@ fn config_errors_name_file_key_and_value() {
         "{err}"
     );
 }
+
+/// Steps recorded in a run's JSONL file, in file order.
+fn steps_in(path: &Path) -> Vec<u64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn a_second_run_with_the_same_name_does_not_mix_with_the_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
+    let save = tmp.path().join("ckpt");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--cluster",
+            "cluster.toml",
+            "--runs-dir",
+            runs.to_str().unwrap(),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples",
+            "2",
+            "--run-name",
+            "same",
+            "--save-interval",
+            "0",
+        ];
+        args.extend(extra);
+        String::from_utf8_lossy(&driver(&args).stdout).into_owned()
+    };
+    let ckpt = save.to_str().unwrap();
+    run(&["--num-rollout", "2", "--save", ckpt]);
+    let second = run(&["--num-rollout", "2"]);
+    assert!(second.contains("runs/same-2"), "{second}");
+    for dir in ["same", "same-2"] {
+        let dir = runs.join(dir);
+        assert_eq!(steps_in(&dir.join("metrics.jsonl")), [1, 2]);
+        assert_eq!(steps_in(&dir.join("trained_ids.jsonl")), [1, 2]);
+        assert!(dir.join("curves.png").is_file());
+    }
+
+    // A crash after an unsaved step 3 left its records behind; resuming from the step-2
+    // checkpoint continues the first run's directory and trains step 3 once.
+    let first = runs.join("same");
+    for file in ["metrics.jsonl", "trained_ids.jsonl"] {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(first.join(file))
+            .unwrap();
+        std::io::Write::write_all(
+            &mut f,
+            b"{\"step\":3,\"rollout/raw_reward\":99.0,\"ids\":[]}\n",
+        )
+        .unwrap();
+    }
+    let resumed = run(&["--num-rollout", "3", "--load", ckpt, "--save", ckpt]);
+    assert!(resumed.contains("resuming into"), "{resumed}");
+    assert_eq!(steps_in(&first.join("metrics.jsonl")), [1, 2, 3]);
+    assert_eq!(steps_in(&first.join("trained_ids.jsonl")), [1, 2, 3]);
+    let rows = read_metrics(&first.join("metrics.jsonl")).unwrap();
+    assert_ne!(rows[2].1["rollout/raw_reward"], 99.0);
+    assert_eq!(rows[2].1["weights/version"], 3.0);
+    assert!(!runs.join("same-3").exists());
+}
