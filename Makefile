@@ -1,6 +1,7 @@
 # Manta — `make run` trains the tiny local model; `make test` runs the CPU test suite.
 # Both set up what they need on first use (Python venv with torch==2.11.0 for libtorch,
-# plus transformers / openreward / tensorboard for interop tests) and are idempotent.
+# plus transformers / openreward / tensorboard for interop tests, wandb for --wandb-project)
+# and are idempotent; editing requirements-dev.txt re-runs the install.
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -22,7 +23,7 @@ CARGO_TEST_FLAGS ?=
 help:
 	@echo "make run    - train the tiny model locally on CPU (default cluster.toml)"
 	@echo "make test   - run the whole CPU test suite"
-	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard)"
+	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard, wandb)"
 	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets"
 
 setup: $(SETUP_STAMP)

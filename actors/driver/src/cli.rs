@@ -161,6 +161,13 @@ pub struct TrainArgs {
     /// Where runs/<run>/metrics.jsonl and the plot go [runs].
     #[arg(long)]
     pub runs_dir: Option<PathBuf>,
+    /// Log every step's metrics to this Weights & Biases project (needs Python with the
+    /// `wandb` package: $MANTA_PYTHON or python3; WANDB_API_KEY, WANDB_MODE apply).
+    #[arg(long)]
+    pub wandb_project: Option<String>,
+    /// W&B run name [the run's directory name under --runs-dir].
+    #[arg(long)]
+    pub wandb_run: Option<String>,
 }
 
 impl TrainArgs {
@@ -191,6 +198,8 @@ impl TrainArgs {
             task_data: self.task_data.clone(),
             run_name: self.run_name.clone(),
             runs_dir: self.runs_dir.clone(),
+            wandb_project: self.wandb_project.clone(),
+            wandb_run: self.wandb_run.clone(),
         }
     }
 }

@@ -11,7 +11,7 @@ use anyhow::Context;
 use manta_config::TrainerFailurePolicy;
 use manta_rollout::GenerationSettings;
 use manta_runtime::TrainerCallError;
-use manta_telemetry::{MetricsWriter, TensorBoardWriter};
+use manta_telemetry::{MetricsWriter, TensorBoardWriter, WandbSink};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::field::Empty;
 use tracing::{error, info, info_span, warn, Instrument};
@@ -23,6 +23,9 @@ use crate::trainer_handle::TrainerHandle;
 
 /// Trainer restarts in a row (no step completed in between) before the run gives up.
 const MAX_TRAINER_RESTARTS: u32 = 3;
+
+/// How long the end of a run waits for the W&B sidecar to upload its last steps.
+const WANDB_FINISH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How a run ended.
 #[derive(Debug, Clone)]
@@ -60,6 +63,8 @@ pub struct RunPlan {
     pub save: Option<PathBuf>,
     pub save_interval: usize,
     pub metrics: MetricsWriter,
+    /// Weights & Biases, when `--wandb-project` is set and its sidecar started.
+    pub wandb: Option<WandbSink>,
     pub run_dir: PathBuf,
     /// Set by Ctrl-C: finish the current step, save, stop.
     pub stop_requested: Arc<AtomicBool>,
@@ -194,6 +199,9 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         warn!(error = %e, "TensorBoard write failed; disabling it");
         state.tensorboard = None;
     }
+    if let Some(wandb) = &plan.wandb {
+        wandb.log(step, m);
+    }
     println!(
         "step {step:>5}/{}  reward {:.3}  loss {:+.4}  time {:.2}s",
         plan.last_step,
@@ -225,6 +233,10 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
 }
 
 async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<RunSummary> {
+    if let Some(wandb) = state.plan.wandb.take() {
+        // Blocking wait for the sidecar's upload, off the runtime's worker threads.
+        let _ = tokio::task::spawn_blocking(move || wandb.finish(WANDB_FINISH_TIMEOUT)).await;
+    }
     let plan = &state.plan;
     let last_done = state.next_step - 1;
     if let Some(dir) = &plan.save {

@@ -10,7 +10,7 @@ use anyhow::Context;
 use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings, TrainerFailurePolicy};
 use manta_rollout::ors::OrsClient;
 use manta_rollout::{GenerationSettings, TaskRef};
-use manta_telemetry::MetricsWriter;
+use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
 use ractor::{call, Actor};
 use tracing::info;
 
@@ -218,6 +218,18 @@ pub(crate) async fn run_with_actors(
     let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))
         .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
     info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");
+    let wandb = settings.wandb_project.as_ref().and_then(|project| {
+        let opts = WandbOptions {
+            project: project.clone(),
+            run_name: settings
+                .wandb_run
+                .clone()
+                .unwrap_or_else(|| run_name.clone()),
+            python: None,
+        };
+        let config = serde_json::to_value(settings).unwrap_or_default();
+        WandbSink::start(&opts, &config)
+    });
     let plan = RunPlan {
         actors,
         recovery,
@@ -235,6 +247,7 @@ pub(crate) async fn run_with_actors(
         save: settings.save.clone(),
         save_interval: settings.save_interval,
         metrics,
+        wandb,
         run_dir,
         stop_requested: stop,
     };

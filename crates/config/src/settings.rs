@@ -36,6 +36,8 @@ pub struct TrainOverrides {
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
     pub runs_dir: Option<PathBuf>,
+    pub wandb_project: Option<String>,
+    pub wandb_run: Option<String>,
 }
 
 /// Resolved settings the driver runs with.
@@ -78,6 +80,10 @@ pub struct TrainSettings {
     pub run_name: Option<String>,
     /// Where `runs/<run>/metrics.jsonl` goes.
     pub runs_dir: PathBuf,
+    /// Weights & Biases project; `None` keeps W&B off.
+    pub wandb_project: Option<String>,
+    /// W&B run name [the run's directory name].
+    pub wandb_run: Option<String>,
 }
 
 impl TrainOverrides {
@@ -110,7 +116,9 @@ impl TrainOverrides {
             context_len,
             task_data,
             run_name,
-            runs_dir
+            runs_dir,
+            wandb_project,
+            wandb_run
         )
     }
 
@@ -180,6 +188,21 @@ impl TrainOverrides {
                 ));
             }
         }
+        let non_empty = [
+            ("run_name", &self.run_name),
+            ("wandb_project", &self.wandb_project),
+            ("wandb_run", &self.wandb_run),
+        ];
+        for (name, value) in non_empty {
+            if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key(name),
+                    "\"\"",
+                    "must not be empty",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -213,6 +236,8 @@ impl TrainOverrides {
             task_data: self.task_data,
             run_name: self.run_name,
             runs_dir: self.runs_dir.unwrap_or_else(|| PathBuf::from("runs")),
+            wandb_project: self.wandb_project,
+            wandb_run: self.wandb_run,
         }
     }
 }
@@ -237,6 +262,22 @@ mod tests {
         assert_eq!(s.n_samples, 4);
         assert_eq!(s.rollout_batch_size, 32);
         assert_eq!(s.eps_clip_high, 0.2);
+    }
+
+    #[test]
+    fn an_empty_wandb_project_is_named() {
+        let o = TrainOverrides {
+            wandb_project: Some(" ".into()),
+            ..Default::default()
+        };
+        let err = o
+            .validate(Path::new("command line"), "--")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--wandb-project") && err.contains("must not be empty"),
+            "{err}"
+        );
     }
 
     #[test]
