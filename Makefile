@@ -10,7 +10,8 @@ VENV_PY := $(VENV)/bin/python
 TORCH_LIB := $(VENV)/lib/python3.11/site-packages/torch/lib
 SETUP_STAMP := $(VENV)/.manta-setup-v1
 
-# torch-sys finds libtorch through the venv's python; binaries find it at run time here.
+# torch-sys finds libtorch through the venv's python. driver, worker and the bench binaries
+# carry a run path to it (crates/libtorch-link); other crates' test binaries find it here.
 export PATH := $(VENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 export LD_LIBRARY_PATH := $(TORCH_LIB):$(LD_LIBRARY_PATH)
