@@ -353,14 +353,22 @@ async fn restart_trainer(
         None => 0,
     };
     sync_weights(&plan.actors, from).await?;
-    // Steps after the restored one will be trained again: forget them.
+    // Steps after the restored one will be trained again: forget them, so every
+    // record (trained ids, metrics, TensorBoard) holds each step once.
     state.trained.retain(|(s, _)| *s <= from);
     truncate_trained_ids(&plan.run_dir, from)?;
+    plan.metrics
+        .discard_after(from)
+        .with_context(|| format!("rewinding {}", plan.metrics.path().display()))?;
+    if let Some(Err(e)) = state.tensorboard.as_mut().map(|tb| tb.discard_after(from)) {
+        warn!(error = %e, "rewinding the TensorBoard event file failed; disabling it");
+        state.tensorboard = None;
+    }
     state.next_step = from + 1;
     state.weight_version = from;
     info!(
         next_step = state.next_step,
-        "trainer restarted; steps after {from} run again (metrics.jsonl repeats them)"
+        "trainer restarted; steps after {from} run again (their earlier records are dropped)"
     );
     Ok(())
 }

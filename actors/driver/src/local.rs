@@ -99,19 +99,17 @@ pub(crate) fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
-    Ok(
-        manta_runtime::spawn::environment_clients(
-            train,
-            builtin_url,
-            &OpenRewardAccess::from_env(train),
-        )?
-            .into_iter()
-            .map(|(name, client)| {
-                let builtin = train.environments[&name].url.as_deref() == Some(BUILTIN_URL);
-                (name, (client, builtin))
-            })
-            .collect(),
-    )
+    Ok(manta_runtime::spawn::environment_clients(
+        train,
+        builtin_url,
+        &OpenRewardAccess::from_env(train),
+    )?
+    .into_iter()
+    .map(|(name, client)| {
+        let builtin = train.environments[&name].url.as_deref() == Some(BUILTIN_URL);
+        (name, (client, builtin))
+    })
+    .collect())
 }
 
 /// The trainer's options from the resolved settings.

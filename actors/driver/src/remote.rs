@@ -1,6 +1,8 @@
 //! Remote mode: rollout actors live on the `worker` daemons cluster.toml lists, and the
 //! trainer either on one of them (`[trainer] node = N`) or in the driver. Every node is
-//! checked (reachable, token accepted, GPUs present) before anything starts.
+//! checked (reachable, token accepted, GPUs present, model directory there) before
+//! anything starts. Every placer holds a lease its heartbeats renew, so workers stop
+//! the actors of a driver that died without saying so.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -10,8 +12,8 @@ use anyhow::Context;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_runtime::pool::NodeSpec;
 use manta_runtime::{
-    load_token, ClientTls, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
-    TrainerSpawnConfig, WorkerClient,
+    load_token, ClientTls, Lease, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer,
+    RolloutSpawnConfig, ShippedTrainConfig, TrainerSpawnConfig, WorkerClient,
 };
 use tracing::info;
 
@@ -44,6 +46,9 @@ pub async fn train_remote(
         std::fs::create_dir_all(save).with_context(|| format!("creating {}", save.display()))?;
         settings.save = Some(absolute(save)?);
     }
+    if let Some(load) = &settings.load {
+        settings.load = Some(absolute(load).context("--load")?);
+    }
     let weights_dir = absolute(&settings.runs_dir)
         .or_else(|_| {
             std::fs::create_dir_all(&settings.runs_dir)?;
@@ -59,17 +64,22 @@ pub async fn train_remote(
             gpus: cluster.nodes[i].gpus.clone(),
         })
         .collect();
+    // Workers get the config's text and OpenReward access from here: they need no
+    // copy of the run's files and nothing in their environment but the model.
     let spawn = RolloutSpawnConfig {
         model_dir: settings.model.clone(),
         seed: settings.seed,
-        train_config: absolute(&train.path)?,
+        train_config: ShippedTrainConfig::read(&train.path)
+            .with_context(|| format!("reading {}", train.path.display()))?,
         max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
         max_batch_size: cluster.rollout.max_batch_size,
+        openreward: OpenRewardAccess::from_env(&train),
     };
     let opts = PoolOptions {
         heartbeat_interval: Duration::from_millis(cluster.heartbeat_interval_ms),
         dead_after: Duration::from_millis(cluster.dead_after_ms),
         no_live_node_timeout: Duration::from_secs(60),
+        lease_timeout: Duration::from_millis(cluster.lease_timeout_ms),
     };
     let tls = cluster
         .tls
@@ -84,8 +94,9 @@ pub async fn train_remote(
     let trainer_client = match cluster.trainer.node {
         Some(i) => {
             let client = WorkerClient::connect(&cluster.nodes[i].address, &token, tls.as_ref())
-                .map_err(in_cluster)?;
-            RemoteTrainer::check(&client, &cluster.trainer.gpus)
+                .map_err(in_cluster)?
+                .with_lease(Lease::new(opts.lease_timeout));
+            RemoteTrainer::check(&client, &cluster.trainer.gpus, &settings.model)
                 .await
                 .map_err(in_cluster)?;
             Some(client)

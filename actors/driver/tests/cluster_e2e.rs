@@ -34,16 +34,24 @@ impl Drop for Worker {
     }
 }
 
+/// Starts a worker in an empty directory of its own, with no OpenReward settings in
+/// its environment: everything but the model must come from the driver.
 fn start_worker(port: u16, log: &Path) -> Worker {
+    let cwd = log.with_extension("cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_worker"))
+        .current_dir(&cwd)
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .env("MANTA_CLUSTER_TOKEN", TOKEN)
         .env_remove("MANTA_CLUSTER_TOKEN_FILE")
+        .env_remove("OPENREWARD_API_KEY")
+        .env_remove("OPENREWARD_API_URL")
+        .env_remove("OPENREWARD_SESSION_URL")
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log)
@@ -304,7 +312,7 @@ fn trainer_on_node_1(dir: &Path, ports: [u16; 2], on_failure: &str) -> PathBuf {
     std::fs::write(
         &cluster,
         format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\nlease_timeout_ms = 3000\n\n\
              [trainer]\nnode = 1\non_failure = \"{on_failure}\"\nrestart_timeout_s = 30\n\n\
              [rollout]\nengines = 1\nnodes = [0]\nmax_concurrent_episodes = 16\n\n\
              [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
@@ -319,7 +327,14 @@ fn trainer_on_node_1(dir: &Path, ports: [u16; 2], on_failure: &str) -> PathBuf {
     cluster
 }
 
-fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path, steps: u32) -> Command {
+fn driver_command(
+    cluster: &Path,
+    runs: &Path,
+    save: &Path,
+    log: &Path,
+    steps: u32,
+    save_interval: u32,
+) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
     cmd.current_dir(workspace())
         .args([
@@ -330,7 +345,7 @@ fn driver_command(cluster: &Path, runs: &Path, save: &Path, log: &Path, steps: u
             "--save",
             save.to_str().unwrap(),
             "--save-interval",
-            "1",
+            &save_interval.to_string(),
             "--rollout-batch-size",
             "8",
             "--n-samples",
@@ -419,12 +434,18 @@ impl TrainerCluster {
 
     /// Starts the driver for `steps` steps, saving every step; stdout is piped.
     fn driver(&self, steps: u32) -> Child {
+        self.driver_saving_every(steps, 1)
+    }
+
+    /// Starts the driver for `steps` steps, saving every `save_interval` steps.
+    fn driver_saving_every(&self, steps: u32, save_interval: u32) -> Child {
         driver_command(
             &self.cluster,
             &self.runs,
             &self.save,
             &self.driver_log,
             steps,
+            save_interval,
         )
         .spawn()
         .expect("driver starts")
@@ -480,6 +501,62 @@ fn a_lost_trainer_restarts_from_its_last_checkpoint() {
     let rows = read_metrics(&runs.join("remote/metrics.jsonl")).unwrap();
     let (last_step, last) = rows.last().unwrap();
     assert_eq!((*last_step, last["weights/version"]), (3, 3.0));
+}
+
+/// The checkpoint is two steps old when the trainer is lost: the rewind re-runs a
+/// step that metrics.jsonl and the TensorBoard file already hold, and both keep it once.
+#[test]
+fn a_rewind_past_a_logged_step_keeps_each_step_once_in_the_metrics() {
+    let mut c = TrainerCluster::start("restart");
+    let (ports, logs, runs, driver_log) = (
+        c.ports,
+        c.logs.clone(),
+        c.runs.clone(),
+        c.driver_log.clone(),
+    );
+    // Checkpoints after steps 2 (and the last); the trainer dies under step 4.
+    let mut driver = c.driver_saving_every(4, 2);
+    let mut lines = Vec::new();
+    let mut killed = false;
+    for line in BufReader::new(driver.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line.starts_with("step ") && line.contains(" 3/4 ") && !killed {
+            killed = true;
+            drop(c.w1.take());
+            c.w1 = Some(start_worker(ports[1], &logs[1]));
+        }
+        lines.push(line);
+    }
+    let status = driver.wait().unwrap();
+    let stderr = std::fs::read_to_string(&driver_log).unwrap();
+    assert!(
+        status.success(),
+        "driver failed\nstdout:\n{}\nstderr:\n{stderr}",
+        lines.join("\n")
+    );
+    // Step 3 really was logged, then re-run after the restore of step 2.
+    assert!(
+        stderr.contains("restarting the trainer from checkpoint") && stderr.contains("step_000002"),
+        "{stderr}"
+    );
+    assert_eq!(lines.iter().filter(|l| l.contains(" 3/4 ")).count(), 2);
+    let steps: Vec<u64> = read_metrics(&runs.join("remote/metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4], "{stderr}");
+    let events: Vec<PathBuf> = std::fs::read_dir(runs.join("remote"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("tfevents"))
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        manta_telemetry::read_event_steps(&events[0]).unwrap(),
+        vec![1, 2, 3, 4]
+    );
+    assert_eq!(trained(&runs).0, vec![1, 2, 3, 4]);
 }
 
 #[test]
@@ -585,4 +662,232 @@ fn ctrl_c_stops_the_actors_on_every_worker() {
             "{stderr}"
         );
     }
+}
+
+/// A driver killed without Ctrl-C (SIGKILL) stops renewing its leases: each worker
+/// stops the actors it placed, says why, and serves the next driver.
+#[test]
+fn a_killed_driver_leaves_no_actors_on_the_workers() {
+    let c = TrainerCluster::start("stop");
+    let mut driver = c.driver(1000);
+    let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines.next().expect("driver output").unwrap();
+        if line.starts_with("step ") {
+            break;
+        }
+    }
+    assert_eq!(
+        hosted(c.ports),
+        vec![
+            vec!["rollout-0-0".to_string()],
+            vec!["trainer-0".to_string()]
+        ]
+    );
+    driver.kill().unwrap();
+    driver.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while hosted(c.ports) != vec![Vec::<String>::new(), Vec::new()] {
+        assert!(
+            Instant::now() < deadline,
+            "actors still hosted: {:?}",
+            hosted(c.ports)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for log in &c.logs {
+        let text = std::fs::read_to_string(log).unwrap();
+        assert!(text.contains("sent no heartbeat"), "{text}");
+    }
+    // The same workers serve a new driver.
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("driver.log");
+    let out = driver_command(
+        &c.cluster,
+        &tmp.path().join("runs"),
+        &tmp.path().join("ckpt"),
+        &log,
+        1,
+        1,
+    )
+    .output()
+    .unwrap();
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(out.status.success(), "{stderr}");
+}
+
+/// Workers run from empty directories (see `start_worker`): the driver ships the
+/// train config, resolves its own relative paths (--config, --runs-dir, --save,
+/// --load) and the trainer on a worker resumes from a relative `--load`.
+#[test]
+fn a_driver_with_relative_paths_trains_and_resumes_on_workers_elsewhere() {
+    let c = TrainerCluster::start("stop");
+    let cwd = c._tmp.path().join("driver-cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
+    std::fs::copy(
+        workspace().join("train_config.yaml"),
+        cwd.join("my_config.yaml"),
+    )
+    .unwrap();
+    let run = |steps: &str, load: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
+        cmd.current_dir(&cwd)
+            .args(["--cluster", c.cluster.to_str().unwrap()])
+            .args(["--config", "my_config.yaml", "--runs-dir", "runs"])
+            .args(["--save", "ckpt", "--save-interval", "1"])
+            .args(["--rollout-batch-size", "4", "--n-samples", "2"])
+            .args(["--num-rollout", steps, "--run-name", "rel"])
+            .env("MANTA_CLUSTER_TOKEN", TOKEN)
+            .env("RUST_LOG", "info");
+        if load {
+            cmd.args(["--load", "ckpt"]);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        stderr
+    };
+    run("1", false);
+    let stderr = run("2", true);
+    assert!(stderr.contains("resumed"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(cwd.join("ckpt/latest"))
+            .unwrap()
+            .trim(),
+        "step_000002"
+    );
+}
+
+/// Bodies POSTed to `/v1/rollouts`, with their `x-api-key` header.
+type Posts = std::sync::Arc<std::sync::Mutex<Vec<(String, serde_json::Value)>>>;
+
+/// A plain-HTTP stand-in for OpenReward's upload API on a free port: records every
+/// POST body and answers 200 (keep-alive, one thread per connection).
+fn capture_uploads() -> (String, Posts) {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let posts: Posts = Default::default();
+    let seen = posts.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut conn = conn;
+                loop {
+                    let (mut length, mut key) = (0usize, String::new());
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let header = line.trim_end();
+                        if header.is_empty() {
+                            break;
+                        }
+                        let (name, value) = header.split_once(':').unwrap_or((header, ""));
+                        match name.to_ascii_lowercase().as_str() {
+                            "content-length" => length = value.trim().parse().unwrap(),
+                            "x-api-key" => key = value.trim().to_string(),
+                            _ => {}
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).unwrap();
+                    let json = serde_json::from_slice(&body).unwrap_or_default();
+                    seen.lock().unwrap().push((key, json));
+                    conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                        .unwrap();
+                }
+            });
+        }
+    });
+    (url, posts)
+}
+
+/// Rollout actors on a worker upload their trajectories under train_config's
+/// `openreward_run_name`, with the driver's key and API URL (the worker's environment
+/// has neither), and the key never reaches a log.
+#[test]
+fn remote_rollouts_upload_their_trajectories() {
+    const KEY: &str = "e2e-upload-key-5f2c";
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let worker_log = tmp.path().join("w.log");
+    let _worker = start_worker(port, &worker_log);
+    let (api, posts) = capture_uploads();
+    let ws = workspace();
+    let config = tmp.path().join("train_config.yaml");
+    let yaml = std::fs::read_to_string(ws.join("train_config.yaml")).unwrap();
+    std::fs::write(
+        &config,
+        yaml.replace(
+            "openreward_run_name: manta-local",
+            "openreward_run_name: e2e-remote-run",
+        ),
+    )
+    .unwrap();
+    let cluster = tmp.path().join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
+             [rollout]\nengines = 1\n\n\
+             [train]\nmodel = \"{}\"\nmax_response_len = 8\ncontext_len = 512\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{port}\"\n",
+            config.display(),
+            ws.join("assets/tiny-qwen3").display(),
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(&ws)
+        .args(["--cluster", cluster.to_str().unwrap()])
+        .args(["--runs-dir", tmp.path().join("runs").to_str().unwrap()])
+        .args(["--rollout-batch-size", "2", "--n-samples", "2"])
+        .args(["--num-rollout", "1", "--run-name", "upload"])
+        .env("MANTA_CLUSTER_TOKEN", TOKEN)
+        .env("OPENREWARD_API_KEY", KEY)
+        .env("OPENREWARD_API_URL", &api)
+        .env_remove("MANTA_ROLLOUT_UPLOAD")
+        .env("RUST_LOG", "debug")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // The 4 episodes' rollout events arrive (the worker flushes when its actor stops).
+    let rollout_events = || -> Vec<serde_json::Value> {
+        posts
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(_, body)| body["events"].as_array().cloned().unwrap_or_default())
+            .filter(|e| e["eventType"] == "rollout")
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while rollout_events().len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "{} rollout events arrived",
+            rollout_events().len()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let events = rollout_events();
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert!(events.iter().all(|e| e["runName"] == "e2e-remote-run"));
+    assert!(posts.lock().unwrap().iter().all(|(key, _)| key == KEY));
+    let worker = std::fs::read_to_string(&worker_log).unwrap();
+    assert!(
+        worker.contains("uploading trajectories to OpenReward"),
+        "{worker}"
+    );
+    assert!(!worker.contains(KEY) && !stderr.contains(KEY));
 }

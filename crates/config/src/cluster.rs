@@ -45,6 +45,10 @@ struct ClusterSection {
     /// Remote mode: how long spawning one actor on a worker may take (model load).
     #[serde(default = "default_spawn_timeout_s")]
     spawn_timeout_s: u64,
+    /// Remote mode: a worker that hears no heartbeat from the driver for this long stops
+    /// the actors it placed there (a driver killed without Ctrl-C leaves nothing behind).
+    #[serde(default = "default_lease_timeout_ms")]
+    lease_timeout_ms: u64,
     /// Remote mode: reach the workers over TLS, trusting this CA (PEM; relative to cluster.toml).
     tls_ca: Option<PathBuf>,
     /// Remote mode: the name the workers' certificates must carry (default: each node's host).
@@ -59,6 +63,9 @@ fn default_dead_after_ms() -> u64 {
 }
 fn default_spawn_timeout_s() -> u64 {
     120
+}
+fn default_lease_timeout_ms() -> u64 {
+    10_000
 }
 fn default_restart_timeout_s() -> u64 {
     120
@@ -148,6 +155,7 @@ impl Default for ClusterSection {
             heartbeat_interval_ms: default_heartbeat_ms(),
             dead_after_ms: default_dead_after_ms(),
             spawn_timeout_s: default_spawn_timeout_s(),
+            lease_timeout_ms: default_lease_timeout_ms(),
             tls_ca: None,
             tls_domain: None,
         }
@@ -220,6 +228,8 @@ pub struct ClusterConfig {
     pub heartbeat_interval_ms: u64,
     pub dead_after_ms: u64,
     pub spawn_timeout_s: u64,
+    /// Remote mode: workers stop a silent driver's actors after this long.
+    pub lease_timeout_ms: u64,
     /// Remote mode: TLS to the workers (`cluster.tls_ca`); `None` is plaintext.
     pub tls: Option<ClusterTls>,
 }
@@ -272,6 +282,7 @@ impl ClusterConfig {
             heartbeat_interval_ms: raw.cluster.heartbeat_interval_ms,
             dead_after_ms: raw.cluster.dead_after_ms,
             spawn_timeout_s: raw.cluster.spawn_timeout_s,
+            lease_timeout_ms: raw.cluster.lease_timeout_ms,
             tls,
         })
     }
@@ -544,6 +555,18 @@ fn validate_remote(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
             ),
         ));
     }
+    if c.lease_timeout_ms < c.dead_after_ms {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.lease_timeout_ms",
+            c.lease_timeout_ms,
+            format!(
+                "must be at least cluster.dead_after_ms ({}): workers must not drop the \
+                 actors of a driver that still counts them live",
+                c.dead_after_ms
+            ),
+        ));
+    }
     Ok(())
 }
 
@@ -593,6 +616,7 @@ mod tests {
         assert_eq!(c.nodes.len(), 2);
         assert_eq!(c.nodes[0].gpus, vec![0, 1]);
         assert_eq!((c.heartbeat_interval_ms, c.dead_after_ms), (200, 3000));
+        assert_eq!(c.lease_timeout_ms, 10_000);
     }
 
     #[test]
@@ -672,6 +696,15 @@ mod tests {
         .to_string();
         assert!(
             err.contains("cluster.dead_after_ms") && err.contains("500"),
+            "{err}"
+        );
+        let err = parse(
+            "[cluster]\nmode = \"remote\"\nlease_timeout_ms = 2000\n[[nodes]]\naddress = \"h:1\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.lease_timeout_ms") && err.contains("2000"),
             "{err}"
         );
         let err = parse("[[nodes]]\naddress = \"h:1\"\n")

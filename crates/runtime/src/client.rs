@@ -16,6 +16,7 @@ use tonic::transport::Endpoint;
 
 use crate::auth::BearerToken;
 use crate::convert::request_to_pb;
+use crate::lease::Lease;
 use crate::spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::{error_chain, status_chain, ClientTls};
 use crate::transport::{ClusterChannel, H2Channel};
@@ -35,6 +36,9 @@ pub struct WorkerClient {
     worker: WorkerRpc<Authed>,
     rollout: RolloutRpc<Authed>,
     trainer: TrainerRpc<Authed>,
+    /// Sent with heartbeats and spawns: actors spawned through this client live while
+    /// its heartbeats keep coming.
+    lease: Option<Lease>,
 }
 
 /// Largest message to or from a trainer (a rank's share of a batch).
@@ -76,7 +80,15 @@ impl WorkerClient {
             trainer: TrainerRpc::with_interceptor(channel, auth)
                 .max_encoding_message_size(MAX_TRAINER_MESSAGE)
                 .max_decoding_message_size(MAX_TRAINER_MESSAGE),
+            lease: None,
         })
+    }
+
+    /// This client with `lease`: the actors it spawns are stopped by the worker when
+    /// its heartbeats stop for the lease's timeout.
+    pub fn with_lease(mut self, lease: Lease) -> Self {
+        self.lease = Some(lease);
+        self
     }
 
     pub fn addr(&self) -> &str {
@@ -116,6 +128,44 @@ impl WorkerClient {
         self.timed(limit, c.describe(pb::Empty {})).await
     }
 
+    /// Checks that `directory` is a model directory on the worker: an error naming the
+    /// worker, the directory and what is missing of `required` (e.g. config.json).
+    pub async fn check_model(
+        &self,
+        directory: &std::path::Path,
+        required: &[&str],
+        limit: Duration,
+    ) -> Result<(), RuntimeError> {
+        let mut c = self.worker.clone();
+        let reply = self
+            .timed(
+                limit,
+                c.check_model(cpb::CheckModelRequest {
+                    directory: directory.to_string_lossy().into_owned(),
+                }),
+            )
+            .await?;
+        let problem = if !reply.exists {
+            "does not exist on this node".to_string()
+        } else {
+            let missing: Vec<&str> = required
+                .iter()
+                .copied()
+                .filter(|f| reply.missing.iter().any(|m| m == f))
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            format!("has no {} on this node", missing.join(" or "))
+        };
+        Err(RuntimeError::Placement(format!(
+            "node {}: the model directory {} {problem} (the model path must exist on every \
+             worker node; set it with `model` under [train] in cluster.toml or --model)",
+            self.addr,
+            directory.display()
+        )))
+    }
+
     /// A round trip through the worker's echo actor (its actor system, not just the server).
     pub async fn echo(&self, sequence: u64, limit: Duration) -> Result<u64, RuntimeError> {
         let mut c = self.worker.clone();
@@ -137,8 +187,11 @@ impl WorkerClient {
         limit: Duration,
     ) -> Result<cpb::HeartbeatReply, RuntimeError> {
         let mut c = self.worker.clone();
-        self.timed(limit, c.heartbeat(cpb::HeartbeatRequest { sequence }))
-            .await
+        let request = cpb::HeartbeatRequest {
+            sequence,
+            lease: self.lease.map(Lease::to_pb),
+        };
+        self.timed(limit, c.heartbeat(request)).await
     }
 
     /// Starts a rollout actor named `name` on the worker.
@@ -157,6 +210,7 @@ impl WorkerClient {
                 name: name.to_string(),
                 gpus: Vec::new(),
                 config_json,
+                lease: self.lease.map(Lease::to_pb),
             }),
         )
         .await?;
@@ -181,6 +235,7 @@ impl WorkerClient {
                 name: name.to_string(),
                 gpus: gpus.to_vec(),
                 config_json,
+                lease: self.lease.map(Lease::to_pb),
             }),
         )
         .await?;

@@ -7,6 +7,7 @@
 //! - [`client`]: a typed client for one worker.
 //! - [`echo`]: the trivial actor behind the `Echo` RPC.
 //! - [`node`]: the node supervisor every hosted actor is linked to.
+//! - [`lease`]: a driver's hold on its actors; a worker stops them when it lapses.
 //! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
 //! - [`remote_trainer`]: a trainer on a worker, its heartbeat and restart.
 //! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
@@ -17,6 +18,7 @@ pub mod auth;
 pub mod client;
 pub mod convert;
 pub mod echo;
+pub mod lease;
 pub mod node;
 pub mod pool;
 pub mod remote_trainer;
@@ -28,10 +30,13 @@ pub mod weights;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
 pub use client::WorkerClient;
+pub use lease::Lease;
 pub use pool::{NodeSpec, PoolOptions, RemotePool};
 pub use remote_trainer::{RemoteTrainer, TrainerCallError};
 pub use server::{serve, serve_with_tls, WorkerDaemon};
-pub use spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
+pub use spawn::{
+    OpenRewardAccess, RolloutSpawnConfig, ShippedTrainConfig, TrainerSpawnConfig, UploadTarget,
+};
 pub use tls::{ClientTls, ServerTls, TlsError};
 
 /// What can go wrong talking to or running a worker.

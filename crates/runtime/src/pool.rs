@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::client::WorkerClient;
+use crate::lease::Lease;
 use crate::spawn::RolloutSpawnConfig;
 use crate::tls::ClientTls;
 use crate::RuntimeError;
@@ -27,6 +28,8 @@ pub struct PoolOptions {
     pub dead_after: Duration,
     /// How long a batch waits for any node to be live before giving up.
     pub no_live_node_timeout: Duration,
+    /// A worker that gets no heartbeat from this pool for this long stops its actors.
+    pub lease_timeout: Duration,
 }
 
 /// A node as the cluster file describes it.
@@ -85,9 +88,10 @@ impl RemotePool {
                 "no node or no rollout engine to place".into(),
             ));
         }
+        let lease = Lease::new(opts.lease_timeout);
         let mut clients = Vec::new();
         for spec in nodes {
-            let client = WorkerClient::connect(&spec.address, token, tls)?;
+            let client = WorkerClient::connect(&spec.address, token, tls)?.with_lease(lease);
             let res = client
                 .describe(Duration::from_secs(5))
                 .await
@@ -98,16 +102,32 @@ impl RemotePool {
                     spec.address, res.gpus
                 )));
             }
+            client
+                .check_model(
+                    &spawn.model_dir,
+                    &["config.json", "tokenizer.json"],
+                    Duration::from_secs(5),
+                )
+                .await?;
             clients.push(client);
         }
         let mut built = Vec::new();
+        // Nodes already placed keep their lease while the others load their models.
+        let mut keep_alive = Vec::new();
         for (i, client) in clients.into_iter().enumerate() {
             let actors: Vec<String> = (0..engines_per_node)
                 .map(|k| format!("rollout-{i}-{k}"))
                 .collect();
             for name in &actors {
-                client.spawn_rollout(name, &spawn).await?;
+                if let Err(e) = client.spawn_rollout(name, &spawn).await {
+                    keep_alive.iter().for_each(JoinHandle::abort);
+                    return Err(e);
+                }
             }
+            keep_alive.push(tokio::spawn(renew_lease(
+                client.clone(),
+                opts.heartbeat_interval,
+            )));
             let (live, _) = watch::channel(true);
             built.push(Node {
                 client,
@@ -125,6 +145,7 @@ impl RemotePool {
         let heartbeats = (0..shared.nodes.len())
             .map(|i| tokio::spawn(heartbeat_loop(shared.clone(), i)))
             .collect();
+        keep_alive.iter().for_each(JoinHandle::abort);
         Ok(Self { shared, heartbeats })
     }
 
@@ -167,6 +188,12 @@ impl RemotePool {
             }
             match node.client.load_weights(directory, version).await {
                 Ok(()) => loaded += 1,
+                // The node is fine but cannot see the file: no other node will either.
+                Err(RuntimeError::Rpc { addr, status })
+                    if status.code() == tonic::Code::FailedPrecondition =>
+                {
+                    return Err(RuntimeError::Rpc { addr, status });
+                }
                 Err(e) => {
                     warn!(node = node.client.addr(), error = %e, "weight load failed; marking the node dead");
                     node.live.send_replace(false);
@@ -319,6 +346,16 @@ async fn run_share(
     }
     .await;
     (node, share, samples, result)
+}
+
+/// Heartbeats `client` (renewing its lease) until aborted; answers are not checked.
+async fn renew_lease(client: WorkerClient, interval: Duration) {
+    let mut sequence = 0;
+    loop {
+        tokio::time::sleep(interval).await;
+        sequence += 1;
+        let _ = client.heartbeat(sequence, interval).await;
+    }
 }
 
 /// Heartbeats one node; marks it dead after `dead_after` without an answer, and on

@@ -36,8 +36,13 @@ pub struct RemoteTrainer {
 }
 
 impl RemoteTrainer {
-    /// Checks that the node answers and offers `gpus` (before anything is started).
-    pub async fn check(client: &WorkerClient, gpus: &[u32]) -> Result<(), RuntimeError> {
+    /// Checks that the node answers, offers `gpus` and has the model at `model_dir`
+    /// (before anything is started).
+    pub async fn check(
+        client: &WorkerClient,
+        gpus: &[u32],
+        model_dir: &Path,
+    ) -> Result<(), RuntimeError> {
         let res = client
             .describe(Duration::from_secs(5))
             .await
@@ -49,7 +54,9 @@ impl RemoteTrainer {
                 res.gpus
             )));
         }
-        Ok(())
+        client
+            .check_model(model_dir, &["config.json"], Duration::from_secs(5))
+            .await
     }
 
     /// Spawns trainer `name` on the worker and starts heartbeating it.

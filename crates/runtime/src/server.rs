@@ -9,8 +9,8 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use manta_config::TrainConfig;
@@ -21,7 +21,7 @@ use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_server::{Rollout, RolloutServer};
 use manta_proto::trainer as tpb;
 use manta_proto::trainer::trainer_server::{Trainer, TrainerServer};
-use manta_rollout::{GenerationSettings, RolloutMsg};
+use manta_rollout::{GenerationSettings, RolloutMsg, Uploader};
 use manta_trainer::{TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
 use tokio::sync::{Mutex, Notify};
@@ -30,6 +30,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::auth::CheckToken;
 use crate::convert::request_from_pb;
+use crate::lease::{Lease, LeaseBook};
 use crate::node::NodeMsg;
 use crate::spawn::{spawn_rollout, spawn_trainer, RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::ServerTls;
@@ -37,13 +38,38 @@ use crate::tls::ServerTls;
 struct Hosted {
     actor: ActorRef<RolloutMsg>,
     max_concurrent: usize,
+    /// The actor's trajectory uploader, flushed when it stops.
+    upload: Option<Uploader>,
 }
 
 struct State {
     actors: BTreeMap<String, Hosted>,
     trainers: BTreeMap<String, ActorRef<TrainerMsg>>,
     env_server: Option<manta_envs::ServerHandle>,
+    /// Which lease holder placed each actor (actors spawned without a lease are absent).
+    owners: BTreeMap<String, u64>,
+    leases: LeaseBook,
 }
+
+impl State {
+    /// Takes actor `name` (rollout or trainer) off the registry and stops it; returns
+    /// its uploader, if any, for the caller to flush.
+    fn remove_and_stop(&mut self, name: &str) -> Option<Option<Uploader>> {
+        self.owners.remove(name);
+        if let Some(t) = self.trainers.remove(name) {
+            t.stop(None);
+            return Some(None);
+        }
+        let hosted = self.actors.remove(name)?;
+        hosted.actor.stop(None);
+        Some(hosted.upload)
+    }
+}
+
+/// How often the worker looks for expired leases.
+const LEASE_CHECK: Duration = Duration::from_millis(100);
+/// How long stopping an actor waits for its last trajectories to upload.
+const UPLOAD_FLUSH: Duration = Duration::from_secs(5);
 
 /// The daemon's state, shared by both services.
 #[derive(Clone)]
@@ -69,10 +95,21 @@ impl WorkerDaemon {
                 actors: BTreeMap::new(),
                 trainers: BTreeMap::new(),
                 env_server: None,
+                owners: BTreeMap::new(),
+                leases: LeaseBook::default(),
             })),
             shutdown: Arc::new(Notify::new()),
             node: Arc::new(tokio::sync::OnceCell::new()),
         }
+        .watching_leases()
+    }
+
+    /// Starts the task that stops the actors of holders whose lease expired (it ends
+    /// with the daemon).
+    fn watching_leases(self) -> Self {
+        let state = Arc::downgrade(&self.state);
+        self.actors_runtime.spawn(watch_leases(state));
+        self
     }
 
     /// Links `cell` to the node supervisor, starting it (and the task that takes
@@ -126,8 +163,12 @@ impl WorkerDaemon {
     /// Stops every actor and the built-in environment server.
     pub async fn stop_all(&self) {
         let mut state = self.state.lock().await;
+        state.owners.clear();
         for (_, h) in std::mem::take(&mut state.actors) {
             h.actor.stop(None);
+            if let Some(upload) = h.upload {
+                finish_upload(upload).await;
+            }
         }
         for (_, t) in std::mem::take(&mut state.trainers) {
             t.stop(None);
@@ -139,6 +180,24 @@ impl WorkerDaemon {
 }
 
 impl WorkerDaemon {
+    /// A spawn with a lease renews it and keeps it from expiring while it runs.
+    async fn spawn_starts(&self, req: &cpb::SpawnActorRequest) -> Option<Lease> {
+        let lease = Lease::from_pb(req.lease.as_ref())?;
+        self.state.lock().await.leases.spawning(lease, true);
+        Some(lease)
+    }
+
+    async fn spawn_ends<T>(
+        &self,
+        lease: Option<Lease>,
+        result: Result<T, Status>,
+    ) -> Result<T, Status> {
+        if let Some(lease) = lease {
+            self.state.lock().await.leases.spawning(lease, false);
+        }
+        result
+    }
+
     async fn spawn_trainer_actor(
         &self,
         req: cpb::SpawnActorRequest,
@@ -161,19 +220,21 @@ impl WorkerDaemon {
             )));
         }
         let name = req.name.clone();
-        let actor = self
+        let lease = self.spawn_starts(&req).await;
+        let spawned = self
             .actors_runtime
             .spawn(async move { spawn_trainer(&name, options).await })
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::internal(format!("{e:#}")))?;
+            .map_err(|e| Status::internal(e.to_string()))
+            .and_then(|r| r.map_err(|e| Status::internal(format!("{e:#}"))));
+        let actor = self.spawn_ends(lease, spawned).await?;
         self.supervise(actor.get_cell()).await?;
         info!(actor = %req.name, gpus = ?req.gpus, "trainer spawned");
-        self.state
-            .lock()
-            .await
-            .trainers
-            .insert(req.name.clone(), actor);
+        let mut state = self.state.lock().await;
+        state.trainers.insert(req.name.clone(), actor);
+        if let Some(lease) = lease {
+            state.owners.insert(req.name.clone(), lease.holder);
+        }
         Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
     }
 }
@@ -184,8 +245,12 @@ impl Worker for WorkerDaemon {
         &self,
         request: Request<cpb::HeartbeatRequest>,
     ) -> Result<Response<cpb::HeartbeatReply>, Status> {
+        let request = request.into_inner();
         let actors = {
-            let state = self.state.lock().await;
+            let mut state = self.state.lock().await;
+            if let Some(lease) = Lease::from_pb(request.lease.as_ref()) {
+                state.leases.renew(lease);
+            }
             state
                 .actors
                 .keys()
@@ -194,7 +259,7 @@ impl Worker for WorkerDaemon {
                 .collect()
         };
         Ok(Response::new(cpb::HeartbeatReply {
-            sequence: request.into_inner().sequence,
+            sequence: request.sequence,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             actors,
         }))
@@ -213,6 +278,20 @@ impl Worker for WorkerDaemon {
         }))
     }
 
+    async fn check_model(
+        &self,
+        request: Request<cpb::CheckModelRequest>,
+    ) -> Result<Response<cpb::CheckModelReply>, Status> {
+        let dir = std::path::PathBuf::from(request.into_inner().directory);
+        let exists = dir.is_dir();
+        let missing = ["config.json", "tokenizer.json"]
+            .into_iter()
+            .filter(|f| !dir.join(f).is_file())
+            .map(str::to_string)
+            .collect();
+        Ok(Response::new(cpb::CheckModelReply { exists, missing }))
+    }
+
     async fn spawn_actor(
         &self,
         request: Request<cpb::SpawnActorRequest>,
@@ -229,7 +308,9 @@ impl Worker for WorkerDaemon {
         }
         let cfg =
             RolloutSpawnConfig::from_json(&req.config_json).map_err(Status::invalid_argument)?;
-        let train = TrainConfig::from_file(&cfg.train_config)
+        let train: TrainConfig = cfg
+            .train_config
+            .parse()
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let mut state = self.state.lock().await;
         if state.actors.contains_key(&req.name) {
@@ -252,16 +333,25 @@ impl Worker for WorkerDaemon {
             state.env_server = Some(server);
         }
         let builtin_url = state.env_server.as_ref().map(|s| s.base_url());
+        let lease = Lease::from_pb(req.lease.as_ref());
+        if let Some(lease) = lease {
+            state.leases.spawning(lease, true);
+        }
         let name = req.name.clone();
         let spawn_cfg = cfg.clone();
-        let actor =
+        let spawned =
             self.actors_runtime
                 .spawn(async move {
                     spawn_rollout(&name, &spawn_cfg, &train, builtin_url.as_deref()).await
                 })
                 .await
-                .map_err(|e| Status::internal(e.to_string()))?
-                .map_err(|e| Status::internal(format!("{e:#}")))?;
+                .map_err(|e| Status::internal(e.to_string()))
+                .and_then(|r| r.map_err(|e| Status::internal(format!("{e:#}"))));
+        if let Some(lease) = lease {
+            state.leases.spawning(lease, false);
+            state.owners.insert(req.name.clone(), lease.holder);
+        }
+        let (actor, upload) = spawned?;
         self.supervise(actor.get_cell()).await?;
         info!(actor = %req.name, "rollout actor spawned");
         state.actors.insert(
@@ -269,6 +359,7 @@ impl Worker for WorkerDaemon {
             Hosted {
                 actor,
                 max_concurrent: cfg.max_concurrent_episodes.max(1),
+                upload,
             },
         );
         Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
@@ -279,19 +370,13 @@ impl Worker for WorkerDaemon {
         request: Request<cpb::StopActorRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         let name = request.into_inner().name;
-        let (hosted, trainer) = {
-            let mut state = self.state.lock().await;
-            (state.actors.remove(&name), state.trainers.remove(&name))
-        };
-        if let Some(t) = trainer {
-            t.stop(None);
-            info!(actor = %name, "trainer stopped");
-            return Ok(Response::new(pb::Empty {}));
-        }
-        match hosted {
-            Some(h) => {
-                h.actor.stop(None);
+        let stopped = self.state.lock().await.remove_and_stop(&name);
+        match stopped {
+            Some(upload) => {
                 info!(actor = %name, "actor stopped");
+                if let Some(upload) = upload {
+                    finish_upload(upload).await;
+                }
                 Ok(Response::new(pb::Empty {}))
             }
             None => Err(Status::not_found(format!(
@@ -320,6 +405,13 @@ impl Worker for WorkerDaemon {
                 .map(|(n, h)| (n.clone(), h.actor.clone()))
                 .collect()
         };
+        if !file.is_file() {
+            return Err(Status::failed_precondition(format!(
+                "weights file {} does not exist on this worker: in remote mode the \
+                 driver's runs directory (--runs-dir) must be on a disk every worker shares",
+                file.display()
+            )));
+        }
         let file_for_read = file.clone();
         let weights =
             tokio::task::spawn_blocking(move || tch::Tensor::read_safetensors(&file_for_read))
@@ -449,11 +541,10 @@ async fn forget_exited(state: &Mutex<State>, exit: &crate::node::ActorExit) {
         .trainers
         .get(&exit.name)
         .is_some_and(|t| t.get_id() == exit.id);
-    if rollout {
-        state.actors.remove(&exit.name);
-    }
-    if trainer {
-        state.trainers.remove(&exit.name);
+    if rollout || trainer {
+        if let Some(Some(upload)) = state.remove_and_stop(&exit.name) {
+            tokio::spawn(finish_upload(upload));
+        }
     }
     if rollout || trainer {
         warn!(
@@ -462,6 +553,56 @@ async fn forget_exited(state: &Mutex<State>, exit: &crate::node::ActorExit) {
             "a hosted actor ended on its own; removed from this node (the driver re-creates it)"
         );
     }
+}
+
+/// Every [`LEASE_CHECK`], stops the actors of holders whose lease expired; ends when
+/// the daemon is gone.
+async fn watch_leases(state: Weak<Mutex<State>>) {
+    let mut tick = tokio::time::interval(LEASE_CHECK);
+    loop {
+        tick.tick().await;
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        let mut uploads = Vec::new();
+        {
+            let mut state = state.lock().await;
+            for lease in state.leases.take_expired(Instant::now()) {
+                let names: Vec<String> = state
+                    .owners
+                    .iter()
+                    .filter(|(_, &holder)| holder == lease.holder)
+                    .map(|(name, _)| name.clone())
+                    .collect();
+                if names.is_empty() {
+                    continue;
+                }
+                for name in &names {
+                    uploads.extend(state.remove_and_stop(name).flatten());
+                }
+                warn!(
+                    holder = %format!("{:016x}", lease.holder),
+                    actors = ?names,
+                    "the driver that placed these actors sent no heartbeat for {:?} (lease_timeout_ms): stopping them",
+                    lease.timeout
+                );
+            }
+        }
+        for upload in uploads {
+            finish_upload(upload).await;
+        }
+    }
+}
+
+/// Sends a stopped actor's last trajectories (at most [`UPLOAD_FLUSH`]) and logs the counts.
+async fn finish_upload(upload: Uploader) {
+    let stats = upload.shutdown(UPLOAD_FLUSH).await;
+    info!(
+        uploaded = stats.uploaded,
+        dropped = stats.dropped,
+        failed = stats.failed,
+        "trajectory upload finished"
+    );
 }
 
 fn trainer_call<T>(

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use manta_runtime::pool::NodeSpec;
-use manta_runtime::{serve, PoolOptions, RemotePool, RolloutSpawnConfig, WorkerDaemon};
+use manta_runtime::{
+    serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig, WorkerDaemon,
+};
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "pool-test-token";
@@ -23,9 +25,14 @@ fn spawn_config() -> RolloutSpawnConfig {
     RolloutSpawnConfig {
         model_dir: workspace().join("assets/tiny-qwen3"),
         seed: 1,
-        train_config: workspace().join("train_config.yaml"),
+        // Shipped as text: the worker never reads the file, so its path need not exist.
+        train_config: ShippedTrainConfig {
+            path: PathBuf::from("/nowhere/train_config.yaml"),
+            yaml: std::fs::read_to_string(workspace().join("train_config.yaml")).unwrap(),
+        },
         max_concurrent_episodes: 4,
         max_batch_size: 4,
+        openreward: Default::default(),
     }
 }
 
@@ -33,6 +40,7 @@ const OPTS: PoolOptions = PoolOptions {
     heartbeat_interval: Duration::from_millis(100),
     dead_after: Duration::from_millis(500),
     no_live_node_timeout: Duration::from_secs(5),
+    lease_timeout: Duration::from_secs(30),
 };
 
 async fn start_worker(
@@ -122,6 +130,53 @@ async fn placement_is_checked_before_anything_starts() {
     .unwrap()
     .to_string();
     assert!(err.contains(&dead.to_string()), "{err}");
+    // The model must be there on every node; the error names node, path and setting.
+    let missing = RolloutSpawnConfig {
+        model_dir: PathBuf::from("/nowhere/model"),
+        ..spawn_config()
+    };
+    let err = RemotePool::start(&[node(addr.to_string(), vec![])], TOKEN, missing, 1, OPTS)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(&addr.to_string())
+            && err.contains("/nowhere/model does not exist")
+            && err.contains("`model` under [train]"),
+        "{err}"
+    );
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+/// A worker that cannot see a weights file says which file and why, at once, and is
+/// not mistaken for a dead node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_a_worker_cannot_see_fail_clearly() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    let err = pool
+        .load_weights("/nowhere/weights/v000001", 1)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&addr.to_string())
+            && err.contains("/nowhere/weights/v000001/model.safetensors does not exist")
+            && err.contains("--runs-dir"),
+        "{err}"
+    );
+    assert_eq!(pool.live_nodes(), 1);
+    pool.shutdown().await;
     let _ = stop.send(());
     handle.await.unwrap();
 }

@@ -129,10 +129,18 @@ async fn unary_calls_streams_errors_and_reconnects() {
 
     // The worker goes away: calls fail, naming the connection problem...
     stop_server(server).await;
-    let err = rpc.heartbeat(cpb::HeartbeatRequest { sequence: 1 }).await;
+    let err = rpc
+        .heartbeat(cpb::HeartbeatRequest {
+            sequence: 1,
+            ..Default::default()
+        })
+        .await;
     assert!(err.is_err());
     let err = rpc
-        .heartbeat(cpb::HeartbeatRequest { sequence: 1 })
+        .heartbeat(cpb::HeartbeatRequest {
+            sequence: 1,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert!(
@@ -144,7 +152,10 @@ async fn unary_calls_streams_errors_and_reconnects() {
     let mut answered = false;
     for _ in 0..20 {
         if rpc
-            .heartbeat(cpb::HeartbeatRequest { sequence: 2 })
+            .heartbeat(cpb::HeartbeatRequest {
+                sequence: 2,
+                ..Default::default()
+            })
             .await
             .is_ok()
         {

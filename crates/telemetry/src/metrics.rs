@@ -32,6 +32,26 @@ impl MetricsWriter {
         &self.path
     }
 
+    /// Keeps only the rows of steps up to `last` (the steps after it are about to be
+    /// re-run), so each step appears once. The file is replaced atomically (temp file
+    /// + rename); later rows are appended to the new one.
+    pub fn discard_after(&mut self, last: u64) -> std::io::Result<()> {
+        let text = std::fs::read_to_string(&self.path)?;
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .ok()
+                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                    .is_some_and(|s| s <= last)
+            })
+            .map(|line| format!("{line}\n"))
+            .collect();
+        crate::replace_file(&self.path, kept.as_bytes())?;
+        self.file = OpenOptions::new().append(true).open(&self.path)?;
+        Ok(())
+    }
+
     /// Writes `{"step": step, <metrics>}`; non-finite values become `null`.
     pub fn write_step(&mut self, step: u64, metrics: &StepMetrics) -> std::io::Result<()> {
         let mut obj = serde_json::Map::new();
@@ -96,5 +116,21 @@ mod tests {
         assert_eq!(rows[0].0, 1);
         assert_eq!(rows[0].1["rollout/raw_reward"], 0.25);
         assert!(!rows[0].1.contains_key("train/loss"));
+    }
+
+    #[test]
+    fn discard_after_keeps_earlier_steps_and_appends_after_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut w = MetricsWriter::open(&path).unwrap();
+        let m = StepMetrics::from([("train/loss".to_string(), 1.0)]);
+        for step in 1..=4 {
+            w.write_step(step, &m).unwrap();
+        }
+        w.discard_after(2).unwrap();
+        w.write_step(3, &m).unwrap();
+        let steps: Vec<u64> = read_metrics(&path).unwrap().iter().map(|r| r.0).collect();
+        assert_eq!(steps, vec![1, 2, 3]);
+        assert!(!dir.path().join("metrics.jsonl.tmp").exists());
     }
 }

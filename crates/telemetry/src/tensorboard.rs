@@ -70,6 +70,24 @@ impl TensorBoardWriter {
         })
     }
 
+    /// Drops the scalar events of steps after `last` (they are about to be re-run), so
+    /// TensorBoard shows each step once. The file is replaced atomically; later events
+    /// are appended to the new one.
+    pub fn discard_after(&mut self, last: u64) -> std::io::Result<()> {
+        self.out.flush()?;
+        let bytes = std::fs::read(&self.path)?;
+        let kept: Vec<u8> = records(&bytes)
+            .filter(|(_, event)| {
+                !matches!(event.what, Some(event::What::Summary(_))) || event.step <= last as i64
+            })
+            .flat_map(|(frame, _)| frame.iter().copied())
+            .collect();
+        crate::replace_file(&self.path, &kept)?;
+        let file = std::fs::OpenOptions::new().append(true).open(&self.path)?;
+        self.out = BufWriter::new(file);
+        Ok(())
+    }
+
     fn write_event(&mut self, event: &Event) -> std::io::Result<()> {
         let data = event.encode_to_vec();
         let len = (data.len() as u64).to_le_bytes();
@@ -79,6 +97,34 @@ impl TensorBoardWriter {
         self.out.write_all(&masked_crc(&data).to_le_bytes())?;
         self.out.flush()
     }
+}
+
+/// The framed records of an event file with their decoded events, up to the first
+/// torn or corrupt one.
+fn records(bytes: &[u8]) -> impl Iterator<Item = (&[u8], Event)> {
+    let mut pos = 0;
+    std::iter::from_fn(move || {
+        let rest = bytes.get(pos..)?;
+        let len = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?) as usize;
+        let frame = rest.get(..len.checked_add(16)?)?;
+        let data = &frame[12..12 + len];
+        let crc = u32::from_le_bytes(frame[12 + len..].try_into().ok()?);
+        if crc != masked_crc(data) {
+            return None;
+        }
+        let event = Event::decode(data).ok()?;
+        pos += frame.len();
+        Some((frame, event))
+    })
+}
+
+/// The step of every scalar event in an event file, in file order.
+pub fn read_event_steps(path: &Path) -> std::io::Result<Vec<i64>> {
+    let bytes = std::fs::read(path)?;
+    Ok(records(&bytes)
+        .filter(|(_, e)| matches!(e.what, Some(event::What::Summary(_))))
+        .map(|(_, e)| e.step)
+        .collect())
 }
 
 #[cfg(test)]
@@ -122,5 +168,21 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         assert_eq!(events[1].step, 1);
+    }
+
+    #[test]
+    fn discard_after_drops_later_steps_and_keeps_the_version_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = TensorBoardWriter::create(dir.path()).unwrap();
+        let m = StepMetrics::from([("train/loss".to_string(), 0.5)]);
+        for step in 1..=4 {
+            w.write_step(step, &m).unwrap();
+        }
+        w.discard_after(2).unwrap();
+        w.write_step(3, &m).unwrap();
+        assert_eq!(read_event_steps(w.path()).unwrap(), vec![1, 2, 3]);
+        let bytes = std::fs::read(w.path()).unwrap();
+        let first = records(&bytes).next().unwrap().1;
+        assert!(matches!(first.what, Some(event::What::FileVersion(_))));
     }
 }
