@@ -31,6 +31,9 @@ pub enum Command {
     /// Write tasks.jsonl from the environments of train_config.yaml, like the cookbook's
     /// prepare_tasks.py: every configured split, shuffled with seed 42, capped per split.
     PrepareTasks(PrepareTasksArgs),
+    /// Serve the native engine over SGLang's HTTP API (flags as SGLang's launch_server),
+    /// for anything that launches and talks to an SGLang server.
+    Serve(crate::serve::ServeArgs),
 }
 
 /// Options of `driver prepare-tasks`.

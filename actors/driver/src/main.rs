@@ -29,6 +29,15 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             };
         }
+        Some(Command::Serve(args)) => {
+            return match manta_driver::serve::serve(&args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Some(Command::PrepareTasks(args)) => {
             return match manta_driver::prepare_tasks::prepare_tasks(&args).await {
                 Ok(summary) => {
