@@ -146,6 +146,20 @@ impl PagedBatch {
     }
 }
 
+impl PagedBatch {
+    /// A batch of one-token sequences from tensors the caller keeps (CUDA graphs replay
+    /// over fixed buffers): `slot_mapping` [B], `slots` [B, W] i64 and `keep` [B, 1, 1, W]
+    /// bool (each row must keep at least one key).
+    pub fn decode_only(slot_mapping: &Tensor, slots: &Tensor, keep: &Tensor) -> Self {
+        let rows = slots.size()[0] as usize;
+        Self {
+            slot_mapping: slot_mapping.shallow_clone(),
+            decode: Some((rows, slots.shallow_clone(), keep.shallow_clone())),
+            prefill: Vec::new(),
+        }
+    }
+}
+
 impl SelfAttention {
     /// x: [1, N, H] flat tokens. Writes their keys/values into the layer's pools and
     /// returns the attention output [1, N, H].
@@ -180,27 +194,26 @@ impl SelfAttention {
         let (hd, nkv) = (self.head_dim, self.num_kv_heads);
         let mut outs = Vec::with_capacity(1 + batch.prefill.len());
         if let Some((rows, slots, keep)) = &batch.decode {
+            // One query per row: two batched matmuls over the row's gathered keys and values,
+            // with the query heads of each key/value head side by side (no repeated K/V).
             let rows = *rows as i64;
             let width = slots.size()[1];
             let gather = |pool: &Tensor| {
-                let kv = pool
-                    .index_select(0, &slots.view([-1]))
+                pool.index_select(0, &slots.view([-1]))
                     .view([rows, width, nkv, hd])
-                    .transpose(1, 2);
-                repeat_kv(&kv, rep)
+                    .transpose(1, 2)
             };
-            let qd = q.narrow(0, 0, rows).unsqueeze(2);
-            let out = Tensor::scaled_dot_product_attention(
-                &qd,
-                &gather(&k_pool),
-                &gather(&v_pool),
-                Some(keep),
-                0.0,
-                false,
-                None,
-                false,
-            );
-            outs.push(out.view([rows, self.num_heads * hd]));
+            let qd = q.narrow(0, 0, rows).view([rows, nkv, rep, hd]);
+            let scores = qd
+                .matmul(&gather(&k_pool).transpose(2, 3))
+                .to_kind(Kind::Float)
+                * (1.0 / (hd as f64).sqrt());
+            let probs = scores
+                .masked_fill(&keep.logical_not(), f64::NEG_INFINITY)
+                .softmax(-1, Kind::Float)
+                .to_kind(q.kind());
+            let out = probs.matmul(&gather(&v_pool));
+            outs.push(out.reshape([rows, self.num_heads * hd]));
         }
         for (start, q_len, slots) in &batch.prefill {
             let (start, q_len) = (*start as i64, *q_len as i64);
@@ -244,7 +257,11 @@ impl SelfAttention {
                     .reshape([q_len, self.num_heads * hd]),
             );
         }
-        let out = Tensor::cat(&outs, 0);
+        let out = if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 0)
+        };
         debug_assert_eq!(out.size()[0], n);
         out.unsqueeze(0).linear(&self.o_proj, None::<Tensor>)
     }

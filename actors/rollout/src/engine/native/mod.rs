@@ -8,6 +8,7 @@
 //! - [`worker`]: the engine thread.
 
 mod block_pool;
+mod decode_graphs;
 mod prefix_cache;
 mod sampler;
 mod scheduler;
@@ -119,14 +120,36 @@ fn default_kv_tokens(
 ) -> usize {
     let per_token = PagedKvCache::bytes_per_block(cfg, 1, kind).max(1);
     let want = opts.max_running_requests.saturating_mul(ctx);
-    // On CUDA the budget is capped until the device's free memory can be read
-    // (`--max-total-tokens` sets it exactly).
-    let cap_bytes: usize = if opts.device.is_cuda() {
-        16 << 30
-    } else {
-        2 << 30
+    let cap_bytes: usize = match opts.device {
+        // As SGLang: the memory fraction holds weights and KV cache; the rest is left for
+        // activations, CUDA graphs and other processes.
+        Device::Cuda(i) => match manta_cuda::total_memory(i) {
+            Ok(total) => {
+                let weights = weight_count(cfg) * kind.elt_size_in_bytes();
+                (total as f64 * opts.mem_fraction_static - weights as f64).max(0.0) as usize
+            }
+            Err(_) => 16 << 30,
+        },
+        _ => 2 << 30,
     };
     want.min(cap_bytes / per_token).max(opts.block_size * 4)
+}
+
+/// Parameters of a decoder with this config (to budget memory before loading it).
+fn weight_count(cfg: &ModelConfig) -> usize {
+    let (h, i, l) = (
+        cfg.hidden_size as usize,
+        cfg.intermediate_size as usize,
+        cfg.num_hidden_layers as usize,
+    );
+    let hd = cfg.head_dim() as usize;
+    let (nh, nkv) = (
+        cfg.num_attention_heads as usize,
+        cfg.num_key_value_heads as usize,
+    );
+    let layer = 2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * i;
+    let emb = cfg.vocab_size as usize * h;
+    l * layer + emb * if cfg.tie_word_embeddings { 1 } else { 2 }
 }
 
 impl NativeEngine {
@@ -183,9 +206,10 @@ impl NativeEngine {
                     }
                     vs.set_kind(kind);
                     vs.freeze();
+                    // One extra block: the scratch block padding rows of CUDA graphs use.
                     let kv = PagedKvCache::new(
                         &cfg,
-                        num_blocks,
+                        num_blocks + 1,
                         thread_opts.block_size,
                         kind,
                         thread_opts.device,

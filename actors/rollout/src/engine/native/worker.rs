@@ -13,6 +13,7 @@ use tch::{nn, Device, Tensor};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
+use super::decode_graphs::{DecodeGraphs, DecodeRow};
 use super::sampler::{sample, RowSampling};
 use super::scheduler::{Planned, Scheduler};
 use super::sequence::Sequence;
@@ -48,6 +49,10 @@ pub struct Worker {
     /// Requests with an id below this run on the old weights; later ones wait for the update.
     updates: VecDeque<(u64, Update, u64, oneshot::Sender<Result<(), EngineError>>)>,
     paused: Option<PauseMode>,
+    /// CUDA graphs of decode steps (CUDA devices only).
+    graphs: Option<DecodeGraphs>,
+    /// `MANTA_ENGINE_PROFILE=1`: time each step's phases (synchronising the device).
+    profile: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
     next_id: u64,
 }
@@ -67,6 +72,7 @@ impl Worker {
     ) -> Self {
         // A sequence alone must always fit the pool, so preemption can always make progress.
         let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
+        let graphs = DecodeGraphs::new(device, sched.max_running, context_length, 0);
         Self {
             vs,
             model,
@@ -79,6 +85,8 @@ impl Worker {
             stats,
             updates: VecDeque::new(),
             paused: None,
+            graphs,
+            profile: std::env::var_os("MANTA_ENGINE_PROFILE").is_some(),
             drain_waiters: Vec::new(),
             next_id: 0,
         }
@@ -287,6 +295,7 @@ impl Worker {
     }
 
     fn run(&mut self, plan: &[Planned]) {
+        let mut prof = self.profile.then(|| StepProfile::start(self.device));
         let bs = self.sched.block_size;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -298,8 +307,9 @@ impl Worker {
             let end = start + p.q_len;
             ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
             positions.extend((start..end).map(|p| p as i64));
+            // Block b's slots start at (b + 1) * bs: the first block is the scratch block.
             let slots = (0..end)
-                .map(|pos| (seq.blocks[pos / bs] as usize * bs + pos % bs) as i64)
+                .map(|pos| ((seq.blocks[pos / bs] as usize + 1) * bs + pos % bs) as i64)
                 .collect();
             seqs.push(PagedSeq {
                 q_len: p.q_len,
@@ -309,10 +319,36 @@ impl Worker {
                 sample_rows.push((ids.len() - 1) as i64);
             }
         }
-        let batch = PagedBatch::new(&seqs, self.device);
-        let input = Tensor::from_slice(&ids).to(self.device);
-        let pos = Tensor::from_slice(&positions).to(self.device);
-        let hidden = self.model.forward_paged(&input, &pos, &batch, &self.kv);
+        if let Some(p) = prof.as_mut() {
+            p.lap(0);
+        }
+        let graphed = match self.graphs.as_mut() {
+            Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
+                let rows: Vec<DecodeRow> = seqs
+                    .iter()
+                    .zip(ids.iter().zip(&positions))
+                    .map(|(s, (&token, &position))| DecodeRow {
+                        token,
+                        position,
+                        slots: &s.slots,
+                    })
+                    .collect();
+                graphs.run(&self.model, &self.kv, &rows)
+            }
+            _ => None,
+        };
+        let hidden = match graphed {
+            Some(hidden) => hidden,
+            None => {
+                let batch = PagedBatch::new(&seqs, self.device);
+                let input = Tensor::from_slice(&ids).to(self.device);
+                let pos = Tensor::from_slice(&positions).to(self.device);
+                self.model.forward_paged(&input, &pos, &batch, &self.kv)
+            }
+        };
+        if let Some(p) = prof.as_mut() {
+            p.lap(1);
+        }
         self.stats.add_step(ids.len(), sample_rows.len());
         let mut finished = Vec::new();
         let mut rows: Vec<RowSampling> = Vec::new();
@@ -345,12 +381,53 @@ impl Worker {
                 }
             }
         }
+        if let Some(p) = prof.as_mut() {
+            p.lap(2);
+            p.report(plan.len(), &self.stats);
+        }
         // Remove finished sequences from the back so indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         for (index, (reason, matched)) in finished {
             let seq = self.sched.running.remove(index);
             let mut seq = self.sched.release(seq);
             seq.finish(reason, matched);
+        }
+    }
+}
+
+/// Where a step's time goes: host-side preparation, the model, sampling.
+struct StepProfile {
+    device: Device,
+    last: std::time::Instant,
+    phases: [f64; 3],
+}
+
+impl StepProfile {
+    fn start(device: Device) -> Self {
+        Self {
+            device,
+            last: std::time::Instant::now(),
+            phases: [0.0; 3],
+        }
+    }
+
+    fn lap(&mut self, phase: usize) {
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let now = std::time::Instant::now();
+        self.phases[phase] = (now - self.last).as_secs_f64() * 1e3;
+        self.last = now;
+    }
+
+    fn report(&self, rows: usize, stats: &EngineStats) {
+        let step = stats.steps.load(Ordering::Relaxed);
+        if step % 32 == 0 {
+            // Printed, not logged: benchmarks run without a subscriber.
+            eprintln!(
+                "engine step {step}: {rows} rows, prepare {:.2} ms, forward {:.2} ms, sample {:.2} ms",
+                self.phases[0], self.phases[1], self.phases[2]
+            );
         }
     }
 }

@@ -1,0 +1,171 @@
+//! Decode throughput of the native engine on CUDA: Qwen3-0.6B or Qwen3-8B shape, random
+//! bf16 weights, B concurrent requests of a 512-token prompt and 256 greedy new tokens
+//! (ignore_eos). Also measures the device's copy bandwidth, for the bound. Prints one
+//! JSON object; bench/py/engine_decode_hf.py is the transformers baseline.
+//!
+//! usage: engine_decode SHAPE(0.6b|8b) BATCHES(1,16,64) [PROMPT] [NEW]
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use manta_rollout::engine::{
+    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
+};
+use serde_json::json;
+use tch::{Device, Kind, Tensor};
+
+const QWEN3_0_6B: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+  "initializer_range": 0.02, "eos_token_id": 151645
+}"#;
+
+const QWEN3_8B: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+  "initializer_range": 0.02, "eos_token_id": 151645
+}"#;
+
+/// Device-to-device copy bandwidth (read + write bytes per second), median of 10.
+fn copy_bandwidth(device: Device) -> f64 {
+    let n = 1i64 << 30; // 2 GiB of bf16
+    let src = Tensor::ones([n], (Kind::BFloat16, device));
+    let mut dst = Tensor::zeros([n], (Kind::BFloat16, device));
+    let mut times = Vec::new();
+    for i in 0..12 {
+        tch::Cuda::synchronize(0);
+        let t = Instant::now();
+        dst.copy_(&src);
+        tch::Cuda::synchronize(0);
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    (2 * 2 * n) as f64 / times[times.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 4)]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let shape = args.get(1).map(String::as_str).unwrap_or("0.6b");
+    let batches: Vec<usize> = args
+        .get(2)
+        .map(String::as_str)
+        .unwrap_or("1,16,64")
+        .split(',')
+        .map(|b| b.parse())
+        .collect::<Result<_, _>>()?;
+    let prompt_len: usize = args.get(3).map_or(Ok(512), |s| s.parse())?;
+    let new_tokens: usize = args.get(4).map_or(Ok(256), |s| s.parse())?;
+    let config = match shape {
+        "0.6b" => QWEN3_0_6B,
+        "8b" => QWEN3_8B,
+        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+    };
+    anyhow::ensure!(
+        tch::Cuda::is_available(),
+        "CUDA is not available to libtorch"
+    );
+    let device = Device::Cuda(0);
+    let dir = std::env::temp_dir().join(format!("manta-engine-decode-{shape}"));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("config.json"), config)?;
+    let cfg = manta_model::ModelConfig::from_json_str(config, shape)?;
+    let max_batch = *batches.iter().max().unwrap_or(&1);
+    let ctx = prompt_len + new_tokens;
+
+    let bandwidth = copy_bandwidth(device);
+    let t_load = Instant::now();
+    let engine = NativeEngine::start(NativeEngineOptions {
+        seed: 1,
+        max_running_requests: max_batch,
+        max_total_tokens: Some(max_batch * (ctx + 16) + 1024),
+        context_length: Some(ctx + 16),
+        ..NativeEngineOptions::new(&dir, device)
+    })?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    // Bytes a decode step reads: every layer's matrices and the LM head (tied or not, a
+    // vocab x hidden matrix), in bf16; embedding rows and norms are negligible.
+    let weight_bytes: f64 = {
+        let h = cfg.hidden_size as f64;
+        let i = cfg.intermediate_size as f64;
+        let l = cfg.num_hidden_layers as f64;
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads as f64,
+            cfg.num_key_value_heads as f64,
+            cfg.head_dim() as f64,
+        );
+        let layer = 2.0 * h * nh * hd + 2.0 * h * nkv * hd + 3.0 * h * i;
+        (l * layer + cfg.vocab_size as f64 * h) * 2.0
+    };
+    let kv_bytes_per_token =
+        (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim() * 2) as f64;
+
+    let run = |b: usize, seed: u64| {
+        let engine = engine.clone();
+        async move {
+            let reqs: Vec<GenerateRequest> = (0..b)
+                .map(|r| {
+                    let ids: Vec<u32> = (0..prompt_len)
+                        .map(|j| ((seed as usize * 7919 + r * 104729 + j * 31) % 150000) as u32)
+                        .collect();
+                    GenerateRequest {
+                        input_ids: ids,
+                        params: SamplingParams {
+                            max_new_tokens: new_tokens,
+                            temperature: 0.0,
+                            ignore_eos: true,
+                            ..SamplingParams::default()
+                        },
+                        rid: None,
+                    }
+                })
+                .collect();
+            let t = Instant::now();
+            let outs =
+                futures::future::join_all(reqs.into_iter().map(|r| engine.generate(r))).await;
+            let wall = t.elapsed().as_secs_f64();
+            let tokens: usize = outs
+                .into_iter()
+                .map(|o| o.map(|o| o.output_ids.len()).unwrap_or(0))
+                .sum();
+            (wall, tokens)
+        }
+    };
+    // Warm-up: kernels, allocator.
+    run(2, 999).await;
+    let mut rows = Vec::new();
+    for (k, &b) in batches.iter().enumerate() {
+        let steps0 = engine.stats().steps.load(Ordering::Relaxed);
+        let (wall, tokens) = run(b, k as u64).await;
+        let steps = engine.stats().steps.load(Ordering::Relaxed) - steps0;
+        let avg_ctx = prompt_len as f64 + new_tokens as f64 / 2.0;
+        let bytes_per_step = weight_bytes + b as f64 * avg_ctx * kv_bytes_per_token;
+        let bound = b as f64 / (bytes_per_step / bandwidth);
+        let tps = tokens as f64 / wall;
+        eprintln!(
+            "{shape} batch {b:>4}: {tokens} tokens in {wall:.3}s = {tps:.0} tokens/s ({steps} steps); bound {bound:.0} -> {:.1}%",
+            100.0 * tps / bound
+        );
+        rows.push(json!({
+            "batch": b, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
+            "steps": steps, "bound_tokens_per_s": bound, "bandwidth_fraction": tps / bound,
+        }));
+    }
+    println!(
+        "{}",
+        json!({
+            "shape": shape, "prompt": prompt_len, "new_tokens": new_tokens,
+            "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token, "load_s": load_s, "results": rows,
+        })
+    );
+    Ok(())
+}

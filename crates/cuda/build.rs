@@ -1,0 +1,62 @@
+//! Compiles src/shim.cpp against the libtorch that torch-sys linked (its include folder
+//! sits beside the lib folder) and the CUDA headers of the pip wheel. Without CUDA headers
+//! or libtorch_cuda the shim is built without CUDA and every call reports that.
+
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-changed=src/shim.cpp");
+    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
+    let lib = PathBuf::from(
+        std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports its libtorch folder"),
+    );
+    let torch = lib
+        .parent()
+        .expect("libtorch lib folder has a parent")
+        .to_path_buf();
+    let include = torch.join("include");
+    let cuda_include = std::env::var_os("MANTA_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            // pip layout: site-packages/torch/lib -> site-packages/nvidia/cu*/include
+            let nvidia = torch.parent()?.join("nvidia");
+            std::fs::read_dir(&nvidia)
+                .ok()?
+                .flatten()
+                .map(|e| e.path().join("include"))
+                .find(|p| p.join("cuda_runtime_api.h").is_file())
+                .or_else(|| Some(nvidia.join("cuda_runtime/include")))
+                .filter(|p| p.join("cuda_runtime_api.h").is_file())
+        })
+        .or_else(|| {
+            let p = PathBuf::from("/usr/local/cuda/include");
+            p.join("cuda_runtime_api.h").is_file().then_some(p)
+        });
+    // cuda_runtime.h needs crt/ (the nvidia-cuda-nvcc wheel, requirements-dev.txt).
+    let cuda_include = cuda_include.filter(|p| p.join("crt/host_config.h").is_file());
+    let with_cuda = cuda_include.is_some() && lib.join("libtorch_cuda.so").is_file();
+    if !with_cuda {
+        println!(
+            "cargo:warning=manta-cuda: no CUDA libtorch or CUDA headers (crt/host_config.h) \
+             found; CUDA graphs are disabled in this build"
+        );
+    }
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .file("src/shim.cpp")
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"));
+    if let (true, Some(cuda)) = (with_cuda, &cuda_include) {
+        build.define("MANTA_WITH_CUDA", None).include(cuda);
+        println!("cargo:rustc-link-search=native={}", lib.display());
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+    }
+    build.compile("manta_cuda_shim");
+}
