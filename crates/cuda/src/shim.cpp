@@ -11,6 +11,14 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/ATen.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <nvrtc.h>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
 // From ATen/cuda/CUDAContextLight.h, whose other includes need more CUDA headers than the
 // pip wheels ship.
 namespace at::cuda {
@@ -132,4 +140,130 @@ void manta_graph_free(void* g) {
 #endif
 }
 
+
+// Paged decode attention (src/paged_attention.cu.inc, passed in as `source`): compiled
+// once per shape with NVRTC and launched with the driver API on the current stream, so a
+// CUDA graph capturing the step captures it too. NVRTC and the driver are dlopen'ed:
+// nothing here links against them.
+int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* vp_,
+                                 void* tables_, void* lens_, void* out_, int block_size,
+                                 float scale) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& q = *static_cast<at::Tensor*>(q_);
+    const at::Tensor& kp = *static_cast<at::Tensor*>(kp_);
+    const at::Tensor& vp = *static_cast<at::Tensor*>(vp_);
+    const at::Tensor& tables = *static_cast<at::Tensor*>(tables_);
+    const at::Tensor& lens = *static_cast<at::Tensor*>(lens_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
+                "q must be a contiguous bf16 CUDA tensor [B, heads, head_dim]");
+    TORCH_CHECK(kp.dim() == 3 && kp.scalar_type() == at::kBFloat16 && kp.is_contiguous() &&
+                    vp.sizes() == kp.sizes() && vp.scalar_type() == at::kBFloat16 && vp.is_contiguous(),
+                "pools must be contiguous bf16 [slots, kv_heads, head_dim]");
+    TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous() &&
+                    tables.size(0) == q.size(0),
+                "block tables must be contiguous int32 [B, max_blocks]");
+    TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0),
+                "lengths must be int32 [B]");
+    TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+                "out must be like q");
+    const int64_t hd = q.size(2), nkv = kp.size(1), nh = q.size(1);
+    TORCH_CHECK(kp.size(2) == hd && hd % 32 == 0 && hd <= 256, "head_dim must be a multiple of 32, at most 256");
+    TORCH_CHECK(nh % nkv == 0 && nh / nkv <= 8, "query heads per kv head must be at most 8");
+    const int rep = static_cast<int>(nh / nkv);
+    const int warps = 8;
+    const int device = q.get_device();
+
+    static std::mutex mu;
+    static void* nvrtc = nullptr;
+    static void* driver = nullptr;
+    static std::map<std::tuple<int, int64_t, int, int64_t>, CUfunction> kernels;
+    std::lock_guard<std::mutex> lock(mu);
+    if (driver == nullptr) {
+      driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+      TORCH_CHECK(driver != nullptr, "cannot load libcuda.so.1: ", dlerror());
+    }
+    if (nvrtc == nullptr) {
+      nvrtc = dlopen("libnvrtc.so.13", RTLD_NOW | RTLD_GLOBAL);
+      if (nvrtc == nullptr) {
+        // The pip layout: site-packages/torch/lib/libtorch_cuda.so, .../nvidia/cu13/lib.
+        Dl_info info;
+        if (dladdr(reinterpret_cast<void*>(&at::cuda::getDeviceProperties), &info) && info.dli_fname) {
+          std::string lib(info.dli_fname);
+          lib = lib.substr(0, lib.rfind('/'));
+          nvrtc = dlopen((lib + "/../../nvidia/cu13/lib/libnvrtc.so.13").c_str(), RTLD_NOW | RTLD_GLOBAL);
+        }
+      }
+      TORCH_CHECK(nvrtc != nullptr, "cannot load libnvrtc.so.13 (NVRTC, from the nvidia-cuda-nvrtc wheel)");
+    }
+#define MANTA_SYM(lib, name) \
+  auto name##_fn = reinterpret_cast<decltype(&name)>(dlsym(lib, #name)); \
+  TORCH_CHECK(name##_fn != nullptr, "missing symbol " #name)
+    MANTA_SYM(driver, cuLaunchKernel);
+    auto key = std::make_tuple(device, hd, rep, nkv);
+    auto found = kernels.find(key);
+    CUfunction fn;
+    if (found != kernels.end()) {
+      fn = found->second;
+    } else {
+      MANTA_SYM(nvrtc, nvrtcCreateProgram);
+      MANTA_SYM(nvrtc, nvrtcCompileProgram);
+      MANTA_SYM(nvrtc, nvrtcGetProgramLogSize);
+      MANTA_SYM(nvrtc, nvrtcGetProgramLog);
+      MANTA_SYM(nvrtc, nvrtcGetCUBINSize);
+      MANTA_SYM(nvrtc, nvrtcGetCUBIN);
+      MANTA_SYM(nvrtc, nvrtcDestroyProgram);
+      MANTA_SYM(driver, cuModuleLoadData);
+      MANTA_SYM(driver, cuModuleGetFunction);
+      std::string src = "#define HD " + std::to_string(hd) + "\n#define REP " + std::to_string(rep) +
+                        "\n#define NKV " + std::to_string(nkv) + "\n#define WARPS " +
+                        std::to_string(warps) + "\n" + source;
+      nvrtcProgram prog;
+      TORCH_CHECK(nvrtcCreateProgram_fn(&prog, src.c_str(), "paged_attention.cu", 0, nullptr, nullptr) ==
+                      NVRTC_SUCCESS,
+                  "nvrtcCreateProgram failed");
+      auto* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+      std::string arch = "--gpu-architecture=sm_" + std::to_string(props->major) + std::to_string(props->minor);
+      const char* opts[] = {arch.c_str(), "-O3", "--std=c++17"};
+      nvrtcResult rc = nvrtcCompileProgram_fn(prog, 3, opts);
+      if (rc != NVRTC_SUCCESS) {
+        size_t n = 0;
+        nvrtcGetProgramLogSize_fn(prog, &n);
+        std::string log(n, '\0');
+        nvrtcGetProgramLog_fn(prog, log.data());
+        nvrtcDestroyProgram_fn(&prog);
+        throw std::runtime_error("NVRTC compile of the paged attention kernel failed: " + log);
+      }
+      size_t n = 0;
+      nvrtcGetCUBINSize_fn(prog, &n);
+      std::string cubin(n, '\0');
+      nvrtcGetCUBIN_fn(prog, cubin.data());
+      nvrtcDestroyProgram_fn(&prog);
+      CUmodule module;
+      TORCH_CHECK(cuModuleLoadData_fn(&module, cubin.data()) == CUDA_SUCCESS, "cuModuleLoadData failed");
+      TORCH_CHECK(cuModuleGetFunction_fn(&fn, module, "paged_decode_attention") == CUDA_SUCCESS,
+                  "cuModuleGetFunction failed");
+      kernels.emplace(key, fn);
+    }
+    const void* qp = q.data_ptr();
+    const void* kpp = kp.data_ptr();
+    const void* vpp = vp.data_ptr();
+    const void* tp = tables.data_ptr();
+    const void* lp = lens.data_ptr();
+    void* op = out.data_ptr();
+    int max_blocks = static_cast<int>(tables.size(1));
+    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &max_blocks, &block_size, &scale};
+    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    CUresult launched = cuLaunchKernel_fn(fn, static_cast<unsigned>(nkv), static_cast<unsigned>(q.size(0)), 1,
+                                          warps * 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
+                                          nullptr);
+    TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernel failed with CUresult ", static_cast<int>(launched));
+#undef MANTA_SYM
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
 }

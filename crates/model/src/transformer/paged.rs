@@ -59,6 +59,11 @@ impl PagedKvCache {
         self.num_blocks
     }
 
+    /// The dtype keys and values are stored in.
+    pub fn kind(&self) -> Kind {
+        self.k.first().map_or(Kind::Float, |t| t.kind())
+    }
+
     /// The pools of one layer (keys, values), [num_slots, kv_heads, head_dim].
     pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
         (&self.k[i], &self.v[i])
@@ -86,13 +91,25 @@ pub struct PagedSeq {
     pub slots: Vec<i64>,
 }
 
+/// How the leading one-token sequences reach their keys and values.
+enum DecodeAttention {
+    /// Gathered into a padded batch: [Bd, W] i64 slots and a [Bd, 1, 1, W] bool mask.
+    Gather { slots: Tensor, keep: Tensor },
+    /// Read in place by the paged CUDA kernel: [Bd, max_blocks] i32 block tables (slot =
+    /// id × block_size + offset) and [Bd] i32 context lengths.
+    Paged {
+        tables: Tensor,
+        lens: Tensor,
+        block_size: usize,
+    },
+}
+
 /// Tensors describing a flat batch, built once per forward and shared by all layers.
 pub struct PagedBatch {
     /// [N] i64 slots receiving the new keys and values.
     slot_mapping: Tensor,
-    /// Sequences with one new token that lead the batch, attended together:
-    /// (count, [Bd, max_ctx] i64 slots, [Bd, 1, 1, max_ctx] bool mask).
-    decode: Option<(usize, Tensor, Tensor)>,
+    /// Sequences with one new token that lead the batch, attended together.
+    decode: Option<(usize, DecodeAttention)>,
     /// The remaining sequences: (flat start, q_len, [ctx] i64 slots).
     prefill: Vec<(usize, usize, Tensor)>,
 }
@@ -121,12 +138,14 @@ impl PagedBatch {
             let rows = decode_count as i64;
             (
                 decode_count,
-                Tensor::from_slice(&slots)
-                    .view([rows, width as i64])
-                    .to(device),
-                Tensor::from_slice(&keep)
-                    .view([rows, 1, 1, width as i64])
-                    .to(device),
+                DecodeAttention::Gather {
+                    slots: Tensor::from_slice(&slots)
+                        .view([rows, width as i64])
+                        .to(device),
+                    keep: Tensor::from_slice(&keep)
+                        .view([rows, 1, 1, width as i64])
+                        .to(device),
+                },
             )
         });
         let mut start = decode_count;
@@ -154,7 +173,36 @@ impl PagedBatch {
         let rows = slots.size()[0] as usize;
         Self {
             slot_mapping: slot_mapping.shallow_clone(),
-            decode: Some((rows, slots.shallow_clone(), keep.shallow_clone())),
+            decode: Some((
+                rows,
+                DecodeAttention::Gather {
+                    slots: slots.shallow_clone(),
+                    keep: keep.shallow_clone(),
+                },
+            )),
+            prefill: Vec::new(),
+        }
+    }
+
+    /// Like [`PagedBatch::decode_only`], for the paged CUDA kernel (bf16 on CUDA only):
+    /// `tables` [B, max_blocks] i32 block ids, `lens` [B] i32 context lengths.
+    pub fn decode_paged(
+        slot_mapping: &Tensor,
+        tables: &Tensor,
+        lens: &Tensor,
+        block_size: usize,
+    ) -> Self {
+        let rows = tables.size()[0] as usize;
+        Self {
+            slot_mapping: slot_mapping.shallow_clone(),
+            decode: Some((
+                rows,
+                DecodeAttention::Paged {
+                    tables: tables.shallow_clone(),
+                    lens: lens.shallow_clone(),
+                    block_size,
+                },
+            )),
             prefill: Vec::new(),
         }
     }
@@ -193,7 +241,33 @@ impl SelfAttention {
         let rep = self.num_heads / self.num_kv_heads;
         let (hd, nkv) = (self.head_dim, self.num_kv_heads);
         let mut outs = Vec::with_capacity(1 + batch.prefill.len());
-        if let Some((rows, slots, keep)) = &batch.decode {
+        if let Some((
+            rows,
+            DecodeAttention::Paged {
+                tables,
+                lens,
+                block_size,
+            },
+        )) = &batch.decode
+        {
+            let qd = q.narrow(0, 0, *rows as i64).contiguous();
+            let mut out = qd.empty_like();
+            let scale = 1.0 / (hd as f64).sqrt();
+            if let Err(e) = manta_cuda::paged_decode_attention(
+                &qd,
+                &k_pool,
+                &v_pool,
+                tables,
+                lens,
+                &mut out,
+                *block_size,
+                scale,
+            ) {
+                panic!("paged decode attention: {e}");
+            }
+            outs.push(out.view([*rows as i64, self.num_heads * hd]));
+        }
+        if let Some((rows, DecodeAttention::Gather { slots, keep })) = &batch.decode {
             // One query per row: two batched matmuls over the row's gathered keys and values,
             // with the query heads of each key/value head side by side (no repeated K/V).
             let rows = *rows as i64;

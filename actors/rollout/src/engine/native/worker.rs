@@ -72,7 +72,14 @@ impl Worker {
     ) -> Self {
         // A sequence alone must always fit the pool, so preemption can always make progress.
         let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
-        let graphs = DecodeGraphs::new(device, sched.max_running, context_length, 0);
+        let graphs = DecodeGraphs::new(
+            device,
+            kv.kind(),
+            sched.max_running,
+            context_length,
+            sched.block_size,
+            0,
+        );
         Self {
             vs,
             model,
