@@ -169,7 +169,7 @@ mod tests {
         let _ = (&x * &w + 1.0).sum(Kind::Float); // warm-up
         let (graph, y) = CudaGraph::capture(0, None, || (&x * &w + 1.0).sum(Kind::Float)).unwrap();
         let mut xin = x.shallow_clone();
-        let _ = xin.copy_(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).to(dev));
+        xin.copy_(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).to(dev));
         graph.replay().unwrap();
         assert_eq!(y.double_value(&[]), 24.0);
         assert!(total_memory(0).unwrap() > 0);

@@ -30,6 +30,8 @@ pub enum Command {
     Flush(oneshot::Sender<bool>),
 }
 
+type UpdateReply = oneshot::Sender<Result<(), EngineError>>;
+
 /// A weight change waiting for the requests that arrived before it to finish.
 enum Update {
     Tensors(NamedTensors),
@@ -47,7 +49,7 @@ pub struct Worker {
     pub version: Arc<AtomicU64>,
     pub stats: Arc<EngineStats>,
     /// Requests with an id below this run on the old weights; later ones wait for the update.
-    updates: VecDeque<(u64, Update, u64, oneshot::Sender<Result<(), EngineError>>)>,
+    updates: VecDeque<(u64, Update, u64, UpdateReply)>,
     paused: Option<PauseMode>,
     /// CUDA graphs of decode steps (CUDA devices only).
     graphs: Option<DecodeGraphs>,
@@ -429,7 +431,7 @@ impl StepProfile {
 
     fn report(&self, rows: usize, stats: &EngineStats) {
         let step = stats.steps.load(Ordering::Relaxed);
-        if step % 32 == 0 {
+        if step.is_multiple_of(32) {
             // Printed, not logged: benchmarks run without a subscriber.
             eprintln!(
                 "engine step {step}: {rows} rows, prepare {:.2} ms, forward {:.2} ms, sample {:.2} ms",
