@@ -514,3 +514,34 @@ async fn abort_returns_the_partial_output_and_bad_requests_name_the_field() {
     // And the engine still serves.
     eng.generate(request(vec![1, 2], greedy(2))).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_update_waits_for_earlier_requests_and_versions_follow() {
+    let dir = model_dir();
+    let eng = engine(dir.path(), |_| {});
+    let prompt = prompts(1, 6).remove(0);
+    let early = {
+        let eng = eng.clone();
+        let prompt = prompt.clone();
+        tokio::spawn(async move { eng.generate(request(prompt, greedy(300))).await })
+    };
+    while eng.stats().steps.load(std::sync::atomic::Ordering::Relaxed) < 3 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Same weights, new version: the update applies once `early` is done.
+    eng.update_weights_from_disk(dir.path().to_path_buf(), 5)
+        .await
+        .unwrap();
+    let early = early.await.unwrap().unwrap();
+    assert_eq!(
+        early.output_ids.len(),
+        300,
+        "the earlier request finished first"
+    );
+    assert_eq!(early.weight_version, 0);
+    assert_eq!(eng.weight_version(), 5);
+    let late = eng.generate(request(prompt, greedy(4))).await.unwrap();
+    assert_eq!(late.weight_version, 5);
+    // The update cleared the prefix cache: nothing of the earlier request is reused.
+    assert_eq!(late.cached_tokens, 0);
+}

@@ -331,6 +331,7 @@ impl Engine for NativeEngine {
             params: request.params,
             rng: StdRng::seed_from_u64(seed),
             weight_version: self.version.load(Ordering::SeqCst),
+            started: false,
             reply: Some(tx),
         };
         if seq.params.max_new_tokens == 0 {

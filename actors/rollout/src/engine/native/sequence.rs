@@ -31,6 +31,8 @@ pub struct Sequence {
     pub stop: StopCheck,
     pub rng: StdRng,
     pub weight_version: u64,
+    /// Set when first scheduled; `weight_version` is read then.
+    pub started: bool,
     pub reply: Option<Reply>,
 }
 

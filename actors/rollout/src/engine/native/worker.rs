@@ -278,6 +278,16 @@ impl Worker {
         self.stats
             .preemptions
             .store(self.sched.preemptions, std::sync::atomic::Ordering::Relaxed);
+        // A request's weight version is the one it starts on (a weight update waits for
+        // requests that arrived before it, so later ones start on the new weights).
+        let version = self.version.load(std::sync::atomic::Ordering::SeqCst);
+        for p in &plan {
+            let seq = &mut self.sched.running[p.index];
+            if !seq.started {
+                seq.started = true;
+                seq.weight_version = version;
+            }
+        }
         for (mut seq, err) in rejected {
             seq.fail(err);
         }
