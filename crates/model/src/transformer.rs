@@ -243,13 +243,8 @@ impl SelfAttention {
         y.transpose(1, 2)
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        ctx: &Ctx,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
-    ) -> Tensor {
-        let (bsz, t) = (x.size()[0], x.size()[1]);
+    /// Queries, keys and values [B, heads, T, hd] of x [B, T, H], head-normed and rotated.
+    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
         let q = self.heads(x, &self.q_proj, &self.q_bias, self.num_heads, &self.q_norm);
         let k = self.heads(
             x,
@@ -259,9 +254,17 @@ impl SelfAttention {
             &self.k_norm,
         );
         let v = self.heads(x, &self.v_proj, &self.v_bias, self.num_kv_heads, &None);
-        let q = apply_rope(&q, &ctx.cos, &ctx.sin);
-        let mut k = apply_rope(&k, &ctx.cos, &ctx.sin);
-        let mut v = v;
+        (apply_rope(&q, cos, sin), apply_rope(&k, cos, sin), v)
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Ctx,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
+        let (bsz, t) = (x.size()[0], x.size()[1]);
+        let (q, mut k, mut v) = self.qkv(x, &ctx.cos, &ctx.sin);
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
                 k = Tensor::cat(&[pk, &k], 2);

@@ -220,17 +220,7 @@ impl SelfAttention {
         batch: &PagedBatch,
     ) -> Tensor {
         let n = x.size()[1];
-        let q = self.heads(x, &self.q_proj, &self.q_bias, self.num_heads, &self.q_norm);
-        let k = self.heads(
-            x,
-            &self.k_proj,
-            &self.k_bias,
-            self.num_kv_heads,
-            &self.k_norm,
-        );
-        let v = self.heads(x, &self.v_proj, &self.v_bias, self.num_kv_heads, &None);
-        let q = super::apply_rope(&q, cos, sin);
-        let k = super::apply_rope(&k, cos, sin);
+        let (q, k, v) = self.qkv(x, cos, sin);
         // [1, heads, N, hd] -> [N, heads, hd]
         let q = q.squeeze_dim(0).transpose(0, 1);
         let (k_pool, v_pool) = pools;
