@@ -26,24 +26,26 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 pub fn load_weights(vs: &mut VarStore, dir: &Path) -> Result<(), ModelError> {
     let files = checkpoint_files(dir)?;
     let variables = vs.variables();
-    let mut loaded: HashSet<String> = HashSet::new();
+    let mut maps = Vec::with_capacity(files.len());
     for file in &files {
         let handle = File::open(file).map_err(|e| ModelError::io(file, e))?;
         // SAFETY: the map is read-only and dropped before this function returns; a checkpoint
         // being rewritten underneath a running load is outside what any loader can guard.
         let mmap = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| ModelError::io(file, e))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Safetensors {
-            path: file.clone(),
-            message: e.to_string(),
-        })?;
-        for (name, view) in st.tensors() {
+        maps.push((file, mmap));
+    }
+    // First every name, shape and dtype is checked, then tensors are copied: a bad
+    // checkpoint leaves the model as it was (an engine keeps serving its old weights).
+    let mut loaded: HashSet<String> = HashSet::new();
+    for (file, mmap) in &maps {
+        for (name, view) in parse_safetensors(file, mmap)?.tensors() {
             let Some(var) = variables.get(&name) else {
                 if name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq") {
                     tracing::debug!(tensor = %name, file = %file.display(), "ignoring tensor the model does not use");
                     continue;
                 }
                 return Err(ModelError::UnexpectedTensor {
-                    path: file.clone(),
+                    path: (*file).clone(),
                     name,
                 });
             };
@@ -51,27 +53,19 @@ pub fn load_weights(vs: &mut VarStore, dir: &Path) -> Result<(), ModelError> {
             let expected = var.size();
             if found != expected {
                 return Err(ModelError::ShapeMismatch {
-                    path: file.clone(),
+                    path: (*file).clone(),
                     name,
                     expected,
                     found,
                 });
             }
-            let kind = kind_of(view.dtype()).ok_or_else(|| ModelError::Dtype {
-                path: file.clone(),
-                name: name.clone(),
-                dtype: format!("{:?}", view.dtype()),
-            })?;
-            let src = Tensor::f_from_data_size(view.data(), &found, kind).map_err(|e| {
-                ModelError::torch(format!("{}: reading `{name}`", file.display()), e)
-            })?;
-            let mut dst = var.shallow_clone();
-            tch::no_grad(|| dst.f_copy_(&src)).map_err(|e| {
-                ModelError::torch(
-                    format!("{}: copying `{name}` into the model", file.display()),
-                    e,
-                )
-            })?;
+            if kind_of(view.dtype()).is_none() {
+                return Err(ModelError::Dtype {
+                    path: (*file).clone(),
+                    name: name.clone(),
+                    dtype: format!("{:?}", view.dtype()),
+                });
+            }
             loaded.insert(name);
         }
     }
@@ -84,7 +78,32 @@ pub fn load_weights(vs: &mut VarStore, dir: &Path) -> Result<(), ModelError> {
             more: missing.len() - 1,
         });
     }
+    for (file, mmap) in &maps {
+        for (name, view) in parse_safetensors(file, mmap)?.tensors() {
+            let (Some(var), Some(kind)) = (variables.get(&name), kind_of(view.dtype())) else {
+                continue;
+            };
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            let src = Tensor::f_from_data_size(view.data(), &shape, kind).map_err(|e| {
+                ModelError::torch(format!("{}: reading `{name}`", file.display()), e)
+            })?;
+            let mut dst = var.shallow_clone();
+            tch::no_grad(|| dst.f_copy_(&src)).map_err(|e| {
+                ModelError::torch(
+                    format!("{}: copying `{name}` into the model", file.display()),
+                    e,
+                )
+            })?;
+        }
+    }
     Ok(())
+}
+
+fn parse_safetensors<'a>(file: &Path, mmap: &'a [u8]) -> Result<SafeTensors<'a>, ModelError> {
+    SafeTensors::deserialize(mmap).map_err(|e| ModelError::Safetensors {
+        path: file.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 /// The safetensors files of a checkpoint: the single file if present (as transformers

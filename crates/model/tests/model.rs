@@ -334,9 +334,20 @@ fn checkpoint_problems_name_the_tensor() {
             .filter(|(n, _)| n != "model.norm.weight")
             .collect();
     Tensor::write_safetensors(&tensors, dir.path().join("model.safetensors")).expect("write");
-    let (mut vs4, _) = model(&cfg, 9);
+    // Another seed, so that any tensor copied before the check would show.
+    let (mut vs4, _) = model(&cfg, 10);
+    let before: Vec<(String, Tensor)> = vs4
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
+        .collect();
     let err = load_weights(&mut vs4, dir.path()).expect_err("missing tensor");
     assert!(err.to_string().contains("model.norm.weight"), "{err}");
+    // Nothing was copied before the problem was found: the model is as it was.
+    let after = vs4.variables();
+    for (name, t) in &before {
+        assert!(t.equal(&after[name]), "{name} changed by a failed load");
+    }
 
     let empty = tempfile::tempdir().expect("tempdir");
     let err = load_weights(&mut vs4, empty.path()).expect_err("no checkpoint");
