@@ -171,6 +171,82 @@ pub struct TrainArgs {
     /// W&B run name [the run's directory name under --runs-dir].
     #[arg(long)]
     pub wandb_run: Option<String>,
+    /// How rewards become advantages, and the policy loss: grpo, gspo (sequence-level
+    /// ratio), cispo, reinforce_plus_plus, reinforce_plus_plus_baseline [grpo].
+    #[arg(long)]
+    pub advantage_estimator: Option<String>,
+    /// Dual-clip bound (> 1) on the loss of negative-advantage tokens [off].
+    #[arg(long)]
+    pub eps_clip_c: Option<f64>,
+    /// Add a KL penalty to the frozen reference model to the loss.
+    #[arg(long)]
+    pub use_kl_loss: bool,
+    /// Weight of the KL loss [0].
+    #[arg(long)]
+    pub kl_loss_coef: Option<f64>,
+    /// KL estimator: k1, k2, k3, low_var_kl [k1].
+    #[arg(long)]
+    pub kl_loss_type: Option<String>,
+    /// Weight the KL estimate by the importance ratio π/π_old.
+    #[arg(long)]
+    pub use_unbiased_kl: bool,
+    /// Reference model directory for the KL loss [the initial model].
+    #[arg(long)]
+    pub ref_load: Option<PathBuf>,
+    /// Entropy bonus coefficient [0].
+    #[arg(long, allow_negative_numbers = true)]
+    pub entropy_coef: Option<f64>,
+    /// GRPO advantages: centre rewards within the group without dividing by the std.
+    #[arg(long)]
+    pub disable_grpo_std_normalization: bool,
+    /// Whiten advantages over all trained tokens of the step.
+    #[arg(long)]
+    pub normalize_advantages: bool,
+    /// π_old is the engine's log-probs instead of the trainer's.
+    #[arg(long)]
+    pub use_rollout_logprobs: bool,
+    /// Truncated importance sampling of the loss by exp(train − rollout log-prob).
+    #[arg(long)]
+    pub use_tis: bool,
+    /// Upper TIS bound [2.0].
+    #[arg(long)]
+    pub tis_clip: Option<f64>,
+    /// Lower TIS bound [0].
+    #[arg(long)]
+    pub tis_clip_low: Option<f64>,
+    /// truncate: clamp the TIS weight into the band; mask: zero tokens outside it
+    /// (slime's icepop) [truncate].
+    #[arg(long)]
+    pub tis_mode: Option<String>,
+    /// Off-policy sequence masking: drop negative-advantage samples whose mean
+    /// log-ratio old/new exceeds --opsm-delta.
+    #[arg(long)]
+    pub use_opsm: bool,
+    /// OPSM threshold [1e-4].
+    #[arg(long)]
+    pub opsm_delta: Option<f64>,
+    /// Average the loss over all tokens of the step instead of per sample first.
+    #[arg(long)]
+    pub calculate_per_token_loss: bool,
+    /// Optimizer steps per rollout; the step's samples are split in order [1].
+    #[arg(long)]
+    pub num_steps_per_rollout: Option<usize>,
+    /// LR decay over the run: constant, linear, cosine [constant].
+    #[arg(long)]
+    pub lr_decay_style: Option<String>,
+    /// Optimizer steps of linear LR warmup from 0 [0].
+    #[arg(long)]
+    pub lr_warmup_iters: Option<u64>,
+    /// LR at the end of the decay [0].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Write each step's samples to this path, `{rollout_id}` replaced by the step
+    /// (from 0), one JSON object per line, as slime.
+    #[arg(long)]
+    pub save_debug_rollout_data: Option<String>,
+    /// Train from files written by --save-debug-rollout-data: no engine, no environment.
+    #[arg(long)]
+    pub load_debug_rollout_data: Option<String>,
 }
 
 impl TrainArgs {
@@ -203,6 +279,77 @@ impl TrainArgs {
             runs_dir: self.runs_dir.clone(),
             wandb_project: self.wandb_project.clone(),
             wandb_run: self.wandb_run.clone(),
+            advantage_estimator: self.advantage_estimator.clone(),
+            eps_clip_c: self.eps_clip_c,
+            use_kl_loss: flag(self.use_kl_loss),
+            kl_loss_coef: self.kl_loss_coef,
+            kl_loss_type: self.kl_loss_type.clone(),
+            use_unbiased_kl: flag(self.use_unbiased_kl),
+            ref_load: self.ref_load.clone(),
+            entropy_coef: self.entropy_coef,
+            disable_grpo_std_normalization: flag(self.disable_grpo_std_normalization),
+            normalize_advantages: flag(self.normalize_advantages),
+            use_rollout_logprobs: flag(self.use_rollout_logprobs),
+            use_tis: flag(self.use_tis),
+            tis_clip: self.tis_clip,
+            tis_clip_low: self.tis_clip_low,
+            tis_mode: self.tis_mode.clone(),
+            use_opsm: flag(self.use_opsm),
+            opsm_delta: self.opsm_delta,
+            calculate_per_token_loss: flag(self.calculate_per_token_loss),
+            num_steps_per_rollout: self.num_steps_per_rollout,
+            lr_decay_style: self.lr_decay_style.clone(),
+            lr_warmup_iters: self.lr_warmup_iters,
+            min_lr: self.min_lr,
+            save_debug_rollout_data: self.save_debug_rollout_data.clone(),
+            load_debug_rollout_data: self.load_debug_rollout_data.clone(),
         }
+    }
+}
+
+/// A store-true switch as a layer value: absent leaves the lower layer's choice.
+fn flag(on: bool) -> Option<bool> {
+    on.then_some(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slime_loss_flags_reach_the_settings() {
+        let cli = Cli::try_parse_from([
+            "driver",
+            "--advantage-estimator",
+            "gspo",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.01",
+            "--kl-loss-type",
+            "low_var_kl",
+            "--use-tis",
+            "--tis-mode",
+            "mask",
+            "--entropy-coef",
+            "-0.001",
+            "--num-steps-per-rollout",
+            "2",
+            "--lr-decay-style",
+            "cosine",
+            "--min-lr",
+            "1e-7",
+        ])
+        .unwrap();
+        let s = cli.train.overrides().resolve();
+        assert_eq!(s.algo.advantage_estimator, "gspo");
+        assert!(s.algo.use_kl_loss && s.algo.use_tis && !s.algo.use_opsm);
+        assert_eq!(s.algo.kl_loss_type, "low_var_kl");
+        assert_eq!(s.algo.tis_mode, "mask");
+        assert_eq!(s.algo.entropy_coef, -0.001);
+        assert_eq!(s.algo.num_steps_per_rollout, 2);
+        assert_eq!(
+            (s.algo.lr_decay_style.as_str(), s.algo.min_lr),
+            ("cosine", 1e-7)
+        );
     }
 }

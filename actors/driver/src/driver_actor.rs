@@ -57,6 +57,7 @@ pub struct RunPlan {
     pub rollout_batch_size: usize,
     pub n_samples: usize,
     pub generation: GenerationSettings,
+    pub advantages: crate::step::AdvantageSpec,
     /// First step to run (1 on a fresh run; checkpoint step + 1 on resume).
     pub first_step: u64,
     pub last_step: u64,
@@ -182,7 +183,14 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         reward = Empty,
         loss = Empty
     );
-    let outcome = run_step(&plan.actors, step, &tasks, plan.n_samples, plan.generation)
+    let outcome = run_step(
+        &plan.actors,
+        step,
+        &tasks,
+        plan.n_samples,
+        plan.generation,
+        plan.advantages,
+    )
         .instrument(span.clone())
         .await?;
     let m = &outcome.metrics;

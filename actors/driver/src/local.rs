@@ -18,7 +18,9 @@ use manta_runtime::OpenRewardAccess;
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
-use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
+use manta_trainer::loss::LossOptions;
+use manta_trainer::schedule::{DecayStyle, LrSchedule};
+use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
 use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
 use tch::Device;
@@ -132,9 +134,46 @@ pub fn trainer_options(settings: &TrainSettings, device: Device) -> TrainerOptio
         clip_grad: settings.clip_grad,
         temperature: settings.temperature,
         max_tokens_per_gpu: settings.max_tokens_per_gpu,
-        use_rollout_logprobs: false,
+        use_rollout_logprobs: settings.algo.use_rollout_logprobs,
         logprob_chunk: 1024,
         gradient_checkpointing: settings.gradient_checkpointing,
+        algo: algo_options(settings),
+    }
+}
+
+/// slime's loss and schedule flags for the trainer. The names were validated when the
+/// settings were resolved; an unknown one here falls back to slime's default.
+pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
+    let a = &settings.algo;
+    let steps = a.num_steps_per_rollout.max(1);
+    let style: DecayStyle = a.lr_decay_style.parse().unwrap_or_default();
+    let lr_schedule = (style != DecayStyle::Constant || a.lr_warmup_iters > 0).then(|| LrSchedule {
+        max_lr: settings.lr,
+        min_lr: a.min_lr,
+        warmup_steps: a.lr_warmup_iters,
+        decay_steps: (settings.num_rollout * steps) as u64,
+        style,
+    });
+    AlgoOptions {
+        loss: LossOptions {
+            estimator: a.advantage_estimator.parse().unwrap_or_default(),
+            eps_clip_c: a.eps_clip_c,
+            use_kl_loss: a.use_kl_loss,
+            kl_loss_coef: a.kl_loss_coef,
+            kl_loss_type: a.kl_loss_type.parse().unwrap_or_default(),
+            use_unbiased_kl: a.use_unbiased_kl,
+            entropy_coef: a.entropy_coef,
+            use_tis: a.use_tis,
+            tis_clip: a.tis_clip,
+            tis_clip_low: a.tis_clip_low,
+            tis_mode: a.tis_mode.parse().unwrap_or_default(),
+            use_opsm: a.use_opsm,
+            opsm_delta: a.opsm_delta,
+            calculate_per_token_loss: a.calculate_per_token_loss,
+        },
+        lr_schedule,
+        num_steps_per_rollout: steps,
+        ref_load: a.ref_load.clone(),
     }
 }
 

@@ -241,6 +241,7 @@ pub(crate) async fn run_with_actors(
             max_response_len: settings.max_response_len,
             context_len: settings.context_len,
         },
+        advantages: crate::step::AdvantageSpec::from_settings(&settings.algo)?,
         first_step,
         weight_version: first_step - 1,
         last_step: settings.num_rollout as u64,

@@ -8,9 +8,10 @@ use std::time::Instant;
 use anyhow::Context;
 use futures::future::join_all;
 use manta_core::advantage::is_zero_std;
-use manta_core::{group_advantages, AdvantageOptions, Sample, SampleStatus};
+use manta_core::{group_advantages, whiten_over_tokens, AdvantageOptions, Sample, SampleStatus};
 use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg, TaskRef};
 use manta_telemetry::StepMetrics;
+use manta_trainer::loss::AdvantageEstimator;
 use manta_trainer::TrainBatch;
 use manta_weight_sync::WeightSyncMsg;
 use ractor::{call, ActorRef};
@@ -125,6 +126,31 @@ async fn run_local(
     Ok(samples)
 }
 
+/// How a step turns rewards into advantages (slime's `--advantage-estimator`,
+/// `--disable-grpo-std-normalization`, `--normalize-advantages`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AdvantageSpec {
+    pub estimator: AdvantageEstimator,
+    /// Divide GRPO-family advantages by the group's std (+1e-6).
+    pub disable_std_normalization: bool,
+    /// Whiten the advantages over the step's trained tokens afterwards.
+    pub normalize_advantages: bool,
+}
+
+impl AdvantageSpec {
+    /// From resolved settings; an unknown estimator name is an error naming the flag.
+    pub fn from_settings(algo: &manta_config::AlgoSettings) -> anyhow::Result<Self> {
+        Ok(Self {
+            estimator: algo
+                .advantage_estimator
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--advantage-estimator: {e}"))?,
+            disable_std_normalization: algo.disable_grpo_std_normalization,
+            normalize_advantages: algo.normalize_advantages,
+        })
+    }
+}
+
 /// What a step produced.
 pub struct StepOutcome {
     pub metrics: StepMetrics,
@@ -139,6 +165,7 @@ pub async fn run_step(
     tasks: &[TaskRef],
     n_samples: usize,
     generation: GenerationSettings,
+    advantages: AdvantageSpec,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
     let per_step = (tasks.len() * n_samples) as u64;
@@ -160,7 +187,7 @@ pub async fn run_step(
     let rollout_time = started.elapsed().as_secs_f64();
 
     let mut m = rollout_metrics(&samples);
-    let (batch, trained_ids, zero_std) = build_batch(samples, n_samples);
+    let (batch, trained_ids, zero_std) = build_batch(samples, n_samples, advantages);
     m.insert("rollout/zero_std/count".into(), zero_std as f64);
 
     let train_started = Instant::now();
@@ -253,17 +280,26 @@ fn rollout_metrics(samples: &[Sample]) -> StepMetrics {
     m
 }
 
-/// Drops failed samples, computes each group's advantages over its remaining samples,
-/// and returns the batch, the trained ids and how many groups had zero reward spread.
-fn build_batch(samples: Vec<Sample>, n_samples: usize) -> (TrainBatch, Vec<u64>, usize) {
+/// Drops failed samples, computes each group's advantages over its remaining samples
+/// (as slime's estimators), and returns the batch, the trained ids and how many groups
+/// had zero reward spread.
+fn build_batch(
+    samples: Vec<Sample>,
+    n_samples: usize,
+    spec: AdvantageSpec,
+) -> (TrainBatch, Vec<u64>, usize) {
     let mut groups: BTreeMap<u32, Vec<Sample>> = BTreeMap::new();
     for s in samples {
         if s.status != SampleStatus::Failed {
             groups.entry(s.group_index).or_default().push(s);
         }
     }
+    let grpo_family = matches!(
+        spec.estimator,
+        AdvantageEstimator::Grpo | AdvantageEstimator::Gspo | AdvantageEstimator::Cispo
+    );
     let opts = AdvantageOptions {
-        normalize_std: n_samples > 1,
+        normalize_std: grpo_family && !spec.disable_std_normalization && n_samples > 1,
         ..Default::default()
     };
     let mut batch = TrainBatch {
@@ -278,8 +314,21 @@ fn build_batch(samples: Vec<Sample>, n_samples: usize) -> (TrainBatch, Vec<u64>,
         if is_zero_std(&rewards) {
             zero_std += 1;
         }
-        batch.advantages.extend(group_advantages(&rewards, opts));
+        if spec.estimator == AdvantageEstimator::ReinforcePlusPlus {
+            // REINFORCE++ (γ = 1, no KL reward penalty): every token's return is the reward.
+            batch.advantages.extend(rewards);
+        } else {
+            batch.advantages.extend(group_advantages(&rewards, opts));
+        }
         batch.samples.extend(group);
+    }
+    if spec.normalize_advantages {
+        let tokens: Vec<usize> = batch
+            .samples
+            .iter()
+            .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
+            .collect();
+        whiten_over_tokens(&mut batch.advantages, &tokens);
     }
     batch.global_samples = batch.samples.len();
     let ids = batch.samples.iter().map(|s| s.id).collect();
@@ -319,11 +368,58 @@ mod tests {
         let m = rollout_metrics(&samples);
         assert_eq!(m["rollout/failed_count"], 1.0);
         assert_eq!(m["rollout/raw_reward"], 0.75);
-        let (batch, ids, zero_std) = build_batch(samples, 3);
+        let (batch, ids, zero_std) = build_batch(samples, 3, AdvantageSpec::default());
         assert_eq!(ids, vec![0, 4, 2, 3]);
         assert_eq!(zero_std, 1); // group 0's surviving rewards agree
         assert_eq!(batch.advantages[0], 0.0);
         assert!(batch.advantages[2] > 0.0 && batch.advantages[3] < 0.0);
         assert_eq!(batch.global_samples, 4);
+    }
+
+    #[test]
+    fn estimators_shape_advantages_by_hand() {
+        let group = || {
+            vec![
+                sample(0, 0, 0, 1.0, SampleStatus::Completed),
+                sample(1, 0, 1, 0.0, SampleStatus::Completed),
+                sample(2, 0, 2, 0.5, SampleStatus::Completed),
+            ]
+        };
+        let spec = |estimator, disable_std_normalization, normalize_advantages| AdvantageSpec {
+            estimator,
+            disable_std_normalization,
+            normalize_advantages,
+        };
+        // rewards 1, 0, .5: mean .5, unbiased std .5
+        let (b, _, _) = build_batch(group(), 3, spec(AdvantageEstimator::Gspo, false, false));
+        let want = [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0];
+        for (g, w) in b.advantages.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{:?}", b.advantages);
+        }
+        let (b, _, _) = build_batch(group(), 3, spec(AdvantageEstimator::Grpo, true, false));
+        assert_eq!(b.advantages, vec![0.5, -0.5, 0.0]);
+        let (b, _, _) = build_batch(
+            group(),
+            3,
+            spec(AdvantageEstimator::ReinforcePlusPlusBaseline, false, false),
+        );
+        assert_eq!(b.advantages, vec![0.5, -0.5, 0.0]);
+        let (b, _, _) = build_batch(
+            group(),
+            3,
+            spec(AdvantageEstimator::ReinforcePlusPlus, false, false),
+        );
+        assert_eq!(b.advantages, vec![1.0, 0.0, 0.5]);
+        // whitened over one token each: mean .5, Bessel var .25 → (r - .5)/sqrt(.25 + 1e-8)
+        let (b, _, _) = build_batch(
+            group(),
+            3,
+            spec(AdvantageEstimator::ReinforcePlusPlus, false, true),
+        );
+        let s = (0.25f64 + 1e-8).sqrt();
+        let want = [0.5 / s, -0.5 / s, 0.0];
+        for (g, w) in b.advantages.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{:?}", b.advantages);
+        }
     }
 }

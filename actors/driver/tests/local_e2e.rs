@@ -135,6 +135,7 @@ fn three_local_steps_train_and_sync_then_resume() {
             use_rollout_logprobs: false,
             logprob_chunk: 64,
             gradient_checkpointing: false,
+            algo: Default::default(),
         };
         manta_trainer::Trainer::new(opts).unwrap().export_weights()
     };

@@ -3,6 +3,7 @@
 //! - [`loss`]: the clipped policy-gradient loss and its aggregation (REFERENCE.md §4).
 //! - [`batch`]: splitting a batch into micro-batches under a token budget.
 //! - [`optimizer`]: AdamW whose state can be checkpointed.
+//! - [`schedule`]: the learning-rate schedule (warmup, decay).
 //! - [`trainer`]: the model, optimizer and step, free of actor plumbing.
 //! - [`actor`]: the `TrainerActor` message interface.
 
@@ -10,7 +11,8 @@ pub mod actor;
 pub mod batch;
 pub mod loss;
 pub mod optimizer;
+pub mod schedule;
 pub mod trainer;
 
 pub use actor::{TrainerActor, TrainerArgs, TrainerMsg};
-pub use trainer::{NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};
+pub use trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};

@@ -11,8 +11,11 @@ use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
 use crate::batch::micro_batches;
-use crate::loss::{clipped_policy_loss, sample_mean_weights, ClipRange};
+use crate::loss::{
+    policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
+};
 use crate::optimizer::{AdamW, AdamWConfig};
+use crate::schedule::LrSchedule;
 
 /// Weights by HF name, as handed to weight sync.
 pub type NamedTensors = Vec<(String, Tensor)>;
@@ -51,6 +54,21 @@ pub struct TrainerOptions {
     /// Recompute each layer in the backward pass instead of keeping its activations
     /// (the cookbook always trains this way).
     pub gradient_checkpointing: bool,
+    /// Loss options, LR schedule, updates per rollout, reference model.
+    pub algo: AlgoOptions,
+}
+
+/// slime's algorithm flags beyond PPO-clip (REFERENCE.md §4); the default is plain GRPO
+/// with one update per rollout at a constant learning rate.
+#[derive(Debug, Clone, Default)]
+pub struct AlgoOptions {
+    pub loss: LossOptions,
+    /// `None`: `adam.lr` throughout.
+    pub lr_schedule: Option<LrSchedule>,
+    /// Optimizer steps per rollout (`--num-steps-per-rollout`); 0 counts as 1.
+    pub num_steps_per_rollout: usize,
+    /// Frozen KL reference (`--ref-load`); `None`: the initial weights.
+    pub ref_load: Option<PathBuf>,
 }
 
 /// One step's data for this rank.
@@ -76,6 +94,93 @@ pub struct Trainer {
     model: CausalLm,
     optimizer: AdamW,
     opts: TrainerOptions,
+    /// Frozen reference policy, kept only with `use_kl_loss`.
+    reference: Option<(nn::VarStore, CausalLm)>,
+}
+
+/// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
+struct Packed {
+    rows: i64,
+    width: i64,
+    input: Tensor,
+    key_mask: Tensor,
+    positions: Tensor,
+    /// Flat index of the hidden state predicting each trained token.
+    gather: Tensor,
+    targets: Tensor,
+    /// Trained tokens per sample.
+    masks: Vec<Vec<f32>>,
+    segment: Tensor,
+    counts: Tensor,
+}
+
+impl Packed {
+    fn new(samples: &[Sample], device: Device) -> Self {
+        let rows = samples.len() as i64;
+        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
+        let mut ids = vec![0i64; (rows * width) as usize];
+        let mut key_mask = vec![0i64; (rows * width) as usize];
+        let (mut gather, mut targets, mut segment, mut counts) = (vec![], vec![], vec![], vec![]);
+        let mut masks = Vec::with_capacity(samples.len());
+        for (b, s) in samples.iter().enumerate() {
+            let base = b * width as usize;
+            for (j, &t) in s.tokens.iter().enumerate() {
+                ids[base + j] = t as i64;
+                key_mask[base + j] = 1;
+            }
+            let prompt = s.prompt_length();
+            let mut mask = Vec::new();
+            for (k, &m) in s.loss_mask.iter().enumerate() {
+                if m == 1 {
+                    let pos = prompt + k;
+                    gather.push((base + pos - 1) as i64);
+                    targets.push(s.tokens[pos] as i64);
+                    segment.push(b as i64);
+                    mask.push(1.0f32);
+                }
+            }
+            counts.push(mask.len() as f32);
+            masks.push(mask);
+        }
+        Self {
+            rows,
+            width,
+            input: Tensor::from_slice(&ids).view([rows, width]).to(device),
+            key_mask: Tensor::from_slice(&key_mask).view([rows, width]).to(device),
+            positions: Tensor::arange(width, (Kind::Int64, device))
+                .unsqueeze(0)
+                .expand([rows, width], false),
+            gather: Tensor::from_slice(&gather).to(device),
+            targets: Tensor::from_slice(&targets).to(device),
+            masks,
+            segment: Tensor::from_slice(&segment).to(device),
+            counts: Tensor::from_slice(&counts).to(device),
+        }
+    }
+
+    fn tokens(&self) -> i64 {
+        self.targets.size()[0]
+    }
+
+    /// Log-probs of the trained tokens under `model`, without autograd.
+    fn logprobs(&self, model: &CausalLm, temperature: f64, chunk: i64) -> Tensor {
+        tch::no_grad(|| {
+            let hidden = model.forward_hidden(
+                &self.input,
+                &self.positions,
+                &Attention::Causal {
+                    key_mask: Some(&self.key_mask),
+                },
+                None,
+            );
+            let selected = hidden
+                .view([self.rows * self.width, -1])
+                .index_select(0, &self.gather);
+            manta_model::token_logprobs(model, &selected, &self.targets, temperature, chunk)
+                .0
+                .to_kind(Kind::Float)
+        })
+    }
 }
 
 impl Trainer {
@@ -93,6 +198,19 @@ impl Trainer {
         } else {
             info!(dir = %opts.model_dir.display(), seed = opts.seed, "no weights in model directory: random init");
         }
+        let reference = if opts.algo.loss.use_kl_loss {
+            let mut ref_vs = nn::VarStore::new(opts.device);
+            let mut ref_model = CausalLm::new(&ref_vs.root(), &cfg);
+            ref_model.set_gradient_checkpointing(false);
+            match &opts.algo.ref_load {
+                Some(dir) => manta_model::load_weights(&mut ref_vs, dir)?,
+                None => ref_vs.copy(&vs)?,
+            }
+            ref_vs.freeze();
+            Some((ref_vs, ref_model))
+        } else {
+            None
+        };
         let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let optimizer = AdamW::new(params, opts.adam);
         Ok(Self {
@@ -100,6 +218,7 @@ impl Trainer {
             model,
             optimizer,
             opts,
+            reference,
         })
     }
 
@@ -153,35 +272,85 @@ impl Trainer {
                 )));
             }
         }
-        self.optimizer.zero_grad();
-        let mut acc = Accumulator::default();
+        let steps = self.opts.algo.num_steps_per_rollout.max(1);
+        if steps > batch.samples.len() {
+            return Err(TrainerError::Batch(format!(
+                "--num-steps-per-rollout {steps} is more than the {} samples of the step",
+                batch.samples.len()
+            )));
+        }
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
-        for range in micro_batches(&lengths, self.opts.max_tokens_per_gpu) {
-            self.micro_step(
-                &batch.samples[range.clone()],
-                &batch.advantages[range],
-                batch.global_samples,
-                &mut acc,
-            )?;
+        let budget = self.opts.max_tokens_per_gpu;
+        // π_old: the weights before this rollout's first update. With one update per
+        // rollout the current weights are those, so no extra pass is needed.
+        let old: Option<Vec<Tensor>> = (steps > 1).then(|| {
+            micro_batches(&lengths, budget)
+                .into_iter()
+                .flat_map(|r| {
+                    let samples = &batch.samples[r];
+                    let packed = Packed::new(samples, self.opts.device);
+                    let lp = packed.logprobs(
+                        &self.model,
+                        self.opts.temperature,
+                        self.opts.logprob_chunk,
+                    );
+                    let sizes: Vec<i64> = packed.masks.iter().map(|m| m.len() as i64).collect();
+                    lp.split_with_sizes(&sizes, 0)
+                })
+                .collect()
+        });
+        let n = batch.samples.len();
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut lr = self.opts.adam.lr;
+        for k in 0..steps {
+            // slime: global batch = samples / num_steps_per_rollout, in order.
+            let chunk = (k * n / steps)..((k + 1) * n / steps);
+            let chunk_global = batch.global_samples * chunk.len() / n.max(1);
+            let chunk_tokens: usize = batch.samples[chunk.clone()]
+                .iter()
+                .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
+                .sum();
+            self.optimizer.zero_grad();
+            let mut acc = Accumulator::default();
+            let base = chunk.start;
+            for range in micro_batches(&lengths[chunk.clone()], budget) {
+                let r = (base + range.start)..(base + range.end);
+                let old_r = old.as_ref().map(|o| &o[r.clone()]);
+                self.micro_step(
+                    &batch.samples[r.clone()],
+                    &batch.advantages[r],
+                    old_r,
+                    chunk_global,
+                    chunk_tokens,
+                    &mut acc,
+                )?;
+            }
+            if let Some(schedule) = &self.opts.algo.lr_schedule {
+                self.optimizer.config.lr = schedule.lr_at(self.optimizer.step_count());
+            }
+            lr = self.optimizer.config.lr;
+            let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad);
+            self.optimizer.step();
+            self.optimizer.zero_grad();
+            *sums.entry("train/grad_norm".into()).or_default() += grad_norm;
+            *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
+            for (name, v) in acc.metrics {
+                *sums.entry(format!("train/{name}")).or_default() += v;
+            }
         }
-        let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad);
-        self.optimizer.step();
-        self.optimizer.zero_grad();
-        let mut m = BTreeMap::new();
-        m.insert("train/loss".into(), acc.loss);
-        m.insert("train/pg_loss".into(), acc.loss);
-        m.insert("train/pg_clipfrac".into(), acc.clipfrac);
-        m.insert("train/ppo_kl".into(), acc.kl);
-        m.insert("train/entropy_loss".into(), acc.entropy);
-        m.insert("train/grad_norm".into(), grad_norm);
-        m.insert("train/lr".into(), self.opts.adam.lr);
-        if acc.tokens > 0 {
-            m.insert(
-                "train/train_rollout_logprob_abs_diff".into(),
-                acc.abs_diff_sum / acc.tokens as f64,
-            );
-        }
-        m.insert("train/tokens".into(), acc.tokens as f64);
+        // Several updates per rollout: each metric is the mean over the updates.
+        let mut m: BTreeMap<String, f64> = sums
+            .into_iter()
+            .map(|(k, v)| {
+                let v = if k == "train/tokens" {
+                    v
+                } else {
+                    v / steps as f64
+                };
+                (k, v)
+            })
+            .collect();
+        m.insert("train/lr".into(), lr);
         Ok(m)
     }
 
@@ -189,95 +358,107 @@ impl Trainer {
         &mut self,
         samples: &[Sample],
         advantages: &[f64],
+        old: Option<&[Tensor]>,
         global_samples: usize,
+        global_tokens: usize,
         acc: &mut Accumulator,
     ) -> Result<(), TrainerError> {
         let device = self.opts.device;
-        let rows = samples.len() as i64;
-        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
-        let mut ids = vec![0i64; (rows * width) as usize];
-        let mut key_mask = vec![0i64; (rows * width) as usize];
-        // Trained tokens: flat index of the hidden state that predicts them, target id,
-        // per-token weight, advantage and rollout log-prob.
-        let (mut gather, mut targets, mut adv, mut rollout_lp) = (vec![], vec![], vec![], vec![]);
-        let mut masks = Vec::with_capacity(samples.len());
-        for (b, (s, &a)) in samples.iter().zip(advantages).enumerate() {
-            let base = b * width as usize;
-            for (j, &t) in s.tokens.iter().enumerate() {
-                ids[base + j] = t as i64;
-                key_mask[base + j] = 1;
-            }
-            let prompt = s.prompt_length();
-            let mut mask = Vec::new();
-            for (k, &m) in s.loss_mask.iter().enumerate() {
-                if m == 1 {
-                    let pos = prompt + k;
-                    gather.push((base + pos - 1) as i64);
-                    targets.push(s.tokens[pos] as i64);
-                    adv.push(a as f32);
-                    rollout_lp.push(s.rollout_log_probs[k]);
-                    mask.push(1.0f32);
-                }
-            }
-            masks.push(mask);
-        }
-        let weights = sample_mean_weights(&masks, global_samples);
-        if gather.is_empty() {
+        let packed = Packed::new(samples, device);
+        if packed.tokens() == 0 {
             return Ok(());
         }
-        let input = Tensor::from_slice(&ids).view([rows, width]).to(device);
-        let key_mask = Tensor::from_slice(&key_mask).view([rows, width]).to(device);
-        let positions = Tensor::arange(width, (Kind::Int64, device))
-            .unsqueeze(0)
-            .expand([rows, width], false);
-        let gather = Tensor::from_slice(&gather).to(device);
-        let targets = Tensor::from_slice(&targets).to(device);
+        let loss_opts = self.opts.algo.loss;
+        let weights = if loss_opts.calculate_per_token_loss {
+            token_mean_weights(&packed.masks, global_tokens)
+        } else {
+            sample_mean_weights(&packed.masks, global_samples)
+        };
+        let mut adv = Vec::new();
+        let mut rollout_lp = Vec::new();
+        for (s, &a) in samples.iter().zip(advantages) {
+            for (k, &m) in s.loss_mask.iter().enumerate() {
+                if m == 1 {
+                    adv.push(a as f32);
+                    rollout_lp.push(s.rollout_log_probs[k]);
+                }
+            }
+        }
         let rollout_lp = Tensor::from_slice(&rollout_lp).to(device);
         let adv = Tensor::from_slice(&adv).to(device);
         let w = Tensor::from_slice(&weights).to(device);
+        let old = old.map(|o| Tensor::cat(o, 0).to(device));
+        let ref_logp = self.reference.as_ref().map(|(_, model)| {
+            packed.logprobs(model, self.opts.temperature, self.opts.logprob_chunk)
+        });
         let (model, opts) = (&self.model, &self.opts);
+        let (rows, width) = (packed.rows, packed.width);
         // forward_backward recomputes each layer in backward when gradient checkpointing
         // is on; the loss closure also collects the step's metrics.
-        // The loss value is already accumulated inside the closure.
         let _ = self.model.forward_backward(
-            &input,
-            &positions,
+            &packed.input,
+            &packed.positions,
             &Attention::Causal {
-                key_mask: Some(&key_mask),
+                key_mask: Some(&packed.key_mask),
             },
             |hidden| {
-                let selected = hidden.view([rows * width, -1]).index_select(0, &gather);
-                let (logp, entropy) = manta_model::token_logprobs(
-                    model,
-                    &selected,
-                    &targets,
-                    opts.temperature,
-                    opts.logprob_chunk,
-                );
-                let logp = logp.to_kind(Kind::Float);
-                let old = if opts.use_rollout_logprobs {
+                let selected = hidden
+                    .view([rows * width, -1])
+                    .index_select(0, &packed.gather);
+                let (logp, entropy) = if loss_opts.entropy_coef != 0.0 {
+                    // The entropy bonus needs its gradient: full log-softmax with autograd.
+                    let mut logits = model.logits(&selected).to_kind(Kind::Float);
+                    if opts.temperature != 1.0 {
+                        logits /= opts.temperature;
+                    }
+                    let all = logits.log_softmax(-1, None::<Kind>);
+                    let logp = all
+                        .gather(-1, &packed.targets.unsqueeze(-1), false)
+                        .squeeze_dim(-1);
+                    let entropy = -(all.exp() * &all).sum_dim_intlist(-1, false, None::<Kind>);
+                    (logp, entropy)
+                } else {
+                    let (logp, entropy) = manta_model::token_logprobs(
+                        model,
+                        &selected,
+                        &packed.targets,
+                        opts.temperature,
+                        opts.logprob_chunk,
+                    );
+                    (logp.to_kind(Kind::Float), entropy.to_kind(Kind::Float))
+                };
+                let train_logp = old
+                    .as_ref()
+                    .map_or_else(|| logp.detach(), |o| o.shallow_clone());
+                let old_logp = if opts.use_rollout_logprobs {
                     rollout_lp.shallow_clone()
                 } else {
-                    logp.detach()
+                    train_logp.shallow_clone()
                 };
-                let (loss_tok, clipfrac) = clipped_policy_loss(&logp, &old, &adv, opts.clip);
-                let loss = (&loss_tok * &w).sum(Kind::Float);
-                tch::no_grad(|| {
-                    acc.loss += loss.double_value(&[]);
-                    acc.clipfrac += (&clipfrac * &w).sum(Kind::Double).double_value(&[]);
-                    acc.kl += ((&old - &logp) * &w).sum(Kind::Double).double_value(&[]);
-                    acc.entropy += (entropy.to_kind(Kind::Float) * &w)
-                        .sum(Kind::Double)
-                        .double_value(&[]);
-                    acc.abs_diff_sum += (&logp - &rollout_lp)
-                        .abs()
-                        .sum(Kind::Double)
-                        .double_value(&[]);
-                });
-                loss
+                let terms = policy_objective(
+                    &TokenBatch {
+                        logp: &logp,
+                        entropy: &entropy,
+                        old_logp: &old_logp,
+                        train_logp: &train_logp,
+                        rollout_logp: &rollout_lp,
+                        ref_logp: ref_logp.as_ref(),
+                        advantages: &adv,
+                        weights: &w,
+                        segment: &packed.segment,
+                        counts: &packed.counts,
+                        use_rollout_logprobs: opts.use_rollout_logprobs,
+                    },
+                    opts.clip,
+                    &loss_opts,
+                );
+                for (name, v) in terms.metrics {
+                    *acc.metrics.entry(name).or_default() += v;
+                }
+                terms.loss
             },
         );
-        acc.tokens += targets.size()[0] as usize;
+        acc.tokens += packed.tokens() as usize;
         Ok(())
     }
 
@@ -336,10 +517,7 @@ pub fn has_weights(dir: &Path) -> bool {
 
 #[derive(Default)]
 struct Accumulator {
-    loss: f64,
-    clipfrac: f64,
-    kl: f64,
-    entropy: f64,
-    abs_diff_sum: f64,
+    /// Weighted metric sums over the micro-batches of one optimizer step.
+    metrics: BTreeMap<&'static str, f64>,
     tokens: usize,
 }

@@ -29,6 +29,7 @@ fn options(gradient_checkpointing: bool) -> TrainerOptions {
         use_rollout_logprobs: false,
         logprob_chunk: 4,
         gradient_checkpointing,
+        algo: Default::default(),
     }
 }
 

@@ -19,7 +19,7 @@ pub use cluster::{
     TrainerFailurePolicy, TrainerSection,
 };
 pub use error::ConfigError;
-pub use settings::{TrainOverrides, TrainSettings};
+pub use settings::{AlgoSettings, TrainOverrides, TrainSettings};
 pub use train::{
     format_system_prompt, EnvironmentConfig, RewardReduction, TrainConfig, DEFAULT_SYSTEM_PROMPT,
 };

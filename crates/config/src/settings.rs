@@ -38,6 +38,30 @@ pub struct TrainOverrides {
     pub runs_dir: Option<PathBuf>,
     pub wandb_project: Option<String>,
     pub wandb_run: Option<String>,
+    pub advantage_estimator: Option<String>,
+    pub eps_clip_c: Option<f64>,
+    pub use_kl_loss: Option<bool>,
+    pub kl_loss_coef: Option<f64>,
+    pub kl_loss_type: Option<String>,
+    pub use_unbiased_kl: Option<bool>,
+    pub ref_load: Option<PathBuf>,
+    pub entropy_coef: Option<f64>,
+    pub disable_grpo_std_normalization: Option<bool>,
+    pub normalize_advantages: Option<bool>,
+    pub use_rollout_logprobs: Option<bool>,
+    pub use_tis: Option<bool>,
+    pub tis_clip: Option<f64>,
+    pub tis_clip_low: Option<f64>,
+    pub tis_mode: Option<String>,
+    pub use_opsm: Option<bool>,
+    pub opsm_delta: Option<f64>,
+    pub calculate_per_token_loss: Option<bool>,
+    pub num_steps_per_rollout: Option<usize>,
+    pub lr_decay_style: Option<String>,
+    pub lr_warmup_iters: Option<u64>,
+    pub min_lr: Option<f64>,
+    pub save_debug_rollout_data: Option<String>,
+    pub load_debug_rollout_data: Option<String>,
 }
 
 /// Resolved settings the driver runs with.
@@ -84,7 +108,59 @@ pub struct TrainSettings {
     pub wandb_project: Option<String>,
     /// W&B run name [the run's directory name].
     pub wandb_run: Option<String>,
+    /// slime's loss and schedule options (REFERENCE.md §4), slime's defaults.
+    pub algo: AlgoSettings,
+    /// `--save-debug-rollout-data`: a path with `{rollout_id}`, one file per step.
+    pub save_debug_rollout_data: Option<String>,
+    /// `--load-debug-rollout-data`: train from such files; no engine, no environment.
+    pub load_debug_rollout_data: Option<String>,
 }
+
+/// slime's algorithm flags, resolved. Names are slime's; enums stay strings here
+/// (validated against [`ADVANTAGE_ESTIMATORS`] etc.) and are parsed by the trainer.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct AlgoSettings {
+    pub advantage_estimator: String,
+    /// Dual-clip bound (> 1); `None` is off.
+    pub eps_clip_c: Option<f64>,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: String,
+    pub use_unbiased_kl: bool,
+    /// Frozen reference weights; `None` is the initial model.
+    pub ref_load: Option<PathBuf>,
+    pub entropy_coef: f64,
+    pub disable_grpo_std_normalization: bool,
+    pub normalize_advantages: bool,
+    pub use_rollout_logprobs: bool,
+    pub use_tis: bool,
+    pub tis_clip: f64,
+    pub tis_clip_low: f64,
+    /// `truncate` (clamp the weight) or `mask` (zero tokens outside the band).
+    pub tis_mode: String,
+    pub use_opsm: bool,
+    pub opsm_delta: f64,
+    pub calculate_per_token_loss: bool,
+    pub num_steps_per_rollout: usize,
+    pub lr_decay_style: String,
+    pub lr_warmup_iters: u64,
+    pub min_lr: f64,
+}
+
+/// Values of `--advantage-estimator`.
+pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
+    "grpo",
+    "gspo",
+    "cispo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+];
+/// Values of `--kl-loss-type`.
+pub const KL_LOSS_TYPES: &[&str] = &["k1", "k2", "k3", "low_var_kl"];
+/// Values of `--tis-mode`.
+pub const TIS_MODES: &[&str] = &["truncate", "mask"];
+/// Values of `--lr-decay-style`.
+pub const LR_DECAY_STYLES: &[&str] = &["constant", "linear", "cosine"];
 
 impl TrainOverrides {
     /// `self` wins over `lower` key by key.
@@ -118,7 +194,31 @@ impl TrainOverrides {
             run_name,
             runs_dir,
             wandb_project,
-            wandb_run
+            wandb_run,
+            advantage_estimator,
+            eps_clip_c,
+            use_kl_loss,
+            kl_loss_coef,
+            kl_loss_type,
+            use_unbiased_kl,
+            ref_load,
+            entropy_coef,
+            disable_grpo_std_normalization,
+            normalize_advantages,
+            use_rollout_logprobs,
+            use_tis,
+            tis_clip,
+            tis_clip_low,
+            tis_mode,
+            use_opsm,
+            opsm_delta,
+            calculate_per_token_loss,
+            num_steps_per_rollout,
+            lr_decay_style,
+            lr_warmup_iters,
+            min_lr,
+            save_debug_rollout_data,
+            load_debug_rollout_data
         )
     }
 
@@ -177,6 +277,7 @@ impl TrainOverrides {
             ("max_tokens_per_gpu", self.max_tokens_per_gpu),
             ("num_rollout", self.num_rollout),
             ("context_len", self.context_len),
+            ("num_steps_per_rollout", self.num_steps_per_rollout),
         ];
         for (name, value) in at_least_one {
             if value == Some(0) {
@@ -200,6 +301,77 @@ impl TrainOverrides {
                     key(name),
                     "\"\"",
                     "must not be empty",
+                ));
+            }
+        }
+        let choices = [
+            (
+                "advantage_estimator",
+                &self.advantage_estimator,
+                ADVANTAGE_ESTIMATORS,
+            ),
+            ("kl_loss_type", &self.kl_loss_type, KL_LOSS_TYPES),
+            ("tis_mode", &self.tis_mode, TIS_MODES),
+            ("lr_decay_style", &self.lr_decay_style, LR_DECAY_STYLES),
+        ];
+        for (name, value, allowed) in choices {
+            if let Some(v) = value {
+                if !allowed.contains(&v.as_str()) {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        format!("{v:?}"),
+                        format!("must be one of {}", allowed.join(", ")),
+                    ));
+                }
+            }
+        }
+        let non_negative = [
+            ("kl_loss_coef", self.kl_loss_coef),
+            ("tis_clip", self.tis_clip),
+            ("tis_clip_low", self.tis_clip_low),
+            ("min_lr", self.min_lr),
+            ("opsm_delta", self.opsm_delta),
+        ];
+        for (name, value) in non_negative {
+            if let Some(v) = value {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        v,
+                        "must be a finite number >= 0",
+                    ));
+                }
+            }
+        }
+        if let Some(v) = self.entropy_coef {
+            if !v.is_finite() {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key("entropy_coef"),
+                    v,
+                    "must be finite",
+                ));
+            }
+        }
+        if let Some(v) = self.eps_clip_c {
+            if !(v.is_finite() && v > 1.0) {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key("eps_clip_c"),
+                    v,
+                    "the dual-clip bound must be a finite number > 1",
+                ));
+            }
+        }
+        if let (Some(low), Some(high)) = (self.tis_clip_low, self.tis_clip) {
+            if low > high {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key("tis_clip_low"),
+                    low,
+                    format!("must not exceed tis_clip ({high})"),
                 ));
             }
         }
@@ -238,6 +410,34 @@ impl TrainOverrides {
             runs_dir: self.runs_dir.unwrap_or_else(|| PathBuf::from("runs")),
             wandb_project: self.wandb_project,
             wandb_run: self.wandb_run,
+            algo: AlgoSettings {
+                advantage_estimator: self.advantage_estimator.unwrap_or_else(|| "grpo".into()),
+                eps_clip_c: self.eps_clip_c,
+                use_kl_loss: self.use_kl_loss.unwrap_or(false),
+                kl_loss_coef: self.kl_loss_coef.unwrap_or(0.0),
+                kl_loss_type: self.kl_loss_type.unwrap_or_else(|| "k1".into()),
+                use_unbiased_kl: self.use_unbiased_kl.unwrap_or(false),
+                ref_load: self.ref_load,
+                entropy_coef: self.entropy_coef.unwrap_or(0.0),
+                disable_grpo_std_normalization: self
+                    .disable_grpo_std_normalization
+                    .unwrap_or(false),
+                normalize_advantages: self.normalize_advantages.unwrap_or(false),
+                use_rollout_logprobs: self.use_rollout_logprobs.unwrap_or(false),
+                use_tis: self.use_tis.unwrap_or(false),
+                tis_clip: self.tis_clip.unwrap_or(2.0),
+                tis_clip_low: self.tis_clip_low.unwrap_or(0.0),
+                tis_mode: self.tis_mode.unwrap_or_else(|| "truncate".into()),
+                use_opsm: self.use_opsm.unwrap_or(false),
+                opsm_delta: self.opsm_delta.unwrap_or(1e-4),
+                calculate_per_token_loss: self.calculate_per_token_loss.unwrap_or(false),
+                num_steps_per_rollout: self.num_steps_per_rollout.unwrap_or(1),
+                lr_decay_style: self.lr_decay_style.unwrap_or_else(|| "constant".into()),
+                lr_warmup_iters: self.lr_warmup_iters.unwrap_or(0),
+                min_lr: self.min_lr.unwrap_or(0.0),
+            },
+            save_debug_rollout_data: self.save_debug_rollout_data,
+            load_debug_rollout_data: self.load_debug_rollout_data,
         }
     }
 }
@@ -306,5 +506,62 @@ mod tests {
             err.contains("train.adam_beta2") && err.contains("1.5"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn loss_flags_layer_and_bad_choices_are_named() {
+        let flags = TrainOverrides {
+            use_kl_loss: Some(true),
+            kl_loss_type: Some("low_var_kl".into()),
+            ..Default::default()
+        };
+        let file = TrainOverrides {
+            kl_loss_type: Some("k2".into()),
+            kl_loss_coef: Some(0.01),
+            ..Default::default()
+        };
+        let s = flags.over(file).resolve();
+        assert!(s.algo.use_kl_loss);
+        assert_eq!(s.algo.kl_loss_type, "low_var_kl");
+        assert_eq!(s.algo.kl_loss_coef, 0.01);
+        assert_eq!(s.algo.advantage_estimator, "grpo");
+        assert_eq!((s.algo.tis_clip, s.algo.tis_clip_low), (2.0, 0.0));
+        assert_eq!(s.algo.num_steps_per_rollout, 1);
+        let bad = TrainOverrides {
+            advantage_estimator: Some("ppo".into()),
+            ..Default::default()
+        };
+        let err = bad
+            .validate(Path::new("command line"), "--")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--advantage-estimator")
+                && err.contains("\"ppo\"")
+                && err.contains("gspo"),
+            "{err}"
+        );
+        let bad = TrainOverrides {
+            eps_clip_c: Some(0.5),
+            ..Default::default()
+        };
+        let err = bad
+            .validate(Path::new("c.toml"), "train.")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.eps_clip_c") && err.contains("> 1"),
+            "{err}"
+        );
+        let bad = TrainOverrides {
+            tis_clip: Some(1.0),
+            tis_clip_low: Some(2.0),
+            ..Default::default()
+        };
+        let err = bad
+            .validate(Path::new("command line"), "--")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--tis-clip-low"), "{err}");
     }
 }

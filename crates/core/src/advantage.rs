@@ -46,6 +46,27 @@ pub fn is_zero_std(rewards: &[f64]) -> bool {
     var.sqrt() <= 1e-6
 }
 
+/// Whitens per-sample advantages over the batch's trained tokens, as slime's
+/// `--normalize-advantages` does (masked mean, Bessel-corrected variance, `rsqrt(var +
+/// 1e-8)`): a sample counts once per trained token, so `tokens[i]` weights `adv[i]`.
+pub fn whiten_over_tokens(adv: &mut [f64], tokens: &[usize]) {
+    let n: f64 = tokens.iter().map(|&t| t as f64).sum();
+    if n == 0.0 {
+        return;
+    }
+    let sum: f64 = adv.iter().zip(tokens).map(|(a, &t)| a * t as f64).sum();
+    let sum_sq: f64 = adv.iter().zip(tokens).map(|(a, &t)| a * a * t as f64).sum();
+    let mean = sum / n;
+    let mut var = sum_sq / n - mean * mean;
+    if n >= 2.0 {
+        var *= n / (n - 1.0);
+    }
+    let scale = 1.0 / (var + 1e-8).sqrt();
+    for a in adv.iter_mut() {
+        *a = (*a - mean) * scale;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,6 +112,19 @@ mod tests {
         assert_eq!(
             group_advantages(&[0.9], AdvantageOptions::default()),
             vec![0.0]
+        );
+    }
+
+    #[test]
+    fn whitening_weights_samples_by_their_tokens() {
+        // adv [1, -1] over 3 and 1 tokens: tokens [1, 1, 1, -1], mean .5,
+        // var (3·.25 + 2.25)/3 = 1 (Bessel) → [(1-.5)/1, (-1-.5)/1]
+        let mut a = vec![1.0, -1.0];
+        whiten_over_tokens(&mut a, &[3, 1]);
+        let s = 1.0 / (1.0f64 + 1e-8).sqrt();
+        assert!(
+            (a[0] - 0.5 * s).abs() < 1e-12 && (a[1] + 1.5 * s).abs() < 1e-12,
+            "{a:?}"
         );
     }
 }

@@ -9,6 +9,6 @@ pub mod pyjson;
 pub mod sample;
 pub mod wire;
 
-pub use advantage::{group_advantages, AdvantageOptions};
+pub use advantage::{group_advantages, whiten_over_tokens, AdvantageOptions};
 pub use sample::{EpisodeMetadata, Sample, SampleStatus};
 pub use wire::WireError;

@@ -327,6 +327,8 @@ impl TrainerSpawnConfig {
             use_rollout_logprobs: self.use_rollout_logprobs,
             logprob_chunk: self.logprob_chunk,
             gradient_checkpointing: self.gradient_checkpointing,
+            // Remote trainers do not receive slime's loss flags yet: plain GRPO.
+            algo: Default::default(),
         })
     }
 }
