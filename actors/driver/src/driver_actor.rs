@@ -58,6 +58,8 @@ pub struct RunPlan {
     pub n_samples: usize,
     pub generation: GenerationSettings,
     pub advantages: crate::step::AdvantageSpec,
+    /// `--save-debug-rollout-data` template.
+    pub save_debug: Option<String>,
     /// First step to run (1 on a fresh run; checkpoint step + 1 on resume).
     pub first_step: u64,
     pub last_step: u64,
@@ -190,9 +192,10 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         plan.n_samples,
         plan.generation,
         plan.advantages,
+        plan.save_debug.as_deref(),
     )
-        .instrument(span.clone())
-        .await?;
+    .instrument(span.clone())
+    .await?;
     let m = &outcome.metrics;
     if let Some(reward) = m.get("rollout/raw_reward") {
         span.record("reward", reward);

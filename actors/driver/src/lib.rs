@@ -2,6 +2,7 @@
 //! `main.rs` is the `driver` binary; everything else is here so tests can drive it.
 
 pub mod cli;
+pub mod debug_data;
 pub mod driver_actor;
 pub mod generate;
 pub mod local;

@@ -124,6 +124,9 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     if cluster.mode == ClusterMode::Remote {
         return crate::remote::train_remote(cluster, train, settings, stop).await;
     }
+    if let Some(template) = settings.load_debug_rollout_data.clone() {
+        return train_from_debug_data(template, &train, &settings, stop).await;
+    }
     let worker = local::start(&cluster, &train, &settings, true).await?;
     let (trainer, weight_sync) = match (&worker.trainer, &worker.weight_sync) {
         (Some(t), Some(w)) => (t.clone(), w.clone()),
@@ -146,6 +149,37 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     )
     .await;
     worker.shutdown().await;
+    result
+}
+
+/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32); each step
+/// trains on the saved samples of that rollout.
+async fn train_from_debug_data(
+    template: String,
+    train: &TrainConfig,
+    settings: &TrainSettings,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<RunSummary> {
+    let trainer = manta_runtime::spawn::spawn_trainer(
+        "trainer",
+        local::trainer_options(settings, tch::Device::Cpu),
+    )
+    .await
+    .context("starting the trainer")?;
+    let actors = StepActors {
+        trainer: TrainerHandle::Local(trainer.clone()),
+        rollouts: Rollouts::DebugData { template },
+    };
+    let result = run_with_actors(
+        &Default::default(),
+        actors,
+        train,
+        settings,
+        TrainerRecovery::default(),
+        stop,
+    )
+    .await;
+    trainer.stop(None);
     result
 }
 
@@ -174,6 +208,8 @@ pub(crate) async fn run_with_actors(
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
     let tasks = match &settings.task_data {
+        // Debug data replaces the tasks: one placeholder keeps the step loop's shape.
+        _ if settings.load_debug_rollout_data.is_some() => vec![debug_task(train)],
         Some(path) => read_tasks_jsonl(path)?,
         None => list_tasks(env_clients, train).await?,
     };
@@ -242,6 +278,7 @@ pub(crate) async fn run_with_actors(
             context_len: settings.context_len,
         },
         advantages: crate::step::AdvantageSpec::from_settings(&settings.algo)?,
+        save_debug: settings.save_debug_rollout_data.clone(),
         first_step,
         weight_version: first_step - 1,
         last_step: settings.num_rollout as u64,
@@ -259,4 +296,21 @@ pub(crate) async fn run_with_actors(
     driver.stop(None);
     let _ = handle.await;
     summary.map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The task every step "samples" when training from debug rollout data.
+fn debug_task(train: &TrainConfig) -> manta_rollout::TaskRef {
+    let environment = train
+        .environments
+        .keys()
+        .next()
+        .cloned()
+        .unwrap_or_default();
+    manta_rollout::TaskRef {
+        environment: environment.clone(),
+        split: "debug".into(),
+        task_spec: serde_json::Value::Null,
+        task_hash: "debug-rollout-data".into(),
+        server_env: environment,
+    }
 }

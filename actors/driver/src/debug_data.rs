@@ -1,0 +1,148 @@
+//! slime's debug rollout data: `--save-debug-rollout-data PATH` writes each step's
+//! samples to `PATH` with `{rollout_id}` replaced by the step (from 0), one JSON object
+//! per line; `--load-debug-rollout-data PATH` trains from such files instead of rollouts.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use serde::{Deserialize, Serialize};
+
+/// One line of a debug file: the fields slime writes for training.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    group_index: u32,
+    index: u32,
+    tokens: Vec<u32>,
+    response_length: usize,
+    loss_mask: Vec<u8>,
+    rollout_log_probs: Vec<f32>,
+    reward: f64,
+    status: SampleStatus,
+}
+
+/// The file of rollout `rollout_id` (0-based) for a path template.
+pub fn path_for(template: &str, rollout_id: u64) -> PathBuf {
+    PathBuf::from(template.replace("{rollout_id}", &rollout_id.to_string()))
+}
+
+/// Writes `samples` as rollout `rollout_id`'s debug file (replaced atomically).
+pub fn save(template: &str, rollout_id: u64, samples: &[Sample]) -> anyhow::Result<PathBuf> {
+    let path = path_for(template, rollout_id);
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+    );
+    for s in samples {
+        let record = Record {
+            group_index: s.group_index,
+            index: s.index,
+            tokens: s.tokens.clone(),
+            response_length: s.response_length,
+            loss_mask: s.loss_mask.clone(),
+            rollout_log_probs: s.rollout_log_probs.clone(),
+            reward: s.reward,
+            status: s.status,
+        };
+        serde_json::to_writer(&mut out, &record)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    drop(out);
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(path)
+}
+
+/// Reads rollout `rollout_id`'s samples; ids are numbered from `first_id` in file order.
+/// Errors name the file and line.
+pub fn load(template: &str, rollout_id: u64, first_id: u64) -> anyhow::Result<Vec<Sample>> {
+    let path = path_for(template, rollout_id);
+    let file = std::fs::File::open(&path).with_context(|| {
+        format!(
+            "--load-debug-rollout-data: cannot open {} (rollout {rollout_id})",
+            path.display()
+        )
+    })?;
+    let mut samples = Vec::new();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("reading {}", path.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: Record = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: not a debug rollout sample", path.display(), n + 1))?;
+        let sample = Sample {
+            id: first_id + samples.len() as u64,
+            group_index: r.group_index,
+            index: r.index,
+            tokens: r.tokens,
+            response_length: r.response_length,
+            loss_mask: r.loss_mask,
+            rollout_log_probs: r.rollout_log_probs,
+            reward: r.reward,
+            status: r.status,
+            weight_version: rollout_id,
+            metadata: EpisodeMetadata::default(),
+        };
+        sample
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}:{}: {e}", path.display(), n + 1))?;
+        samples.push(sample);
+    }
+    Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_samples_load_back_with_slime_field_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = dir.path().join("debug_{rollout_id}.jsonl");
+        let template = template.to_str().unwrap();
+        let s = Sample {
+            id: 7,
+            group_index: 1,
+            index: 2,
+            tokens: vec![5, 6, 7],
+            response_length: 2,
+            loss_mask: vec![1, 0],
+            rollout_log_probs: vec![-0.5, 0.0],
+            reward: 0.25,
+            status: SampleStatus::Truncated,
+            weight_version: 0,
+            metadata: EpisodeMetadata::default(),
+        };
+        let path = save(template, 3, std::slice::from_ref(&s)).unwrap();
+        assert!(path.ends_with("debug_3.jsonl"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        for key in [
+            "group_index",
+            "index",
+            "tokens",
+            "response_length",
+            "loss_mask",
+            "rollout_log_probs",
+            "reward",
+            "status",
+        ] {
+            assert!(v.get(key).is_some(), "{key} missing: {v}");
+        }
+        assert_eq!(v["status"], "truncated");
+        let back = load(template, 3, 100).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(
+            (back[0].id, back[0].tokens.clone(), back[0].reward),
+            (100, s.tokens, 0.25)
+        );
+        let err = load(template, 4, 0).unwrap_err().to_string();
+        assert!(err.contains("debug_4.jsonl"), "{err}");
+    }
+}

@@ -1,0 +1,257 @@
+"""Independent PyTorch transcription of slime's GRPO loss (slime/utils/ppo_utils.py,
+slime/backends/megatron_utils/loss.py, group reward normalization in slime/ray/rollout.py)
+and Megatron's LR schedule, to check Manta's trainer against.
+
+  make  OUT --config CONFIG.json --seed S   tiny HF Qwen3 (transformers) + debug rollout files
+  check OUT --run RUN_DIR --ckpt CKPT_DIR --flags FLAGS.json
+        replays the debug files with the same flags and compares per-step metrics
+        (metrics.jsonl) and the final weights; exits 1 on a mismatch.
+"""
+import argparse, json, math, os, sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+torch.set_default_dtype(torch.float32)
+
+
+def load_model(path):
+    m = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    m.train()  # no dropout in Qwen3 anyway
+    return m
+
+
+def make(out, config, seed, steps=2, groups=2, n=3):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{k: v for k, v in json.load(open(config)).items() if k not in ("architectures",)})
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        lines = []
+        for gi in range(groups):
+            for i in range(n):
+                p = int(torch.randint(2, 5, (1,), generator=g))
+                r = int(torch.randint(3, 7, (1,), generator=g))
+                tokens = torch.randint(0, 256, (p + r,), generator=g).tolist()
+                mask = [1] * r
+                if r > 3:
+                    mask[1] = 0  # an environment-added token inside the response
+                with torch.no_grad():
+                    logits = model(torch.tensor([tokens])).logits[0].float()
+                lp = torch.log_softmax(logits, -1)
+                rl = []
+                for k in range(r):
+                    true = lp[p + k - 1, tokens[p + k]].item()
+                    noise = float(torch.randn(1, generator=g)) * 0.3
+                    rl.append(true + noise if mask[k] else 0.0)
+                reward = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0][(gi * n + i + step) % 6]
+                lines.append(dict(group_index=gi, index=i, tokens=tokens, response_length=r, loss_mask=mask,
+                                  rollout_log_probs=rl, reward=reward,
+                                  status="truncated" if i == 2 else "completed"))
+        with open(os.path.join(out, f"debug_{step}.jsonl"), "w") as f:
+            for l in lines:
+                f.write(json.dumps(l) + "\n")
+
+
+def lr_at(step, f, total_steps):
+    """Megatron OptimizerParamScheduler.get_lr with lr_warmup_init 0."""
+    max_lr, min_lr, warm = f["lr"], f.get("min_lr", 0.0), f.get("lr_warmup_iters", 0)
+    style = f.get("lr_decay_style", "constant")
+    if warm > 0 and step <= warm:
+        return max_lr * step / warm
+    if style == "constant":
+        return max_lr
+    if step > total_steps:
+        return min_lr
+    ratio = (step - warm) / max(total_steps - warm, 1)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def kl_est(logp, base, kind, importance=None):
+    x = logp - base
+    if kind == "k1":
+        kl = x
+    elif kind == "k2":
+        kl = x ** 2 / 2
+    else:
+        kl = torch.exp(-x) - 1 + x
+    if importance is not None:
+        kl = importance * kl
+    if kind == "low_var_kl":
+        kl = kl.clamp(-10, 10)
+    return kl
+
+
+def token_logp_entropy(model, s, temperature):
+    tokens = torch.tensor([s["tokens"]])
+    logits = model(tokens).logits[0].float() / temperature
+    p = len(s["tokens"]) - s["response_length"]
+    pos = torch.tensor([p + k - 1 for k, m in enumerate(s["loss_mask"]) if m])
+    tgt = torch.tensor([s["tokens"][p + k] for k, m in enumerate(s["loss_mask"]) if m])
+    allp = torch.log_softmax(logits[pos], -1)
+    return allp.gather(-1, tgt[:, None])[:, 0], -(allp.exp() * allp).sum(-1)
+
+
+def advantages(samples, f):
+    est = f.get("advantage_estimator", "grpo")
+    groups = {}
+    for s in samples:
+        if s["status"] != "failed":
+            groups.setdefault(s["group_index"], []).append(s)
+    out = []
+    for gi in sorted(groups):
+        grp = sorted(groups[gi], key=lambda s: s["index"])
+        r = torch.tensor([s["reward"] for s in grp], dtype=torch.float64)
+        if est == "reinforce_plus_plus":
+            a = r
+        else:
+            a = r - r.mean()
+            if est in ("grpo", "gspo", "cispo") and not f.get("disable_grpo_std_normalization") and len(grp) > 1:
+                a = a / (r.std() + 1e-6)
+        out += list(zip(grp, a.tolist()))
+    if f.get("normalize_advantages"):
+        tok = torch.tensor([float(sum(s["loss_mask"])) for s, _ in out], dtype=torch.float64)
+        a = torch.tensor([x for _, x in out], dtype=torch.float64)
+        nt = tok.sum()
+        mean = (a * tok).sum() / nt
+        var = ((a * a * tok).sum() / nt - mean ** 2) * nt / (nt - 1)
+        a = (a - mean) / torch.sqrt(var + 1e-8)
+        out = [(s, x) for (s, _), x in zip(out, a.tolist())]
+    return out
+
+
+def train_step(model, ref, opt, batch, f, lr):
+    """One optimizer step of slime's policy_loss_function on the whole batch."""
+    for gparam in opt.param_groups:
+        gparam["lr"] = lr
+    opt.zero_grad()
+    T = f.get("temperature", 1.0)
+    per = []
+    for s, a in batch:
+        logp, ent = token_logp_entropy(model, s, T)
+        rollout = torch.tensor([v for v, m in zip(s["rollout_log_probs"], s["loss_mask"]) if m])
+        with torch.no_grad():
+            ref_lp = token_logp_entropy(ref, s, T)[0] if f.get("use_kl_loss") else None
+        per.append((logp, ent, rollout, ref_lp, torch.full_like(logp, a)))
+    n = len(per)
+    ntok = sum(p[0].numel() for p in per)
+
+    def reduce(xs):  # sum_of_sample_mean, or the global token mean
+        if f.get("calculate_per_token_loss"):
+            return sum(x.sum() for x in xs) / ntok
+        return sum(x.mean() for x in xs) / n
+
+    eps, eps_hi = f.get("eps_clip", 0.2), f.get("eps_clip_high", f.get("eps_clip", 0.2))
+    c = f.get("eps_clip_c")
+    pg, clipfrac, ppokl, ents, kls, tis, absd = [], [], [], [], [], [], []
+    for logp, ent, rollout, ref_lp, adv in per:
+        old = rollout if f.get("use_rollout_logprobs") else logp.detach()
+        train_lp = logp.detach()
+        kl = old - logp
+        if f.get("advantage_estimator") == "gspo":
+            kl = kl.mean().expand_as(logp)
+        ratio = torch.exp(-kl)
+        l1 = -ratio * adv
+        l2 = -ratio.clamp(1 - eps, 1 + eps_hi) * adv
+        l = torch.maximum(l1, l2)
+        cf = (l2 > l1).float()
+        if c is not None:
+            l = torch.where(adv < 0, torch.minimum(-c * adv, l), l)
+        if f.get("use_tis"):
+            w = torch.exp(train_lp - rollout)
+            tis.append(w)
+            if f.get("tis_mode", "truncate") == "truncate":
+                l = l * w.clamp(f.get("tis_clip_low", 0.0), f.get("tis_clip", 2.0))
+            else:
+                inside = (w >= f.get("tis_clip_low", 0.0)) & (w <= f.get("tis_clip", 2.0))
+                l = l * torch.where(inside, w, torch.zeros_like(w))
+        pg.append(l); clipfrac.append(cf); ppokl.append(kl); ents.append(ent)
+        if f.get("use_kl_loss"):
+            imp = torch.exp(logp - old) if f.get("use_unbiased_kl") else None
+            kls.append(kl_est(logp, ref_lp, f.get("kl_loss_type", "k1"), imp))
+        cmp = logp if f.get("use_rollout_logprobs") else old
+        absd.append((cmp - rollout).abs())
+    pg_loss = reduce(pg)
+    ent_loss = reduce(ents)
+    loss = pg_loss - f.get("entropy_coef", 0.0) * ent_loss
+    m = {"train/pg_loss": pg_loss.item(), "train/pg_clipfrac": reduce(clipfrac).item(),
+         "train/ppo_kl": reduce(ppokl).item(), "train/entropy_loss": ent_loss.item(),
+         "train/train_rollout_logprob_abs_diff": reduce(absd).item()}
+    if f.get("use_kl_loss"):
+        kl_loss = reduce(kls)
+        loss = loss + f.get("kl_loss_coef", 0.0) * kl_loss
+        m["train/kl_loss"] = kl_loss.item()
+    if f.get("use_tis"):
+        m["train/tis"] = reduce(tis).item()
+    m["train/loss"] = loss.item()
+    loss.backward()
+    params = [p for p in model.parameters()]
+    m["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, f.get("clip_grad", 1.0)).item()
+    m["train/lr"] = lr
+    opt.step()
+    return m
+
+
+def check(out, run, ckpt, flags):
+    f = json.load(open(flags))
+    model = load_model(os.path.join(out, "model"))
+    ref = load_model(os.path.join(out, "model")).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=f["lr"], betas=(f.get("adam_beta1", 0.9), f.get("adam_beta2", 0.999)),
+                            eps=f.get("adam_eps", 1e-8), weight_decay=f.get("weight_decay", 0.0))
+    steps = f["num_rollout"]
+    k_steps = f.get("num_steps_per_rollout", 1)
+    ours = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+    bad = []
+    opt_step = 0
+    for step in range(steps):
+        samples = [json.loads(l) for l in open(os.path.join(out, f"debug_{step}.jsonl"))]
+        batch = advantages(samples, f)
+        if k_steps > 1:
+            raise SystemExit("num_steps_per_rollout > 1 is not transcribed here")
+        m = train_step(model, ref, opt, batch, f, lr_at(opt_step, f, steps * k_steps))
+        opt_step += 1
+        got = ours[step]
+        got = got.get("metrics", got)
+        for k, v in m.items():
+            g = got.get(k)
+            if g is None or not math.isclose(g, v, rel_tol=1e-4, abs_tol=1e-5):
+                bad.append(f"step {step + 1} {k}: manta {g} vs pytorch {v}")
+            else:
+                print(f"step {step + 1} {k}: {g:.6g} == {v:.6g}")
+    final = load_file(os.path.join(ckpt, "model.safetensors"))
+    sd = model.state_dict()
+    moved = 0.0
+    for k, v in final.items():
+        ref_v = sd[k]
+        d = (v.float() - ref_v).abs().max().item()
+        moved = max(moved, (ref_v - init[k]).abs().max().item())
+        if d > 2e-5:
+            bad.append(f"weight {k}: max |manta - pytorch| = {d:.3g}")
+    print(f"weights: {len(final)} tensors compared; largest change from init {moved:.3g}")
+    if moved < 1e-3:
+        bad.append(f"weights barely moved ({moved}); the comparison would prove nothing")
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["make", "check"])
+    ap.add_argument("out")
+    ap.add_argument("--config")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--flags")
+    a = ap.parse_args()
+    if a.mode == "make":
+        make(a.out, a.config, a.seed)
+    else:
+        check(a.out, a.run, a.ckpt, a.flags)
