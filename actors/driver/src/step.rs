@@ -38,6 +38,9 @@ pub enum Rollouts {
         /// Where each step's weights are written for workers to load.
         weights_dir: PathBuf,
     },
+    /// `--load-debug-rollout-data`: each step's samples come from a file; there is no
+    /// engine to sync.
+    DebugData { template: String },
 }
 
 impl Rollouts {
@@ -53,13 +56,16 @@ impl Rollouts {
                 run_local(actors, requests, n_samples, generation).await
             }
             Rollouts::Remote { pool, .. } => Ok(pool.run_episodes(requests, generation).await?),
+            Rollouts::DebugData { .. } => {
+                anyhow::bail!("no episodes run with --load-debug-rollout-data")
+            }
         }
     }
 
     /// Worker nodes answering heartbeats (remote mode only).
     fn live_nodes(&self) -> Option<usize> {
         match self {
-            Rollouts::Local { .. } => None,
+            Rollouts::Local { .. } | Rollouts::DebugData { .. } => None,
             Rollouts::Remote { pool, .. } => Some(pool.live_nodes()),
         }
     }
@@ -69,6 +75,7 @@ impl Rollouts {
 /// through the weight-sync actor; to workers as a safetensors file they load.
 pub async fn sync_weights(actors: &StepActors, version: u64) -> anyhow::Result<()> {
     match &actors.rollouts {
+        Rollouts::DebugData { .. } => {}
         Rollouts::Local { weight_sync, .. } => {
             call!(weight_sync, WeightSyncMsg::Sync, version)
                 .context("weight sync did not answer")?
@@ -166,6 +173,7 @@ pub async fn run_step(
     n_samples: usize,
     generation: GenerationSettings,
     advantages: AdvantageSpec,
+    save_debug: Option<&str>,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
     let per_step = (tasks.len() * n_samples) as u64;
@@ -180,10 +188,20 @@ pub async fn run_step(
             });
         }
     }
-    let samples = actors
-        .rollouts
-        .run_episodes(requests, n_samples, generation)
-        .await?;
+    let samples = match &actors.rollouts {
+        Rollouts::DebugData { template } => {
+            crate::debug_data::load(template, step - 1, (step - 1) * per_step)?
+        }
+        rollouts => {
+            rollouts
+                .run_episodes(requests, n_samples, generation)
+                .await?
+        }
+    };
+    if let Some(template) = save_debug {
+        crate::debug_data::save(template, step - 1, &samples)
+            .context("--save-debug-rollout-data")?;
+    }
     let rollout_time = started.elapsed().as_secs_f64();
 
     let mut m = rollout_metrics(&samples);
