@@ -8,17 +8,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
-use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
+use manta_rollout::engine::{
+    Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions,
+};
 use manta_rollout::ors::OrsClient;
 use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, Uploader};
 use manta_runtime::OpenRewardAccess;
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
-use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::loss::LossOptions;
+use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::schedule::{DecayStyle, LrSchedule};
 use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
 use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
@@ -147,13 +150,14 @@ pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
     let a = &settings.algo;
     let steps = a.num_steps_per_rollout.max(1);
     let style: DecayStyle = a.lr_decay_style.parse().unwrap_or_default();
-    let lr_schedule = (style != DecayStyle::Constant || a.lr_warmup_iters > 0).then(|| LrSchedule {
-        max_lr: settings.lr,
-        min_lr: a.min_lr,
-        warmup_steps: a.lr_warmup_iters,
-        decay_steps: (settings.num_rollout * steps) as u64,
-        style,
-    });
+    let lr_schedule =
+        (style != DecayStyle::Constant || a.lr_warmup_iters > 0).then(|| LrSchedule {
+            max_lr: settings.lr,
+            min_lr: a.min_lr,
+            warmup_steps: a.lr_warmup_iters,
+            decay_steps: (settings.num_rollout * steps) as u64,
+            style,
+        });
     AlgoOptions {
         loss: LossOptions {
             estimator: a.advantage_estimator.parse().unwrap_or_default(),
@@ -210,12 +214,32 @@ pub async fn start(
     let mut rollouts = Vec::new();
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
-        let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
-            seed: settings.seed,
-            max_running_requests: cluster.rollout.max_batch_size,
-            ..NativeEngineOptions::new(model_dir, device)
-        })
-        .context("starting the native engine")?;
+        let engine: Arc<dyn Engine> = match cluster.rollout.engine {
+            EngineKind::Native => NativeEngine::start(NativeEngineOptions {
+                seed: settings.seed,
+                max_running_requests: cluster.rollout.max_batch_size,
+                ..NativeEngineOptions::new(model_dir, device)
+            })
+            .context("starting the native engine")?,
+            EngineKind::Sglang => {
+                let run = settings.run_name.clone().unwrap_or_default();
+                let logs = settings.runs_dir.join(run).join("engines");
+                // Local mode: engine i takes GPUs [i*per, (i+1)*per) (none: CPU).
+                let per = cluster.rollout.gpus_per_engine;
+                let gpus: Vec<u32> = (i * per..(i + 1) * per).map(|g| g as u32).collect();
+                let opts = SglangOptions::from_cluster(
+                    &cluster.rollout,
+                    &format!("engine-{i}"),
+                    model_dir,
+                    &gpus,
+                    settings.seed,
+                    logs.join(format!("{i}.log")),
+                );
+                SglangEngine::launch(opts).await.with_context(|| {
+                    format!("starting SGLang engine {i} (rollout.engine = \"sglang\")")
+                })?
+            }
+        };
         let environments = environment_clients(train, builtin_url.as_deref())?
             .into_iter()
             .map(|(name, (client, _))| {

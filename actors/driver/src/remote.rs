@@ -74,6 +74,7 @@ pub async fn train_remote(
         max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
         max_batch_size: cluster.rollout.max_batch_size,
         openreward: OpenRewardAccess::from_env(&train),
+        sglang: sglang_spawn(&cluster, &settings),
     };
     let opts = PoolOptions {
         heartbeat_interval: Duration::from_millis(cluster.heartbeat_interval_ms),
@@ -182,4 +183,32 @@ pub async fn train_remote(
         pool.shutdown().await;
     }
     result
+}
+
+/// What workers need to launch SGLang engines (`None` for the native engine): the
+/// `[rollout]` keys, and each rollout actor's GPUs from placement.
+fn sglang_spawn(
+    cluster: &manta_config::ClusterConfig,
+    settings: &manta_config::TrainSettings,
+) -> Option<manta_runtime::spawn::SglangSpawn> {
+    let r = &cluster.rollout;
+    if r.engine != manta_config::EngineKind::Sglang {
+        return None;
+    }
+    let mut gpus = std::collections::BTreeMap::new();
+    for (i, node) in cluster.rollout_nodes().into_iter().enumerate() {
+        for k in 0..r.engines {
+            gpus.insert(format!("rollout-{i}-{k}"), cluster.engine_gpus(node, k));
+        }
+    }
+    Some(manta_runtime::spawn::SglangSpawn {
+        command: r.command.clone(),
+        mem_fraction_static: r.mem_fraction_static,
+        extra_args: r.extra_args.clone(),
+        health_timeout_s: r.health_timeout_s,
+        health_interval_ms: r.health_interval_ms,
+        max_restarts: r.max_restarts,
+        gpus,
+        run_name: settings.run_name.clone().unwrap_or_default(),
+    })
 }

@@ -295,6 +295,16 @@ fn rollout_metrics(samples: &[Sample]) -> StepMetrics {
         "rollout/failed_count".into(),
         (samples.len() - ok.len()) as f64,
     );
+    // Cumulative restarts of the most-restarted engine process that served this step
+    // (episodes report their engine's count, so this works on remote workers too).
+    m.insert(
+        "rollout/engine_restarts".into(),
+        samples
+            .iter()
+            .map(|s| s.metadata.engine_restarts)
+            .max()
+            .unwrap_or(0) as f64,
+    );
     m
 }
 

@@ -227,6 +227,7 @@ pub async fn run_episode(
         recorder.record("stop_reason", outcome.stop_reason);
         recorder.record("tokens", (traj.prompt.len() + response_length) as i64);
         let version = traj.weight_version;
+        meta.engine_restarts = ctx.engine.restarts();
         let mut tokens = traj.prompt;
         tokens.extend(traj.response);
         Sample {

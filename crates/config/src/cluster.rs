@@ -145,6 +145,26 @@ pub struct RolloutSection {
     /// Engines share the trainer's GPUs on its node instead of using others.
     #[serde(default)]
     pub colocate: bool,
+    /// `engine = "sglang"`: the program and leading arguments of the server, before the
+    /// flags Manta adds (`--model-path`, `--port`, ...) [`python3 -m sglang.launch_server`].
+    /// `driver serve` is the stand-in where SGLang cannot run.
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// SGLang's `--mem-fraction-static` (left to the server when absent).
+    #[serde(default)]
+    pub mem_fraction_static: Option<f64>,
+    /// More flags appended to the server's command line as given.
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+    /// How long a launched server may take to answer `/health_generate`.
+    #[serde(default = "default_engine_health_timeout_s")]
+    pub health_timeout_s: u64,
+    /// Period of the health check of a running server.
+    #[serde(default = "default_engine_health_interval_ms")]
+    pub health_interval_ms: u64,
+    /// Restarts allowed per engine before its rollout actor gives up.
+    #[serde(default = "default_engine_max_restarts")]
+    pub max_restarts: u32,
 }
 
 impl Default for ClusterSection {
@@ -171,6 +191,15 @@ fn default_concurrency() -> usize {
 fn default_engine_batch() -> usize {
     64
 }
+fn default_engine_health_timeout_s() -> u64 {
+    600
+}
+fn default_engine_health_interval_ms() -> u64 {
+    5000
+}
+fn default_engine_max_restarts() -> u32 {
+    5
+}
 
 impl Default for RolloutSection {
     fn default() -> Self {
@@ -182,6 +211,12 @@ impl Default for RolloutSection {
             nodes: None,
             gpus_per_engine: 0,
             colocate: false,
+            command: None,
+            mem_fraction_static: None,
+            extra_args: Vec::new(),
+            health_timeout_s: default_engine_health_timeout_s(),
+            health_interval_ms: default_engine_health_interval_ms(),
+            max_restarts: default_engine_max_restarts(),
         }
     }
 }
@@ -248,13 +283,25 @@ impl ClusterConfig {
         })?;
         validate_remote(&raw, path)?;
         validate_placement(&raw, path)?;
-        if raw.rollout.engine == EngineKind::Sglang {
-            return Err(ConfigError::invalid(
-                path,
-                "rollout.engine",
-                "\"sglang\"",
-                "the SGLang engine is not available in this build yet; use \"native\"",
-            ));
+        if let Some(command) = &raw.rollout.command {
+            if command.first().is_none_or(|p| p.is_empty()) {
+                return Err(ConfigError::invalid(
+                    path,
+                    "rollout.command",
+                    format!("{command:?}"),
+                    "must name a program (e.g. [\"python3\", \"-m\", \"sglang.launch_server\"])",
+                ));
+            }
+        }
+        if let Some(f) = raw.rollout.mem_fraction_static {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(ConfigError::invalid(
+                    path,
+                    "rollout.mem_fraction_static",
+                    f,
+                    "must be in (0, 1]",
+                ));
+            }
         }
         for (key, value) in [
             ("rollout.engines", raw.rollout.engines),
@@ -784,5 +831,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("vllm"), "{err}");
+    }
+
+    #[test]
+    fn sglang_engine_keys() {
+        let c = parse(
+            "[rollout]\nengine = \"sglang\"\ncommand = [\"driver\", \"serve\"]\n\
+             mem_fraction_static = 0.7\nextra_args = [\"--log-level\", \"warning\"]\n",
+        )
+        .unwrap();
+        assert_eq!(c.rollout.engine, EngineKind::Sglang);
+        assert_eq!(c.rollout.command.as_deref().map(|c| c.len()), Some(2));
+        assert_eq!(c.rollout.health_timeout_s, 600);
+        let err = parse("[rollout]\nengine = \"sglang\"\ncommand = []\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rollout.command"), "{err}");
+        let err = parse("[rollout]\nmem_fraction_static = 1.5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rollout.mem_fraction_static") && err.contains("1.5"),
+            "{err}"
+        );
     }
 }

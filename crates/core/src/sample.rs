@@ -28,6 +28,10 @@ pub struct EpisodeMetadata {
     pub step_rewards: Vec<f64>,
     /// Set when `status` is `Failed`: what went wrong.
     pub error: Option<String>,
+    /// Restarts of the engine process that ran the episode, counted when it ended
+    /// (`rollout/engine_restarts`; 0 for in-process engines).
+    #[serde(default)]
+    pub engine_restarts: u64,
 }
 
 /// One episode. `tokens` = prompt + response; `loss_mask` and `rollout_log_probs`

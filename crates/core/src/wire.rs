@@ -43,6 +43,7 @@ impl From<&Sample> for pb::Sample {
                 step_rewards: s.metadata.step_rewards.clone(),
                 num_turns: s.metadata.num_turns,
                 error: s.metadata.error.clone().unwrap_or_default(),
+                engine_restarts: s.metadata.engine_restarts,
             }),
         }
     }
@@ -97,6 +98,7 @@ impl TryFrom<pb::Sample> for Sample {
                 num_failed_tool_calls: meta.num_failed_tool_calls,
                 step_rewards: meta.step_rewards,
                 error: (!meta.error.is_empty()).then_some(meta.error),
+                engine_restarts: meta.engine_restarts,
             },
         };
         sample.validate().map_err(WireError)?;

@@ -9,7 +9,9 @@ use anyhow::Context;
 use manta_config::TrainConfig;
 use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
-use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions};
+use manta_rollout::engine::{
+    Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions,
+};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::{
     EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
@@ -43,6 +45,43 @@ pub struct RolloutSpawnConfig {
     /// OpenReward access (API key, session URL, trajectory upload), from the driver.
     #[serde(default)]
     pub openreward: OpenRewardAccess,
+    /// `[rollout] engine = "sglang"`: the worker's rollout actors launch engine servers
+    /// (the native engine when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sglang: Option<SglangSpawn>,
+}
+
+/// cluster.toml's SGLang keys as shipped to workers, plus each engine's GPUs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SglangSpawn {
+    pub command: Option<Vec<String>>,
+    pub mem_fraction_static: Option<f64>,
+    pub extra_args: Vec<String>,
+    pub health_timeout_s: u64,
+    pub health_interval_ms: u64,
+    pub max_restarts: u32,
+    /// GPUs of each rollout actor by name (`rollout-<node>-<k>`), from placement.
+    pub gpus: BTreeMap<String, Vec<u32>>,
+    /// Engine logs go to `runs/<run_name>/engines/<actor>.log` under the worker's folder.
+    pub run_name: String,
+}
+
+impl SglangSpawn {
+    /// The `[rollout]` section the engine is built from on the worker.
+    fn section(&self, max_batch_size: usize) -> manta_config::RolloutSection {
+        manta_config::RolloutSection {
+            engine: manta_config::EngineKind::Sglang,
+            max_batch_size,
+            command: self.command.clone(),
+            mem_fraction_static: self.mem_fraction_static,
+            extra_args: self.extra_args.clone(),
+            health_timeout_s: self.health_timeout_s,
+            health_interval_ms: self.health_interval_ms,
+            max_restarts: self.max_restarts,
+            ..Default::default()
+        }
+    }
 }
 
 /// train_config.yaml's text; `path` only names it in messages.
@@ -202,12 +241,32 @@ pub async fn spawn_rollout(
         Tokenizer::from_dir(&cfg.model_dir)
             .with_context(|| format!("loading the tokenizer from {}", cfg.model_dir.display()))?,
     );
-    let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
-        seed: cfg.seed,
-        max_running_requests: cfg.max_batch_size.max(1),
-        ..NativeEngineOptions::new(&cfg.model_dir, tch::Device::Cpu)
-    })
-    .with_context(|| format!("starting the native engine on {}", cfg.model_dir.display()))?;
+    let engine: Arc<dyn Engine> = match &cfg.sglang {
+        None => NativeEngine::start(NativeEngineOptions {
+            seed: cfg.seed,
+            max_running_requests: cfg.max_batch_size.max(1),
+            ..NativeEngineOptions::new(&cfg.model_dir, tch::Device::Cpu)
+        })
+        .with_context(|| format!("starting the native engine on {}", cfg.model_dir.display()))?,
+        Some(sglang) => {
+            let gpus = sglang.gpus.get(name).cloned().unwrap_or_default();
+            let log = Path::new("runs")
+                .join(&sglang.run_name)
+                .join("engines")
+                .join(format!("{name}.log"));
+            let opts = SglangOptions::from_cluster(
+                &sglang.section(cfg.max_batch_size.max(1)),
+                name,
+                &cfg.model_dir,
+                &gpus,
+                cfg.seed,
+                log,
+            );
+            SglangEngine::launch(opts)
+                .await
+                .with_context(|| format!("{name}: starting its SGLang engine"))?
+        }
+    };
     let upload = cfg.openreward.start_uploader()?;
     let environments = environment_clients(train, builtin_url, &cfg.openreward)?
         .into_iter()

@@ -33,6 +33,7 @@ fn spawn_config() -> RolloutSpawnConfig {
         max_concurrent_episodes: 4,
         max_batch_size: 4,
         openreward: Default::default(),
+        sglang: None,
     }
 }
 

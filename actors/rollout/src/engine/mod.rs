@@ -5,6 +5,7 @@
 //! native engine, its HTTP server (`driver serve`) and an SGLang client share them.
 
 pub mod native;
+pub mod sglang;
 
 use std::path::PathBuf;
 
@@ -12,6 +13,7 @@ use async_trait::async_trait;
 use tch::Tensor;
 
 pub use native::{NativeEngine, NativeEngineOptions};
+pub use sglang::{SglangEngine, SglangOptions};
 
 /// Weights by HF name, as weight sync hands them over.
 pub type NamedTensors = Vec<(String, Tensor)>;
@@ -212,6 +214,10 @@ pub trait Engine: Send + Sync {
     }
     async fn resume(&self) -> Result<(), EngineError> {
         Err(EngineError::Unsupported("resume".into()))
+    }
+    /// Times the engine's server process was restarted (0 for in-process engines).
+    fn restarts(&self) -> u64 {
+        0
     }
     /// Drops every cached prefix; refused (`Ok(false)`) while requests are running.
     async fn flush_cache(&self) -> Result<bool, EngineError> {

@@ -1,0 +1,557 @@
+//! An SGLang server (or anything speaking its HTTP API, such as `driver serve`) behind
+//! the [`Engine`] interface, owned by its rollout actor: launched as a child process,
+//! health-checked, restarted with backoff when it dies (requests in flight are sent again
+//! to the new process, so no episode is lost), and killed with its process group when
+//! the engine is dropped.
+//!
+//! - [`client`]: the request and answer JSON.
+//! - [`process`]: launch, `/health_generate`, process groups, log tails.
+
+pub mod client;
+pub mod process;
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use manta_config::RolloutSection;
+use serde_json::{json, Value};
+use tracing::{info, warn};
+
+use super::{Engine, EngineError, GenerateOutput, GenerateRequest, NamedTensors, PauseMode};
+pub use process::{log_tail, LaunchSpec};
+
+/// What goes wrong launching or talking to the server.
+#[derive(Debug, thiserror::Error)]
+pub enum SglangError {
+    #[error("launching the engine: {0}")]
+    Launch(String),
+    #[error("engine log {0}: {1}")]
+    Log(PathBuf, std::io::Error),
+    #[error("engine never became healthy: {why}; last lines of {log}:\n{tail}")]
+    Unhealthy {
+        log: PathBuf,
+        why: String,
+        tail: String,
+    },
+}
+
+impl From<SglangError> for EngineError {
+    fn from(e: SglangError) -> Self {
+        EngineError::Stopped(e.to_string())
+    }
+}
+
+/// How to run one engine server.
+#[derive(Debug, Clone)]
+pub struct SglangOptions {
+    /// Names the engine in logs (`engine-0`).
+    pub name: String,
+    pub launch: LaunchSpec,
+    /// The model directory the server was started from (its config.json goes with
+    /// in-process weight exports).
+    pub model_dir: PathBuf,
+    pub health_timeout: Duration,
+    pub health_interval: Duration,
+    pub max_restarts: u32,
+    /// Longest a single `/generate` may take.
+    pub request_timeout: Duration,
+}
+
+impl SglangOptions {
+    /// The server command cluster.toml describes: `rollout.command` (default
+    /// `python3 -m sglang.launch_server`) plus the flags Manta owns, then
+    /// `rollout.extra_args`. `gpus` are the engine's GPUs from placement (empty: CPU).
+    /// `log` receives the server's output; its pid goes next to it (`<log stem>.pid`).
+    pub fn from_cluster(
+        rollout: &RolloutSection,
+        name: &str,
+        model_dir: &Path,
+        gpus: &[u32],
+        seed: u64,
+        log: PathBuf,
+    ) -> Self {
+        let mut argv: Vec<String> = match &rollout.command {
+            Some(c) => c.clone(),
+            None => ["python3", "-m", "sglang.launch_server"]
+                .map(String::from)
+                .to_vec(),
+        };
+        let model = model_dir.display().to_string();
+        argv.extend([
+            "--model-path".into(),
+            model,
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--random-seed".into(),
+            seed.to_string(),
+            "--max-running-requests".into(),
+            rollout.max_batch_size.to_string(),
+        ]);
+        match gpus.first() {
+            Some(first) => argv.extend([
+                "--tp-size".into(),
+                gpus.len().to_string(),
+                "--base-gpu-id".into(),
+                first.to_string(),
+            ]),
+            None => argv.extend(["--device".into(), "cpu".into()]),
+        }
+        if let Some(f) = rollout.mem_fraction_static {
+            argv.extend(["--mem-fraction-static".into(), f.to_string()]);
+        }
+        argv.extend(rollout.extra_args.iter().cloned());
+        Self {
+            name: name.to_string(),
+            launch: LaunchSpec {
+                argv,
+                log,
+                env: Vec::new(),
+            },
+            model_dir: model_dir.to_path_buf(),
+            health_timeout: Duration::from_secs(rollout.health_timeout_s),
+            health_interval: Duration::from_millis(rollout.health_interval_ms.max(100)),
+            max_restarts: rollout.max_restarts,
+            request_timeout: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// The process running now.
+struct Running {
+    child: Option<Child>,
+    base_url: String,
+    /// Bumped on every (re)start, so concurrent failures restart once.
+    generation: u64,
+}
+
+struct Inner {
+    opts: SglangOptions,
+    http: reqwest::Client,
+    launcher: process::Launcher,
+    running: Mutex<Running>,
+    /// Serialises restarts.
+    restarting: tokio::sync::Mutex<()>,
+    restarts: AtomicU64,
+    version: AtomicU64,
+    /// The last weights loaded, re-applied after a restart.
+    last_weights: Mutex<Option<(PathBuf, u64)>>,
+    /// Set once restarts are exhausted.
+    failed: Mutex<Option<String>>,
+    wake: tokio::sync::Notify,
+}
+
+/// An SGLang-compatible server process behind [`Engine`].
+pub struct SglangEngine {
+    inner: Arc<Inner>,
+    supervisor: tokio::task::JoinHandle<()>,
+}
+
+impl SglangEngine {
+    /// Launches the server and waits until `/health_generate` answers; the error quotes
+    /// the log's tail when it does not within `health_timeout`.
+    pub async fn launch(opts: SglangOptions) -> Result<Arc<Self>, SglangError> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| SglangError::Launch(format!("HTTP client: {e}")))?;
+        let launcher = process::Launcher::new(&opts.name)
+            .map_err(|e| SglangError::Launch(format!("launcher thread: {e}")))?;
+        let inner = Arc::new(Inner {
+            http,
+            launcher,
+            running: Mutex::new(Running {
+                child: None,
+                base_url: String::new(),
+                generation: 0,
+            }),
+            restarting: tokio::sync::Mutex::new(()),
+            restarts: AtomicU64::new(0),
+            version: AtomicU64::new(0),
+            last_weights: Mutex::new(None),
+            failed: Mutex::new(None),
+            wake: tokio::sync::Notify::new(),
+            opts,
+        });
+        inner.start_once().await?;
+        let supervisor = tokio::spawn(supervise(inner.clone()));
+        Ok(Arc::new(Self { inner, supervisor }))
+    }
+
+    /// The pid of the server process running now.
+    pub fn pid(&self) -> Option<u32> {
+        self.inner.lock_running().child.as_ref().map(|c| c.id())
+    }
+}
+
+impl Drop for SglangEngine {
+    fn drop(&mut self) {
+        self.supervisor.abort();
+        let mut running = self.inner.lock_running();
+        if let Some(mut child) = running.child.take() {
+            info!(engine = %self.inner.opts.name, pid = child.id(), "stopping the engine");
+            process::kill_group(&mut child);
+        }
+    }
+}
+
+impl Inner {
+    fn lock_running(&self) -> std::sync::MutexGuard<'_, Running> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn current(&self) -> Result<(String, u64), EngineError> {
+        if let Some(why) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(EngineError::Stopped(why));
+        }
+        let r = self.lock_running();
+        Ok((r.base_url.clone(), r.generation))
+    }
+
+    /// Spawns the server on a free port and waits for health.
+    async fn start_once(&self) -> Result<(), SglangError> {
+        let port = process::free_port()?;
+        let mut child = self.launcher.spawn(&self.opts.launch, port)?;
+        let base_url = format!("http://127.0.0.1:{port}");
+        info!(engine = %self.opts.name, pid = child.id(), port, log = %self.opts.launch.log.display(), "engine launched");
+        let _ = std::fs::write(
+            self.opts.launch.log.with_extension("pid"),
+            child.id().to_string(),
+        );
+        let healthy = process::wait_healthy(
+            &self.http,
+            &base_url,
+            &mut child,
+            &self.opts.launch,
+            self.opts.health_timeout,
+        )
+        .await;
+        if let Err(e) = healthy {
+            process::kill_group(&mut child);
+            return Err(e);
+        }
+        let mut r = self.lock_running();
+        r.child = Some(child);
+        r.base_url = base_url;
+        r.generation += 1;
+        Ok(())
+    }
+
+    /// Whether the server process of `generation` is still alive.
+    fn alive(&self, generation: u64) -> bool {
+        let mut r = self.lock_running();
+        if r.generation != generation {
+            return true;
+        }
+        match r.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Restarts the server of `generation` unless someone already did; `force` restarts
+    /// a process that is alive but unresponsive.
+    async fn restart(&self, generation: u64, force: bool, why: &str) -> Result<(), EngineError> {
+        let _guard = self.restarting.lock().await;
+        {
+            let r = self.lock_running();
+            if r.generation != generation {
+                return Ok(());
+            }
+        }
+        if !force && self.alive(generation) {
+            return Ok(());
+        }
+        if let Some(mut child) = self.lock_running().child.take() {
+            process::kill_group(&mut child);
+        }
+        let mut attempt = 0u32;
+        loop {
+            let n = self.restarts.fetch_add(1, Ordering::Relaxed) + 1;
+            if n > u64::from(self.opts.max_restarts) {
+                let msg = format!(
+                    "{} died {} times (rollout.max_restarts = {}); last lines of {}:\n{}",
+                    self.opts.name,
+                    n,
+                    self.opts.max_restarts,
+                    self.opts.launch.log.display(),
+                    log_tail(&self.opts.launch.log, 30)
+                );
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(msg.clone());
+                return Err(EngineError::Stopped(msg));
+            }
+            let backoff = Duration::from_millis(500 << attempt.min(6));
+            warn!(engine = %self.opts.name, restart = n, why, backoff_ms = backoff.as_millis() as u64, "engine died; restarting");
+            tokio::time::sleep(backoff).await;
+            attempt += 1;
+            match self.start_once().await {
+                Ok(()) => break,
+                Err(e) => warn!(engine = %self.opts.name, error = %e, "engine restart failed"),
+            }
+        }
+        let last = self
+            .last_weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some((dir, version)) = last {
+            // No restart from inside a restart: a failure here fails this one.
+            Box::pin(self.load_from_disk(&dir, version, false)).await?;
+        }
+        warn!(engine = %self.opts.name, restarts = self.restarts.load(Ordering::Relaxed), pid = ?self.lock_running().child.as_ref().map(|c| c.id()), "engine restarted");
+        Ok(())
+    }
+
+    /// POSTs `body` to `path`, sending it again to a restarted server when the
+    /// connection fails. Answers with the status and the JSON body (bodies of failures
+    /// carry SGLang's message).
+    async fn post(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<(u16, Value), EngineError> {
+        self.post_with(path, body, timeout, true).await
+    }
+
+    /// [`Inner::post`]; without `retry`, a failed connection is an error.
+    async fn post_with(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+        retry: bool,
+    ) -> Result<(u16, Value), EngineError> {
+        loop {
+            let (base, generation) = self.current()?;
+            let sent = self
+                .http
+                .post(format!("{base}{path}"))
+                .json(body)
+                .timeout(timeout)
+                .send()
+                .await;
+            let resp = match sent {
+                Ok(r) => r,
+                Err(e) if e.is_timeout() => {
+                    return Err(EngineError::Stopped(format!("{path}: timed out: {e}")))
+                }
+                Err(e) if !retry => return Err(EngineError::Stopped(format!("{path}: {e}"))),
+                Err(e) => {
+                    Box::pin(self.restart(generation, false, &format!("{path}: {e}"))).await?;
+                    continue;
+                }
+            };
+            let status = resp.status().as_u16();
+            match resp.bytes().await {
+                Ok(bytes) => {
+                    let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+                        Value::String(String::from_utf8_lossy(&bytes).into_owned())
+                    });
+                    return Ok((status, value));
+                }
+                Err(e) if !retry => return Err(EngineError::Stopped(format!("{path}: {e}"))),
+                Err(e) => {
+                    Box::pin(self.restart(generation, false, &format!("{path}: {e}"))).await?;
+                }
+            }
+        }
+    }
+
+    async fn load_from_disk(
+        &self,
+        dir: &Path,
+        version: u64,
+        retry: bool,
+    ) -> Result<(), EngineError> {
+        let body = json!({
+            "model_path": dir.display().to_string(),
+            "weight_version": version.to_string(),
+        });
+        let (status, answer) = self
+            .post_with(
+                "/update_weights_from_disk",
+                &body,
+                Duration::from_secs(600),
+                retry,
+            )
+            .await?;
+        let success = answer
+            .get("success")
+            .and_then(Value::as_bool)
+            .unwrap_or(status == 200);
+        if !success {
+            return Err(EngineError::Weights(format!(
+                "{}: /update_weights_from_disk {}: HTTP {status}: {}",
+                self.opts.name,
+                dir.display(),
+                answer.get("message").cloned().unwrap_or(answer.clone())
+            )));
+        }
+        *self.last_weights.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((dir.to_path_buf(), version));
+        self.version.store(version, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Checks the process every `health_interval` (or when woken) and restarts it when it
+/// exited or stopped answering `/health`.
+async fn supervise(inner: Arc<Inner>) {
+    let mut misses = 0u32;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(inner.opts.health_interval) => {}
+            _ = inner.wake.notified() => {}
+        }
+        let Ok((base, generation)) = inner.current() else {
+            return;
+        };
+        if !inner.alive(generation) {
+            misses = 0;
+            if let Err(e) = inner.restart(generation, false, "the process exited").await {
+                warn!(engine = %inner.opts.name, error = %e, "engine gave up");
+                return;
+            }
+            continue;
+        }
+        let ok = inner
+            .http
+            .get(format!("{base}/health"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .unwrap_or(false);
+        misses = if ok { 0 } else { misses + 1 };
+        if misses >= 3 {
+            misses = 0;
+            if let Err(e) = inner
+                .restart(generation, true, "/health failed 3 times")
+                .await
+            {
+                warn!(engine = %inner.opts.name, error = %e, "engine gave up");
+                return;
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for SglangEngine {
+    async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput, EngineError> {
+        request.params.validate()?;
+        let rid = request
+            .rid
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let body = client::generate_body(&request, &rid);
+        let (status, answer) = self
+            .inner
+            .post("/generate", &body, self.inner.opts.request_timeout)
+            .await?;
+        if status != 200 {
+            return Err(EngineError::BadRequest(format!(
+                "{}: /generate: HTTP {status}: {answer}",
+                self.inner.opts.name
+            )));
+        }
+        client::parse_generate(&answer, self.weight_version()).map_err(|e| {
+            EngineError::BadRequest(format!("{}: /generate answer: {e}", self.inner.opts.name))
+        })
+    }
+
+    /// Writes the tensors as a safetensors export next to the engine's log and has the
+    /// server load it, so in-process and on-disk weight sync take one path.
+    async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
+        let log = &self.inner.opts.launch.log;
+        let dir = log.with_extension("weights");
+        let io = |e: std::io::Error| EngineError::Weights(format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let config = self.inner.opts.model_dir.join("config.json");
+        std::fs::copy(&config, dir.join("config.json"))
+            .map_err(|e| EngineError::Weights(format!("copying {}: {e}", config.display())))?;
+        let tmp = dir.join("model.safetensors.tmp");
+        {
+            let refs: Vec<(&str, &tch::Tensor)> =
+                weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            tch::Tensor::write_safetensors(&refs, &tmp)?;
+        }
+        drop(weights);
+        std::fs::rename(&tmp, dir.join("model.safetensors")).map_err(io)?;
+        self.inner.load_from_disk(&dir, version, true).await
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.inner.version.load(Ordering::Relaxed)
+    }
+
+    fn restarts(&self) -> u64 {
+        self.inner.restarts.load(Ordering::Relaxed)
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        dir: PathBuf,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        self.inner.load_from_disk(&dir, version, true).await
+    }
+
+    async fn abort(&self, rid: Option<String>) -> Result<(), EngineError> {
+        let body = match rid {
+            Some(rid) => json!({ "rid": rid }),
+            None => json!({ "abort_all": true }),
+        };
+        self.inner
+            .post("/abort_request", &body, Duration::from_secs(30))
+            .await
+            .map(|_| ())
+    }
+
+    async fn pause(&self, mode: PauseMode) -> Result<(), EngineError> {
+        let mode = match mode {
+            PauseMode::Drain => "retract",
+            PauseMode::Abort => "abort",
+            PauseMode::InPlace => "in_place",
+        };
+        let (status, answer) = self
+            .inner
+            .post(
+                "/pause_generation",
+                &json!({ "mode": mode }),
+                Duration::from_secs(600),
+            )
+            .await?;
+        if status != 200 {
+            return Err(EngineError::BadRequest(format!(
+                "/pause_generation: HTTP {status}: {answer}"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn resume(&self) -> Result<(), EngineError> {
+        self.inner
+            .post("/continue_generation", &json!({}), Duration::from_secs(60))
+            .await
+            .map(|_| ())
+    }
+
+    async fn flush_cache(&self) -> Result<bool, EngineError> {
+        let (status, _) = self
+            .inner
+            .post("/flush_cache", &json!({}), Duration::from_secs(60))
+            .await?;
+        Ok(status == 200)
+    }
+}
