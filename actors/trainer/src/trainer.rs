@@ -243,12 +243,8 @@ impl Trainer {
         named
     }
 
-    /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
-    /// gradients, clip the global norm, AdamW. Returns `train/*` metrics.
-    pub fn train_step(
-        &mut self,
-        batch: &TrainBatch,
-    ) -> Result<BTreeMap<String, f64>, TrainerError> {
+    /// Rejects batches the model cannot train on, naming the sample and field.
+    fn check_batch(&self, batch: &TrainBatch) -> Result<(), TrainerError> {
         if batch.samples.len() != batch.advantages.len() {
             return Err(TrainerError::Batch(format!(
                 "{} samples but {} advantages",
@@ -272,6 +268,62 @@ impl Trainer {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// The loss gradient at the current weights (every micro-batch, one chunk, no
+    /// optimizer step), by HF name, with the step's `train/*` loss metrics. For
+    /// checking the gradient against finite differences of `train/loss`.
+    pub fn gradients(
+        &mut self,
+        batch: &TrainBatch,
+    ) -> Result<(BTreeMap<String, f64>, NamedTensors), TrainerError> {
+        self.check_batch(batch)?;
+        self.optimizer.zero_grad();
+        let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
+        let tokens: usize = batch.samples.iter().map(|s| s.generated_tokens()).sum();
+        let mut acc = Accumulator::default();
+        for r in micro_batches(&lengths, self.opts.max_tokens_per_gpu) {
+            self.micro_step(
+                &batch.samples[r.clone()],
+                &batch.advantages[r],
+                None,
+                batch.global_samples,
+                tokens,
+                &mut acc,
+            )?;
+        }
+        let mut grads: NamedTensors = self
+            .vs
+            .variables()
+            .into_iter()
+            .map(|(k, t)| {
+                let g = t.grad();
+                let g = if g.defined() {
+                    g.copy()
+                } else {
+                    t.zeros_like()
+                };
+                (k, g)
+            })
+            .collect();
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        self.optimizer.zero_grad();
+        let metrics = acc
+            .metrics
+            .into_iter()
+            .map(|(k, v)| (format!("train/{k}"), v))
+            .collect();
+        Ok((metrics, grads))
+    }
+
+    /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
+    /// gradients, clip the global norm, AdamW. Returns `train/*` metrics.
+    pub fn train_step(
+        &mut self,
+        batch: &TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerError> {
+        self.check_batch(batch)?;
         let steps = self.opts.algo.num_steps_per_rollout.max(1);
         if steps > batch.samples.len() {
             return Err(TrainerError::Batch(format!(
