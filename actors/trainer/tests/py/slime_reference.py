@@ -247,11 +247,12 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--config")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--run")
     ap.add_argument("--ckpt")
     ap.add_argument("--flags")
     a = ap.parse_args()
     if a.mode == "make":
-        make(a.out, a.config, a.seed)
+        make(a.out, a.config, a.seed, steps=a.steps)
     else:
         check(a.out, a.run, a.ckpt, a.flags)

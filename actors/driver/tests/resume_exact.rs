@@ -1,0 +1,158 @@
+//! Exact resume: a run that dies after saving step 3 and is resumed with `--load`
+//! reaches the same step-4 loss and weights as a run that was never interrupted. Trained
+//! from debug rollout data, so only trainer state (weights, AdamW moments, step count,
+//! LR schedule position) decides the outcome.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use manta_telemetry::read_metrics;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn driver(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("driver runs")
+}
+
+fn args(data: &Path, save: &Path, runs: &Path, load: Option<&Path>) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "4",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "r",
+        "--lr",
+        "0.01",
+        "--lr-decay-style",
+        "cosine",
+        "--min-lr",
+        "0.001",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-rollout-logprobs",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if let Some(dir) = load {
+        a.push("--load".into());
+        a.push(dir.to_str().unwrap().into());
+    }
+    a
+}
+
+fn weights(path: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+#[test]
+fn stop_after_step_3_then_load_equals_the_uninterrupted_step_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let python = std::env::var("MANTA_PYTHON")
+        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
+    let made = Command::new(python)
+        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
+        .args([
+            "make",
+            data.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--seed",
+            "11",
+        ])
+        .arg("--config")
+        .arg(workspace().join("assets/tiny-qwen3/config.json"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+
+    // Uninterrupted: 4 steps.
+    let (save_a, runs_a) = (dir.path().join("ckpt-a"), dir.path().join("runs-a"));
+    let out = driver(&args(&data, &save_a, &runs_a, None));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Interrupted: step 4's data is missing, so the run dies in step 4 after saving step 3.
+    let partial = dir.path().join("partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::os::unix::fs::symlink(data.join("model"), partial.join("model")).unwrap();
+    for k in 0..3 {
+        let f = format!("debug_{k}.jsonl");
+        std::fs::copy(data.join(&f), partial.join(&f)).unwrap();
+    }
+    let (save_b, runs_b) = (dir.path().join("ckpt-b"), dir.path().join("runs-b"));
+    let out = driver(&args(&partial, &save_b, &runs_b, None));
+    assert!(!out.status.success(), "the run should die in step 4");
+    let latest = std::fs::read_to_string(save_b.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step_000003");
+
+    // Resumed with the full data.
+    let out = driver(&args(&data, &save_b, &runs_b, Some(&save_b)));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let a = read_metrics(&runs_a.join("r/metrics.jsonl")).unwrap();
+    let b = read_metrics(&runs_b.join("r/metrics.jsonl")).unwrap();
+    let step4 = |m: &[(u64, std::collections::BTreeMap<String, f64>)]| {
+        m.iter()
+            .find(|(s, _)| *s == 4)
+            .expect("step 4 recorded")
+            .1
+            .clone()
+    };
+    let (a4, b4) = (step4(&a), step4(&b));
+    for key in [
+        "train/loss",
+        "train/pg_loss",
+        "train/kl_loss",
+        "train/grad_norm",
+        "train/lr",
+    ] {
+        assert_eq!(
+            a4[key], b4[key],
+            "{key}: uninterrupted {} vs resumed {}",
+            a4[key], b4[key]
+        );
+    }
+    let wa = weights(&save_a.join("step_000004/model.safetensors"));
+    let wb = weights(&save_b.join("step_000004/model.safetensors"));
+    assert_eq!(wa.len(), wb.len());
+    for ((na, ta), (nb, tb)) in wa.iter().zip(&wb) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs after resume");
+    }
+}
