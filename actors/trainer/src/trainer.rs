@@ -528,6 +528,7 @@ impl Trainer {
         }
         std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
         manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?;
+        crash_mid_save_if_asked(&tmp, step);
         self.optimizer.save(&tmp)?;
         let state = TrainerState {
             step,
@@ -560,6 +561,26 @@ impl Trainer {
             .map_err(err)?;
         Ok(state.step)
     }
+}
+
+/// Fault injection for tests: with `MANTA_CRASH_MID_SAVE=<step>` the process dies while
+/// saving that step, after tearing the weights file in half, as a crash or a full disk
+/// would leave it.
+fn crash_mid_save_if_asked(tmp: &Path, step: u64) {
+    let asked = std::env::var("MANTA_CRASH_MID_SAVE")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if asked != Some(step) {
+        return;
+    }
+    let weights = tmp.join("model.safetensors");
+    if let Ok(meta) = std::fs::metadata(&weights) {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&weights) {
+            let _ = f.set_len(meta.len() / 2);
+        }
+    }
+    eprintln!("MANTA_CRASH_MID_SAVE={step}: crashing in the middle of the save");
+    std::process::abort();
 }
 
 /// Whether `dir` holds HF weights (single file or sharded).

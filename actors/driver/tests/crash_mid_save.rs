@@ -1,0 +1,94 @@
+//! A crash in the middle of saving a checkpoint (injected with `MANTA_CRASH_MID_SAVE`:
+//! the weights file is torn in half, then the process aborts) leaves the previous
+//! checkpoint as `latest`, loadable, and the run resumes from it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn driver(data: &Path, save: &Path, runs: &Path, extra: &[&str], crash_at: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
+    cmd.current_dir(workspace()).env("RUST_LOG", "warn").args([
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "r",
+        "--lr",
+        "0.01",
+    ]);
+    cmd.args(extra);
+    match crash_at {
+        Some(step) => cmd.env("MANTA_CRASH_MID_SAVE", step),
+        None => cmd.env_remove("MANTA_CRASH_MID_SAVE"),
+    };
+    cmd.output().expect("driver runs")
+}
+
+#[test]
+fn crash_mid_save_leaves_the_previous_checkpoint_loadable() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let python = std::env::var("MANTA_PYTHON")
+        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
+    let made = Command::new(python)
+        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
+        .args([
+            "make",
+            data.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--seed",
+            "2",
+        ])
+        .arg("--config")
+        .arg(workspace().join("assets/tiny-qwen3/config.json"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let (save, runs) = (dir.path().join("ckpt"), dir.path().join("runs"));
+
+    let out = driver(&data, &save, &runs, &[], Some("2"));
+    assert!(!out.status.success(), "the injected crash did not happen");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("MANTA_CRASH_MID_SAVE=2"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The torn save never became a checkpoint; latest still names step 1.
+    assert!(!save.join("step_000002").exists());
+    let latest = std::fs::read_to_string(save.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step_000001");
+
+    let load = save.to_str().unwrap().to_string();
+    let out = driver(&data, &save, &runs, &["--load", &load], None);
+    assert!(
+        out.status.success(),
+        "resume failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let latest = std::fs::read_to_string(save.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step_000003");
+    let w = tch::Tensor::read_safetensors(save.join("step_000003/model.safetensors"));
+    assert!(w.is_ok(), "{w:?}");
+}
