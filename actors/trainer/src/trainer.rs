@@ -30,6 +30,8 @@ pub enum TrainerError {
     Checkpoint { path: PathBuf, message: String },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
 }
 
 /// Everything the trainer needs to start.
@@ -96,6 +98,8 @@ pub struct Trainer {
     opts: TrainerOptions,
     /// Frozen reference policy, kept only with `use_kl_loss`.
     reference: Option<(nn::VarStore, CausalLm)>,
+    /// `MANTA_INJECT_OOM_TOKENS`: fault injection for the out-of-memory recovery.
+    inject_oom_tokens: Option<usize>,
 }
 
 /// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
@@ -219,6 +223,9 @@ impl Trainer {
             optimizer,
             opts,
             reference,
+            inject_oom_tokens: std::env::var("MANTA_INJECT_OOM_TOKENS")
+                .ok()
+                .and_then(|v| v.trim().parse().ok()),
         })
     }
 
@@ -283,16 +290,10 @@ impl Trainer {
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
         let tokens: usize = batch.samples.iter().map(|s| s.generated_tokens()).sum();
         let mut acc = Accumulator::default();
-        for r in micro_batches(&lengths, self.opts.max_tokens_per_gpu) {
-            self.micro_step(
-                &batch.samples[r.clone()],
-                &batch.advantages[r],
-                None,
-                batch.global_samples,
-                tokens,
-                &mut acc,
-            )?;
-        }
+        let ranges = micro_batches(&lengths, self.opts.max_tokens_per_gpu);
+        let skipped =
+            self.run_micro_batches(batch, ranges, None, batch.global_samples, tokens, &mut acc)?;
+        acc.oom_skipped += skipped;
         let mut grads: NamedTensors = self
             .vs
             .variables()
@@ -309,11 +310,12 @@ impl Trainer {
             .collect();
         grads.sort_by(|a, b| a.0.cmp(&b.0));
         self.optimizer.zero_grad();
-        let metrics = acc
+        let mut metrics: BTreeMap<String, f64> = acc
             .metrics
             .into_iter()
             .map(|(k, v)| (format!("train/{k}"), v))
             .collect();
+        metrics.insert("train/oom_skipped".into(), acc.oom_skipped as f64);
         Ok((metrics, grads))
     }
 
@@ -365,18 +367,19 @@ impl Trainer {
             self.optimizer.zero_grad();
             let mut acc = Accumulator::default();
             let base = chunk.start;
-            for range in micro_batches(&lengths[chunk.clone()], budget) {
-                let r = (base + range.start)..(base + range.end);
-                let old_r = old.as_ref().map(|o| &o[r.clone()]);
-                self.micro_step(
-                    &batch.samples[r.clone()],
-                    &batch.advantages[r],
-                    old_r,
-                    chunk_global,
-                    chunk_tokens,
-                    &mut acc,
-                )?;
-            }
+            let ranges = micro_batches(&lengths[chunk.clone()], budget)
+                .into_iter()
+                .map(|r| (base + r.start)..(base + r.end))
+                .collect();
+            let skipped = self.run_micro_batches(
+                batch,
+                ranges,
+                old.as_deref(),
+                chunk_global,
+                chunk_tokens,
+                &mut acc,
+            )?;
+            acc.oom_skipped += skipped;
             if let Some(schedule) = &self.opts.algo.lr_schedule {
                 self.optimizer.config.lr = schedule.lr_at(self.optimizer.step_count());
             }
@@ -386,6 +389,7 @@ impl Trainer {
             self.optimizer.zero_grad();
             *sums.entry("train/grad_norm".into()).or_default() += grad_norm;
             *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
+            *sums.entry("train/oom_skipped".into()).or_default() += acc.oom_skipped as f64;
             for (name, v) in acc.metrics {
                 *sums.entry(format!("train/{name}")).or_default() += v;
             }
@@ -394,7 +398,7 @@ impl Trainer {
         let mut m: BTreeMap<String, f64> = sums
             .into_iter()
             .map(|(k, v)| {
-                let v = if k == "train/tokens" {
+                let v = if k == "train/tokens" || k == "train/oom_skipped" {
                     v
                 } else {
                     v / steps as f64
@@ -404,6 +408,94 @@ impl Trainer {
             .collect();
         m.insert("train/lr".into(), lr);
         Ok(m)
+    }
+
+    /// Runs the micro-batches `ranges` (indices into `batch`). A micro-batch that runs
+    /// out of memory is split in halves and retried; a single sample that still does not
+    /// fit is skipped (it adds nothing to the loss) and counted. Returns the count.
+    ///
+    /// A micro-batch's metrics count only when it succeeds. Its gradients are added in
+    /// one backward pass, so an out-of-memory error raised inside that pass can leave part
+    /// of them accumulated (in practice OOM strikes in the forward pass, whose activations
+    /// dominate).
+    fn run_micro_batches(
+        &mut self,
+        batch: &TrainBatch,
+        ranges: Vec<std::ops::Range<usize>>,
+        old: Option<&[Tensor]>,
+        global_samples: usize,
+        global_tokens: usize,
+        acc: &mut Accumulator,
+    ) -> Result<usize, TrainerError> {
+        let mut queue: std::collections::VecDeque<_> = ranges.into();
+        let mut skipped = 0;
+        while let Some(r) = queue.pop_front() {
+            let mut local = Accumulator::default();
+            let result = self.try_micro_step(
+                &batch.samples[r.clone()],
+                &batch.advantages[r.clone()],
+                old.map(|o| &o[r.clone()]),
+                global_samples,
+                global_tokens,
+                &mut local,
+            );
+            match result {
+                Ok(()) => acc.merge(local),
+                Err(TrainerError::OutOfMemory(msg)) if r.len() > 1 => {
+                    let mid = r.start + r.len() / 2;
+                    tracing::warn!(samples = r.len(), %msg, "micro-batch out of memory: splitting it in halves");
+                    queue.push_front(mid..r.end);
+                    queue.push_front(r.start..mid);
+                }
+                Err(TrainerError::OutOfMemory(msg)) => {
+                    tracing::warn!(sample = batch.samples[r.start].id, %msg, "a single sample does not fit in memory: skipped");
+                    skipped += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(skipped)
+    }
+
+    /// [`Trainer::micro_step`], with libtorch's out-of-memory panics turned into
+    /// [`TrainerError::OutOfMemory`]. `MANTA_INJECT_OOM_TOKENS=N` (tests) makes every
+    /// micro-batch whose padded size exceeds N tokens fail that way.
+    fn try_micro_step(
+        &mut self,
+        samples: &[Sample],
+        advantages: &[f64],
+        old: Option<&[Tensor]>,
+        global_samples: usize,
+        global_tokens: usize,
+        acc: &mut Accumulator,
+    ) -> Result<(), TrainerError> {
+        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+        let padded = samples.len() * width;
+        if let Some(limit) = self.inject_oom_tokens {
+            if padded > limit {
+                return Err(TrainerError::OutOfMemory(format!(
+                    "injected: {padded} padded tokens > MANTA_INJECT_OOM_TOKENS={limit}"
+                )));
+            }
+        }
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.micro_step(samples, advantages, old, global_samples, global_tokens, acc)
+        }));
+        match run {
+            Ok(result) => result,
+            Err(payload) => {
+                let msg = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                if msg.contains("out of memory") {
+                    Err(TrainerError::OutOfMemory(msg))
+                } else {
+                    std::panic::resume_unwind(payload)
+                }
+            }
+        }
     }
 
     fn micro_step(
@@ -593,4 +685,16 @@ struct Accumulator {
     /// Weighted metric sums over the micro-batches of one optimizer step.
     metrics: BTreeMap<&'static str, f64>,
     tokens: usize,
+    /// Samples skipped because they did not fit in memory even alone.
+    oom_skipped: usize,
+}
+
+impl Accumulator {
+    fn merge(&mut self, other: Accumulator) {
+        for (k, v) in other.metrics {
+            *self.metrics.entry(k).or_default() += v;
+        }
+        self.tokens += other.tokens;
+        self.oom_skipped += other.oom_skipped;
+    }
 }

@@ -1,0 +1,105 @@
+//! Out-of-memory recovery: a micro-batch that fails with an OOM error (injected with
+//! `MANTA_INJECT_OOM_TOKENS`) is split in halves and retried, giving the same gradient
+//! as an unfailed step; a sample that does not fit even alone is skipped and counted in
+//! `train/oom_skipped`. One test in this binary: the injection is process-wide.
+
+use std::path::Path;
+
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use manta_trainer::loss::ClipRange;
+use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::{NamedTensors, TrainBatch, Trainer, TrainerOptions};
+
+fn options() -> TrainerOptions {
+    TrainerOptions {
+        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
+        seed: 9,
+        device: tch::Device::Cpu,
+        adam: AdamWConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+        clip: ClipRange {
+            eps_clip: 0.2,
+            eps_clip_high: 0.2,
+        },
+        clip_grad: 1.0,
+        temperature: 1.0,
+        // One micro-batch holds the whole batch (3 samples × 7 = 21 padded tokens).
+        max_tokens_per_gpu: 1000,
+        use_rollout_logprobs: true,
+        logprob_chunk: 8,
+        gradient_checkpointing: false,
+        algo: Default::default(),
+    }
+}
+
+fn sample(id: u64, tokens: Vec<u32>, mask: Vec<u8>) -> Sample {
+    let response_length = mask.len();
+    Sample {
+        id,
+        group_index: 0,
+        index: id as u32,
+        rollout_log_probs: vec![-5.0; response_length],
+        tokens,
+        response_length,
+        loss_mask: mask,
+        reward: 0.0,
+        status: SampleStatus::Completed,
+        weight_version: 0,
+        metadata: EpisodeMetadata::default(),
+    }
+}
+
+fn batch(n: usize) -> TrainBatch {
+    let all = [
+        sample(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1]),
+        sample(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1]),
+        sample(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1]),
+    ];
+    TrainBatch {
+        samples: all[..n].to_vec(),
+        advantages: vec![1.0, -0.5, -0.5][..n].to_vec(),
+        global_samples: 3,
+    }
+}
+
+fn assert_same(a: &NamedTensors, b: &NamedTensors) {
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert!(ta.allclose(tb, 1e-5, 1e-7, false), "{na} differs");
+    }
+}
+
+#[test]
+fn oom_micro_batches_are_split_and_unfit_samples_skipped() {
+    std::env::remove_var("MANTA_INJECT_OOM_TOKENS");
+    let mut clean = Trainer::new(options()).unwrap();
+    let (clean_m, clean_g) = clean.gradients(&batch(3)).unwrap();
+    let (_, two_g) = clean.gradients(&batch(2)).unwrap();
+
+    // 21 padded tokens fail; the halves (6 and 2 × 7 = 14) fit.
+    std::env::set_var("MANTA_INJECT_OOM_TOKENS", "14");
+    let mut split = Trainer::new(options()).unwrap();
+    let (m, g) = split.gradients(&batch(3)).unwrap();
+    assert_eq!(m["train/oom_skipped"], 0.0);
+    assert!(
+        (m["train/loss"] - clean_m["train/loss"]).abs() < 1e-6,
+        "{m:?} vs {clean_m:?}"
+    );
+    assert_same(&g, &clean_g);
+
+    // Only 6 tokens fit: sample 2 (7 tokens) fails alone and is skipped.
+    std::env::set_var("MANTA_INJECT_OOM_TOKENS", "6");
+    let mut tight = Trainer::new(options()).unwrap();
+    let (m, g) = tight.gradients(&batch(3)).unwrap();
+    assert_eq!(m["train/oom_skipped"], 1.0);
+    assert_same(&g, &two_g);
+    let step = tight.train_step(&batch(3)).unwrap();
+    assert_eq!(step["train/oom_skipped"], 1.0);
+    std::env::remove_var("MANTA_INJECT_OOM_TOKENS");
+}
