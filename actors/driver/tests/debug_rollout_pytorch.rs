@@ -163,3 +163,23 @@ fn gspo_per_token_whitened_masked_tis_unbiased_k2_warmup_match_pytorch() {
         ("tis_clip_low", Some("0.8")),
     ]);
 }
+
+#[test]
+fn two_updates_per_rollout_opsm_linear_lr_match_pytorch() {
+    matches_pytorch(&[
+        ("lr", Some("0.01")),
+        ("min_lr", Some("0.001")),
+        ("lr_decay_style", Some("linear")),
+        ("adam_eps", Some("0.001")),
+        ("num_steps_per_rollout", Some("2")),
+        ("eps_clip", Some("0.1")),
+        ("use_kl_loss", None),
+        ("kl_loss_coef", Some("0.05")),
+        ("kl_loss_type", Some("k3")),
+        ("use_tis", None),
+        ("tis_clip", Some("1.4")),
+        ("tis_clip_low", Some("0.6")),
+        ("use_opsm", None),
+        ("opsm_delta", Some("0.001")),
+    ]);
+}

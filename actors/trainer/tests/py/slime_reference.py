@@ -123,19 +123,19 @@ def advantages(samples, f):
     return out
 
 
-def train_step(model, ref, opt, batch, f, lr):
+def train_step(model, ref, opt, batch, f, lr, pre=None):
     """One optimizer step of slime's policy_loss_function on the whole batch."""
     for gparam in opt.param_groups:
         gparam["lr"] = lr
     opt.zero_grad()
     T = f.get("temperature", 1.0)
     per = []
-    for s, a in batch:
+    for j, (s, a) in enumerate(batch):
         logp, ent = token_logp_entropy(model, s, T)
         rollout = torch.tensor([v for v, m in zip(s["rollout_log_probs"], s["loss_mask"]) if m])
         with torch.no_grad():
             ref_lp = token_logp_entropy(ref, s, T)[0] if f.get("use_kl_loss") else None
-        per.append((logp, ent, rollout, ref_lp, torch.full_like(logp, a)))
+        per.append((logp, ent, rollout, ref_lp, torch.full_like(logp, a), None if pre is None else pre[j]))
     n = len(per)
     ntok = sum(p[0].numel() for p in per)
 
@@ -146,10 +146,11 @@ def train_step(model, ref, opt, batch, f, lr):
 
     eps, eps_hi = f.get("eps_clip", 0.2), f.get("eps_clip_high", f.get("eps_clip", 0.2))
     c = f.get("eps_clip_c")
-    pg, clipfrac, ppokl, ents, kls, tis, absd = [], [], [], [], [], [], []
-    for logp, ent, rollout, ref_lp, adv in per:
-        old = rollout if f.get("use_rollout_logprobs") else logp.detach()
-        train_lp = logp.detach()
+    pg, clipfrac, ppokl, ents, kls, tis, absd, opsm = [], [], [], [], [], [], [], []
+    for logp, ent, rollout, ref_lp, adv, before in per:
+        # slime's batch["log_probs"]: the trainer's log-probs before this rollout's updates.
+        train_lp = logp.detach() if before is None else before
+        old = rollout if f.get("use_rollout_logprobs") else train_lp
         kl = old - logp
         if f.get("advantage_estimator") == "gspo":
             kl = kl.mean().expand_as(logp)
@@ -160,6 +161,12 @@ def train_step(model, ref, opt, batch, f, lr):
         cf = (l2 > l1).float()
         if c is not None:
             l = torch.where(adv < 0, torch.minimum(-c * adv, l), l)
+        if f.get("use_opsm"):
+            seq_kl = (old - logp).mean().detach()
+            drop = bool(adv[0] < 0) and seq_kl.item() > f.get("opsm_delta", 1e-4)
+            opsm.append(1.0 if drop else 0.0)
+            if drop:
+                l = l * 0.0
         if f.get("use_tis"):
             w = torch.exp(train_lp - rollout)
             tis.append(w)
@@ -186,6 +193,8 @@ def train_step(model, ref, opt, batch, f, lr):
         m["train/kl_loss"] = kl_loss.item()
     if f.get("use_tis"):
         m["train/tis"] = reduce(tis).item()
+    if f.get("use_opsm"):
+        m["train/opsm_clipfrac"] = sum(opsm)
     m["train/loss"] = loss.item()
     loss.backward()
     params = [p for p in model.parameters()]
@@ -205,17 +214,25 @@ def check(out, run, ckpt, flags):
     opt = torch.optim.AdamW(model.parameters(), lr=f["lr"], betas=(f.get("adam_beta1", 0.9), f.get("adam_beta2", 0.999)),
                             eps=f.get("adam_eps", 1e-8), weight_decay=f.get("weight_decay", 0.0))
     steps = f["num_rollout"]
-    k_steps = f.get("num_steps_per_rollout", 1)
+    k_steps = int(f.get("num_steps_per_rollout", 1))
     ours = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
     bad = []
     opt_step = 0
     for step in range(steps):
         samples = [json.loads(l) for l in open(os.path.join(out, f"debug_{step}.jsonl"))]
         batch = advantages(samples, f)
-        if k_steps > 1:
-            raise SystemExit("num_steps_per_rollout > 1 is not transcribed here")
-        m = train_step(model, ref, opt, batch, f, lr_at(opt_step, f, steps * k_steps))
-        opt_step += 1
+        with torch.no_grad():
+            pre = [token_logp_entropy(model, s, f.get("temperature", 1.0))[0] for s, _ in batch]
+        # slime: global batch = the rollout's samples / num_steps_per_rollout, in order;
+        # Manta logs the mean of each metric over the updates.
+        n = len(batch)
+        ms = []
+        for k in range(k_steps):
+            lo, hi = k * n // k_steps, (k + 1) * n // k_steps
+            ms.append(train_step(model, ref, opt, batch[lo:hi], f, lr_at(opt_step, f, steps * k_steps), pre[lo:hi]))
+            opt_step += 1
+        m = {key: sum(x[key] for x in ms) / len(ms) for key in ms[0]}
+        m["train/lr"] = ms[-1]["train/lr"]
         got = ours[step]
         got = got.get("metrics", got)
         for k, v in m.items():
