@@ -183,3 +183,33 @@ fn two_updates_per_rollout_opsm_linear_lr_match_pytorch() {
         ("opsm_delta", Some("0.001")),
     ]);
 }
+
+#[test]
+fn cispo_entropy_per_token_match_pytorch() {
+    matches_pytorch(&[
+        ("lr", Some("0.01")),
+        ("adam_eps", Some("0.001")),
+        ("advantage_estimator", Some("cispo")),
+        ("use_rollout_logprobs", None),
+        ("eps_clip", Some("0.5")),
+        ("eps_clip_high", Some("0.1")),
+        ("entropy_coef", Some("0.02")),
+        ("calculate_per_token_loss", None),
+    ]);
+}
+
+#[test]
+fn reinforce_plus_plus_variants_match_pytorch() {
+    for estimator in ["reinforce_plus_plus", "reinforce_plus_plus_baseline"] {
+        matches_pytorch(&[
+            ("lr", Some("0.01")),
+            ("adam_eps", Some("0.001")),
+            ("advantage_estimator", Some(estimator)),
+            ("normalize_advantages", None),
+            ("use_rollout_logprobs", None),
+            ("use_kl_loss", None),
+            ("kl_loss_coef", Some("0.1")),
+            ("kl_loss_type", Some("k2")),
+        ]);
+    }
+}

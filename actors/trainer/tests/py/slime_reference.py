@@ -155,12 +155,18 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
         if f.get("advantage_estimator") == "gspo":
             kl = kl.mean().expand_as(logp)
         ratio = torch.exp(-kl)
-        l1 = -ratio * adv
-        l2 = -ratio.clamp(1 - eps, 1 + eps_hi) * adv
-        l = torch.maximum(l1, l2)
-        cf = (l2 > l1).float()
-        if c is not None:
-            l = torch.where(adv < 0, torch.minimum(-c * adv, l), l)
+        if f.get("advantage_estimator") == "cispo":
+            # MiniMax-M1: the clipped ratio is a constant weight on the log-prob.
+            clipped = ratio.clamp(1 - eps, 1 + eps_hi)
+            l = -clipped.detach() * adv * logp
+            cf = (clipped != ratio).float()
+        else:
+            l1 = -ratio * adv
+            l2 = -ratio.clamp(1 - eps, 1 + eps_hi) * adv
+            l = torch.maximum(l1, l2)
+            cf = (l2 > l1).float()
+            if c is not None:
+                l = torch.where(adv < 0, torch.minimum(-c * adv, l), l)
         if f.get("use_opsm"):
             seq_kl = (old - logp).mean().detach()
             drop = bool(adv[0] < 0) and seq_kl.item() > f.get("opsm_delta", 1e-4)
