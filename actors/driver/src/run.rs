@@ -121,11 +121,12 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         lr = settings.lr,
         "starting local training"
     );
-    if cluster.mode == ClusterMode::Remote {
-        return crate::remote::train_remote(cluster, train, settings, stop).await;
-    }
+    // Debug data needs no engine or environment, local or remote: the trainer runs here.
     if let Some(template) = settings.load_debug_rollout_data.clone() {
         return train_from_debug_data(template, &train, &settings, stop).await;
+    }
+    if cluster.mode == ClusterMode::Remote {
+        return crate::remote::train_remote(cluster, train, settings, stop).await;
     }
     let worker = local::start(&cluster, &train, &settings, true).await?;
     let (trainer, weight_sync) = match (&worker.trainer, &worker.weight_sync) {
