@@ -16,7 +16,7 @@ pub struct ClipRange {
 }
 
 /// `--advantage-estimator`: how rewards become advantages and which policy loss applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum AdvantageEstimator {
     /// Group-normalized rewards, token-level PPO-clip ratio.
     #[default]
@@ -68,7 +68,7 @@ impl fmt::Display for AdvantageEstimator {
 }
 
 /// `--kl-loss-type`: the estimator of KL(π‖π_ref) from log-probs of sampled tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum KlType {
     #[default]
     K1,
@@ -96,7 +96,7 @@ impl FromStr for KlType {
 }
 
 /// `--tis-mode`: what truncated importance sampling does outside `[tis_clip_low, tis_clip]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum TisMode {
     /// Clamp the weight into the band (slime's `vanilla_tis_function`).
     #[default]
@@ -119,7 +119,7 @@ impl FromStr for TisMode {
 }
 
 /// Everything about the loss beyond the clip range; defaults are slime's.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossOptions {
     pub estimator: AdvantageEstimator,
     /// Dual-clip bound for negative advantages (> 1), off when `None`.

@@ -7,7 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// `--lr-decay-style`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum DecayStyle {
     #[default]
     Constant,
@@ -40,7 +40,7 @@ impl fmt::Display for DecayStyle {
 }
 
 /// The learning rate as a function of the optimizer step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LrSchedule {
     pub max_lr: f64,
     pub min_lr: f64,

@@ -62,7 +62,7 @@ pub struct TrainerOptions {
 
 /// slime's algorithm flags beyond PPO-clip (REFERENCE.md §4); the default is plain GRPO
 /// with one update per rollout at a constant learning rate.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct AlgoOptions {
     pub loss: LossOptions,
     /// `None`: `adam.lr` throughout.

@@ -19,7 +19,7 @@ use manta_rollout::{
 use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
-use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
+use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
 use tracing::info;
@@ -322,12 +322,23 @@ pub struct TrainerSpawnConfig {
     pub use_rollout_logprobs: bool,
     pub logprob_chunk: i64,
     pub gradient_checkpointing: bool,
+    /// slime's loss options, LR schedule, updates per rollout and reference model, so a
+    /// trainer on a worker trains exactly as an in-process one.
+    #[serde(default)]
+    pub algo: AlgoOptions,
 }
 
 impl TrainerSpawnConfig {
     /// Parses `config_json`, naming the problem.
     pub fn from_json(text: &str) -> Result<Self, String> {
-        serde_json::from_str(text).map_err(|e| format!("trainer spawn config_json: {e}"))
+        let de = &mut serde_json::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            format!(
+                "trainer spawn config_json: key `{}`: {}",
+                e.path(),
+                e.inner()
+            )
+        })
     }
 
     pub fn from_options(o: &TrainerOptions) -> Self {
@@ -347,6 +358,7 @@ impl TrainerSpawnConfig {
             use_rollout_logprobs: o.use_rollout_logprobs,
             logprob_chunk: o.logprob_chunk,
             gradient_checkpointing: o.gradient_checkpointing,
+            algo: o.algo.clone(),
         }
     }
 
@@ -387,7 +399,7 @@ impl TrainerSpawnConfig {
             logprob_chunk: self.logprob_chunk,
             gradient_checkpointing: self.gradient_checkpointing,
             // Remote trainers do not receive slime's loss flags yet: plain GRPO.
-            algo: Default::default(),
+            algo: self.algo,
         })
     }
 }
@@ -402,4 +414,37 @@ pub async fn spawn_trainer(
         .await
         .with_context(|| format!("starting trainer {name}"))?;
     Ok(actor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// slime's loss options survive the trip to a worker: a remote trainer trains with
+    /// the same algorithm as a local one.
+    #[test]
+    fn loss_options_reach_a_remote_trainer() {
+        let mut json = serde_json::json!({
+            "model_dir": "/m", "seed": 1, "lr": 1e-5, "adam_beta1": 0.9, "adam_beta2": 0.999,
+            "adam_eps": 1e-8, "weight_decay": 0.0, "eps_clip": 0.2, "eps_clip_high": 0.28,
+            "clip_grad": 1.0, "temperature": 1.0, "max_tokens_per_gpu": 8192,
+            "use_rollout_logprobs": false, "logprob_chunk": 1024, "gradient_checkpointing": true
+        });
+        // Older drivers send no `algo`: plain GRPO.
+        let plain = TrainerSpawnConfig::from_json(&json.to_string()).unwrap();
+        assert_eq!(plain.algo, AlgoOptions::default());
+        let mut opts = plain.into_options(&[]).unwrap();
+        opts.algo.loss.use_kl_loss = true;
+        opts.algo.loss.kl_loss_coef = 0.1;
+        opts.algo.num_steps_per_rollout = 2;
+        let sent = serde_json::to_string(&TrainerSpawnConfig::from_options(&opts)).unwrap();
+        let got = TrainerSpawnConfig::from_json(&sent)
+            .unwrap()
+            .into_options(&[])
+            .unwrap();
+        assert_eq!(got.algo, opts.algo);
+        json["algo"] = serde_json::json!("nonsense");
+        let err = TrainerSpawnConfig::from_json(&json.to_string()).unwrap_err();
+        assert!(err.contains("algo"), "{err}");
+    }
 }
