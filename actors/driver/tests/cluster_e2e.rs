@@ -152,6 +152,9 @@ fn callers_without_the_token_are_refused() {
 
 #[test]
 fn two_workers_train_through_a_killed_and_restarted_worker() {
+    // Enough steps after the kill for the restarted worker to rejoin: a step of the tiny
+    // model takes a fraction of a second, a worker's start and first heartbeat longer.
+    const STEPS: u64 = 12;
     let tmp = tempfile::tempdir().unwrap();
     let ports = [free_port(), free_port()];
     let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
@@ -192,7 +195,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
             "--n-samples",
             "4",
             "--num-rollout",
-            "3",
+            &STEPS.to_string(),
             "--run-name",
             "remote",
         ])
@@ -220,9 +223,12 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
         "driver failed\nstdout:\n{}\nstderr:\n{stderr}",
         lines.join("\n")
     );
-    assert_eq!(lines.iter().filter(|l| l.starts_with("step ")).count(), 3);
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("step ")).count(),
+        STEPS as usize
+    );
 
-    // Every sample id of the 3 steps trained exactly once.
+    // Every sample id of every step trained exactly once.
     let text = std::fs::read_to_string(runs.join("remote/trained_ids.jsonl")).unwrap();
     let mut ids: Vec<u64> = text
         .lines()
@@ -237,7 +243,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
         })
         .collect();
     ids.sort_unstable();
-    assert_eq!(ids, (0..96).collect::<Vec<u64>>(), "{stderr}");
+    assert_eq!(ids, (0..STEPS * 32).collect::<Vec<u64>>(), "{stderr}");
 
     // Weights reached the workers each step; the restarted worker came back.
     let rows = read_metrics(&runs.join("remote/metrics.jsonl")).unwrap();
@@ -261,7 +267,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     );
     assert_eq!(
         std::fs::read_to_string(save.join("latest")).unwrap().trim(),
-        "step_000003"
+        format!("step_{STEPS:06}")
     );
 }
 
