@@ -30,6 +30,36 @@ extern "C" {
     ) -> c_int;
 }
 
+extern "C" {
+    fn manta_paged_attention_compile_check(
+        source: *const c_char,
+        hd: c_int,
+        rep: c_int,
+        nkv: c_int,
+        arch: c_int,
+    ) -> c_int;
+}
+
+/// Compiles the paged attention kernel for one shape and `sm_<arch>` with NVRTC, which
+/// needs no GPU: a check that CPU machines can run.
+pub fn paged_attention_compiles(
+    hd: usize,
+    rep: usize,
+    nkv: usize,
+    arch: u32,
+) -> Result<(), CudaError> {
+    // SAFETY: the source is NUL-terminated and outlives the call.
+    check(unsafe {
+        manta_paged_attention_compile_check(
+            PAGED_ATTENTION_SOURCE.as_ptr() as *const c_char,
+            hd as c_int,
+            rep as c_int,
+            nkv as c_int,
+            arch as c_int,
+        )
+    })
+}
+
 /// The kernel's CUDA source, NUL-terminated for NVRTC.
 const PAGED_ATTENTION_SOURCE: &str = concat!(include_str!("paged_attention.cu.inc"), "\0");
 
@@ -173,6 +203,21 @@ mod tests {
         graph.replay().unwrap();
         assert_eq!(y.double_value(&[]), 24.0);
         assert!(total_memory(0).unwrap() > 0);
+    }
+
+    /// NVRTC compiles the kernel for the shapes the engine uses (Qwen3-0.6B: 16/8 heads,
+    /// 8B: 32/8, and a head_dim of 64) on Hopper, with no GPU needed.
+    #[test]
+    fn paged_attention_kernel_compiles_for_hopper() {
+        if !built_with_cuda() {
+            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
+            return;
+        }
+        for (hd, rep, nkv) in [(128, 2, 8), (128, 4, 8), (64, 1, 8)] {
+            if let Err(e) = paged_attention_compiles(hd, rep, nkv, 90) {
+                panic!("head_dim {hd}, {rep} query heads per kv head: {e}");
+            }
+        }
     }
 
     /// The kernel against gather + softmax in fp32, over a shuffled block table.

@@ -43,6 +43,67 @@ int guarded(F f) {
 }
 
 #ifdef MANTA_WITH_CUDA
+#define MANTA_SYM(lib, name)                                               \
+  auto name##_fn = reinterpret_cast<decltype(&name)>(dlsym(lib, #name)); \
+  TORCH_CHECK(name##_fn != nullptr, "missing symbol " #name)
+
+// NVRTC from the wheel beside torch (site-packages/torch/lib -> site-packages/nvidia/cu13/lib),
+// with its builtins library loaded first (NVRTC looks it up by name and fails otherwise).
+void* load_nvrtc() {
+  static void* nvrtc = nullptr;
+  if (nvrtc != nullptr) return nvrtc;
+  std::string dir;
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&at::cuda::getDeviceProperties), &info) && info.dli_fname) {
+    std::string lib(info.dli_fname);
+    dir = lib.substr(0, lib.rfind('/')) + "/../../nvidia/cu13/lib/";
+  }
+  if (!dir.empty()) dlopen((dir + "libnvrtc-builtins.so.13.0").c_str(), RTLD_NOW | RTLD_GLOBAL);
+  nvrtc = dlopen("libnvrtc.so.13", RTLD_NOW | RTLD_GLOBAL);
+  if (nvrtc == nullptr && !dir.empty()) nvrtc = dlopen((dir + "libnvrtc.so.13").c_str(), RTLD_NOW | RTLD_GLOBAL);
+  TORCH_CHECK(nvrtc != nullptr, "cannot load libnvrtc.so.13 (NVRTC, from the nvidia-cuda-nvrtc wheel)");
+  return nvrtc;
+}
+
+// The kernel for one shape, as a CUBIN for sm_<arch>.
+std::string compile_paged_attention(const char* source, int64_t hd, int rep, int64_t nkv, int warps, int arch) {
+  void* nvrtc = load_nvrtc();
+  MANTA_SYM(nvrtc, nvrtcCreateProgram);
+  MANTA_SYM(nvrtc, nvrtcCompileProgram);
+  MANTA_SYM(nvrtc, nvrtcGetProgramLogSize);
+  MANTA_SYM(nvrtc, nvrtcGetProgramLog);
+  MANTA_SYM(nvrtc, nvrtcGetCUBINSize);
+  MANTA_SYM(nvrtc, nvrtcGetCUBIN);
+  MANTA_SYM(nvrtc, nvrtcDestroyProgram);
+  MANTA_SYM(nvrtc, nvrtcGetErrorString);
+  std::string src = "#define HD " + std::to_string(hd) + "\n#define REP " + std::to_string(rep) +
+                    "\n#define NKV " + std::to_string(nkv) + "\n#define WARPS " + std::to_string(warps) +
+                    "\n" + source;
+  nvrtcProgram prog;
+  TORCH_CHECK(nvrtcCreateProgram_fn(&prog, src.c_str(), "paged_attention.cu", 0, nullptr, nullptr) ==
+                  NVRTC_SUCCESS,
+              "nvrtcCreateProgram failed");
+  std::string arch_flag = "--gpu-architecture=sm_" + std::to_string(arch);
+  // NVRTC optimises by default and takes no -O flag (an unknown option fails the compile).
+  const char* opts[] = {arch_flag.c_str(), "--std=c++17"};
+  nvrtcResult rc = nvrtcCompileProgram_fn(prog, 2, opts);
+  if (rc != NVRTC_SUCCESS) {
+    size_t n = 0;
+    nvrtcGetProgramLogSize_fn(prog, &n);
+    std::string log(n, '\0');
+    nvrtcGetProgramLog_fn(prog, log.data());
+    nvrtcDestroyProgram_fn(&prog);
+    throw std::runtime_error(std::string("NVRTC compile of the paged attention kernel failed (") +
+                             nvrtcGetErrorString_fn(rc) + "): " + log);
+  }
+  size_t n = 0;
+  nvrtcGetCUBINSize_fn(prog, &n);
+  std::string cubin(n, '\0');
+  nvrtcGetCUBIN_fn(prog, cubin.data());
+  nvrtcDestroyProgram_fn(&prog);
+  return cubin;
+}
+
 struct Graph {
   at::cuda::CUDAGraph graph;
   // The stream that was current before capture, restored after it.
@@ -176,7 +237,6 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     const int device = q.get_device();
 
     static std::mutex mu;
-    static void* nvrtc = nullptr;
     static void* driver = nullptr;
     static std::map<std::tuple<int, int64_t, int, int64_t>, CUfunction> kernels;
     std::lock_guard<std::mutex> lock(mu);
@@ -184,22 +244,6 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
       driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
       TORCH_CHECK(driver != nullptr, "cannot load libcuda.so.1: ", dlerror());
     }
-    if (nvrtc == nullptr) {
-      nvrtc = dlopen("libnvrtc.so.13", RTLD_NOW | RTLD_GLOBAL);
-      if (nvrtc == nullptr) {
-        // The pip layout: site-packages/torch/lib/libtorch_cuda.so, .../nvidia/cu13/lib.
-        Dl_info info;
-        if (dladdr(reinterpret_cast<void*>(&at::cuda::getDeviceProperties), &info) && info.dli_fname) {
-          std::string lib(info.dli_fname);
-          lib = lib.substr(0, lib.rfind('/'));
-          nvrtc = dlopen((lib + "/../../nvidia/cu13/lib/libnvrtc.so.13").c_str(), RTLD_NOW | RTLD_GLOBAL);
-        }
-      }
-      TORCH_CHECK(nvrtc != nullptr, "cannot load libnvrtc.so.13 (NVRTC, from the nvidia-cuda-nvrtc wheel)");
-    }
-#define MANTA_SYM(lib, name) \
-  auto name##_fn = reinterpret_cast<decltype(&name)>(dlsym(lib, #name)); \
-  TORCH_CHECK(name##_fn != nullptr, "missing symbol " #name)
     MANTA_SYM(driver, cuLaunchKernel);
     auto key = std::make_tuple(device, hd, rep, nkv);
     auto found = kernels.find(key);
@@ -207,39 +251,10 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     if (found != kernels.end()) {
       fn = found->second;
     } else {
-      MANTA_SYM(nvrtc, nvrtcCreateProgram);
-      MANTA_SYM(nvrtc, nvrtcCompileProgram);
-      MANTA_SYM(nvrtc, nvrtcGetProgramLogSize);
-      MANTA_SYM(nvrtc, nvrtcGetProgramLog);
-      MANTA_SYM(nvrtc, nvrtcGetCUBINSize);
-      MANTA_SYM(nvrtc, nvrtcGetCUBIN);
-      MANTA_SYM(nvrtc, nvrtcDestroyProgram);
       MANTA_SYM(driver, cuModuleLoadData);
       MANTA_SYM(driver, cuModuleGetFunction);
-      std::string src = "#define HD " + std::to_string(hd) + "\n#define REP " + std::to_string(rep) +
-                        "\n#define NKV " + std::to_string(nkv) + "\n#define WARPS " +
-                        std::to_string(warps) + "\n" + source;
-      nvrtcProgram prog;
-      TORCH_CHECK(nvrtcCreateProgram_fn(&prog, src.c_str(), "paged_attention.cu", 0, nullptr, nullptr) ==
-                      NVRTC_SUCCESS,
-                  "nvrtcCreateProgram failed");
       auto* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
-      std::string arch = "--gpu-architecture=sm_" + std::to_string(props->major) + std::to_string(props->minor);
-      const char* opts[] = {arch.c_str(), "-O3", "--std=c++17"};
-      nvrtcResult rc = nvrtcCompileProgram_fn(prog, 3, opts);
-      if (rc != NVRTC_SUCCESS) {
-        size_t n = 0;
-        nvrtcGetProgramLogSize_fn(prog, &n);
-        std::string log(n, '\0');
-        nvrtcGetProgramLog_fn(prog, log.data());
-        nvrtcDestroyProgram_fn(&prog);
-        throw std::runtime_error("NVRTC compile of the paged attention kernel failed: " + log);
-      }
-      size_t n = 0;
-      nvrtcGetCUBINSize_fn(prog, &n);
-      std::string cubin(n, '\0');
-      nvrtcGetCUBIN_fn(prog, cubin.data());
-      nvrtcDestroyProgram_fn(&prog);
+      std::string cubin = compile_paged_attention(source, hd, rep, nkv, warps, props->major * 10 + props->minor);
       CUmodule module;
       TORCH_CHECK(cuModuleLoadData_fn(&module, cubin.data()) == CUDA_SUCCESS, "cuModuleLoadData failed");
       TORCH_CHECK(cuModuleGetFunction_fn(&fn, module, "paged_decode_attention") == CUDA_SUCCESS,
@@ -259,8 +274,18 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
                                           warps * 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
                                           nullptr);
     TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernel failed with CUresult ", static_cast<int>(launched));
-#undef MANTA_SYM
   });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles the kernel for one shape and architecture without a GPU (NVRTC needs none), so
+// CPU test machines catch what would fail on the device.
+int manta_paged_attention_compile_check(const char* source, int hd, int rep, int nkv, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { compile_paged_attention(source, hd, rep, nkv, 8, arch); });
 #else
   last_error = "built without CUDA";
   return 1;
