@@ -47,6 +47,8 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 mb = m["samples_wire_bytes"] / 1e6
 r["ray_samples_mb_per_s"] = round(mb / r["ray_samples_transfer_s"], 1)
 res = {
+    "device": f"{platform.node()}: {os.cpu_count()} CPU cores ({cpu}); loopback TCP",
+    "date": __import__("datetime").date.today().isoformat(),
     "benchmark": "control plane: actor call round trips, pipelined calls, cluster start, "
                  "bulk samples driver->worker; Manta and Ray run one after the other, same machine",
     "machine": f"{os.cpu_count()} CPU cores ({cpu}), shared with other work; loopback TCP",

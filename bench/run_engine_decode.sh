@@ -7,6 +7,7 @@ set -euo pipefail
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# MANTA_DEVICE_KIND names the device-tool kind in the results (e.g. nvidia-h100-x1).
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 B06=${BATCHES_0_6B:-1,16,64,256}
 B8=${BATCHES_8B:-1,16,64,256}

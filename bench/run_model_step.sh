@@ -15,6 +15,8 @@ out = sys.argv[1]
 m = json.load(open(os.path.join(out, "manta.json")))
 h = json.load(open(os.path.join(out, "hf.json")))
 res = {
+    "device": os.environ.get("MANTA_DEVICE_KIND", "device machine") + ": " + h["gpu"] + ", torch " + h["torch"],
+    "date": __import__("datetime").date.today().isoformat(),
     "benchmark": "Qwen3-0.6B-shaped random model, bf16, forward+backward, next-token loss",
     "batch": m["batch"], "seq": m["seq"], "iters": m["iters"], "gpu": h["gpu"], "torch": h["torch"],
     "manta_tokens_per_s": m["tokens_per_s"], "pytorch_eager_tokens_per_s": h["tokens_per_s"],

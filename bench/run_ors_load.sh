@@ -93,6 +93,8 @@ builtin = {"builtin_errors": b["errors"], "builtin_episodes_per_s": round(b["epi
            "builtin_call_wall_p99_ms": round(float(np.percentile(bw, 99)), 3)}
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
 res = {
+    "device": f"{platform.node()}: {os.cpu_count()} CPU cores; server and clients share them",
+    "date": __import__("datetime").date.today().isoformat(),
     "benchmark": "ORS load: scripted episodes (open, tools, prompt, 3 tool calls, close) "
                  "against the local openreward SDK Server, same workload for both clients",
     "machine": f"{os.cpu_count()} CPU cores ({cpu}); server and client share them",

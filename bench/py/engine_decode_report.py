@@ -16,7 +16,10 @@ def by_batch(run):
 
 def main() -> None:
     out = sys.argv[1]
-    res = {"benchmark": "native engine decode, random bf16 weights, prompt 512, 256 greedy new tokens",
+    gpu = open(os.path.join(out, "gpu.txt")).read().strip()
+    res = {"device": os.environ.get("MANTA_DEVICE_KIND", "device machine") + ": " + gpu,
+           "date": __import__("datetime").date.today().isoformat(),
+           "benchmark": "native engine decode, random bf16 weights, prompt 512, 256 greedy new tokens",
            "gpu": open(os.path.join(out, "gpu.txt")).read().strip()}
     print(f"{'shape':<6}{'batch':>6}{'manta tok/s':>14}{'hf tok/s':>12}{'speedup':>9}{'bound tok/s':>13}{'of bound':>10}")
     for shape, key in (("0.6b", "0_6b"), ("8b", "8b")):
