@@ -446,6 +446,13 @@ impl TrainOverrides {
 mod tests {
     use super::*;
 
+    /// The message `validate` gives for `o`, read from `file` with key `prefix`.
+    fn validation_error(o: &TrainOverrides, file: &str, prefix: &str) -> String {
+        o.validate(Path::new(file), prefix)
+            .expect_err("invalid overrides")
+            .to_string()
+    }
+
     #[test]
     fn upper_layer_wins_and_defaults_fill_the_rest() {
         let flags = TrainOverrides {
@@ -470,10 +477,7 @@ mod tests {
             wandb_project: Some(" ".into()),
             ..Default::default()
         };
-        let err = o
-            .validate(Path::new("command line"), "--")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&o, "command line", "--");
         assert!(
             err.contains("--wandb-project") && err.contains("must not be empty"),
             "{err}"
@@ -486,10 +490,7 @@ mod tests {
             n_samples: Some(0),
             ..Default::default()
         };
-        let err = o
-            .validate(Path::new("command line"), "--")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&o, "command line", "--");
         assert!(
             err.contains("--n-samples") && err.contains("at least 1"),
             "{err}"
@@ -498,10 +499,7 @@ mod tests {
             adam_beta2: Some(1.5),
             ..Default::default()
         };
-        let err = o
-            .validate(Path::new("c.toml"), "train.")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&o, "c.toml", "train.");
         assert!(
             err.contains("train.adam_beta2") && err.contains("1.5"),
             "{err}"
@@ -531,10 +529,7 @@ mod tests {
             advantage_estimator: Some("ppo".into()),
             ..Default::default()
         };
-        let err = bad
-            .validate(Path::new("command line"), "--")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&bad, "command line", "--");
         assert!(
             err.contains("--advantage-estimator")
                 && err.contains("\"ppo\"")
@@ -545,10 +540,7 @@ mod tests {
             eps_clip_c: Some(0.5),
             ..Default::default()
         };
-        let err = bad
-            .validate(Path::new("c.toml"), "train.")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&bad, "c.toml", "train.");
         assert!(
             err.contains("train.eps_clip_c") && err.contains("> 1"),
             "{err}"
@@ -558,10 +550,7 @@ mod tests {
             tis_clip_low: Some(2.0),
             ..Default::default()
         };
-        let err = bad
-            .validate(Path::new("command line"), "--")
-            .unwrap_err()
-            .to_string();
+        let err = validation_error(&bad, "command line", "--");
         assert!(err.contains("--tis-clip-low"), "{err}");
     }
 }
