@@ -14,8 +14,6 @@ pub struct PagedKvCache {
     /// Per layer, [num_slots, num_key_value_heads, head_dim].
     k: Vec<Tensor>,
     v: Vec<Tensor>,
-    block_size: usize,
-    num_blocks: usize,
 }
 
 impl PagedKvCache {
@@ -36,8 +34,6 @@ impl PagedKvCache {
             v: (0..layers)
                 .map(|_| Tensor::zeros(shape, (kind, device)))
                 .collect(),
-            block_size,
-            num_blocks,
         }
     }
 
@@ -51,14 +47,6 @@ impl PagedKvCache {
         per_token * block_size
     }
 
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
     /// The dtype keys and values are stored in.
     pub fn kind(&self) -> Kind {
         self.k.first().map_or(Kind::Float, |t| t.kind())
@@ -67,18 +55,6 @@ impl PagedKvCache {
     /// The pools of one layer (keys, values), [num_slots, kv_heads, head_dim].
     pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
         (&self.k[i], &self.v[i])
-    }
-
-    /// Copies the slots `src` to the slots `dst` in every layer (copy-on-write of a
-    /// partially shared block).
-    pub fn copy_slots(&mut self, src: &[i64], dst: &[i64]) {
-        let device = self.k.first().map_or(Device::Cpu, |t| t.device());
-        let src = Tensor::from_slice(src).to(device);
-        let dst = Tensor::from_slice(dst).to(device);
-        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let rows = pool.index_select(0, &src);
-            let _ = pool.index_copy_(0, &dst, &rows);
-        }
     }
 }
 

@@ -85,8 +85,10 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
         argmax.where_self(&greedy, &drawn)
     };
     let next_logp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-    let ids = Vec::<i64>::try_from(&next.to(Device::Cpu)).unwrap_or_default();
-    let lps = Vec::<f32>::try_from(&next_logp.to(Device::Cpu)).unwrap_or_default();
+    // A failure here panics: the engine's step catches it and fails the batch's requests
+    // (an empty result would leave them waiting forever).
+    let ids = Vec::<i64>::try_from(&next.to(Device::Cpu)).expect("sampled ids to host");
+    let lps = Vec::<f32>::try_from(&next_logp.to(Device::Cpu)).expect("log-probs to host");
     (ids, lps)
 }
 
