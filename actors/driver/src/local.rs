@@ -19,6 +19,7 @@ use manta_rollout::ors::OrsClient;
 use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, Uploader};
 use manta_runtime::OpenRewardAccess;
 use manta_tokenizer::Tokenizer;
+use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::loss::LossOptions;
 use manta_trainer::optimizer::AdamWConfig;
@@ -137,6 +138,8 @@ pub fn trainer_options(settings: &TrainSettings, device: Device) -> TrainerOptio
         clip_grad: settings.clip_grad,
         temperature: settings.temperature,
         max_tokens_per_gpu: settings.max_tokens_per_gpu,
+        layout: MicroBatchLayout::Packed,
+        bf16: None,
         use_rollout_logprobs: settings.algo.use_rollout_logprobs,
         logprob_chunk: 1024,
         gradient_checkpointing: settings.gradient_checkpointing,
@@ -198,15 +201,20 @@ pub async fn start(
         Tokenizer::from_dir(model_dir)
             .with_context(|| format!("loading the tokenizer from {}", model_dir.display()))?,
     );
-    let device = Device::Cpu;
+    let cuda_devices = if tch::Cuda::is_available() {
+        tch::Cuda::device_count()
+    } else {
+        0
+    };
     let trainer = if host_trainer {
-        let (trainer, _) = Actor::spawn(
-            Some("trainer".into()),
-            TrainerActor,
-            trainer_options(settings, device),
-        )
-        .await
-        .context("starting the trainer")?;
+        let device = local_device("trainer.gpus", &cluster.trainer.gpus, cuda_devices)?;
+        let options = TrainerOptions {
+            bf16: cluster.trainer.bf16,
+            ..trainer_options(settings, device)
+        };
+        let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, options)
+            .await
+            .context("starting the trainer")?;
         Some(trainer)
     } else {
         None
@@ -214,19 +222,20 @@ pub async fn start(
     let mut rollouts = Vec::new();
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
+        let gpus = cluster.local_engine_gpus(i);
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
-            EngineKind::Native => NativeEngine::start(NativeEngineOptions {
-                seed: settings.seed,
-                max_running_requests: cluster.rollout.max_batch_size,
-                ..NativeEngineOptions::new(model_dir, device)
-            })
-            .context("starting the native engine")?,
+            EngineKind::Native => {
+                let device = local_device("rollout.gpus_per_engine", &gpus, cuda_devices)?;
+                NativeEngine::start(NativeEngineOptions {
+                    seed: settings.seed,
+                    max_running_requests: cluster.rollout.max_batch_size,
+                    ..NativeEngineOptions::new(model_dir, device)
+                })
+                .context("starting the native engine")?
+            }
             EngineKind::Sglang => {
                 let run = settings.run_name.clone().unwrap_or_default();
                 let logs = settings.runs_dir.join(run).join("engines");
-                // Local mode: engine i takes GPUs [i*per, (i+1)*per) (none: CPU).
-                let per = cluster.rollout.gpus_per_engine;
-                let gpus: Vec<u32> = (i * per..(i + 1) * per).map(|g| g as u32).collect();
                 let opts = SglangOptions::from_cluster(
                     &cluster.rollout,
                     &format!("engine-{i}"),
@@ -297,6 +306,29 @@ pub async fn start(
     })
 }
 
+/// The device for GPUs `gpus` named by cluster.toml key `key` in local mode: the CPU
+/// when none are named, else the first of them, which this process must see through
+/// CUDA (`cuda_devices` of them).
+pub fn local_device(key: &str, gpus: &[u32], cuda_devices: i64) -> anyhow::Result<Device> {
+    let Some(&first) = gpus.first() else {
+        return Ok(Device::Cpu);
+    };
+    if cuda_devices == 0 {
+        anyhow::bail!(
+            "cluster.toml {key} asks for GPUs {gpus:?}, but CUDA is not available to libtorch in \
+             this process (no GPU, or a CPU-only libtorch); remove the GPUs to run on the CPU"
+        );
+    }
+    if let Some(bad) = gpus.iter().find(|&&g| i64::from(g) >= cuda_devices) {
+        anyhow::bail!(
+            "cluster.toml {key} asks for GPU {bad}, but this process sees {cuda_devices} CUDA \
+             device(s) (0..{})",
+            cuda_devices - 1
+        );
+    }
+    Ok(Device::Cuda(first as usize))
+}
+
 fn check_model_dir(dir: &Path) -> anyhow::Result<()> {
     for file in ["config.json", "tokenizer.json"] {
         if !dir.join(file).is_file() {
@@ -307,4 +339,32 @@ fn check_model_dir(dir: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_need_cuda_and_errors_name_the_key() {
+        assert_eq!(local_device("trainer.gpus", &[], 0).unwrap(), Device::Cpu);
+        let err = local_device("trainer.gpus", &[0], 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trainer.gpus") && err.contains("CUDA is not available"),
+            "{err}"
+        );
+        let err = local_device("rollout.gpus_per_engine", &[3], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rollout.gpus_per_engine") && err.contains("GPU 3"),
+            "{err}"
+        );
+        assert_eq!(
+            local_device("trainer.gpus", &[1, 2], 4).unwrap(),
+            Device::Cuda(1)
+        );
+    }
 }

@@ -136,7 +136,10 @@ pub async fn train_remote(
     let worker = local::start(&local_cluster, &train, &settings, trainer_client.is_none()).await?;
     let trainer = match (trainer_client, &worker.trainer) {
         (Some(client), _) => {
-            let options = local::trainer_options(&settings, tch::Device::Cpu);
+            let options = manta_trainer::TrainerOptions {
+                bf16: cluster.trainer.bf16,
+                ..local::trainer_options(&settings, tch::Device::Cpu)
+            };
             let remote = RemoteTrainer::start(
                 client,
                 TRAINER_NAME,

@@ -135,6 +135,8 @@ fn three_local_steps_train_and_sync_then_resume() {
             use_rollout_logprobs: false,
             logprob_chunk: 64,
             gradient_checkpointing: false,
+            layout: Default::default(),
+            bf16: None,
             algo: Default::default(),
         };
         manta_trainer::Trainer::new(opts).unwrap().export_weights()

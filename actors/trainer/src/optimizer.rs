@@ -1,5 +1,11 @@
 //! AdamW (decoupled weight decay) over named parameters, written with tch ops so its
-//! state (step, first and second moments) can be saved with a checkpoint and resumed.
+//! state (step, first and second moments, master weights) can be saved with a checkpoint
+//! and resumed.
+//!
+//! Mixed precision: parameters stored in less than fp32 (bf16) get an fp32 master copy.
+//! The update is applied to the master and the parameter is refreshed from it, so steps
+//! smaller than bf16's resolution accumulate instead of rounding away; the moments are
+//! fp32 either way (Megatron's `--bf16` optimizer).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,13 +26,16 @@ pub struct AdamWConfig {
 pub struct AdamW {
     pub config: AdamWConfig,
     params: BTreeMap<String, Tensor>,
+    /// fp32 masters of the parameters that are not fp32 (none in an fp32 run).
+    masters: BTreeMap<String, Tensor>,
     exp_avg: BTreeMap<String, Tensor>,
     exp_avg_sq: BTreeMap<String, Tensor>,
     step: u64,
 }
 
 impl AdamW {
-    /// `params` are the trainable variables (shallow handles to the model's tensors).
+    /// `params` are the trainable variables (shallow handles to the model's tensors);
+    /// those not in fp32 get an fp32 master copy.
     pub fn new(params: BTreeMap<String, Tensor>, config: AdamWConfig) -> Self {
         let zeros = |p: &BTreeMap<String, Tensor>| {
             p.iter()
@@ -35,9 +44,11 @@ impl AdamW {
         };
         let exp_avg = zeros(&params);
         let exp_avg_sq = zeros(&params);
+        let masters = master_copies(&params);
         Self {
             config,
             params,
+            masters,
             exp_avg,
             exp_avg_sq,
             step: 0,
@@ -48,21 +59,45 @@ impl AdamW {
         self.step
     }
 
+    /// Copies of the fp32 master weights by name.
+    pub fn master_weights(&self) -> Vec<(String, Tensor)> {
+        self.masters
+            .iter()
+            .map(|(k, t)| (k.clone(), t.detach().copy()))
+            .collect()
+    }
+
+    /// Whether the parameters are updated through fp32 master weights.
+    pub fn has_master_weights(&self) -> bool {
+        !self.masters.is_empty()
+    }
+
     /// Global L2 norm of all gradients (parameters without a gradient count as zero).
+    /// Sums in fp64 on the parameters' device and reads the result back once.
     pub fn grad_norm(&self) -> f64 {
         tch::no_grad(|| {
-            let mut total = 0.0f64;
+            let mut total: Option<Tensor> = None;
             for p in self.params.values() {
                 let g = p.grad();
-                if g.defined() {
-                    total += g
-                        .to_kind(Kind::Double)
+                if !g.defined() {
+                    continue;
+                }
+                let sq = if g.kind() == Kind::Float {
+                    g.to_kind(Kind::Double)
                         .pow_tensor_scalar(2)
                         .sum(Kind::Double)
-                        .double_value(&[]);
-                }
+                } else {
+                    // bf16 gradients: an fp32-accumulated norm, no fp64 copy of the tensor.
+                    g.norm_scalaropt_dtype(2, Kind::Float)
+                        .to_kind(Kind::Double)
+                        .pow_tensor_scalar(2)
+                };
+                total = Some(match total {
+                    Some(t) => t + sq,
+                    None => sq,
+                });
             }
-            total.sqrt()
+            total.map_or(0.0, |t| t.double_value(&[]).sqrt())
         })
     }
 
@@ -83,7 +118,8 @@ impl AdamW {
         norm
     }
 
-    /// One AdamW update from the current gradients.
+    /// One AdamW update from the current gradients. With master weights the update goes
+    /// to the fp32 master and the parameter is then overwritten with its rounded value.
     pub fn step(&mut self) {
         self.step += 1;
         let c = self.config;
@@ -107,10 +143,18 @@ impl AdamW {
                     .g_add_(&(&g * &g * (1.0 - c.beta2)));
                 let denom = (&*v / bias2).sqrt() + c.eps;
                 let update = (&*m / bias1) / denom * c.lr;
+                let master = self.masters.get_mut(name);
+                let target: &mut Tensor = match master {
+                    Some(master) => master,
+                    None => &mut *p,
+                };
                 if c.weight_decay != 0.0 {
-                    let _ = p.g_mul_scalar_(1.0 - c.lr * c.weight_decay);
+                    let _ = target.g_mul_scalar_(1.0 - c.lr * c.weight_decay);
                 }
-                let _ = p.g_sub_(&update.to_kind(p.kind()));
+                let _ = target.g_sub_(&update.to_kind(target.kind()));
+                if let Some(master) = self.masters.get(name) {
+                    p.copy_(master);
+                }
             }
         });
     }
@@ -125,10 +169,13 @@ impl AdamW {
         }
     }
 
-    /// Writes moments to `optimizer.safetensors` in `dir`; the step count goes in the
-    /// caller's trainer state.
+    /// Writes moments (and fp32 masters, when kept) to `optimizer.safetensors` in `dir`;
+    /// the step count goes in the caller's trainer state.
     pub fn save(&self, dir: &Path) -> Result<(), tch::TchError> {
         let mut named: Vec<(String, &Tensor)> = Vec::new();
+        for (k, t) in &self.masters {
+            named.push((format!("master.{k}"), t));
+        }
         for (k, t) in &self.exp_avg {
             named.push((format!("exp_avg.{k}"), t));
         }
@@ -139,7 +186,9 @@ impl AdamW {
     }
 
     /// Restores moments saved by [`AdamW::save`]; a missing or mis-shaped tensor is an error
-    /// naming it, and nothing is changed in that case.
+    /// naming it, and nothing is changed in that case. Masters come from the file when it
+    /// has them (a bf16 run's checkpoint), else from the parameters as loaded; the
+    /// parameters are then refreshed from the masters.
     pub fn load(&mut self, dir: &Path, step: u64) -> Result<(), String> {
         let path = dir.join("optimizer.safetensors");
         let tensors =
@@ -163,6 +212,25 @@ impl AdamW {
                 staged.push((prefix, name.clone(), saved.shallow_clone()));
             }
         }
+        let mut masters = Vec::new();
+        for (name, current) in &self.masters {
+            let key = format!("master.{name}");
+            match map.get(&key) {
+                Some(saved) if saved.size() != current.size() => {
+                    return Err(format!(
+                        "{}: tensor {key} has shape {:?}, expected {:?}",
+                        path.display(),
+                        saved.size(),
+                        current.size()
+                    ));
+                }
+                Some(saved) => masters.push((name.clone(), saved.shallow_clone())),
+                None => {
+                    let p = &self.params[name];
+                    masters.push((name.clone(), p.detach().to_kind(Kind::Float)));
+                }
+            }
+        }
         tch::no_grad(|| {
             for (prefix, name, saved) in staged {
                 let store = if prefix == "exp_avg" {
@@ -174,10 +242,29 @@ impl AdamW {
                     t.copy_(&saved);
                 }
             }
+            for (name, saved) in masters {
+                if let (Some(master), Some(p)) =
+                    (self.masters.get_mut(&name), self.params.get_mut(&name))
+                {
+                    master.copy_(&saved);
+                    p.copy_(master);
+                }
+            }
         });
         self.step = step;
         Ok(())
     }
+}
+
+/// fp32 copies of the parameters stored in another floating kind (bf16, f16).
+fn master_copies(params: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    tch::no_grad(|| {
+        params
+            .iter()
+            .filter(|(_, p)| matches!(p.kind(), Kind::BFloat16 | Kind::Half))
+            .map(|(k, p)| (k.clone(), p.detach().to_kind(Kind::Float)))
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -254,5 +341,72 @@ mod tests {
         let mut wrong = AdamW::new([("w".to_string(), r)].into(), cfg);
         let err = wrong.load(dir.path(), 1).unwrap_err();
         assert!(err.contains("exp_avg.w") && err.contains("shape"), "{err}");
+    }
+
+    #[test]
+    fn bf16_weights_keep_updates_below_their_resolution_in_fp32_masters() {
+        // bf16 keeps 8 significant bits: just below 1.0 its spacing is 2^-8, so a 1e-3
+        // step applied to the bf16 weight itself rounds back to 1.0 every time.
+        let p = Tensor::from_slice(&[1.0f32, -1.0])
+            .to_kind(Kind::BFloat16)
+            .set_requires_grad(true);
+        let cfg = AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opt = AdamW::new([("w".to_string(), p.shallow_clone())].into(), cfg);
+        assert!(opt.has_master_weights());
+        let direction = Tensor::from_slice(&[1.0f32, -1.0]).to_kind(Kind::BFloat16);
+        for _ in 0..10 {
+            opt.zero_grad();
+            (&p * &direction).sum(Kind::Float).backward();
+            opt.step();
+        }
+        // Adam moves each weight by lr per step against the gradient's sign.
+        let master = Vec::<f32>::try_from(&opt.masters["w"]).unwrap();
+        assert!(
+            (master[0] - 0.99).abs() < 1e-5 && (master[1] + 0.99).abs() < 1e-5,
+            "{master:?}"
+        );
+        assert_eq!(p.kind(), Kind::BFloat16);
+        let w = Vec::<f32>::try_from(p.detach().to_kind(Kind::Float)).unwrap();
+        let rounded = Vec::<f32>::try_from(
+            opt.masters["w"]
+                .to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float),
+        )
+        .unwrap();
+        assert_eq!(w, rounded, "the bf16 weights are the rounded masters");
+        assert!(w[0] < 1.0 && w[1] > -1.0, "the bf16 weights moved: {w:?}");
+
+        // The masters travel with the checkpoint.
+        let dir = tempfile::tempdir().unwrap();
+        opt.save(dir.path()).unwrap();
+        let q = Tensor::from_slice(&[1.0f32, -1.0])
+            .to_kind(Kind::BFloat16)
+            .set_requires_grad(true);
+        let mut restored = AdamW::new([("w".to_string(), q.shallow_clone())].into(), cfg);
+        restored.load(dir.path(), 10).unwrap();
+        assert!(restored.masters["w"].equal(&opt.masters["w"]));
+        assert!(
+            q.equal(&p),
+            "parameters are refreshed from the loaded masters"
+        );
+    }
+
+    #[test]
+    fn fp32_weights_have_no_masters() {
+        let p = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
+        let cfg = AdamWConfig {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        assert!(!AdamW::new([("w".to_string(), p)].into(), cfg).has_master_weights());
     }
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
-use crate::batch::micro_batches;
+use crate::batch::{micro_batches, MicroBatchLayout};
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
 };
@@ -47,8 +47,13 @@ pub struct TrainerOptions {
     pub clip_grad: f64,
     /// Rollout temperature: log-probs are computed under logits / temperature, as the engine samples.
     pub temperature: f64,
-    /// Padded tokens per micro-batch.
+    /// Token budget of a micro-batch (`--max-tokens-per-gpu`), as `layout` counts tokens.
     pub max_tokens_per_gpu: usize,
+    /// Packed sequences (the default) or padded rows.
+    pub layout: MicroBatchLayout,
+    /// `--bf16`: bf16 weights and compute with fp32 master weights and fp32 AdamW
+    /// state; `None` picks bf16 on CUDA and fp32 on the CPU.
+    pub bf16: Option<bool>,
     /// Use the engine's log-probs as old_logp (else the current weights', i.e. ratio 1).
     pub use_rollout_logprobs: bool,
     /// Rows per chunk when computing token log-probs.
@@ -103,11 +108,19 @@ pub struct Trainer {
 }
 
 /// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
+///
+/// Packed (the default): the samples are concatenated into one row [1, sum of lengths]
+/// with positions restarting at each sample and attention kept inside each sample
+/// ([`Attention::Segments`]), so no padding is computed. Padded: one row per sample,
+/// right-padded to the longest, with a key mask.
 struct Packed {
     rows: i64,
     width: i64,
     input: Tensor,
-    key_mask: Tensor,
+    /// Padded layout: [rows, width], 1 on real tokens.
+    key_mask: Option<Tensor>,
+    /// Packed layout: each sample's length, in row order.
+    lengths: Vec<i64>,
     positions: Tensor,
     /// Flat index of the hidden state predicting each trained token.
     gather: Tensor,
@@ -119,18 +132,27 @@ struct Packed {
 }
 
 impl Packed {
-    fn new(samples: &[Sample], device: Device) -> Self {
-        let rows = samples.len() as i64;
-        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
-        let mut ids = vec![0i64; (rows * width) as usize];
-        let mut key_mask = vec![0i64; (rows * width) as usize];
+    fn new(samples: &[Sample], device: Device, pack: bool) -> Self {
+        let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
+        let longest = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+        let (rows, width) = if pack {
+            (1, total)
+        } else {
+            (samples.len(), longest)
+        };
+        let mut ids = vec![0i64; rows * width];
+        let mut key_mask = vec![0i64; rows * width];
+        let mut positions = vec![0i64; rows * width];
         let (mut gather, mut targets, mut segment, mut counts) = (vec![], vec![], vec![], vec![]);
         let mut masks = Vec::with_capacity(samples.len());
+        let mut offset = 0;
         for (b, s) in samples.iter().enumerate() {
-            let base = b * width as usize;
+            let base = if pack { offset } else { b * width };
+            offset += s.tokens.len();
             for (j, &t) in s.tokens.iter().enumerate() {
                 ids[base + j] = t as i64;
                 key_mask[base + j] = 1;
+                positions[base + j] = j as i64;
             }
             let prompt = s.prompt_length();
             let mut mask = Vec::new();
@@ -146,19 +168,48 @@ impl Packed {
             counts.push(mask.len() as f32);
             masks.push(mask);
         }
+        let (rows, width) = (rows as i64, width as i64);
+        let key_mask =
+            (!pack).then(|| Tensor::from_slice(&key_mask).view([rows, width]).to(device));
+        let positions = if pack {
+            Tensor::from_slice(&positions)
+                .view([rows, width])
+                .to(device)
+        } else {
+            // Padding positions keep counting, as they always did (they are masked out).
+            Tensor::arange(width, (Kind::Int64, device))
+                .unsqueeze(0)
+                .expand([rows, width], false)
+        };
         Self {
             rows,
             width,
             input: Tensor::from_slice(&ids).view([rows, width]).to(device),
-            key_mask: Tensor::from_slice(&key_mask).view([rows, width]).to(device),
-            positions: Tensor::arange(width, (Kind::Int64, device))
-                .unsqueeze(0)
-                .expand([rows, width], false),
+            key_mask,
+            lengths: if pack {
+                samples.iter().map(|s| s.tokens.len() as i64).collect()
+            } else {
+                Vec::new()
+            },
+            positions,
             gather: Tensor::from_slice(&gather).to(device),
             targets: Tensor::from_slice(&targets).to(device),
             masks,
             segment: Tensor::from_slice(&segment).to(device),
             counts: Tensor::from_slice(&counts).to(device),
+        }
+    }
+
+    /// How the rows attend: within each sample of the packed row, or causally with the
+    /// padding masked.
+    fn attention(&self) -> Attention<'_> {
+        match &self.key_mask {
+            Some(key_mask) => Attention::Causal {
+                key_mask: Some(key_mask),
+            },
+            None => Attention::Segments {
+                lengths: &self.lengths,
+            },
         }
     }
 
@@ -169,14 +220,8 @@ impl Packed {
     /// Log-probs of the trained tokens under `model`, without autograd.
     fn logprobs(&self, model: &CausalLm, temperature: f64, chunk: i64) -> Tensor {
         tch::no_grad(|| {
-            let hidden = model.forward_hidden(
-                &self.input,
-                &self.positions,
-                &Attention::Causal {
-                    key_mask: Some(&self.key_mask),
-                },
-                None,
-            );
+            let hidden =
+                model.forward_hidden(&self.input, &self.positions, &self.attention(), None);
             let selected = hidden
                 .view([self.rows * self.width, -1])
                 .index_select(0, &self.gather);
@@ -202,10 +247,19 @@ impl Trainer {
         } else {
             info!(dir = %opts.model_dir.display(), seed = opts.seed, "no weights in model directory: random init");
         }
+        let bf16 = opts.bf16.unwrap_or(opts.device.is_cuda());
+        if bf16 {
+            // The optimizer keeps fp32 masters of these (AdamW::new).
+            vs.bfloat16();
+        }
+        info!(bf16, device = ?opts.device, "trainer precision");
         let reference = if opts.algo.loss.use_kl_loss {
             let mut ref_vs = nn::VarStore::new(opts.device);
             let mut ref_model = CausalLm::new(&ref_vs.root(), &cfg);
             ref_model.set_gradient_checkpointing(false);
+            if bf16 {
+                ref_vs.bfloat16();
+            }
             match &opts.algo.ref_load {
                 Some(dir) => manta_model::load_weights(&mut ref_vs, dir)?,
                 None => ref_vs.copy(&vs)?,
@@ -235,6 +289,17 @@ impl Trainer {
 
     pub fn optimizer_steps(&self) -> u64 {
         self.optimizer.step_count()
+    }
+
+    /// Whether the model computes in bf16 with fp32 master weights (`--bf16`).
+    pub fn is_bf16(&self) -> bool {
+        self.optimizer.has_master_weights()
+    }
+
+    /// The optimizer's fp32 master weights by HF name (empty in an fp32 run), for
+    /// checking that the bf16 weights follow them.
+    pub fn master_weights(&self) -> NamedTensors {
+        self.optimizer.master_weights()
     }
 
     /// Handles to the current weights by HF name. They alias the trainer's parameters:
@@ -290,7 +355,7 @@ impl Trainer {
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
         let tokens: usize = batch.samples.iter().map(|s| s.generated_tokens()).sum();
         let mut acc = Accumulator::default();
-        let ranges = micro_batches(&lengths, self.opts.max_tokens_per_gpu);
+        let ranges = micro_batches(&lengths, self.opts.max_tokens_per_gpu, self.opts.layout);
         let skipped =
             self.run_micro_batches(batch, ranges, None, batch.global_samples, tokens, &mut acc)?;
         acc.oom_skipped += skipped;
@@ -338,11 +403,15 @@ impl Trainer {
         // π_old: the weights before this rollout's first update. With one update per
         // rollout the current weights are those, so no extra pass is needed.
         let old: Option<Vec<Tensor>> = (steps > 1).then(|| {
-            micro_batches(&lengths, budget)
+            micro_batches(&lengths, budget, self.opts.layout)
                 .into_iter()
                 .flat_map(|r| {
                     let samples = &batch.samples[r];
-                    let packed = Packed::new(samples, self.opts.device);
+                    let packed = Packed::new(
+                        samples,
+                        self.opts.device,
+                        self.opts.layout == MicroBatchLayout::Packed,
+                    );
                     let lp = packed.logprobs(
                         &self.model,
                         self.opts.temperature,
@@ -367,7 +436,7 @@ impl Trainer {
             self.optimizer.zero_grad();
             let mut acc = Accumulator::default();
             let base = chunk.start;
-            let ranges = micro_batches(&lengths[chunk.clone()], budget)
+            let ranges = micro_batches(&lengths[chunk.clone()], budget, self.opts.layout)
                 .into_iter()
                 .map(|r| (base + r.start)..(base + r.end))
                 .collect();
@@ -459,7 +528,7 @@ impl Trainer {
 
     /// [`Trainer::micro_step`], with libtorch's out-of-memory panics turned into
     /// [`TrainerError::OutOfMemory`]. `MANTA_INJECT_OOM_TOKENS=N` (tests) makes every
-    /// micro-batch whose padded size exceeds N tokens fail that way.
+    /// micro-batch whose laid-out size exceeds N tokens fail that way.
     fn try_micro_step(
         &mut self,
         samples: &[Sample],
@@ -469,12 +538,12 @@ impl Trainer {
         global_tokens: usize,
         acc: &mut Accumulator,
     ) -> Result<(), TrainerError> {
-        let width = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-        let padded = samples.len() * width;
         if let Some(limit) = self.inject_oom_tokens {
-            if padded > limit {
+            let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
+            let laid_out = self.opts.layout.cost(&lengths);
+            if laid_out > limit {
                 return Err(TrainerError::OutOfMemory(format!(
-                    "injected: {padded} padded tokens > MANTA_INJECT_OOM_TOKENS={limit}"
+                    "injected: {laid_out} laid-out tokens > MANTA_INJECT_OOM_TOKENS={limit}"
                 )));
             }
         }
@@ -508,7 +577,11 @@ impl Trainer {
         acc: &mut Accumulator,
     ) -> Result<(), TrainerError> {
         let device = self.opts.device;
-        let packed = Packed::new(samples, device);
+        let packed = Packed::new(
+            samples,
+            device,
+            self.opts.layout == MicroBatchLayout::Packed,
+        );
         if packed.tokens() == 0 {
             return Ok(());
         }
@@ -542,9 +615,7 @@ impl Trainer {
         let _ = self.model.forward_backward(
             &packed.input,
             &packed.positions,
-            &Attention::Causal {
-                key_mask: Some(&packed.key_mask),
-            },
+            &packed.attention(),
             |hidden| {
                 let selected = hidden
                     .view([rows * width, -1])

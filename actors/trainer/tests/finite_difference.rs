@@ -33,6 +33,8 @@ fn options() -> TrainerOptions {
         use_rollout_logprobs: true,
         logprob_chunk: 4,
         gradient_checkpointing: true,
+        layout: Default::default(),
+        bf16: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,

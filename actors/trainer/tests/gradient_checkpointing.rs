@@ -29,6 +29,8 @@ fn options(gradient_checkpointing: bool) -> TrainerOptions {
         use_rollout_logprobs: false,
         logprob_chunk: 4,
         gradient_checkpointing,
+        layout: Default::default(),
+        bf16: None,
         algo: Default::default(),
     }
 }

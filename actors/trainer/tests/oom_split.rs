@@ -28,11 +28,13 @@ fn options() -> TrainerOptions {
         },
         clip_grad: 1.0,
         temperature: 1.0,
-        // One micro-batch holds the whole batch (3 samples × 7 = 21 padded tokens).
+        // One micro-batch holds the whole batch (6 + 5 + 7 = 18 packed tokens).
         max_tokens_per_gpu: 1000,
         use_rollout_logprobs: true,
         logprob_chunk: 8,
         gradient_checkpointing: false,
+        layout: Default::default(),
+        bf16: None,
         algo: Default::default(),
     }
 }
@@ -82,7 +84,7 @@ fn oom_micro_batches_are_split_and_unfit_samples_skipped() {
     let (clean_m, clean_g) = clean.gradients(&batch(3)).unwrap();
     let (_, two_g) = clean.gradients(&batch(2)).unwrap();
 
-    // 21 padded tokens fail; the halves (6 and 2 × 7 = 14) fit.
+    // 18 packed tokens fail; the halves (6 and 5 + 7 = 12) fit.
     std::env::set_var("MANTA_INJECT_OOM_TOKENS", "14");
     let mut split = Trainer::new(options()).unwrap();
     let (m, g) = split.gradients(&batch(3)).unwrap();
@@ -93,7 +95,7 @@ fn oom_micro_batches_are_split_and_unfit_samples_skipped() {
     );
     assert_same(&g, &clean_g);
 
-    // Only 6 tokens fit: sample 2 (7 tokens) fails alone and is skipped.
+    // Only 6 tokens fit: 5 + 7 splits again, and sample 2 (7 tokens) fails alone and is skipped.
     std::env::set_var("MANTA_INJECT_OOM_TOKENS", "6");
     let mut tight = Trainer::new(options()).unwrap();
     let (m, g) = tight.gradients(&batch(3)).unwrap();

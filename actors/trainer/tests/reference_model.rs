@@ -29,6 +29,8 @@ fn options(seed: u64, ref_load: Option<&Path>) -> TrainerOptions {
         use_rollout_logprobs: false,
         logprob_chunk: 8,
         gradient_checkpointing: false,
+        layout: Default::default(),
+        bf16: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,

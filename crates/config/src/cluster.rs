@@ -90,9 +90,14 @@ pub struct TrainerSection {
     /// Remote mode: index into `[[nodes]]` of the worker hosting the trainer; absent,
     /// the driver process hosts it.
     pub node: Option<usize>,
-    /// GPUs of that node the trainer uses (empty: CPU).
+    /// GPUs of that node the trainer uses (empty: CPU); in local mode, GPUs of this
+    /// machine. The trainer computes on the first.
     #[serde(default)]
     pub gpus: Vec<u32>,
+    /// Megatron/slime's `--bf16`: bf16 weights and compute with fp32 master weights and
+    /// fp32 AdamW state. Absent: bf16 when the trainer runs on a GPU, fp32 on the CPU.
+    #[serde(default)]
+    pub bf16: Option<bool>,
     #[serde(default)]
     pub on_failure: TrainerFailurePolicy,
     /// How long `on_failure = "restart"` waits for the trainer's node to answer again.
@@ -105,6 +110,7 @@ impl Default for TrainerSection {
         Self {
             node: None,
             gpus: Vec::new(),
+            bf16: None,
             on_failure: TrainerFailurePolicy::Restart,
             restart_timeout_s: default_restart_timeout_s(),
         }
@@ -408,6 +414,19 @@ impl ClusterConfig {
         }
     }
 
+    /// Local mode: GPUs of this machine for rollout engine `engine` (empty on CPU):
+    /// `rollout.gpus_per_engine` of them, counting from GPU 0 and skipping the trainer's
+    /// unless engines are colocated with it.
+    pub fn local_engine_gpus(&self, engine: usize) -> Vec<u32> {
+        let per = self.rollout.gpus_per_engine;
+        let taken = |g: &u32| !self.rollout.colocate && self.trainer.gpus.contains(g);
+        (0u32..)
+            .filter(|g| !taken(g))
+            .skip(engine * per)
+            .take(per)
+            .collect()
+    }
+
     /// GPUs of node `node` for its rollout engine `engine` (empty on CPU): the node's
     /// GPUs in order, skipping the trainer's unless engines are colocated with it.
     pub fn engine_gpus(&self, node: usize, engine: usize) -> Vec<u32> {
@@ -664,6 +683,21 @@ mod tests {
         assert_eq!(c.nodes[0].gpus, vec![0, 1]);
         assert_eq!((c.heartbeat_interval_ms, c.dead_after_ms), (200, 3000));
         assert_eq!(c.lease_timeout_ms, 10_000);
+    }
+
+    #[test]
+    fn local_mode_places_the_trainer_and_engines_on_this_machines_gpus() {
+        let c = parse("[trainer]\ngpus = [0]\n\n[rollout]\nengines = 2\ngpus_per_engine = 1\n")
+            .unwrap();
+        assert_eq!(c.trainer.gpus, vec![0]);
+        assert_eq!(c.local_engine_gpus(0), vec![1]);
+        assert_eq!(c.local_engine_gpus(1), vec![2]);
+        let shared = parse(
+            "[trainer]\ngpus = [0]\n\n[rollout]\nengines = 1\ngpus_per_engine = 1\ncolocate = true\n",
+        )
+        .unwrap();
+        assert_eq!(shared.local_engine_gpus(0), vec![0]);
+        assert!(parse("").unwrap().local_engine_gpus(0).is_empty());
     }
 
     #[test]

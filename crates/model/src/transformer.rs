@@ -22,6 +22,11 @@ pub enum Attention<'a> {
     Causal { key_mask: Option<&'a Tensor> },
     /// Packed rows: `seq_ids` [B, T] i64; a token attends causally only to earlier tokens with the same seq id.
     Packed { seq_ids: &'a Tensor },
+    /// One row [1, T] holding sequences back to back (`lengths` sum to T), each attending
+    /// causally within itself only. Unlike `Packed` there is no T x T mask: attention runs
+    /// as one causal SDPA call per run of equal-length sequences, so flash kernels apply
+    /// and no work is spent across sequences (the trainer's packed micro-batches).
+    Segments { lengths: &'a [i64] },
 }
 
 /// Keys and values of earlier positions, per layer, for incremental decoding.
@@ -161,6 +166,8 @@ struct Ctx {
     /// Boolean [B or 1, 1, T, S], true where a query may attend to a key.
     mask: Option<Tensor>,
     is_causal: bool,
+    /// `Attention::Segments`: runs of equal-length sequences as (start, count, length).
+    segments: Option<Vec<(i64, i64, i64)>>,
 }
 
 struct SelfAttention {
@@ -265,6 +272,12 @@ impl SelfAttention {
     ) -> Tensor {
         let (bsz, t) = (x.size()[0], x.size()[1]);
         let (q, mut k, mut v) = self.qkv(x, &ctx.cos, &ctx.sin);
+        if let Some(runs) = &ctx.segments {
+            return self
+                .segmented(&q, &k, &v, runs)
+                .view([bsz, t, self.num_heads * self.head_dim])
+                .linear(&self.o_proj, None::<Tensor>);
+        }
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
                 k = Tensor::cat(&[pk, &k], 2);
@@ -297,6 +310,46 @@ impl SelfAttention {
     }
 }
 
+impl SelfAttention {
+    /// Causal attention within each segment of one packed row: q [1, nh, T, hd] and
+    /// k/v [1, nkv, T, hd] -> [T, nh * hd]. Each run of `count` sequences of length `len`
+    /// starting at `start` becomes one batched causal SDPA call.
+    fn segmented(&self, q: &Tensor, k: &Tensor, v: &Tensor, runs: &[(i64, i64, i64)]) -> Tensor {
+        let gqa = self.num_heads > self.num_kv_heads;
+        let width = self.num_heads * self.head_dim;
+        // [1, n, T, hd] -> the run's [count, n, len, hd] (a view).
+        let split = |x: &Tensor, start: i64, count: i64, len: i64| {
+            let n = x.size()[1];
+            x.squeeze_dim(0)
+                .narrow(1, start, count * len)
+                .view([n, count, len, self.head_dim])
+                .transpose(0, 1)
+        };
+        let mut outs: Vec<Tensor> = runs
+            .iter()
+            .map(|&(start, count, len)| {
+                Tensor::scaled_dot_product_attention(
+                    &split(q, start, count, len),
+                    &split(k, start, count, len),
+                    &split(v, start, count, len),
+                    None::<&Tensor>,
+                    0.0,
+                    true,
+                    None,
+                    gqa,
+                )
+                .transpose(1, 2)
+                .reshape([count * len, width])
+            })
+            .collect();
+        match outs.len() {
+            0 => q.new_zeros([0, width], (q.kind(), q.device())),
+            1 => outs.remove(0),
+            _ => Tensor::cat(&outs, 0),
+        }
+    }
+}
+
 /// [B, nkv, S, hd] -> [B, nkv * rep, S, hd], kv head i serving query heads i*rep..(i+1)*rep.
 /// Explicit repetition keeps every SDPA backend (including masked CUDA kernels) available.
 fn repeat_kv(x: &Tensor, rep: i64) -> Tensor {
@@ -304,6 +357,22 @@ fn repeat_kv(x: &Tensor, rep: i64) -> Tensor {
     x.unsqueeze(2)
         .expand([s[0], s[1], rep, s[2], s[3]], false)
         .reshape([s[0], s[1] * rep, s[2], s[3]])
+}
+
+/// Groups consecutive sequences of equal length: (start, count, length) per run; empty
+/// sequences are dropped.
+fn equal_length_runs(lengths: &[i64]) -> Vec<(i64, i64, i64)> {
+    let mut runs: Vec<(i64, i64, i64)> = Vec::new();
+    let mut start = 0;
+    for &len in lengths {
+        match runs.last_mut() {
+            Some((_, count, l)) if *l == len => *count += 1,
+            _ if len > 0 => runs.push((start, 1, len)),
+            _ => {}
+        }
+        start += len;
+    }
+    runs
 }
 
 struct Mlp {
@@ -364,6 +433,9 @@ pub struct CausalLm {
     lm_head: Tensor,
     rotary: Rotary,
     gradient_checkpointing: bool,
+    /// Fused projections for the CUDA decode kernels, when an engine enabled them
+    /// ([`CausalLm::enable_decode_kernels`]).
+    decode_kernels: Option<Vec<paged::FusedLayer>>,
 }
 
 impl CausalLm {
@@ -423,6 +495,7 @@ impl CausalLm {
             lm_head,
             rotary: Rotary::new(cfg, vs.device()),
             gradient_checkpointing: false,
+            decode_kernels: None,
         }
     }
 
@@ -453,6 +526,7 @@ impl CausalLm {
         let s = past_len + t;
         let q_pos = Tensor::arange_start(past_len, s, (Kind::Int64, device)).unsqueeze(1);
         let k_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0);
+        let mut segments = None;
         let (mask, is_causal) = match attn {
             Attention::Causal { key_mask: None } => {
                 if t == 1 {
@@ -489,6 +563,20 @@ impl CausalLm {
                 let mask = same.logical_and(&k_pos.le_tensor(&q_pos)).unsqueeze(1);
                 (Some(mask), false)
             }
+            Attention::Segments { lengths } => {
+                assert_eq!(
+                    past_len, 0,
+                    "segmented attention does not support a KV cache"
+                );
+                assert_eq!(bsz, 1, "segmented attention takes one packed row");
+                assert_eq!(
+                    lengths.iter().sum::<i64>(),
+                    t,
+                    "segment lengths must add up to the row's length"
+                );
+                segments = Some(equal_length_runs(lengths));
+                (None, false)
+            }
         };
         (
             x,
@@ -497,6 +585,7 @@ impl CausalLm {
                 sin,
                 mask,
                 is_causal,
+                segments,
             },
         )
     }

@@ -17,6 +17,7 @@ use manta_rollout::{
     EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,
 };
 use manta_tokenizer::Tokenizer;
+use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
@@ -319,6 +320,12 @@ pub struct TrainerSpawnConfig {
     pub clip_grad: f64,
     pub temperature: f64,
     pub max_tokens_per_gpu: usize,
+    /// Packed sequences or padded rows (packed when absent).
+    #[serde(default)]
+    pub layout: MicroBatchLayout,
+    /// bf16 with fp32 masters; absent: bf16 on CUDA, fp32 on the CPU.
+    #[serde(default)]
+    pub bf16: Option<bool>,
     pub use_rollout_logprobs: bool,
     pub logprob_chunk: i64,
     pub gradient_checkpointing: bool,
@@ -355,6 +362,8 @@ impl TrainerSpawnConfig {
             clip_grad: o.clip_grad,
             temperature: o.temperature,
             max_tokens_per_gpu: o.max_tokens_per_gpu,
+            layout: o.layout,
+            bf16: o.bf16,
             use_rollout_logprobs: o.use_rollout_logprobs,
             logprob_chunk: o.logprob_chunk,
             gradient_checkpointing: o.gradient_checkpointing,
@@ -395,6 +404,8 @@ impl TrainerSpawnConfig {
             clip_grad: self.clip_grad,
             temperature: self.temperature,
             max_tokens_per_gpu: self.max_tokens_per_gpu,
+            layout: self.layout,
+            bf16: self.bf16,
             use_rollout_logprobs: self.use_rollout_logprobs,
             logprob_chunk: self.logprob_chunk,
             gradient_checkpointing: self.gradient_checkpointing,
