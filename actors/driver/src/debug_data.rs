@@ -20,6 +20,10 @@ struct Record {
     rollout_log_probs: Vec<f32>,
     reward: f64,
     status: SampleStatus,
+    /// The weight versions the sample was generated with (slime's `weight_versions`;
+    /// Manta records the oldest, which an episode reports when its turns span updates).
+    #[serde(default)]
+    weight_versions: Vec<String>,
 }
 
 /// The file of rollout `rollout_id` (0-based) for a path template.
@@ -47,6 +51,7 @@ pub fn save(template: &str, rollout_id: u64, samples: &[Sample]) -> anyhow::Resu
             rollout_log_probs: s.rollout_log_probs.clone(),
             reward: s.reward,
             status: s.status,
+            weight_versions: vec![s.weight_version.to_string()],
         };
         serde_json::to_writer(&mut out, &record)?;
         out.write_all(b"\n")?;
@@ -116,7 +121,7 @@ mod tests {
             rollout_log_probs: vec![-0.5, 0.0],
             reward: 0.25,
             status: SampleStatus::Truncated,
-            weight_version: 0,
+            weight_version: 4,
             metadata: EpisodeMetadata::default(),
         };
         let path = save(template, 3, std::slice::from_ref(&s)).unwrap();
@@ -136,6 +141,7 @@ mod tests {
             assert!(v.get(key).is_some(), "{key} missing: {v}");
         }
         assert_eq!(v["status"], "truncated");
+        assert_eq!(v["weight_versions"], serde_json::json!(["4"]));
         let back = load(template, 3, 100).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(

@@ -17,7 +17,7 @@ use tracing::field::Empty;
 use tracing::{error, info, info_span, warn, Instrument};
 
 use crate::run::TrainerRecovery;
-use crate::step::{run_step, sync_weights, StepActors};
+use crate::step::{run_step, StepActors};
 use crate::tasks::TaskSampler;
 use crate::trainer_handle::TrainerHandle;
 
@@ -363,7 +363,7 @@ async fn restart_trainer(
             .with_context(|| format!("loading {}", ckpt.display()))?,
         None => 0,
     };
-    sync_weights(&plan.actors, from).await?;
+    plan.actors.weights.sync(from).await?;
     // Steps after the restored one will be trained again: forget them, so every
     // record (trained ids, metrics, TensorBoard) holds each step once.
     state.trained.retain(|(s, _)| *s <= from);

@@ -22,6 +22,8 @@ use crate::local;
 use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
 use crate::step::{Rollouts, StepActors};
 use crate::trainer_handle::TrainerHandle;
+use crate::weight_sync::{trainer_endpoint, Targets, WeightSync};
+use manta_weight_sync::route::Endpoint;
 
 /// The trainer actor's name on its worker.
 const TRAINER_NAME: &str = "trainer-0";
@@ -49,13 +51,6 @@ pub async fn train_remote(
     if let Some(load) = &settings.load {
         settings.load = Some(absolute(load).context("--load")?);
     }
-    let weights_dir = absolute(&settings.runs_dir)
-        .or_else(|_| {
-            std::fs::create_dir_all(&settings.runs_dir)?;
-            absolute(&settings.runs_dir)
-        })?
-        .join(&run_name)
-        .join("weights");
     let rollout_nodes: Vec<NodeSpec> = cluster
         .rollout_nodes()
         .into_iter()
@@ -158,12 +153,34 @@ pub async fn train_remote(
         (None, Some(local)) => TrainerHandle::Local(local.clone()),
         (None, None) => anyhow::bail!("no trainer was started"),
     };
+    // Engines on workers get the weights over gRPC: no disk is shared with them.
+    let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.gpus, tch::Device::Cpu);
+    let engines_at: Vec<(String, Endpoint)> = cluster
+        .rollout_nodes()
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, node)| {
+            let cluster = &cluster;
+            (0..cluster.rollout.engines).map(move |k| {
+                let gpu = cluster.engine_gpus(node, k).first().copied();
+                (
+                    format!("rollout-{i}-{k}"),
+                    Endpoint::on_worker(&cluster.nodes[node].address, gpu),
+                )
+            })
+        })
+        .collect();
+    let weights = WeightSync::new(
+        trainer.clone(),
+        &trainer_at,
+        Targets::Workers(pool.clone()),
+        &engines_at,
+    )
+    .verifying_from_env(crate::run::verify_log(&settings));
     let actors = StepActors {
         trainer: trainer.clone(),
-        rollouts: Rollouts::Remote {
-            pool: pool.clone(),
-            weights_dir,
-        },
+        rollouts: Rollouts::Remote { pool: pool.clone() },
+        weights,
     };
     let recovery = TrainerRecovery {
         policy: cluster.trainer.on_failure,

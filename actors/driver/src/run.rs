@@ -17,9 +17,11 @@ use tracing::info;
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
 use crate::local;
-use crate::step::{sync_weights, Rollouts, StepActors};
+use crate::step::{Rollouts, StepActors};
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::TrainerHandle;
+use crate::weight_sync::{Targets, WeightSync};
+use manta_weight_sync::route::Endpoint;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -133,12 +135,26 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         (Some(t), Some(w)) => (t.clone(), w.clone()),
         _ => anyhow::bail!("local mode started without a trainer"),
     };
+    let trainer = TrainerHandle::Local(trainer);
+    let engines_at: Vec<(String, Endpoint)> = (0..worker.rollouts.len())
+        .map(|i| (format!("rollout-{i}"), Endpoint::in_driver(None)))
+        .collect();
+    let weights = WeightSync::new(
+        trainer.clone(),
+        &Endpoint::in_driver(None),
+        Targets::InProcess {
+            actor: weight_sync,
+            engines: worker.rollouts.clone(),
+        },
+        &engines_at,
+    )
+    .verifying_from_env(verify_log(&settings));
     let actors = StepActors {
-        trainer: TrainerHandle::Local(trainer),
+        trainer,
         rollouts: Rollouts::Local {
             actors: worker.rollouts.clone(),
-            weight_sync,
         },
+        weights,
     };
     let result = run_with_actors(
         &worker.env_clients,
@@ -167,9 +183,11 @@ async fn train_from_debug_data(
     )
     .await
     .context("starting the trainer")?;
+    let handle = TrainerHandle::Local(trainer.clone());
     let actors = StepActors {
-        trainer: TrainerHandle::Local(trainer.clone()),
+        trainer: handle.clone(),
         rollouts: Rollouts::DebugData { template },
+        weights: WeightSync::none(handle),
     };
     let result = run_with_actors(
         &Default::default(),
@@ -182,6 +200,14 @@ async fn train_from_debug_data(
     .await;
     trainer.stop(None);
     result
+}
+
+/// Where weight-sync verification records go (`MANTA_VERIFY_WEIGHT_SYNC`).
+pub(crate) fn verify_log(settings: &TrainSettings) -> PathBuf {
+    settings
+        .runs_dir
+        .join(settings.run_name.clone().unwrap_or_default())
+        .join("weight_sync.jsonl")
 }
 
 /// What the driver does when a remote trainer is lost (cluster.toml `[trainer]`).
@@ -236,7 +262,9 @@ pub(crate) async fn run_with_actors(
             .load_checkpoint(&checkpoint)
             .await
             .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
-        sync_weights(&actors, step)
+        actors
+            .weights
+            .sync(step)
             .await
             .context("syncing resumed weights to the engines")?;
         info!(checkpoint = %checkpoint.display(), step, "resumed");

@@ -1,7 +1,7 @@
-//! One synchronous training step: rollouts → advantages → GRPO step → weight sync.
+//! One synchronous training step: rollouts → advantages → GRPO step → weight sync
+//! (crate::weight_sync).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,31 +13,26 @@ use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg, TaskRef};
 use manta_telemetry::StepMetrics;
 use manta_trainer::loss::AdvantageEstimator;
 use manta_trainer::TrainBatch;
-use manta_weight_sync::WeightSyncMsg;
 use ractor::{call, ActorRef};
 use tracing::warn;
 
 use crate::trainer_handle::TrainerHandle;
+use crate::weight_sync::WeightSync;
 
 /// The actors a step talks to.
 pub struct StepActors {
     pub trainer: TrainerHandle,
     pub rollouts: Rollouts,
+    /// Moves the trainer's weights into every engine (one call, any placement).
+    pub weights: WeightSync,
 }
 
 /// Where rollouts run: in-process actors, or actors on worker daemons. The step loop
 /// calls both the same way.
 pub enum Rollouts {
-    /// In-process engines; weight sync moves tensors straight from the trainer.
-    Local {
-        actors: Vec<ActorRef<RolloutMsg>>,
-        weight_sync: ActorRef<WeightSyncMsg>,
-    },
-    Remote {
-        pool: Arc<manta_runtime::RemotePool>,
-        /// Where each step's weights are written for workers to load.
-        weights_dir: PathBuf,
-    },
+    /// In-process engines.
+    Local { actors: Vec<ActorRef<RolloutMsg>> },
+    Remote { pool: Arc<manta_runtime::RemotePool> },
     /// `--load-debug-rollout-data`: each step's samples come from a file; there is no
     /// engine to sync.
     DebugData { template: String },
@@ -69,41 +64,6 @@ impl Rollouts {
             Rollouts::Remote { pool, .. } => Some(pool.live_nodes()),
         }
     }
-}
-
-/// Moves the trainer's current weights into every engine as `version`: in-process
-/// through the weight-sync actor; to workers as a safetensors file they load.
-pub async fn sync_weights(actors: &StepActors, version: u64) -> anyhow::Result<()> {
-    match &actors.rollouts {
-        Rollouts::DebugData { .. } => {}
-        Rollouts::Local { weight_sync, .. } => {
-            call!(weight_sync, WeightSyncMsg::Sync, version)
-                .context("weight sync did not answer")?
-                .context("weight sync failed")?;
-        }
-        Rollouts::Remote { pool, weights_dir } => {
-            let dir = weights_dir.join(format!("v{version:06}"));
-            actors
-                .trainer
-                .export_weights_to(&dir)
-                .await
-                .context("exporting weights for the workers")?;
-            pool.load_weights(&dir.to_string_lossy(), version)
-                .await
-                .context("publishing weights to the workers")?;
-            // Only the current version is needed (a rejoining node loads it).
-            for entry in std::fs::read_dir(weights_dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                if entry.path() != dir {
-                    let _ = std::fs::remove_dir_all(entry.path());
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Whole groups go to one rollout actor, round robin.
@@ -229,16 +189,11 @@ pub async fn run_step(
             tokens as f64 / train_time.max(1e-9),
         );
     }
-    let sync_started = Instant::now();
-    sync_weights(actors, step).await?;
+    let synced = actors.weights.sync(step).await?;
+    synced.record(&mut m);
     if let Some(live) = actors.rollouts.live_nodes() {
         m.insert("cluster/live_nodes".into(), live as f64);
     }
-    m.insert(
-        "perf/update_weights_time".into(),
-        sync_started.elapsed().as_secs_f64(),
-    );
-    m.insert("weights/version".into(), step as f64);
     let step_time = started.elapsed().as_secs_f64();
     m.insert("perf/rollout_time".into(), rollout_time);
     m.insert("perf/step_time".into(), step_time);

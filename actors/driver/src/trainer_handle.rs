@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use manta_runtime::weights::WeightSet;
 use manta_runtime::{RemoteTrainer, TrainerCallError};
 use manta_trainer::{NamedTensors, TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
@@ -63,21 +64,19 @@ impl TrainerHandle {
         }
     }
 
-    /// Writes the current weights as `dir/model.safetensors` for engines to load.
-    pub async fn export_weights_to(&self, dir: &Path) -> Result<(), TrainerCallError> {
+    /// The current weights as bytes, for engines in other processes: exported
+    /// in-process, or streamed off the trainer's worker in chunks.
+    pub async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
         match self {
             TrainerHandle::Local(actor) => {
                 let weights: NamedTensors = call!(actor, TrainerMsg::ExportWeights)
                     .map_err(|e| failed(format!("the trainer did not answer: {e}")))?;
-                let dir = dir.to_path_buf();
-                tokio::task::spawn_blocking(move || {
-                    manta_runtime::weights::write_weights(&dir, &weights)
-                })
-                .await
-                .map_err(failed)?
-                .map_err(|e| failed(format!("{e:#}")))
+                tokio::task::spawn_blocking(move || WeightSet::from_tensors(&weights))
+                    .await
+                    .map_err(failed)?
+                    .map_err(failed)
             }
-            TrainerHandle::Remote(t) => t.export_weights(dir).await,
+            TrainerHandle::Remote(t) => t.pull_weights().await,
         }
     }
 

@@ -261,7 +261,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     assert!(
         std::fs::read_to_string(&logs[1])
             .unwrap()
-            .matches("weights loaded")
+            .matches("weights applied")
             .count()
             >= 1
     );

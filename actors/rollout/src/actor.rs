@@ -8,7 +8,7 @@ use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::Instrument;
 
-use crate::engine::{EngineError, NamedTensors};
+use crate::engine::{EngineError, NamedTensors, PauseMode};
 use crate::episode::{
     run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings,
 };
@@ -24,6 +24,17 @@ pub enum RolloutMsg {
     ),
     /// Load new weights into the engine and set its version.
     UpdateWeights(NamedTensors, u64, RpcReplyPort<Result<(), EngineError>>),
+    /// The version protocol: pause generation (`PauseMode::Drain` lets running requests
+    /// finish, `Abort` ends them with their partial output), load the weights, set the
+    /// version, resume. Replies with the pause-to-resume time.
+    ApplyWeights(
+        NamedTensors,
+        u64,
+        PauseMode,
+        RpcReplyPort<Result<std::time::Duration, EngineError>>,
+    ),
+    /// A copy of the engine's weights (to verify a sync bit for bit).
+    ReadWeights(RpcReplyPort<Result<NamedTensors, EngineError>>),
     /// The engine's current weight version.
     WeightVersion(RpcReplyPort<u64>),
 }
@@ -96,12 +107,42 @@ impl Actor for RolloutActor {
                     .await;
                 let _ = reply.send(result);
             }
+            RolloutMsg::ApplyWeights(weights, version, mode, reply) => {
+                let engine = &state.shared.context.engine;
+                let _ = reply.send(apply_weights(engine.as_ref(), weights, version, mode).await);
+            }
+            RolloutMsg::ReadWeights(reply) => {
+                let _ = reply.send(state.shared.context.engine.read_weights().await);
+            }
             RolloutMsg::WeightVersion(reply) => {
                 let _ = reply.send(state.shared.context.engine.weight_version());
             }
         }
         Ok(())
     }
+}
+
+/// Pause → update → resume, timed from the pause request to the resume's answer.
+/// Engines that cannot pause take the update between requests (their update is a
+/// barrier of its own).
+async fn apply_weights(
+    engine: &dyn crate::engine::Engine,
+    weights: NamedTensors,
+    version: u64,
+    mode: PauseMode,
+) -> Result<std::time::Duration, EngineError> {
+    let started = std::time::Instant::now();
+    let paused = match engine.pause(mode).await {
+        Ok(()) => true,
+        Err(EngineError::Unsupported(_)) => false,
+        Err(e) => return Err(e),
+    };
+    let updated = engine.update_weights(weights, version).await;
+    if paused {
+        // Resume even when the update failed: the engine keeps serving the old weights.
+        engine.resume().await?;
+    }
+    updated.map(|()| started.elapsed())
 }
 
 async fn run_all(

@@ -1,10 +1,15 @@
 //! `WeightSyncActor`: after each training step, moves the trainer's weights into every
-//! engine and bumps the weight version. In local mode the tensors move in-process
-//! (the engine copies them into its own parameters); across GPUs the same message
-//! interface will drive NCCL broadcast and CUDA IPC.
+//! in-process engine and bumps the weight version: each engine pauses, copies the
+//! tensors into its own parameters, takes the version and resumes.
+//!
+//! [`route`] decides, per trainer/engine pair, which mechanism placement calls for
+//! (in-process, gRPC, CUDA IPC, NCCL) and whether this build can run it.
+
+pub mod route;
 
 use std::time::Instant;
 
+use manta_rollout::engine::PauseMode;
 use manta_rollout::RolloutMsg;
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -18,6 +23,8 @@ pub struct SyncReport {
     pub bytes: u64,
     pub engines: usize,
     pub seconds: f64,
+    /// Longest pause → resume of an engine, seconds.
+    pub pause_to_resume_s: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -37,8 +44,33 @@ pub enum WeightSyncError {
 pub enum WeightSyncMsg {
     /// Push the trainer's current weights to all engines as `version`.
     Sync(u64, RpcReplyPort<Result<SyncReport, WeightSyncError>>),
+    /// As `Sync`, with how engines pause, and without refusing an older version (a
+    /// rewind to a checkpoint).
+    SyncWith(
+        u64,
+        SyncOptions,
+        RpcReplyPort<Result<SyncReport, WeightSyncError>>,
+    ),
     /// The last version every engine took.
     Version(RpcReplyPort<u64>),
+}
+
+/// How one sync runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncOptions {
+    /// Drain: running requests finish on the old weights; Abort: they end now.
+    pub pause: PauseMode,
+    /// Accept a version not newer than the current one.
+    pub allow_rewind: bool,
+}
+
+impl Default for SyncOptions {
+    fn default() -> Self {
+        Self {
+            pause: PauseMode::Drain,
+            allow_rewind: false,
+        }
+    }
 }
 
 pub struct WeightSyncArgs {
@@ -74,7 +106,14 @@ impl Actor for WeightSyncActor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             WeightSyncMsg::Sync(version, reply) => {
-                let result = sync(state, version).await;
+                let result = sync(state, version, SyncOptions::default()).await;
+                if let Ok(report) = &result {
+                    state.version = report.version;
+                }
+                let _ = reply.send(result);
+            }
+            WeightSyncMsg::SyncWith(version, opts, reply) => {
+                let result = sync(state, version, opts).await;
                 if let Ok(report) = &result {
                     state.version = report.version;
                 }
@@ -88,8 +127,12 @@ impl Actor for WeightSyncActor {
     }
 }
 
-async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, WeightSyncError> {
-    if version <= state.version {
+async fn sync(
+    state: &WeightSyncState,
+    version: u64,
+    opts: SyncOptions,
+) -> Result<SyncReport, WeightSyncError> {
+    if version <= state.version && !opts.allow_rewind {
         return Err(WeightSyncError::StaleVersion {
             requested: version,
             current: state.version,
@@ -103,6 +146,7 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum();
     let tensors = weights.len();
+    let mut pause_to_resume_s = 0f64;
     for (i, engine) in state.args.engines.iter().enumerate() {
         let copy = weights
             .iter()
@@ -113,9 +157,10 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
             version,
             message,
         };
-        call!(engine, RolloutMsg::UpdateWeights, copy, version)
+        let paused = call!(engine, RolloutMsg::ApplyWeights, copy, version, opts.pause)
             .map_err(|e| engine_err(e.to_string()))?
             .map_err(|e| engine_err(e.to_string()))?;
+        pause_to_resume_s = pause_to_resume_s.max(paused.as_secs_f64());
     }
     let report = SyncReport {
         version,
@@ -123,6 +168,7 @@ async fn sync(state: &WeightSyncState, version: u64) -> Result<SyncReport, Weigh
         bytes,
         engines: state.args.engines.len(),
         seconds: started.elapsed().as_secs_f64(),
+        pause_to_resume_s,
     };
     debug!(
         version,

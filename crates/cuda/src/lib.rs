@@ -3,6 +3,8 @@
 //! per-kernel launch cost) and the device's total memory (to size a KV cache from
 //! `--mem-fraction-static`). A small C++ shim compiled against the linked libtorch.
 
+pub mod ipc;
+
 use std::ffi::{c_char, c_int, c_void, CStr};
 
 use tch::Tensor;

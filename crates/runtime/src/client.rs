@@ -1,6 +1,7 @@
 //! A typed client for one worker daemon; every call carries the cluster token and
 //! every error names the worker's address.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use manta_proto::cluster as cpb;
@@ -10,6 +11,8 @@ use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_client::RolloutClient as RolloutRpc;
 use manta_proto::trainer as tpb;
 use manta_proto::trainer::trainer_client::TrainerClient as TrainerRpc;
+use manta_proto::weight_sync as wpb;
+use manta_proto::weight_sync::weight_sync_client::WeightSyncClient as WeightSyncRpc;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 use tonic::codegen::InterceptedService;
 use tonic::transport::Endpoint;
@@ -20,6 +23,7 @@ use crate::lease::Lease;
 use crate::spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::{error_chain, status_chain, ClientTls};
 use crate::transport::{ClusterChannel, H2Channel};
+use crate::weights::{Assembler, WeightSet, MAX_WEIGHT_MESSAGE};
 use crate::RuntimeError;
 
 type Authed = InterceptedService<ClusterChannel, BearerToken>;
@@ -36,6 +40,7 @@ pub struct WorkerClient {
     worker: WorkerRpc<Authed>,
     rollout: RolloutRpc<Authed>,
     trainer: TrainerRpc<Authed>,
+    weight_sync: WeightSyncRpc<Authed>,
     /// Sent with heartbeats and spawns: actors spawned through this client live while
     /// its heartbeats keep coming.
     lease: Option<Lease>,
@@ -77,6 +82,9 @@ impl WorkerClient {
             tls: tls.is_some(),
             worker: WorkerRpc::with_interceptor(channel.clone(), auth.clone()),
             rollout: RolloutRpc::with_interceptor(channel.clone(), auth.clone()),
+            weight_sync: WeightSyncRpc::with_interceptor(channel.clone(), auth.clone())
+                .max_encoding_message_size(MAX_WEIGHT_MESSAGE)
+                .max_decoding_message_size(MAX_WEIGHT_MESSAGE),
             trainer: TrainerRpc::with_interceptor(channel, auth)
                 .max_encoding_message_size(MAX_TRAINER_MESSAGE)
                 .max_decoding_message_size(MAX_TRAINER_MESSAGE),
@@ -296,30 +304,70 @@ impl WorkerClient {
         Ok(reply.into_inner().step)
     }
 
-    /// Has trainer `actor` write its weights as `directory/model.safetensors`.
-    pub async fn export_weights(&self, actor: &str, directory: &str) -> Result<(), RuntimeError> {
-        let mut c = self.trainer.clone();
-        c.export_weights(tpb::ExportWeightsRequest {
-            directory: directory.to_string(),
-            actor: actor.to_string(),
-        })
-        .await
-        .map_err(|s| self.rpc(s))?;
-        Ok(())
+    /// Streams trainer `actor`'s current weights off the worker.
+    pub async fn pull_weights(&self, actor: &str) -> Result<WeightSet, RuntimeError> {
+        let mut c = self.weight_sync.clone();
+        let mut stream = c
+            .pull_weights(wpb::PullWeightsRequest {
+                actor: actor.to_string(),
+            })
+            .await
+            .map_err(|s| self.rpc(s))?
+            .into_inner();
+        let mut asm = Assembler::new();
+        while let Some(chunk) = stream.message().await.map_err(|s| self.rpc(s))? {
+            asm.push(chunk).map_err(|e| self.weights_error(e))?;
+        }
+        let (_, set) = asm.finish().map_err(|e| self.weights_error(e))?;
+        Ok(set)
     }
 
-    /// Loads `directory/model.safetensors` into every rollout actor on the worker.
-    pub async fn load_weights(&self, directory: &str, version: u64) -> Result<(), RuntimeError> {
-        let mut c = self.worker.clone();
-        self.timed(
-            Duration::from_secs(120),
-            c.load_weights(cpb::LoadWeightsRequest {
-                directory: directory.to_string(),
+    /// Sends `set` as `version` in chunks of `chunk_bytes`; the worker stages it.
+    pub async fn push_weights(
+        &self,
+        set: Arc<WeightSet>,
+        version: u64,
+        chunk_bytes: usize,
+    ) -> Result<wpb::PushWeightsReply, RuntimeError> {
+        let mut c = self.weight_sync.clone();
+        let chunks = futures::stream::iter(set.chunks(version, chunk_bytes));
+        let reply = c.push_weights(chunks).await.map_err(|s| self.rpc(s))?;
+        Ok(reply.into_inner())
+    }
+
+    /// Applies the staged `version` to every engine on the worker (pause, copy, bump,
+    /// resume).
+    pub async fn apply_weights(
+        &self,
+        version: u64,
+        pause: wpb::PauseMode,
+    ) -> Result<wpb::ApplyWeightsReply, RuntimeError> {
+        let mut c = self.weight_sync.clone();
+        let reply = c
+            .apply_weights(wpb::ApplyWeightsRequest {
                 version,
-            }),
-        )
-        .await?;
-        Ok(())
+                pause: pause as i32,
+            })
+            .await
+            .map_err(|s| self.rpc(s))?;
+        Ok(reply.into_inner())
+    }
+
+    /// What each rollout engine on the worker holds, tensor by tensor.
+    pub async fn engine_digests(&self) -> Result<Vec<wpb::EngineDigest>, RuntimeError> {
+        let mut c = self.weight_sync.clone();
+        let reply = c
+            .engine_digests(wpb::EngineDigestsRequest {})
+            .await
+            .map_err(|s| self.rpc(s))?;
+        Ok(reply.into_inner().engines)
+    }
+
+    fn weights_error(&self, e: crate::weights::WeightsError) -> RuntimeError {
+        RuntimeError::Node {
+            addr: self.addr.clone(),
+            message: e.to_string(),
+        }
     }
 
     pub async fn stop_actor(&self, name: &str) -> Result<(), RuntimeError> {

@@ -11,7 +11,8 @@
 //! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
 //! - [`remote_trainer`]: a trainer on a worker, its heartbeat and restart.
 //! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
-//! - [`weights`]: weights written for engines to load.
+//! - [`weights`]: weights as bounded chunks on the wire (no shared disk).
+//! - [`sync_service`]: the worker's `WeightSync` service (pull, push, apply, digests).
 //! - [`tls`]: optional TLS (rustls) for the worker and its clients.
 
 pub mod auth;
@@ -24,6 +25,7 @@ pub mod pool;
 pub mod remote_trainer;
 pub mod server;
 pub mod spawn;
+pub mod sync_service;
 pub mod tls;
 pub mod transport;
 pub mod weights;

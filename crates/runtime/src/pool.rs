@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use manta_core::Sample;
@@ -18,7 +19,9 @@ use crate::client::WorkerClient;
 use crate::lease::Lease;
 use crate::spawn::RolloutSpawnConfig;
 use crate::tls::ClientTls;
+use crate::weights::WeightSet;
 use crate::RuntimeError;
+pub use manta_proto::weight_sync::PauseMode;
 
 /// Heartbeat and failover timing.
 #[derive(Debug, Clone, Copy)]
@@ -49,10 +52,35 @@ struct Node {
 struct Shared {
     nodes: Vec<Node>,
     spawn: RolloutSpawnConfig,
-    /// The weights every engine should run: (directory, version).
-    weights: Mutex<Option<(String, u64)>>,
+    /// The weights every engine should run, kept for nodes that rejoin.
+    weights: Mutex<Option<Published>>,
+    /// Held while weights are published or a rejoining node is synced, so a node
+    /// never goes live between a publication's start and its list of live nodes.
+    publish: tokio::sync::Mutex<()>,
+    /// Check a rejoined node's engines against the published weights, bit for bit.
+    verify_rejoins: std::sync::atomic::AtomicBool,
     opts: PoolOptions,
     next: AtomicUsize,
+}
+
+/// The current weights as last published: a rejoining node gets exactly these.
+#[derive(Clone)]
+struct Published {
+    set: Arc<WeightSet>,
+    version: u64,
+    chunk_bytes: usize,
+    pause: PauseMode,
+}
+
+/// What one publication of weights did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolSync {
+    /// Nodes whose engines took the version.
+    pub nodes: usize,
+    /// Engines that took it.
+    pub engines: usize,
+    /// Longest pause-to-resume of an engine, seconds.
+    pub pause_to_resume_s: f64,
 }
 
 /// Rollout actors on worker daemons, used through the same batch call as local ones.
@@ -139,6 +167,8 @@ impl RemotePool {
             nodes: built,
             spawn,
             weights: Mutex::new(None),
+            publish: tokio::sync::Mutex::new(()),
+            verify_rejoins: std::sync::atomic::AtomicBool::new(false),
             opts,
             next: AtomicUsize::new(0),
         });
@@ -175,37 +205,99 @@ impl RemotePool {
             .count()
     }
 
-    /// Loads `directory/model.safetensors` as `version` on every live node; a node that
-    /// fails is marked dead so it reloads when it rejoins.
-    pub async fn load_weights(&self, directory: &str, version: u64) -> Result<(), RuntimeError> {
+    /// Sends `set` as `version` to every live node over gRPC (bounded chunks, no shared
+    /// disk), then has each apply it (pause, copy, bump version, resume). A node that
+    /// fails is marked dead, so it gets these weights again when it rejoins; weights
+    /// that a node refuses (wrong shapes, a broken stream) are an error.
+    pub async fn publish_weights(
+        &self,
+        set: Arc<WeightSet>,
+        version: u64,
+        chunk_bytes: usize,
+        pause: PauseMode,
+    ) -> Result<PoolSync, RuntimeError> {
+        let _publishing = self.shared.publish.lock().await;
+        let published = Published {
+            set,
+            version,
+            chunk_bytes,
+            pause,
+        };
         if let Ok(mut w) = self.shared.weights.lock() {
-            *w = Some((directory.to_string(), version));
+            *w = Some(published.clone());
         }
-        let mut loaded = 0;
-        for node in &self.shared.nodes {
-            if !*node.live.borrow() {
-                continue;
-            }
-            match node.client.load_weights(directory, version).await {
-                Ok(()) => loaded += 1,
-                // The node is fine but cannot see the file: no other node will either.
-                Err(RuntimeError::Rpc { addr, status })
-                    if status.code() == tonic::Code::FailedPrecondition =>
-                {
-                    return Err(RuntimeError::Rpc { addr, status });
-                }
-                Err(e) => {
-                    warn!(node = node.client.addr(), error = %e, "weight load failed; marking the node dead");
-                    node.live.send_replace(false);
-                }
+        let live: Vec<&Node> = self
+            .shared
+            .nodes
+            .iter()
+            .filter(|n| *n.live.borrow())
+            .collect();
+        // Every node receives before any pauses: the pause covers the copy alone.
+        let pushed = join_all(live.iter().map(|node| {
+            node.client
+                .push_weights(published.set.clone(), version, published.chunk_bytes)
+        }))
+        .await;
+        let mut staged = Vec::new();
+        for (node, result) in live.into_iter().zip(pushed) {
+            match result {
+                Ok(_) => staged.push(node),
+                Err(e) => node_failed(node, e, version)?,
             }
         }
-        if loaded == 0 {
+        let applied = join_all(
+            staged
+                .iter()
+                .map(|node| node.client.apply_weights(version, pause)),
+        )
+        .await;
+        let mut sync = PoolSync {
+            nodes: 0,
+            engines: 0,
+            pause_to_resume_s: 0.0,
+        };
+        for (node, result) in staged.into_iter().zip(applied) {
+            match result {
+                Ok(reply) => {
+                    sync.nodes += 1;
+                    sync.engines += reply.engines as usize;
+                    sync.pause_to_resume_s = sync.pause_to_resume_s.max(reply.pause_to_resume_s);
+                }
+                Err(e) => node_failed(node, e, version)?,
+            }
+        }
+        if sync.nodes == 0 {
             return Err(RuntimeError::Placement(format!(
                 "no live node took weights version {version}"
             )));
         }
-        Ok(())
+        Ok(sync)
+    }
+
+    /// From now on, a rejoined node's engines are read back after their sync and must
+    /// hold the published weights bit for bit (else the rejoin fails and is retried).
+    pub fn verify_rejoins(&self) {
+        self.shared.verify_rejoins.store(true, Ordering::Relaxed);
+    }
+
+    /// What every live node's engines hold now (verification), by node address.
+    pub async fn engine_digests(
+        &self,
+    ) -> Vec<(
+        String,
+        Result<Vec<manta_proto::weight_sync::EngineDigest>, RuntimeError>,
+    )> {
+        let live: Vec<&Node> = self
+            .shared
+            .nodes
+            .iter()
+            .filter(|n| *n.live.borrow())
+            .collect();
+        let digests = join_all(live.iter().map(|n| n.client.engine_digests())).await;
+        live.iter()
+            .map(|n| n.client.addr().to_string())
+            .zip(digests)
+            .collect()
     }
 
     /// Runs `requests` on live nodes (whole groups per call) and returns one sample per
@@ -388,10 +480,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
                 }
                 node.live.send_replace(false);
                 match rejoin(&shared, node, &missing).await {
-                    Ok(()) => {
-                        node.live.send_replace(true);
-                        info!(node = %addr, "node rejoined");
-                    }
+                    Ok(()) => info!(node = %addr, "node rejoined"),
                     Err(e) => warn!(node = %addr, error = %e, "node answered but could not rejoin"),
                 }
             }
@@ -405,13 +494,82 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
     }
 }
 
+/// A node that could not take `version`: refused weights are an error for the caller;
+/// anything else marks the node dead (it gets the weights when it rejoins).
+fn node_failed(node: &Node, e: RuntimeError, version: u64) -> Result<(), RuntimeError> {
+    if let RuntimeError::Rpc { status, .. } = &e {
+        if matches!(
+            status.code(),
+            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
+        ) {
+            return Err(e);
+        }
+    }
+    warn!(node = node.client.addr(), version, error = %e, "weight sync failed; marking the node dead");
+    node.live.send_replace(false);
+    Ok(())
+}
+
+/// Every engine on `node` holds `p`'s version and bytes.
+async fn verify_node(node: &Node, p: &Published) -> Result<(), RuntimeError> {
+    let sorted = |mut d: Vec<manta_proto::weight_sync::TensorDigest>| {
+        d.sort_by(|a, b| a.name.cmp(&b.name));
+        d
+    };
+    let want = sorted(p.set.digests());
+    let engines = node.client.engine_digests().await?;
+    for e in &engines {
+        let got = sorted(e.tensors.clone());
+        if e.version != p.version || got != want {
+            return Err(RuntimeError::Node {
+                addr: node.client.addr().to_string(),
+                message: format!(
+                    "engine {} holds version {} after the rejoin sync of version {}{}",
+                    e.actor,
+                    e.version,
+                    p.version,
+                    if got != want {
+                        ", with different weights"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+    }
+    info!(
+        node = node.client.addr(),
+        version = p.version,
+        engines = engines.len(),
+        "rejoined node verified bit for bit"
+    );
+    Ok(())
+}
+
+/// Re-creates a returning node's missing actors, gives its engines the current weights
+/// (a restarted engine starts from the model directory's weights) and marks it live.
 async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(), RuntimeError> {
     for name in missing {
         node.client.spawn_rollout(name, &shared.spawn).await?;
     }
-    let weights = shared.weights.lock().ok().and_then(|w| w.clone());
-    if let Some((dir, version)) = weights {
-        node.client.load_weights(&dir, version).await?;
+    // Publishing waits for this: the node goes live holding the newest version.
+    let _publishing = shared.publish.lock().await;
+    let current = shared.weights.lock().ok().and_then(|w| w.clone());
+    if let Some(p) = current {
+        node.client
+            .push_weights(p.set.clone(), p.version, p.chunk_bytes)
+            .await?;
+        let reply = node.client.apply_weights(p.version, p.pause).await?;
+        info!(
+            node = node.client.addr(),
+            version = p.version,
+            engines = reply.engines,
+            "rejoined node synced to the current weights"
+        );
+        if shared.verify_rejoins.load(Ordering::Relaxed) {
+            verify_node(node, &p).await?;
+        }
     }
+    node.live.send_replace(true);
     Ok(())
 }

@@ -164,13 +164,9 @@ impl RemoteTrainer {
         .await
     }
 
-    /// Has the trainer write its weights as `dir/model.safetensors`.
-    pub async fn export_weights(&self, dir: &Path) -> Result<(), TrainerCallError> {
-        self.guarded(
-            self.client
-                .export_weights(&self.name, &dir.to_string_lossy()),
-        )
-        .await
+    /// The trainer's current weights, streamed off its worker in chunks.
+    pub async fn pull_weights(&self) -> Result<crate::weights::WeightSet, TrainerCallError> {
+        self.guarded(self.client.pull_weights(&self.name)).await
     }
 
     /// Waits (up to `timeout`) for the node to answer, then re-creates the trainer from

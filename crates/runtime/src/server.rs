@@ -21,6 +21,7 @@ use manta_proto::rollout as rpb;
 use manta_proto::rollout::rollout_server::{Rollout, RolloutServer};
 use manta_proto::trainer as tpb;
 use manta_proto::trainer::trainer_server::{Trainer, TrainerServer};
+use manta_proto::weight_sync::weight_sync_server::WeightSyncServer;
 use manta_rollout::{GenerationSettings, RolloutMsg, Uploader};
 use manta_trainer::{TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
@@ -35,20 +36,22 @@ use crate::node::NodeMsg;
 use crate::spawn::{spawn_rollout, spawn_trainer, RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::ServerTls;
 
-struct Hosted {
-    actor: ActorRef<RolloutMsg>,
+pub(crate) struct Hosted {
+    pub(crate) actor: ActorRef<RolloutMsg>,
     max_concurrent: usize,
     /// The actor's trajectory uploader, flushed when it stops.
     upload: Option<Uploader>,
 }
 
-struct State {
-    actors: BTreeMap<String, Hosted>,
+pub(crate) struct State {
+    pub(crate) actors: BTreeMap<String, Hosted>,
     trainers: BTreeMap<String, ActorRef<TrainerMsg>>,
     env_server: Option<manta_envs::ServerHandle>,
     /// Which lease holder placed each actor (actors spawned without a lease are absent).
     owners: BTreeMap<String, u64>,
     leases: LeaseBook,
+    /// Weights pushed for `ApplyWeights`, by version (CPU tensors; the newest two).
+    pub(crate) staged: BTreeMap<u64, manta_trainer::NamedTensors>,
 }
 
 impl State {
@@ -78,7 +81,7 @@ pub struct WorkerDaemon {
     /// Where hosted actors (and the built-in environment server) run.
     actors_runtime: tokio::runtime::Handle,
     started: Instant,
-    state: Arc<Mutex<State>>,
+    pub(crate) state: Arc<Mutex<State>>,
     shutdown: Arc<Notify>,
     /// The node supervisor every hosted actor is linked to (started on first spawn).
     node: Arc<tokio::sync::OnceCell<ActorRef<NodeMsg>>>,
@@ -97,6 +100,7 @@ impl WorkerDaemon {
                 env_server: None,
                 owners: BTreeMap::new(),
                 leases: LeaseBook::default(),
+                staged: BTreeMap::new(),
             })),
             shutdown: Arc::new(Notify::new()),
             node: Arc::new(tokio::sync::OnceCell::new()),
@@ -146,7 +150,7 @@ impl WorkerDaemon {
             .ok_or_else(|| Status::not_found(format!("no actor named {name:?} on this worker")))
     }
 
-    async fn trainer(&self, name: &str) -> Result<ActorRef<TrainerMsg>, Status> {
+    pub(crate) async fn trainer(&self, name: &str) -> Result<ActorRef<TrainerMsg>, Status> {
         let state = self.state.lock().await;
         state
             .trainers
@@ -391,48 +395,6 @@ impl Worker for WorkerDaemon {
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn load_weights(
-        &self,
-        request: Request<cpb::LoadWeightsRequest>,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let req = request.into_inner();
-        let file = std::path::Path::new(&req.directory).join("model.safetensors");
-        let actors: Vec<(String, ActorRef<RolloutMsg>)> = {
-            let state = self.state.lock().await;
-            state
-                .actors
-                .iter()
-                .map(|(n, h)| (n.clone(), h.actor.clone()))
-                .collect()
-        };
-        if !file.is_file() {
-            return Err(Status::failed_precondition(format!(
-                "weights file {} does not exist on this worker: in remote mode the \
-                 driver's runs directory (--runs-dir) must be on a disk every worker shares",
-                file.display()
-            )));
-        }
-        let file_for_read = file.clone();
-        let weights =
-            tokio::task::spawn_blocking(move || tch::Tensor::read_safetensors(&file_for_read))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?
-                .map_err(|e| {
-                    Status::invalid_argument(format!("reading {}: {e}", file.display()))
-                })?;
-        for (name, actor) in actors {
-            let copy = weights
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
-            call!(actor, RolloutMsg::UpdateWeights, copy, req.version)
-                .map_err(|e| Status::internal(format!("actor {name}: {e}")))?
-                .map_err(|e| Status::internal(format!("actor {name}: {e}")))?;
-        }
-        info!(version = req.version, dir = %req.directory, "weights loaded");
-        Ok(Response::new(pb::Empty {}))
-    }
-
     async fn echo(
         &self,
         request: Request<cpb::EchoRequest>,
@@ -671,21 +633,6 @@ impl Trainer for WorkerDaemon {
             .map_err(|e| Status::failed_precondition(format!("loading {}: {e}", req.directory)))?;
         Ok(Response::new(tpb::LoadCheckpointReply { step }))
     }
-
-    async fn export_weights(
-        &self,
-        request: Request<tpb::ExportWeightsRequest>,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let req = request.into_inner();
-        let trainer = self.trainer(&req.actor).await?;
-        let weights = trainer_call(&req.actor, call!(trainer, TrainerMsg::ExportWeights))?;
-        let dir = std::path::PathBuf::from(&req.directory);
-        tokio::task::spawn_blocking(move || crate::weights::write_weights(&dir, &weights))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::internal(format!("{e:#}")))?;
-        Ok(Response::new(pb::Empty {}))
-    }
 }
 
 /// Serves both services on `listener` until a `Shutdown` call or `stop` resolves.
@@ -728,6 +675,12 @@ pub async fn serve_with_tls(
         ))
         .add_service(RolloutServer::with_interceptor(
             daemon.clone(),
+            check.clone(),
+        ))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            WeightSyncServer::new(daemon.clone())
+                .max_decoding_message_size(crate::weights::MAX_WEIGHT_MESSAGE)
+                .max_encoding_message_size(crate::weights::MAX_WEIGHT_MESSAGE),
             check.clone(),
         ))
         .add_service(tonic::service::interceptor::InterceptedService::new(

@@ -1,23 +1,442 @@
-//! Weights on disk between a trainer and the engines that load them (local-model
-//! mode's weight sync: same machine or shared disk).
+//! Weights as bytes on the wire: a trainer's tensors become a [`WeightSet`] (raw
+//! little-endian bytes per tensor, with a CRC-32C), sent as a stream of bounded
+//! [`WeightChunk`]s and put back together by an [`Assembler`] that checks every size
+//! and checksum. This is how weights reach engines in other processes without a
+//! shared disk (and without one giant gRPC message).
 
-use std::path::Path;
+use std::sync::Arc;
 
-use anyhow::Context;
+use manta_proto::weight_sync as wpb;
+use manta_proto::weight_sync::weight_chunk::Part;
 use manta_trainer::NamedTensors;
+use sha2::{Digest, Sha256};
+use tch::{Device, Kind, Tensor};
 
-/// The file engines load from a weights directory.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub use wpb::WeightChunk;
 
-/// Writes `weights` as `dir/model.safetensors`, through a temporary file and a rename,
-/// so a reader never sees half a file.
-pub fn write_weights(dir: &Path, weights: &NamedTensors) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
-    tch::Tensor::write_safetensors(weights, &tmp)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    let file = dir.join(WEIGHTS_FILE);
-    std::fs::rename(&tmp, &file)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
-    Ok(())
+/// Default bytes of tensor data per chunk (far under tonic's 4 MiB message limit).
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+/// Largest weight-sync message either side accepts.
+pub const MAX_WEIGHT_MESSAGE: usize = 16 << 20;
+/// Environment variable overriding [`DEFAULT_CHUNK_BYTES`] (tests use small chunks).
+pub const CHUNK_ENV: &str = "MANTA_WEIGHT_CHUNK_BYTES";
+
+/// What can be wrong with weights on the wire.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("weight stream: {0}")]
+    Protocol(String),
+    #[error("tensor {name}: CRC-32C {got:08x} does not match the sender's {want:08x}")]
+    Checksum { name: String, got: u32, want: u32 },
+    #[error("tensor {name}: dtype {dtype} is not supported on the wire")]
+    Dtype { name: String, dtype: String },
+    #[error("tensor {name}: {message}")]
+    Tensor { name: String, message: String },
+    #[error("{CHUNK_ENV}={value}: {message}")]
+    ChunkSize { value: String, message: String },
+}
+
+/// The chunk size to send with: [`CHUNK_ENV`] when set (1 byte ..= a quarter of
+/// [`MAX_WEIGHT_MESSAGE`]), else [`DEFAULT_CHUNK_BYTES`].
+pub fn chunk_bytes() -> Result<usize, WeightsError> {
+    let Ok(value) = std::env::var(CHUNK_ENV) else {
+        return Ok(DEFAULT_CHUNK_BYTES);
+    };
+    let bad = |message: &str| WeightsError::ChunkSize {
+        value: value.clone(),
+        message: message.to_string(),
+    };
+    let n: usize = value
+        .trim()
+        .parse()
+        .map_err(|_| bad("not a number of bytes"))?;
+    if n == 0 || n > MAX_WEIGHT_MESSAGE / 4 {
+        return Err(bad(&format!(
+            "must be between 1 and {} bytes",
+            MAX_WEIGHT_MESSAGE / 4
+        )));
+    }
+    Ok(n)
+}
+
+/// One tensor as bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorBytes {
+    pub name: String,
+    /// safetensors dtype name (F32, BF16, ...).
+    pub dtype: String,
+    pub shape: Vec<i64>,
+    pub data: Vec<u8>,
+}
+
+/// A whole model's weights as bytes, in a fixed tensor order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WeightSet {
+    pub tensors: Vec<TensorBytes>,
+}
+
+fn dtype_name(kind: Kind) -> Option<&'static str> {
+    Some(match kind {
+        Kind::Float => "F32",
+        Kind::BFloat16 => "BF16",
+        Kind::Half => "F16",
+        Kind::Double => "F64",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        _ => return None,
+    })
+}
+
+fn dtype_kind(name: &str) -> Option<Kind> {
+    Some(match name {
+        "F32" => Kind::Float,
+        "BF16" => Kind::BFloat16,
+        "F16" => Kind::Half,
+        "F64" => Kind::Double,
+        "I64" => Kind::Int64,
+        "I32" => Kind::Int,
+        "I16" => Kind::Int16,
+        "I8" => Kind::Int8,
+        "U8" => Kind::Uint8,
+        "BOOL" => Kind::Bool,
+        _ => return None,
+    })
+}
+
+/// A tensor's bytes as stored (contiguous, on the CPU).
+pub fn tensor_bytes(name: &str, t: &Tensor) -> Result<TensorBytes, WeightsError> {
+    let kind = t.kind();
+    let dtype = dtype_name(kind).ok_or_else(|| WeightsError::Dtype {
+        name: name.to_string(),
+        dtype: format!("{kind:?}"),
+    })?;
+    let cpu = t.to_device(Device::Cpu).contiguous();
+    let numel = cpu.numel();
+    let mut data = vec![0u8; numel * kind.elt_size_in_bytes()];
+    cpu.f_copy_data_u8(&mut data, numel)
+        .map_err(|e| WeightsError::Tensor {
+            name: name.to_string(),
+            message: e.to_string(),
+        })?;
+    Ok(TensorBytes {
+        name: name.to_string(),
+        dtype: dtype.to_string(),
+        shape: cpu.size(),
+        data,
+    })
+}
+
+impl WeightSet {
+    /// Copies `tensors` to bytes (any device; names keep their order).
+    pub fn from_tensors(tensors: &NamedTensors) -> Result<Self, WeightsError> {
+        let tensors = tensors
+            .iter()
+            .map(|(n, t)| tensor_bytes(n, t))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { tensors })
+    }
+
+    /// CPU tensors with the same names, dtypes, shapes and bytes.
+    pub fn to_tensors(&self) -> Result<NamedTensors, WeightsError> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                let err = |message: String| WeightsError::Tensor {
+                    name: t.name.clone(),
+                    message,
+                };
+                let kind = dtype_kind(&t.dtype).ok_or_else(|| WeightsError::Dtype {
+                    name: t.name.clone(),
+                    dtype: t.dtype.clone(),
+                })?;
+                let numel: i64 = t.shape.iter().product();
+                if numel < 0 || numel as usize * kind.elt_size_in_bytes() != t.data.len() {
+                    return Err(err(format!(
+                        "{} bytes do not make a {} tensor of shape {:?}",
+                        t.data.len(),
+                        t.dtype,
+                        t.shape
+                    )));
+                }
+                let tensor = Tensor::f_from_data_size(&t.data, &t.shape, kind)
+                    .map_err(|e| err(e.to_string()))?;
+                Ok((t.name.clone(), tensor))
+            })
+            .collect()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.data.len() as u64).sum()
+    }
+
+    /// SHA-256 of each tensor's bytes.
+    pub fn digests(&self) -> Vec<wpb::TensorDigest> {
+        self.tensors
+            .iter()
+            .map(|t| wpb::TensorDigest {
+                name: t.name.clone(),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                sha256: hex::encode(Sha256::digest(&t.data)),
+            })
+            .collect()
+    }
+
+    /// The stream that carries this set as `version`: a begin message, then each
+    /// tensor's header and its data in chunks of at most `chunk_bytes`.
+    pub fn chunks(
+        self: Arc<Self>,
+        version: u64,
+        chunk_bytes: usize,
+    ) -> impl Iterator<Item = WeightChunk> + Send + 'static {
+        let chunk_bytes = chunk_bytes.max(1);
+        let begin = WeightChunk {
+            part: Some(Part::Begin(wpb::WeightsBegin {
+                version,
+                tensors: self.tensors.len() as u32,
+                bytes: self.bytes(),
+            })),
+        };
+        let set = self.clone();
+        let per_tensor = (0..self.tensors.len()).flat_map(move |i| {
+            let t = &set.tensors[i];
+            let header = WeightChunk {
+                part: Some(Part::Tensor(wpb::TensorHeader {
+                    name: t.name.clone(),
+                    dtype: t.dtype.clone(),
+                    shape: t.shape.clone(),
+                    nbytes: t.data.len() as u64,
+                    crc32c: crc32c::crc32c(&t.data),
+                })),
+            };
+            let set = set.clone();
+            let n = t.data.len().div_ceil(chunk_bytes);
+            std::iter::once(header).chain((0..n).map(move |k| {
+                let data = &set.tensors[i].data;
+                let end = ((k + 1) * chunk_bytes).min(data.len());
+                WeightChunk {
+                    part: Some(Part::Data(data[k * chunk_bytes..end].to_vec())),
+                }
+            }))
+        });
+        std::iter::once(begin).chain(per_tensor)
+    }
+}
+
+/// Puts a chunk stream back together, checking order, sizes and checksums.
+#[derive(Debug, Default)]
+pub struct Assembler {
+    begin: Option<wpb::WeightsBegin>,
+    set: WeightSet,
+    /// The tensor being filled and its expected size and checksum.
+    open: Option<(usize, u32)>,
+}
+
+impl Assembler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes the next message of the stream.
+    pub fn push(&mut self, chunk: WeightChunk) -> Result<(), WeightsError> {
+        let proto = |m: String| WeightsError::Protocol(m);
+        match chunk.part {
+            None => Err(proto("a chunk with no part".into())),
+            Some(Part::Begin(b)) => {
+                if self.begin.is_some() {
+                    return Err(proto("a second begin message".into()));
+                }
+                self.begin = Some(b);
+                Ok(())
+            }
+            Some(_) if self.begin.is_none() => Err(proto("data before the begin message".into())),
+            Some(Part::Tensor(h)) => {
+                self.close_tensor()?;
+                if dtype_kind(&h.dtype).is_none() {
+                    return Err(WeightsError::Dtype {
+                        name: h.name,
+                        dtype: h.dtype,
+                    });
+                }
+                let nbytes = usize::try_from(h.nbytes)
+                    .map_err(|_| proto(format!("tensor {}: {} bytes", h.name, h.nbytes)))?;
+                self.open = Some((nbytes, h.crc32c));
+                self.set.tensors.push(TensorBytes {
+                    name: h.name,
+                    dtype: h.dtype,
+                    shape: h.shape,
+                    data: Vec::with_capacity(nbytes),
+                });
+                Ok(())
+            }
+            Some(Part::Data(bytes)) => {
+                let (want, _) = self
+                    .open
+                    .ok_or_else(|| proto("data before a tensor header".into()))?;
+                let t = self
+                    .set
+                    .tensors
+                    .last_mut()
+                    .ok_or_else(|| proto("data before a tensor header".into()))?;
+                if t.data.len() + bytes.len() > want {
+                    return Err(proto(format!(
+                        "tensor {}: more than its {want} bytes arrived",
+                        t.name
+                    )));
+                }
+                t.data.extend_from_slice(&bytes);
+                Ok(())
+            }
+        }
+    }
+
+    fn close_tensor(&mut self) -> Result<(), WeightsError> {
+        let Some((want, crc)) = self.open.take() else {
+            return Ok(());
+        };
+        let t = self
+            .set
+            .tensors
+            .last()
+            .ok_or_else(|| WeightsError::Protocol("no tensor is open".into()))?;
+        if t.data.len() != want {
+            return Err(WeightsError::Protocol(format!(
+                "tensor {}: {} of its {want} bytes arrived",
+                t.name,
+                t.data.len()
+            )));
+        }
+        let got = crc32c::crc32c(&t.data);
+        if got != crc {
+            return Err(WeightsError::Checksum {
+                name: t.name.clone(),
+                got,
+                want: crc,
+            });
+        }
+        Ok(())
+    }
+
+    /// The version and the whole set, once the stream ended.
+    pub fn finish(mut self) -> Result<(u64, WeightSet), WeightsError> {
+        self.close_tensor()?;
+        let begin = self
+            .begin
+            .ok_or_else(|| WeightsError::Protocol("the stream was empty".into()))?;
+        if begin.tensors as usize != self.set.tensors.len() || begin.bytes != self.set.bytes() {
+            return Err(WeightsError::Protocol(format!(
+                "{} tensors ({} bytes) arrived of {} ({} bytes) announced",
+                self.set.tensors.len(),
+                self.set.bytes(),
+                begin.tensors,
+                begin.bytes
+            )));
+        }
+        Ok((begin.version, self.set))
+    }
+}
+
+/// SHA-256 of each tensor's bytes (as [`WeightSet::digests`], straight from tensors).
+pub fn digest_tensors(tensors: &NamedTensors) -> Result<Vec<wpb::TensorDigest>, WeightsError> {
+    tensors
+        .iter()
+        .map(|(n, t)| {
+            let b = tensor_bytes(n, t)?;
+            Ok(wpb::TensorDigest {
+                name: b.name,
+                dtype: b.dtype,
+                shape: b.shape,
+                sha256: hex::encode(Sha256::digest(&b.data)),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_set() -> NamedTensors {
+        tch::manual_seed(3);
+        vec![
+            // 3.5 chunks of 4 KiB.
+            (
+                "a.weight".into(),
+                Tensor::randn([14 * 256], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "b.weight".into(),
+                Tensor::randn([7, 9], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16),
+            ),
+            (
+                "empty".into(),
+                Tensor::zeros([0], (Kind::Float, Device::Cpu)),
+            ),
+        ]
+    }
+
+    #[test]
+    fn chunks_are_bounded_and_reassemble_bit_for_bit() {
+        let tensors = sample_set();
+        let set = Arc::new(WeightSet::from_tensors(&tensors).unwrap());
+        let chunks: Vec<WeightChunk> = set.clone().chunks(7, 4096).collect();
+        let data: Vec<usize> = chunks
+            .iter()
+            .filter_map(|c| match &c.part {
+                Some(Part::Data(d)) => Some(d.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(data, vec![4096, 4096, 4096, 2048, 7 * 9 * 2]);
+        let mut asm = Assembler::new();
+        for c in chunks {
+            asm.push(c).unwrap();
+        }
+        let (version, back) = asm.finish().unwrap();
+        assert_eq!(version, 7);
+        assert_eq!(&back, set.as_ref());
+        for ((n0, t0), (n1, t1)) in tensors.iter().zip(back.to_tensors().unwrap()) {
+            assert_eq!(n0, &n1);
+            assert_eq!(t0.kind(), t1.kind());
+            assert_eq!(t0.size(), t1.size());
+            // Bit for bit, not approximately (NaN-safe: compares the bytes).
+            assert_eq!(
+                tensor_bytes(n0, t0).unwrap().data,
+                tensor_bytes(&n1, &t1).unwrap().data
+            );
+        }
+    }
+
+    #[test]
+    fn a_corrupted_or_short_stream_is_refused_naming_the_tensor() {
+        let set = Arc::new(WeightSet::from_tensors(&sample_set()).unwrap());
+        let mut chunks: Vec<WeightChunk> = set.clone().chunks(1, 4096).collect();
+        if let Some(Part::Data(d)) = &mut chunks[2].part {
+            d[10] ^= 1;
+        }
+        let mut asm = Assembler::new();
+        let err = chunks
+            .into_iter()
+            .try_for_each(|c| asm.push(c))
+            .and_then(|()| asm.finish().map(|_| ()))
+            .unwrap_err();
+        assert!(
+            matches!(&err, WeightsError::Checksum { name, .. } if name == "a.weight"),
+            "{err}"
+        );
+
+        let mut short: Vec<WeightChunk> = set.chunks(1, 4096).collect();
+        short.remove(3);
+        let mut asm = Assembler::new();
+        let err = short
+            .into_iter()
+            .try_for_each(|c| asm.push(c))
+            .and_then(|()| asm.finish().map(|_| ()))
+            .unwrap_err();
+        assert!(err.to_string().contains("tensor a.weight"), "{err}");
+    }
 }

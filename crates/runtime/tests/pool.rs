@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use manta_runtime::pool::NodeSpec;
+use manta_runtime::pool::{NodeSpec, PauseMode};
+use manta_runtime::weights::{self, WeightSet};
 use manta_runtime::{
     serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig, WorkerDaemon,
 };
@@ -151,10 +152,11 @@ async fn placement_is_checked_before_anything_starts() {
     handle.await.unwrap();
 }
 
-/// A worker that cannot see a weights file says which file and why, at once, and is
-/// not mistaken for a dead node.
+/// Weights published over gRPC (in small chunks: many per tensor) are what the engine
+/// then holds, bit for bit, with the new version; weights the engine cannot take fail
+/// at once, naming the worker and the tensor, and do not make the node look dead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn weights_a_worker_cannot_see_fail_clearly() {
+async fn published_weights_reach_the_engine_bit_for_bit() {
     let _serial = SERIAL.lock().await;
     let addr = free_addr();
     let (stop, handle) = start_worker(addr).await;
@@ -165,18 +167,54 @@ async fn weights_a_worker_cannot_see_fail_clearly() {
     let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
         .await
         .unwrap();
+    // The engine's tensors (names, dtypes, shapes) filled with new random values.
+    let before = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!(before.version, 0);
+    tch::manual_seed(11);
+    let set = WeightSet {
+        tensors: before
+            .tensors
+            .iter()
+            .map(|d| {
+                assert_eq!(d.dtype, "F32", "{}", d.name);
+                let t =
+                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+                weights::tensor_bytes(&d.name, &t).unwrap()
+            })
+            .collect(),
+    };
+    let largest = set.tensors.iter().map(|t| t.data.len()).max().unwrap();
+    assert!(
+        largest > 3 * 1024,
+        "the test needs a tensor of several chunks"
+    );
+    let set = std::sync::Arc::new(set);
+    let sync = pool
+        .publish_weights(set.clone(), 5, 1024, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    let after = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!(after.version, 5);
+    assert_eq!(after.tensors, set.digests());
+    assert_ne!(after.tensors, before.tensors);
+
+    // A tensor of the wrong shape is refused; the engine keeps version 5.
+    let mut bad = (*set).clone();
+    bad.tensors[0].shape = vec![bad.tensors[0].data.len() as i64 / 4];
+    let name = bad.tensors[0].name.clone();
     let err = pool
-        .load_weights("/nowhere/weights/v000001", 1)
+        .publish_weights(std::sync::Arc::new(bad), 6, 1024, PauseMode::Drain)
         .await
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&addr.to_string())
-            && err.contains("/nowhere/weights/v000001/model.safetensors does not exist")
-            && err.contains("--runs-dir"),
+        err.contains(&addr.to_string()) && err.contains(&name) && err.contains("shape"),
         "{err}"
     );
     assert_eq!(pool.live_nodes(), 1);
+    let still = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!((still.version, still.tensors), (5, set.digests()));
     pool.shutdown().await;
     let _ = stop.send(());
     handle.await.unwrap();

@@ -215,6 +215,10 @@ pub trait Engine: Send + Sync {
     async fn resume(&self) -> Result<(), EngineError> {
         Err(EngineError::Unsupported("resume".into()))
     }
+    /// A copy of the weights the engine computes with, by name (to verify a sync).
+    async fn read_weights(&self) -> Result<NamedTensors, EngineError> {
+        Err(EngineError::Unsupported("read_weights".into()))
+    }
     /// Times the engine's server process was restarted (0 for in-process engines).
     fn restarts(&self) -> u64 {
         0

@@ -388,4 +388,10 @@ impl Engine for NativeEngine {
         self.send(Command::Flush(tx))?;
         answer(rx).await
     }
+
+    async fn read_weights(&self) -> Result<NamedTensors, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::ReadWeights(tx))?;
+        answer(rx).await
+    }
 }

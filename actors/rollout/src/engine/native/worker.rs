@@ -28,6 +28,8 @@ pub enum Command {
     Pause(PauseMode, oneshot::Sender<()>),
     Resume(oneshot::Sender<()>),
     Flush(oneshot::Sender<bool>),
+    /// Copies of the parameters, by name (weight-sync verification).
+    ReadWeights(oneshot::Sender<NamedTensors>),
 }
 
 type UpdateReply = oneshot::Sender<Result<(), EngineError>>;
@@ -177,6 +179,16 @@ impl Worker {
             Command::Resume(reply) => {
                 self.paused = None;
                 let _ = reply.send(());
+            }
+            Command::ReadWeights(reply) => {
+                let mut named: NamedTensors = self
+                    .vs
+                    .variables()
+                    .into_iter()
+                    .map(|(k, t)| (k, t.copy()))
+                    .collect();
+                named.sort_by(|a, b| a.0.cmp(&b.0));
+                let _ = reply.send(named);
             }
             Command::Flush(reply) => {
                 let idle = self.sched.is_idle();
