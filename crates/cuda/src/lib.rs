@@ -1,7 +1,10 @@
 //! What tch does not expose of libtorch's CUDA side: CUDA graphs (capture a sequence of
 //! tensor operations once, replay it with one launch — decode steps are otherwise bound by
-//! per-kernel launch cost) and the device's total memory (to size a KV cache from
-//! `--mem-fraction-static`). A small C++ shim compiled against the linked libtorch.
+//! per-kernel launch cost), the device's total memory (to size a KV cache from
+//! `--mem-fraction-static`), and the native engine's decode kernels: paged attention and
+//! fused element-wise ops that replace chains of small kernels (NVRTC-compiled at run time
+//! from the `.cu.inc` sources beside this file). A small C++ shim compiled against the
+//! linked libtorch.
 
 pub mod ipc;
 
@@ -13,6 +16,7 @@ extern "C" {
     fn manta_cuda_last_error() -> *const c_char;
     fn manta_cuda_built_with_cuda() -> c_int;
     fn manta_cuda_total_memory(device: c_int, total: *mut usize) -> c_int;
+    fn manta_cuda_device_arch(device: c_int, arch: *mut c_int) -> c_int;
     fn manta_graph_new() -> *mut c_void;
     fn manta_graph_capture_begin(g: *mut c_void, device: c_int, share: *mut c_void) -> c_int;
     fn manta_graph_capture_end(g: *mut c_void) -> c_int;
@@ -33,44 +37,196 @@ extern "C" {
 }
 
 extern "C" {
-    fn manta_paged_attention_compile_check(
+    fn manta_kernels_compile_check(
         source: *const c_char,
+        defines: *const c_char,
+        arch: c_int,
+    ) -> c_int;
+    fn manta_paged_defines(
         hd: c_int,
         rep: c_int,
         nkv: c_int,
-        arch: c_int,
+        buf: *mut c_char,
+        len: c_int,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn manta_qk_norm_rope_store(
+        source: *const c_char,
+        qkv: *mut c_void,
+        q_w: *mut c_void,
+        k_w: *mut c_void,
+        positions: *mut c_void,
+        inv_freq: *mut c_void,
+        slots: *mut c_void,
+        k_pool: *mut c_void,
+        v_pool: *mut c_void,
+        q_out: *mut c_void,
+        eps: f32,
+    ) -> c_int;
+    fn manta_add_rms_norm(
+        source: *const c_char,
+        residual: *mut c_void,
+        delta: *mut c_void,
+        weight: *mut c_void,
+        out: *mut c_void,
+        eps: f32,
+    ) -> c_int;
+    fn manta_silu_mul(source: *const c_char, gate_up: *mut c_void, out: *mut c_void) -> c_int;
 }
 
-/// Compiles the paged attention kernel for one shape and `sm_<arch>` with NVRTC, which
-/// needs no GPU: a check that CPU machines can run.
-pub fn paged_attention_compiles(
-    hd: usize,
-    rep: usize,
-    nkv: usize,
-    arch: u32,
-) -> Result<(), CudaError> {
-    // SAFETY: the source is NUL-terminated and outlives the call.
+/// The paged attention kernels' CUDA source, NUL-terminated for NVRTC.
+const PAGED_ATTENTION_SOURCE: &str = concat!(
+    include_str!("bf16.cu.inc"),
+    include_str!("paged_attention.cu.inc"),
+    "\0"
+);
+
+/// The fused element-wise decode kernels' source, NUL-terminated for NVRTC.
+const FUSED_OPS_SOURCE: &str = concat!(
+    include_str!("bf16.cu.inc"),
+    include_str!("fused_ops.cu.inc"),
+    "\0"
+);
+
+/// A model shape the decode kernels are compiled for.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Qwen3's per-head q/k norm.
+    pub qk_norm: bool,
+}
+
+/// Compiles every decode kernel for `shape` and `sm_<arch>` with NVRTC, which needs no
+/// GPU: a check that CPU machines can run.
+pub fn decode_kernels_compile(shape: KernelShape, arch: u32) -> Result<(), CudaError> {
+    let mut buf = vec![0 as c_char; 512];
+    // SAFETY: buf is writable for its length.
     check(unsafe {
-        manta_paged_attention_compile_check(
-            PAGED_ATTENTION_SOURCE.as_ptr() as *const c_char,
-            hd as c_int,
-            rep as c_int,
-            nkv as c_int,
-            arch as c_int,
+        manta_paged_defines(
+            shape.head_dim as c_int,
+            (shape.heads / shape.kv_heads) as c_int,
+            shape.kv_heads as c_int,
+            buf.as_mut_ptr(),
+            buf.len() as c_int,
+        )
+    })?;
+    // SAFETY: the shim wrote a NUL-terminated string into buf.
+    let paged = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_owned();
+    let d = |name: &str, v: usize| format!("#define {name} {v}\n");
+    let fused = [
+        d("HD", shape.head_dim)
+            + &d("NH", shape.heads)
+            + &d("NKV", shape.kv_heads)
+            + &d("HAS_NORM", shape.qk_norm as usize),
+        d("H", shape.hidden) + &d("THREADS", if shape.hidden >= 4096 { 1024 } else { 256 }),
+        d("I", shape.intermediate),
+    ];
+    let compile = |source: &str, defines: &CStr| {
+        // SAFETY: both strings are NUL-terminated and outlive the call.
+        check(unsafe {
+            manta_kernels_compile_check(
+                source.as_ptr() as *const c_char,
+                defines.as_ptr(),
+                arch as c_int,
+            )
+        })
+    };
+    compile(PAGED_ATTENTION_SOURCE, &paged)?;
+    for defines in fused {
+        let defines = std::ffi::CString::new(defines).map_err(|e| CudaError(e.to_string()))?;
+        compile(FUSED_OPS_SOURCE, &defines)?;
+    }
+    Ok(())
+}
+
+fn ptr(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
+}
+
+fn opt_ptr(t: Option<&Tensor>) -> *mut c_void {
+    t.map_or(std::ptr::null_mut(), ptr)
+}
+
+/// For every token of a flat batch: Qwen3's per-head RMS norm of queries and keys (when
+/// `qk_norm` weights are given), the rotary embedding (rotate-half layout, cos/sin of
+/// `position × inv_freq` rounded to bf16 as the model's tables are), keys and values
+/// stored in their cache `slots`, queries written to `q_out` [N, heads, head_dim].
+/// `qkv` holds each token's projected [heads | kv_heads | kv_heads] × head_dim (bf16).
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store(
+    qkv: &Tensor,
+    qk_norm: Option<(&Tensor, &Tensor)>,
+    positions: &Tensor,
+    inv_freq: &Tensor,
+    slots: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    q_out: &mut Tensor,
+    eps: f64,
+) -> Result<(), CudaError> {
+    // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
+    check(unsafe {
+        manta_qk_norm_rope_store(
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            ptr(qkv),
+            opt_ptr(qk_norm.map(|n| n.0)),
+            opt_ptr(qk_norm.map(|n| n.1)),
+            ptr(positions),
+            ptr(inv_freq),
+            ptr(slots),
+            ptr(k_pool),
+            ptr(v_pool),
+            ptr(q_out),
+            eps as f32,
         )
     })
 }
 
-/// The kernel's CUDA source, NUL-terminated for NVRTC.
-const PAGED_ATTENTION_SOURCE: &str = concat!(include_str!("paged_attention.cu.inc"), "\0");
+/// `residual += delta` in place (rounded to bf16) when `delta` is given, then
+/// `out = rms_norm(residual) × weight`: the residual add and the next norm in one kernel.
+pub fn add_rms_norm(
+    residual: &mut Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    out: &mut Tensor,
+    eps: f64,
+) -> Result<(), CudaError> {
+    // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
+    check(unsafe {
+        manta_add_rms_norm(
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            ptr(residual),
+            opt_ptr(delta),
+            ptr(weight),
+            ptr(out),
+            eps as f32,
+        )
+    })
+}
+
+/// `out = silu(gate) × up` for `gate_up` rows laid out [gate | up].
+pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
+    // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
+    check(unsafe {
+        manta_silu_mul(
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            ptr(gate_up),
+            ptr(out),
+        )
+    })
+}
 
 /// Decode attention straight over a paged KV cache, one query token per sequence.
 ///
 /// `q` [B, heads, head_dim], pools [slots, kv_heads, head_dim] (bf16, contiguous),
 /// `tables` [B, max_blocks] i32 block ids (slot = id × block_size + offset), `lens` [B]
-/// i32 context lengths; writes `out` (like `q`). Compiled with NVRTC on first use per
-/// shape, launched on the current stream (so CUDA graphs capture it).
+/// i32 context lengths; writes `out` (like `q`). The context is split across CTAs when the
+/// batch alone would not fill the GPU. Compiled with NVRTC on first use per shape,
+/// launched on the current stream (so CUDA graphs capture it).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     q: &Tensor,
@@ -129,6 +285,14 @@ pub fn total_memory(device: usize) -> Result<usize, CudaError> {
     // SAFETY: the pointer is valid for writes.
     check(unsafe { manta_cuda_total_memory(device as c_int, &mut total) })?;
     Ok(total)
+}
+
+/// The compute capability of CUDA device `device` as NVRTC names it (90 for sm_90).
+pub fn device_arch(device: usize) -> Result<u32, CudaError> {
+    let mut arch: c_int = 0;
+    // SAFETY: the pointer is valid for writes.
+    check(unsafe { manta_cuda_device_arch(device as c_int, &mut arch) })?;
+    Ok(arch as u32)
 }
 
 /// A captured CUDA graph. Tensors used during capture must stay alive and keep their
@@ -207,17 +371,31 @@ mod tests {
         assert!(total_memory(0).unwrap() > 0);
     }
 
-    /// NVRTC compiles the kernel for the shapes the engine uses (Qwen3-0.6B: 16/8 heads,
-    /// 8B: 32/8, and a head_dim of 64) on Hopper, with no GPU needed.
+    /// NVRTC compiles every decode kernel for the shapes the engine uses (Qwen3-0.6B,
+    /// Qwen3-8B, and a Qwen2-0.5B-like head_dim 64 without q/k norms) on Hopper, with no
+    /// GPU needed.
     #[test]
-    fn paged_attention_kernel_compiles_for_hopper() {
+    fn decode_kernels_compile_for_hopper() {
         if !built_with_cuda() {
             eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
             return;
         }
-        for (hd, rep, nkv) in [(128, 2, 8), (128, 4, 8), (64, 1, 8)] {
-            if let Err(e) = paged_attention_compiles(hd, rep, nkv, 90) {
-                panic!("head_dim {hd}, {rep} query heads per kv head: {e}");
+        let shapes = [
+            (1024, 3072, 16, 8, 128, true),
+            (4096, 12288, 32, 8, 128, true),
+            (896, 4864, 14, 2, 64, false),
+        ];
+        for (hidden, intermediate, heads, kv_heads, head_dim, qk_norm) in shapes {
+            let shape = KernelShape {
+                hidden,
+                intermediate,
+                heads,
+                kv_heads,
+                head_dim,
+                qk_norm,
+            };
+            if let Err(e) = decode_kernels_compile(shape, 90) {
+                panic!("{shape:?}: {e}");
             }
         }
     }
@@ -231,19 +409,24 @@ mod tests {
         }
         let dev = Device::Cuda(0);
         tch::manual_seed(3);
-        for (nh, nkv, hd) in [(16i64, 8i64, 128i64), (32, 8, 128), (8, 8, 64)] {
+        // Four rows split the context across CTAs; forty rows fill the GPU unsplit.
+        let few = vec![1i32, 17, 200, 333];
+        let many: Vec<i32> = (0..40).map(|i| 1 + (i * 97) % 384).collect();
+        let shapes = [(16i64, 8i64, 128i64), (32, 8, 128), (8, 8, 64)];
+        for ((nh, nkv, hd), lens_v) in shapes
+            .iter()
+            .flat_map(|s| [(*s, few.clone()), (*s, many.clone())])
+        {
             let (bs, blocks) = (16i64, 64i64);
             let kp = Tensor::randn([blocks * bs, nkv, hd], (Kind::BFloat16, dev));
             let vp = Tensor::randn([blocks * bs, nkv, hd], (Kind::BFloat16, dev));
-            let lens_v = [1i32, 17, 200, 333];
             let b = lens_v.len() as i64;
             let q = Tensor::randn([b, nh, hd], (Kind::BFloat16, dev));
             let max_blocks = 24i64;
-            let perm = Tensor::randperm(blocks, (Kind::Int64, Device::Cpu));
-            let table_v: Vec<i64> =
-                Vec::try_from(&perm.narrow(0, 0, b * max_blocks % blocks)).unwrap();
+            let perm: Vec<i64> =
+                Vec::try_from(&Tensor::randperm(blocks, (Kind::Int64, Device::Cpu))).unwrap();
             let table_v: Vec<i32> = (0..b * max_blocks)
-                .map(|i| table_v[(i as usize * 7) % table_v.len()] as i32)
+                .map(|i| perm[(i as usize * 7) % perm.len()] as i32)
                 .collect();
             let tables = Tensor::from_slice(&table_v).view([b, max_blocks]).to(dev);
             let lens = Tensor::from_slice(&lens_v).to(dev);
@@ -274,9 +457,131 @@ mod tests {
                 let diff = (got - &expect).abs().max().double_value(&[]);
                 assert!(
                     diff < 2e-2,
-                    "heads {nh}/{nkv} hd {hd} row {row}: max diff {diff}"
+                    "heads {nh}/{nkv} hd {hd} batch {b} row {row}: max diff {diff}"
                 );
             }
+        }
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+            .abs()
+            .max()
+            .double_value(&[])
+    }
+
+    /// The fused decode ops against the tensor ops they replace (bf16 on the GPU).
+    #[test]
+    fn fused_ops_match_the_tensor_ops_they_replace() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let bf = (Kind::BFloat16, dev);
+        tch::manual_seed(5);
+        let eps = 1e-6;
+        // add_rms_norm, with and without the residual add.
+        for hidden in [1024i64, 4096, 896] {
+            let n = 7;
+            let x = Tensor::randn([n, hidden], bf);
+            let delta = Tensor::randn([n, hidden], bf);
+            let w = Tensor::rand([hidden], bf) + 0.5;
+            let sum = &x + &delta;
+            let expect = sum.rms_norm([hidden], Some(&w), eps);
+            let mut residual = x.copy();
+            let mut out = x.empty_like();
+            add_rms_norm(&mut residual, Some(&delta), &w, &mut out, eps).unwrap();
+            assert_eq!(max_diff(&residual, &sum), 0.0, "hidden {hidden}: residual");
+            let d = max_diff(&out, &expect);
+            assert!(d < 3e-2, "hidden {hidden}: add_rms_norm max diff {d}");
+            let mut plain = x.empty_like();
+            let mut same = x.copy();
+            add_rms_norm(&mut same, None, &w, &mut plain, eps).unwrap();
+            let d = max_diff(&plain, &x.rms_norm([hidden], Some(&w), eps));
+            assert!(d < 3e-2, "hidden {hidden}: rms_norm max diff {d}");
+            assert_eq!(
+                max_diff(&same, &x),
+                0.0,
+                "no delta leaves the residual alone"
+            );
+        }
+        // silu_mul.
+        for inter in [3072i64, 4864] {
+            let gu = Tensor::randn([5, 2 * inter], bf) * 3.0;
+            let expect = gu.narrow(1, 0, inter).silu() * gu.narrow(1, inter, inter);
+            let mut out = Tensor::empty([5, inter], bf);
+            silu_mul(&gu, &mut out).unwrap();
+            let d = max_diff(&out, &expect);
+            assert!(d < 6e-2, "intermediate {inter}: silu_mul max diff {d}");
+        }
+        // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools.
+        for (nh, nkv, hd, norm) in [(16i64, 8i64, 128i64, true), (14, 2, 64, false)] {
+            let n = 6i64;
+            let slots_total = 64i64;
+            let qkv = Tensor::randn([n, (nh + 2 * nkv) * hd], bf);
+            let qw = Tensor::rand([hd], bf) + 0.5;
+            let kw = Tensor::rand([hd], bf) + 0.5;
+            let positions = Tensor::from_slice(&[0i64, 1, 17, 500, 4095, 40000]).to(dev);
+            let inv_freq = Tensor::pow_scalar(
+                1_000_000f64,
+                &(Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64),
+            )
+            .reciprocal();
+            let slots = Tensor::from_slice(&[3i64, 9, 10, 40, 41, 63]).to(dev);
+            let kp = Tensor::zeros([slots_total, nkv, hd], bf);
+            let vp = Tensor::zeros([slots_total, nkv, hd], bf);
+            let mut q_out = Tensor::empty([n, nh, hd], bf);
+            let weights = norm.then_some((&qw, &kw));
+            qk_norm_rope_store(
+                &qkv, weights, &positions, &inv_freq, &slots, &kp, &vp, &mut q_out, eps,
+            )
+            .unwrap();
+            // The reference, as the model's composite path computes it.
+            let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &inv_freq;
+            let emb = Tensor::cat(&[&freqs, &freqs], -1);
+            let (cos, sin) = (
+                emb.cos().to_kind(Kind::BFloat16).unsqueeze(1),
+                emb.sin().to_kind(Kind::BFloat16).unsqueeze(1),
+            );
+            let rope = |x: &Tensor| {
+                let half = hd / 2;
+                let rot = Tensor::cat(
+                    &[&x.narrow(-1, half, half).neg(), &x.narrow(-1, 0, half)],
+                    -1,
+                );
+                x * &cos + rot * &sin
+            };
+            let q = qkv.narrow(1, 0, nh * hd).view([n, nh, hd]);
+            let k = qkv.narrow(1, nh * hd, nkv * hd).view([n, nkv, hd]);
+            let v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view([n, nkv, hd]);
+            let (q, k) = if norm {
+                (
+                    q.rms_norm([hd], Some(&qw), eps),
+                    k.rms_norm([hd], Some(&kw), eps),
+                )
+            } else {
+                (q, k)
+            };
+            let (q, k) = (rope(&q), rope(&k));
+            let d = max_diff(&q_out, &q);
+            assert!(d < 6e-2, "heads {nh}/{nkv}: queries max diff {d}");
+            let d = max_diff(&kp.index_select(0, &slots), &k);
+            assert!(d < 6e-2, "heads {nh}/{nkv}: keys max diff {d}");
+            assert_eq!(
+                max_diff(&vp.index_select(0, &slots), &v),
+                0.0,
+                "values are copied"
+            );
+            let untouched = Tensor::from_slice(&[0i64, 1, 2, 4, 62]).to(dev);
+            assert_eq!(
+                kp.index_select(0, &untouched)
+                    .abs()
+                    .sum(Kind::Float)
+                    .double_value(&[]),
+                0.0,
+                "only the given slots are written"
+            );
         }
     }
 }

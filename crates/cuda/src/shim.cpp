@@ -19,6 +19,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
+#include <algorithm>
+#include <cstdint>
 // From ATen/cuda/CUDAContextLight.h, whose other includes need more CUDA headers than the
 // pip wheels ship.
 namespace at::cuda {
@@ -65,8 +67,8 @@ void* load_nvrtc() {
   return nvrtc;
 }
 
-// The kernel for one shape, as a CUBIN for sm_<arch>.
-std::string compile_paged_attention(const char* source, int64_t hd, int rep, int64_t nkv, int warps, int arch) {
+// `source` with `defines` prepended, as a CUBIN for sm_<arch>.
+std::string compile_kernels(const char* source, const std::string& defines, int arch) {
   void* nvrtc = load_nvrtc();
   MANTA_SYM(nvrtc, nvrtcCreateProgram);
   MANTA_SYM(nvrtc, nvrtcCompileProgram);
@@ -76,11 +78,9 @@ std::string compile_paged_attention(const char* source, int64_t hd, int rep, int
   MANTA_SYM(nvrtc, nvrtcGetCUBIN);
   MANTA_SYM(nvrtc, nvrtcDestroyProgram);
   MANTA_SYM(nvrtc, nvrtcGetErrorString);
-  std::string src = "#define HD " + std::to_string(hd) + "\n#define REP " + std::to_string(rep) +
-                    "\n#define NKV " + std::to_string(nkv) + "\n#define WARPS " + std::to_string(warps) +
-                    "\n" + source;
+  std::string src = defines + source;
   nvrtcProgram prog;
-  TORCH_CHECK(nvrtcCreateProgram_fn(&prog, src.c_str(), "paged_attention.cu", 0, nullptr, nullptr) ==
+  TORCH_CHECK(nvrtcCreateProgram_fn(&prog, src.c_str(), "manta_kernels.cu", 0, nullptr, nullptr) ==
                   NVRTC_SUCCESS,
               "nvrtcCreateProgram failed");
   std::string arch_flag = "--gpu-architecture=sm_" + std::to_string(arch);
@@ -93,8 +93,8 @@ std::string compile_paged_attention(const char* source, int64_t hd, int rep, int
     std::string log(n, '\0');
     nvrtcGetProgramLog_fn(prog, log.data());
     nvrtcDestroyProgram_fn(&prog);
-    throw std::runtime_error(std::string("NVRTC compile of the paged attention kernel failed (") +
-                             nvrtcGetErrorString_fn(rc) + "): " + log);
+    throw std::runtime_error(std::string("NVRTC compile failed (") + nvrtcGetErrorString_fn(rc) + ") with " +
+                             defines + ": " + log);
   }
   size_t n = 0;
   nvrtcGetCUBINSize_fn(prog, &n);
@@ -103,6 +103,75 @@ std::string compile_paged_attention(const char* source, int64_t hd, int rep, int
   nvrtcDestroyProgram_fn(&prog);
   return cubin;
 }
+
+void* load_driver() {
+  static void* driver = nullptr;
+  if (driver == nullptr) {
+    driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(driver != nullptr, "cannot load libcuda.so.1: ", dlerror());
+  }
+  return driver;
+}
+
+// Kernel `name` of `source` compiled with `defines` for `device`'s architecture; each
+// (device, source, defines) is compiled and loaded once.
+CUfunction kernel(const char* source, const std::string& defines, const char* name, int device) {
+  static std::mutex mu;
+  static std::map<std::string, CUmodule> modules;
+  static std::map<std::string, CUfunction> functions;
+  std::lock_guard<std::mutex> lock(mu);
+  std::string module_key =
+      std::to_string(device) + "|" + std::to_string(reinterpret_cast<uintptr_t>(source)) + "|" + defines;
+  std::string function_key = module_key + "|" + name;
+  auto found = functions.find(function_key);
+  if (found != functions.end()) return found->second;
+  void* driver = load_driver();
+  MANTA_SYM(driver, cuModuleLoadData);
+  MANTA_SYM(driver, cuModuleGetFunction);
+  auto module = modules.find(module_key);
+  if (module == modules.end()) {
+    auto* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    std::string cubin = compile_kernels(source, defines, props->major * 10 + props->minor);
+    CUmodule loaded;
+    TORCH_CHECK(cuModuleLoadData_fn(&loaded, cubin.data()) == CUDA_SUCCESS, "cuModuleLoadData failed");
+    module = modules.emplace(module_key, loaded).first;
+  }
+  CUfunction fn;
+  TORCH_CHECK(cuModuleGetFunction_fn(&fn, module->second, name) == CUDA_SUCCESS, "cuModuleGetFunction failed for ",
+              name);
+  functions.emplace(function_key, fn);
+  return fn;
+}
+
+// Launches on `device`'s current stream, so a CUDA graph capturing the step captures it.
+void launch(CUfunction fn, int device, unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** args) {
+  void* driver = load_driver();
+  MANTA_SYM(driver, cuLaunchKernel);
+  auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  CUresult launched =
+      cuLaunchKernel_fn(fn, gx, gy, gz, threads, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr);
+  TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernel failed with CUresult ", static_cast<int>(launched));
+}
+
+std::string define(const char* name, int64_t value) {
+  return std::string("#define ") + name + " " + std::to_string(value) + "\n";
+}
+
+const at::Tensor& tensor(void* p) { return *static_cast<at::Tensor*>(p); }
+
+void check_bf16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), what,
+              " must be a contiguous bf16 CUDA tensor");
+}
+
+// The paged attention kernels' defines: the shape, and as many warps as static shared
+// memory (48 KiB) allows.
+std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv) {
+  const int64_t warps = hd * rep <= 1024 ? 8 : 4;
+  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", warps) + define("TT", 4);
+}
+
+int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; }
 
 struct Graph {
   at::cuda::CUDAGraph graph;
@@ -128,6 +197,18 @@ int manta_cuda_total_memory(int device, size_t* total_bytes) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     *total_bytes = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->totalGlobalMem;
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+int manta_cuda_device_arch(int device, int* arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    auto* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    *arch = props->major * 10 + props->minor;
   });
 #else
   last_error = "built without CUDA";
@@ -202,64 +283,51 @@ void manta_graph_free(void* g) {
 }
 
 
-// Paged decode attention (src/paged_attention.cu.inc, passed in as `source`): compiled
-// once per shape with NVRTC and launched with the driver API on the current stream, so a
-// CUDA graph capturing the step captures it too. NVRTC and the driver are dlopen'ed:
-// nothing here links against them.
-int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* vp_,
-                                 void* tables_, void* lens_, void* out_, int block_size,
-                                 float scale) {
+// Paged decode attention (paged_attention.cu.inc, passed in as `source`). The context is
+// split so that small batches still fill the GPU; with more than one split a second kernel
+// merges the partial softmaxes. NVRTC and the driver are dlopen'ed: nothing links them.
+int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* vp_, void* tables_, void* lens_,
+                                 void* out_, int block_size, float scale) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    const at::Tensor& q = *static_cast<at::Tensor*>(q_);
-    const at::Tensor& kp = *static_cast<at::Tensor*>(kp_);
-    const at::Tensor& vp = *static_cast<at::Tensor*>(vp_);
-    const at::Tensor& tables = *static_cast<at::Tensor*>(tables_);
-    const at::Tensor& lens = *static_cast<at::Tensor*>(lens_);
+    const at::Tensor& q = tensor(q_);
+    const at::Tensor& kp = tensor(kp_);
+    const at::Tensor& vp = tensor(vp_);
+    const at::Tensor& tables = tensor(tables_);
+    const at::Tensor& lens = tensor(lens_);
     at::Tensor& out = *static_cast<at::Tensor*>(out_);
-    TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
-                "q must be a contiguous bf16 CUDA tensor [B, heads, head_dim]");
-    TORCH_CHECK(kp.dim() == 3 && kp.scalar_type() == at::kBFloat16 && kp.is_contiguous() &&
-                    vp.sizes() == kp.sizes() && vp.scalar_type() == at::kBFloat16 && vp.is_contiguous(),
-                "pools must be contiguous bf16 [slots, kv_heads, head_dim]");
+    check_bf16(q, "q");
+    check_bf16(kp, "the key pool");
+    check_bf16(vp, "the value pool");
+    check_bf16(out, "out");
+    TORCH_CHECK(q.dim() == 3 && kp.dim() == 3 && vp.sizes() == kp.sizes(),
+                "q must be [B, heads, head_dim], pools [slots, kv_heads, head_dim]");
     TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous() &&
                     tables.size(0) == q.size(0),
                 "block tables must be contiguous int32 [B, max_blocks]");
     TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0),
                 "lengths must be int32 [B]");
-    TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
-                "out must be like q");
-    const int64_t hd = q.size(2), nkv = kp.size(1), nh = q.size(1);
-    TORCH_CHECK(kp.size(2) == hd && hd % 32 == 0 && hd <= 256, "head_dim must be a multiple of 32, at most 256");
+    TORCH_CHECK(out.sizes() == q.sizes(), "out must be like q");
+    const int64_t hd = q.size(2), nkv = kp.size(1), nh = q.size(1), batch = q.size(0);
+    TORCH_CHECK(kp.size(2) == hd && (hd == 64 || hd == 128 || hd == 256), "head_dim must be 64, 128 or 256");
     TORCH_CHECK(nh % nkv == 0 && nh / nkv <= 8, "query heads per kv head must be at most 8");
-    const int rep = static_cast<int>(nh / nkv);
-    const int warps = 8;
+    if (batch == 0) return;
+    const int64_t rep = nh / nkv;
     const int device = q.get_device();
-
-    static std::mutex mu;
-    static void* driver = nullptr;
-    static std::map<std::tuple<int, int64_t, int, int64_t>, CUfunction> kernels;
-    std::lock_guard<std::mutex> lock(mu);
-    if (driver == nullptr) {
-      driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-      TORCH_CHECK(driver != nullptr, "cannot load libcuda.so.1: ", dlerror());
-    }
-    MANTA_SYM(driver, cuLaunchKernel);
-    auto key = std::make_tuple(device, hd, rep, nkv);
-    auto found = kernels.find(key);
-    CUfunction fn;
-    if (found != kernels.end()) {
-      fn = found->second;
-    } else {
-      MANTA_SYM(driver, cuModuleLoadData);
-      MANTA_SYM(driver, cuModuleGetFunction);
-      auto* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
-      std::string cubin = compile_paged_attention(source, hd, rep, nkv, warps, props->major * 10 + props->minor);
-      CUmodule module;
-      TORCH_CHECK(cuModuleLoadData_fn(&module, cubin.data()) == CUDA_SUCCESS, "cuModuleLoadData failed");
-      TORCH_CHECK(cuModuleGetFunction_fn(&fn, module, "paged_decode_attention") == CUDA_SUCCESS,
-                  "cuModuleGetFunction failed");
-      kernels.emplace(key, fn);
+    const std::string defines = paged_defines(hd, rep, nkv);
+    int max_blocks = static_cast<int>(tables.size(1));
+    const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
+    // Enough CTAs to fill every SM about four times over (several CTAs stay resident per
+    // SM), each split at least 32 tokens long.
+    const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
+    const int64_t ctas = nkv * batch;
+    int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * sms + ctas - 1) / ctas, (max_ctx + 31) / 32));
+    int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
+    int splits_i = static_cast<int>(splits);
+    at::Tensor part_acc, part_ml;
+    if (splits > 1) {
+      part_acc = at::empty({batch, nh, splits, hd}, q.options().dtype(at::kFloat));
+      part_ml = at::empty({batch, nh, splits, 2}, q.options().dtype(at::kFloat));
     }
     const void* qp = q.data_ptr();
     const void* kpp = kp.data_ptr();
@@ -267,13 +335,19 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     const void* tp = tables.data_ptr();
     const void* lp = lens.data_ptr();
     void* op = out.data_ptr();
-    int max_blocks = static_cast<int>(tables.size(1));
-    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &max_blocks, &block_size, &scale};
-    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    CUresult launched = cuLaunchKernel_fn(fn, static_cast<unsigned>(nkv), static_cast<unsigned>(q.size(0)), 1,
-                                          warps * 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
-                                          nullptr);
-    TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernel failed with CUresult ", static_cast<int>(launched));
+    void* pa = splits > 1 ? part_acc.data_ptr() : nullptr;
+    void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
+    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &max_blocks, &block_size, &scale, &chunk, &splits_i};
+    launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
+           static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(paged_warps(hd, rep) * 32),
+           args);
+    if (splits > 1) {
+      const void* pac = pa;
+      const void* pmc = pm;
+      void* combine_args[] = {&pac, &pmc, &op, &splits_i};
+      launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
+             static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args);
+    }
   });
 #else
   last_error = "built without CUDA";
@@ -281,11 +355,142 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
 #endif
 }
 
-// Compiles the kernel for one shape and architecture without a GPU (NVRTC needs none), so
-// CPU test machines catch what would fail on the device.
-int manta_paged_attention_compile_check(const char* source, int hd, int rep, int nkv, int arch) {
+// Qwen3's per-head q/k RMS norm (when the weights are given), rotary embedding, and the
+// store of keys and values into their cache slots, for every token of a flat batch.
+int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k_w_, void* positions_,
+                             void* inv_freq_, void* slots_, void* kp_, void* vp_, void* q_out_, float eps) {
 #ifdef MANTA_WITH_CUDA
-  return guarded([&] { compile_paged_attention(source, hd, rep, nkv, 8, arch); });
+  return guarded([&] {
+    const at::Tensor& qkv = tensor(qkv_);
+    const at::Tensor& positions = tensor(positions_);
+    const at::Tensor& inv_freq = tensor(inv_freq_);
+    const at::Tensor& slots = tensor(slots_);
+    const at::Tensor& kp = tensor(kp_);
+    const at::Tensor& vp = tensor(vp_);
+    at::Tensor& q_out = *static_cast<at::Tensor*>(q_out_);
+    check_bf16(qkv, "qkv");
+    check_bf16(kp, "the key pool");
+    check_bf16(vp, "the value pool");
+    check_bf16(q_out, "q_out");
+    const bool norm = q_w_ != nullptr && k_w_ != nullptr;
+    if (norm) {
+      check_bf16(tensor(q_w_), "q_norm weight");
+      check_bf16(tensor(k_w_), "k_norm weight");
+    }
+    TORCH_CHECK(kp.dim() == 3 && vp.sizes() == kp.sizes(), "pools must be [slots, kv_heads, head_dim]");
+    TORCH_CHECK(q_out.dim() == 3, "q_out must be [N, heads, head_dim]");
+    const int64_t n = q_out.size(0), nh = q_out.size(1), hd = q_out.size(2), nkv = kp.size(1);
+    TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "head_dim must be 64, 128 or 256");
+    TORCH_CHECK(kp.size(2) == hd && qkv.numel() == n * (nh + 2 * nkv) * hd, "qkv must hold N x (heads + 2 kv_heads) x head_dim");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == n,
+                "positions must be int64 [N]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
+                "slots must be int64 [N]");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.numel() == hd / 2,
+                "inv_freq must be float32 [head_dim / 2]");
+    if (n == 0) return;
+    const int device = qkv.get_device();
+    const std::string defines =
+        define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0);
+    const void* a = qkv.data_ptr();
+    const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
+    const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
+    const void* pp = positions.data_ptr();
+    const void* fp = inv_freq.data_ptr();
+    const void* sp = slots.data_ptr();
+    void* kpp = kp.data_ptr();
+    void* vpp = vp.data_ptr();
+    void* qo = q_out.data_ptr();
+    void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
+    const int64_t heads = nh + 2 * nkv;
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args);
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// residual += delta (when given, in place), out = rms_norm(residual) * weight.
+int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* weight_, void* out_, float eps) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    at::Tensor& residual = *static_cast<at::Tensor*>(residual_);
+    const at::Tensor& weight = tensor(weight_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    check_bf16(residual, "residual");
+    check_bf16(weight, "norm weight");
+    check_bf16(out, "out");
+    const int64_t h = weight.numel();
+    TORCH_CHECK(residual.numel() % h == 0 && out.sizes() == residual.sizes(), "residual and out must be [N, hidden]");
+    if (delta_ != nullptr) {
+      check_bf16(tensor(delta_), "delta");
+      TORCH_CHECK(tensor(delta_).sizes() == residual.sizes(), "delta must be like residual");
+    }
+    const int64_t rows = residual.numel() / h;
+    if (rows == 0) return;
+    const int device = residual.get_device();
+    const int64_t threads = h >= 4096 ? 1024 : 256;
+    const std::string defines = define("H", h) + define("THREADS", threads);
+    void* rp = residual.data_ptr();
+    const void* dp = delta_ != nullptr ? tensor(delta_).data_ptr() : nullptr;
+    const void* wp = weight.data_ptr();
+    void* op = out.data_ptr();
+    void* args[] = {&rp, &dp, &wp, &op, &eps};
+    launch(kernel(source, defines, "add_rms_norm", device), device, static_cast<unsigned>(rows), 1, 1,
+           static_cast<unsigned>(threads), args);
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// out = silu(gate) * up, for gate_up rows [gate | up].
+int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& gate_up = tensor(gate_up_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    check_bf16(gate_up, "gate_up");
+    check_bf16(out, "out");
+    const int64_t i = out.size(-1);
+    TORCH_CHECK(gate_up.size(-1) == 2 * i && gate_up.numel() == 2 * out.numel(), "gate_up must be [N, 2 x out's width]");
+    long long total = out.numel();
+    if (total == 0) return;
+    const int device = out.get_device();
+    const void* gp = gate_up.data_ptr();
+    void* op = out.data_ptr();
+    void* args[] = {&gp, &op, &total};
+    const long long blocks = std::min<long long>((total + 255) / 256, 65535);
+    launch(kernel(source, define("I", i), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256, args);
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles `source` with `defines` for sm_<arch> without a GPU (NVRTC needs none), so CPU
+// test machines catch what would fail on the device.
+int manta_kernels_compile_check(const char* source, const char* defines, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { compile_kernels(source, defines, arch); });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// The paged attention kernels' defines for one shape (for the compile check).
+int manta_paged_defines(int hd, int rep, int nkv, char* buf, int len) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    std::string d = paged_defines(hd, rep, nkv);
+    TORCH_CHECK(static_cast<int>(d.size()) < len, "buffer too small");
+    std::memcpy(buf, d.c_str(), d.size() + 1);
+  });
 #else
   last_error = "built without CUDA";
   return 1;

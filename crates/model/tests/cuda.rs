@@ -8,6 +8,7 @@ mod common;
 use common::{causal, ids, max_abs_diff, model, positions};
 use manta_model::{
     load_weights, save_pretrained, token_logprobs, Attention, CausalLm, KvCache, ModelConfig,
+    PagedBatch, PagedKvCache, PagedSeq,
 };
 use tch::nn::VarStore;
 use tch::{Cuda, Device, Kind, Tensor};
@@ -166,5 +167,157 @@ fn cuda_fp32_and_bf16_match_cpu() {
                 "{kind:?} {name}: checkpointed gradient differs by {d:e}"
             );
         }
+    }
+}
+
+/// The CUDA decode kernels (fused projections, q/k norm + rotary + cache store, residual
+/// + norm, SiLU×up, paged attention) against the composite tensor ops, bf16 on the GPU:
+/// a mixed prefill step, then decode steps with a sequence joining mid-way; and a weight
+/// update after fusing reaches the fused buffers.
+#[test]
+fn paged_decode_kernels_match_the_tensor_ops() {
+    if !Cuda::is_available() {
+        eprintln!("no CUDA device: nothing to check here");
+        return;
+    }
+    let gpu = Device::Cuda(0);
+    for json in [
+        // Qwen3: q/k norms, head_dim 128, two query heads per kv head.
+        r#"{"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024,
+        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 128, "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "max_position_embeddings": 4096,
+        "initializer_range": 0.05}"#,
+        // Qwen2: q/k/v biases, no head norms, head_dim 64.
+        r#"{"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "max_position_embeddings": 4096,
+        "initializer_range": 0.05}"#,
+    ] {
+        let cfg = ModelConfig::from_json_str(json, "kernel test").expect("valid config");
+        let (vs_cpu, _) = model(&cfg, 21);
+        let dir = tempfile::tempdir().expect("tempdir");
+        save_pretrained(&vs_cpu, &cfg, dir.path()).expect("save");
+        let load = || {
+            let mut vs = VarStore::new(gpu);
+            let m = CausalLm::new(&vs.root(), &cfg);
+            vs.set_kind(Kind::BFloat16);
+            load_weights(&mut vs, dir.path()).expect("load");
+            (vs, m)
+        };
+        let (_vs_ref, reference) = load();
+        let (mut vs_fused, mut fused) = load();
+        fused.enable_decode_kernels().expect("kernels build");
+        assert!(fused.decode_kernels_enabled());
+
+        let bs = 16usize;
+        let kv_ref = PagedKvCache::new(&cfg, 64, bs, Kind::BFloat16, gpu);
+        let kv_fused = PagedKvCache::new(&cfg, 64, bs, Kind::BFloat16, gpu);
+        // Sequence k owns blocks 8k.. (shuffled order within: 8k+7, 8k+2, ...).
+        let slot = |k: usize, pos: usize| {
+            let order = [7usize, 2, 5, 0, 3, 6, 1, 4];
+            ((8 * k + order[pos / bs]) * bs + pos % bs) as i64
+        };
+        let prompt = |k: usize, len: usize| -> Vec<i64> {
+            (0..len)
+                .map(|i| ((i * 31 + k * 7 + 3) % 300) as i64)
+                .collect()
+        };
+        // (sequence, tokens so far, prompt length)
+        let mut seqs: Vec<(usize, Vec<i64>)> = vec![(0, prompt(0, 37)), (1, prompt(1, 5))];
+        let mut computed = vec![0usize; 3];
+        let logits = |m: &CausalLm, h: &Tensor| m.logits(h).to_kind(Kind::Float);
+        for step in 0..8 {
+            if step == 3 {
+                seqs.push((2, prompt(2, 70)));
+            }
+            // Decode rows (one new token) first, then prefills, as the engine orders them.
+            let mut order: Vec<usize> = (0..seqs.len()).collect();
+            order.sort_by_key(|&i| seqs[i].1.len() - computed[seqs[i].0] != 1);
+            let (mut ids, mut pos, mut layout) = (Vec::new(), Vec::new(), Vec::new());
+            for &i in &order {
+                let (k, toks) = &seqs[i];
+                let start = computed[*k];
+                ids.extend_from_slice(&toks[start..]);
+                pos.extend((start..toks.len()).map(|p| p as i64));
+                layout.push(PagedSeq {
+                    q_len: toks.len() - start,
+                    slots: (0..toks.len()).map(|p| slot(*k, p)).collect(),
+                });
+            }
+            let ids_t = Tensor::from_slice(&ids).to(gpu);
+            let pos_t = Tensor::from_slice(&pos).to(gpu);
+            let (h_ref, h_fused) = tch::no_grad(|| {
+                (
+                    reference.forward_paged(
+                        &ids_t,
+                        &pos_t,
+                        &PagedBatch::new(&layout, gpu),
+                        &kv_ref,
+                    ),
+                    fused.forward_paged(
+                        &ids_t,
+                        &pos_t,
+                        &PagedBatch::new_paged(&layout, gpu, bs),
+                        &kv_fused,
+                    ),
+                )
+            });
+            let (l_ref, l_fused) = (logits(&reference, &h_ref), logits(&fused, &h_fused));
+            let d = (&l_fused - &l_ref).abs().max().double_value(&[])
+                / l_ref.abs().max().double_value(&[]);
+            eprintln!(
+                "{} step {step}: relative logit difference {d:e}",
+                cfg.model_type
+            );
+            assert!(
+                d < 3e-2,
+                "{} step {step}: logits differ by {d:e}",
+                cfg.model_type
+            );
+            // Every sequence takes the reference's greedy token next.
+            let mut row = 0i64;
+            for &i in &order {
+                let (k, toks) = &mut seqs[i];
+                row += (toks.len() - computed[*k]) as i64;
+                computed[*k] = toks.len();
+                let next = l_ref.get(row - 1).argmax(0, false).int64_value(&[]);
+                toks.push(next);
+            }
+        }
+
+        // A weight update copied into the fused model's variables reaches the kernels.
+        let (vs_new, _) = model(&cfg, 22);
+        let dir_new = tempfile::tempdir().expect("tempdir");
+        save_pretrained(&vs_new, &cfg, dir_new.path()).expect("save");
+        load_weights(&mut vs_fused, dir_new.path()).expect("load into fused");
+        let mut vs_check = VarStore::new(gpu);
+        let check = CausalLm::new(&vs_check.root(), &cfg);
+        vs_check.set_kind(Kind::BFloat16);
+        load_weights(&mut vs_check, dir_new.path()).expect("load");
+        let layout = vec![PagedSeq {
+            q_len: 20,
+            slots: (0..20).map(|p| slot(0, p)).collect(),
+        }];
+        let ids_t = Tensor::from_slice(&prompt(5, 20)).to(gpu);
+        let pos_t = Tensor::arange(20, (Kind::Int64, gpu));
+        let (a, b) = tch::no_grad(|| {
+            (
+                check.forward_paged(&ids_t, &pos_t, &PagedBatch::new(&layout, gpu), &kv_ref),
+                fused.forward_paged(
+                    &ids_t,
+                    &pos_t,
+                    &PagedBatch::new_paged(&layout, gpu, bs),
+                    &kv_fused,
+                ),
+            )
+        });
+        let d = rel(&b, &a.to_device(Device::Cpu).to_kind(Kind::Float));
+        assert!(
+            d < 3e-2,
+            "{}: after a weight update the outputs differ by {d:e}",
+            cfg.model_type
+        );
     }
 }

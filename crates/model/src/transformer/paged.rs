@@ -91,8 +91,20 @@ pub struct PagedBatch {
 }
 
 impl PagedBatch {
-    /// Lays out `seqs` (in flat order) for a forward on `device`.
+    /// Lays out `seqs` (in flat order) for a forward on `device`; decode rows gather their
+    /// keys and values.
     pub fn new(seqs: &[PagedSeq], device: Device) -> Self {
+        Self::layout(seqs, device, None)
+    }
+
+    /// Like [`PagedBatch::new`], with decode rows read in place by the paged attention
+    /// kernel (models with [`CausalLm::enable_decode_kernels`]); slots must come in whole
+    /// blocks of `block_size` consecutive slots.
+    pub fn new_paged(seqs: &[PagedSeq], device: Device, block_size: usize) -> Self {
+        Self::layout(seqs, device, Some(block_size))
+    }
+
+    fn layout(seqs: &[PagedSeq], device: Device, paged: Option<usize>) -> Self {
         let mut slot_mapping = Vec::new();
         for s in seqs {
             assert!(
@@ -104,6 +116,31 @@ impl PagedBatch {
         let decode_count = seqs.iter().take_while(|s| s.q_len == 1).count();
         let decode = (decode_count > 0).then(|| {
             let group = &seqs[..decode_count];
+            let rows = decode_count as i64;
+            if let Some(block_size) = paged {
+                let width = group
+                    .iter()
+                    .map(|s| s.slots.len().div_ceil(block_size))
+                    .max()
+                    .unwrap_or(1);
+                let mut tables = vec![0i32; decode_count * width];
+                for (row, s) in group.iter().enumerate() {
+                    for (j, block) in s.slots.chunks(block_size).enumerate() {
+                        tables[row * width + j] = (block[0] / block_size as i64) as i32;
+                    }
+                }
+                let lens: Vec<i32> = group.iter().map(|s| s.slots.len() as i32).collect();
+                return (
+                    decode_count,
+                    DecodeAttention::Paged {
+                        tables: Tensor::from_slice(&tables)
+                            .view([rows, width as i64])
+                            .to(device),
+                        lens: Tensor::from_slice(&lens).to(device),
+                        block_size,
+                    },
+                );
+            }
             let width = group.iter().map(|s| s.slots.len()).max().unwrap_or(1);
             let mut slots = vec![0i64; decode_count * width];
             let mut keep = vec![false; decode_count * width];
@@ -111,7 +148,6 @@ impl PagedBatch {
                 slots[row * width..row * width + s.slots.len()].copy_from_slice(&s.slots);
                 keep[row * width..row * width + s.slots.len()].fill(true);
             }
-            let rows = decode_count as i64;
             (
                 decode_count,
                 DecodeAttention::Gather {
@@ -195,15 +231,63 @@ impl SelfAttention {
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
     ) -> Tensor {
-        let n = x.size()[1];
         let (q, k, v) = self.qkv(x, cos, sin);
         // [1, heads, N, hd] -> [N, heads, hd]
         let q = q.squeeze_dim(0).transpose(0, 1);
         let (k_pool, v_pool) = pools;
-        let mut k_pool = k_pool.shallow_clone();
-        let mut v_pool = v_pool.shallow_clone();
-        let _ = k_pool.index_copy_(0, &batch.slot_mapping, &k.squeeze_dim(0).transpose(0, 1));
-        let _ = v_pool.index_copy_(0, &batch.slot_mapping, &v.squeeze_dim(0).transpose(0, 1));
+        let _ = k_pool.shallow_clone().index_copy_(
+            0,
+            &batch.slot_mapping,
+            &k.squeeze_dim(0).transpose(0, 1),
+        );
+        let _ = v_pool.shallow_clone().index_copy_(
+            0,
+            &batch.slot_mapping,
+            &v.squeeze_dim(0).transpose(0, 1),
+        );
+        self.attend(&q, pools, batch)
+            .unsqueeze(0)
+            .linear(&self.o_proj, None::<Tensor>)
+    }
+
+    /// The kernel path: x [N, H] (bf16, CUDA) through the fused q/k/v projection, one
+    /// kernel for head norms, rotary embedding and the cache store, then attention.
+    fn forward_paged_kernels(
+        &self,
+        x: &Tensor,
+        fused: &FusedLayer,
+        positions: &Tensor,
+        inv_freq: &Tensor,
+        pools: (&Tensor, &Tensor),
+        batch: &PagedBatch,
+    ) -> Tensor {
+        let n = x.size()[0];
+        let qkv = x.linear(&fused.qkv, fused.qkv_bias.as_ref());
+        let mut q = Tensor::empty([n, self.num_heads, self.head_dim], (x.kind(), x.device()));
+        let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let eps = norms.map_or(1e-6, |(qn, _)| qn.eps);
+        if let Err(e) = manta_cuda::qk_norm_rope_store(
+            &qkv,
+            norms.map(|(qn, kn)| (&qn.weight, &kn.weight)),
+            positions,
+            inv_freq,
+            &batch.slot_mapping,
+            pools.0,
+            pools.1,
+            &mut q,
+            eps,
+        ) {
+            panic!("q/k norm + rotary + cache store kernel: {e}");
+        }
+        self.attend(&q, pools, batch)
+            .linear(&self.o_proj, None::<Tensor>)
+    }
+
+    /// Attention of the flat queries q [N, heads, hd] over their sequences' cached keys
+    /// and values (this call's included); [N, heads × hd].
+    fn attend(&self, q: &Tensor, pools: (&Tensor, &Tensor), batch: &PagedBatch) -> Tensor {
+        let n = q.size()[0];
+        let (k_pool, v_pool) = (pools.0.shallow_clone(), pools.1.shallow_clone());
         let rep = self.num_heads / self.num_kv_heads;
         let (hd, nkv) = (self.head_dim, self.num_kv_heads);
         let mut outs = Vec::with_capacity(1 + batch.prefill.len());
@@ -303,7 +387,7 @@ impl SelfAttention {
             Tensor::cat(&outs, 0)
         };
         debug_assert_eq!(out.size()[0], n);
-        out.unsqueeze(0).linear(&self.o_proj, None::<Tensor>)
+        out
     }
 }
 
@@ -324,6 +408,9 @@ impl CausalLm {
             self.layers.len(),
             "PagedKvCache was made for a different number of layers"
         );
+        if let Some(fused) = &self.decode_kernels {
+            return self.forward_paged_kernels(fused, input_ids, positions, batch, cache);
+        }
         let ids = input_ids.unsqueeze(0);
         let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
         let (cos, sin) = self.rotary.cos_sin(&positions.unsqueeze(0), x.kind());
@@ -342,5 +429,129 @@ impl CausalLm {
                     .forward(&layer.post_attention_layernorm.forward(&h));
         }
         self.norm.forward(&x).squeeze_dim(0)
+    }
+}
+
+/// One layer's projections laid out for the decode kernels: q/k/v in one matrix (one GEMM)
+/// and gate/up in another. The model's own variables are views into these buffers, so a
+/// weight update that copies into the variables updates them too.
+pub(super) struct FusedLayer {
+    qkv: Tensor,
+    qkv_bias: Option<Tensor>,
+    gate_up: Tensor,
+}
+
+/// Concatenates `parts` along dim 0 and re-points each to its view of the result.
+fn fuse_rows(parts: &mut [&mut Tensor]) -> Tensor {
+    let fused = Tensor::cat(&parts.iter().map(|t| &**t).collect::<Vec<_>>(), 0);
+    let mut start = 0;
+    for part in parts.iter_mut() {
+        let rows = part.size()[0];
+        part.set_data(&fused.narrow(0, start, rows));
+        start += rows;
+    }
+    fused
+}
+
+impl CausalLm {
+    /// Switches paged forwards to the CUDA decode kernels (bf16 on CUDA): fused q/k/v and
+    /// gate/up projections, one kernel for head norms + rotary + cache store, fused
+    /// residual-add + RMS norm, SiLU×up, and paged attention in place. A decode step then
+    /// launches about 10 kernels per layer instead of about 30. The kernels are compiled
+    /// here, so a build or driver problem is reported now and the model stays as it was.
+    pub fn enable_decode_kernels(&mut self) -> Result<(), String> {
+        let Device::Cuda(index) = self.embed_tokens.device() else {
+            return Err("the decode kernels run on CUDA only".into());
+        };
+        if self.embed_tokens.kind() != Kind::BFloat16 {
+            return Err(format!(
+                "the decode kernels need bf16 weights, not {:?}",
+                self.embed_tokens.kind()
+            ));
+        }
+        if !manta_cuda::built_with_cuda() {
+            return Err("this build has no CUDA kernels (no CUDA headers at build time)".into());
+        }
+        let cfg = &self.cfg;
+        let shape = manta_cuda::KernelShape {
+            hidden: cfg.hidden_size as usize,
+            intermediate: cfg.intermediate_size as usize,
+            heads: cfg.num_attention_heads as usize,
+            kv_heads: cfg.num_key_value_heads as usize,
+            head_dim: cfg.head_dim() as usize,
+            qk_norm: self
+                .layers
+                .first()
+                .is_some_and(|l| l.self_attn.q_norm.is_some()),
+        };
+        let arch = manta_cuda::device_arch(index).map_err(|e| e.to_string())?;
+        manta_cuda::decode_kernels_compile(shape, arch).map_err(|e| e.to_string())?;
+        let _guard = tch::no_grad_guard();
+        let mut fused = Vec::with_capacity(self.layers.len());
+        for layer in &mut self.layers {
+            let a = &mut layer.self_attn;
+            let qkv = fuse_rows(&mut [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj]);
+            let qkv_bias = match (&mut a.q_bias, &mut a.k_bias, &mut a.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(fuse_rows(&mut [q, k, v])),
+                _ => None,
+            };
+            let m = &mut layer.mlp;
+            let gate_up = fuse_rows(&mut [&mut m.gate, &mut m.up]);
+            fused.push(FusedLayer {
+                qkv,
+                qkv_bias,
+                gate_up,
+            });
+        }
+        self.decode_kernels = Some(fused);
+        Ok(())
+    }
+
+    /// Whether paged forwards run the CUDA decode kernels.
+    pub fn decode_kernels_enabled(&self) -> bool {
+        self.decode_kernels.is_some()
+    }
+
+    fn forward_paged_kernels(
+        &self,
+        fused: &[FusedLayer],
+        input_ids: &Tensor,
+        positions: &Tensor,
+        batch: &PagedBatch,
+        cache: &PagedKvCache,
+    ) -> Tensor {
+        let fail = |what: &str, e: manta_cuda::CudaError| -> ! { panic!("{what} kernel: {e}") };
+        let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let (n, inter) = (x.size()[0], self.cfg.intermediate_size);
+        let mut normed = x.empty_like();
+        let first = &self.layers[0].input_layernorm;
+        manta_cuda::add_rms_norm(&mut x, None, &first.weight, &mut normed, first.eps)
+            .unwrap_or_else(|e| fail("rms norm", e));
+        for (i, (layer, f)) in self.layers.iter().zip(fused).enumerate() {
+            let attn = layer.self_attn.forward_paged_kernels(
+                &normed,
+                f,
+                positions,
+                &self.rotary.inv_freq,
+                cache.layer(i),
+                batch,
+            );
+            let post = &layer.post_attention_layernorm;
+            let mut h = x.empty_like();
+            manta_cuda::add_rms_norm(&mut x, Some(&attn), &post.weight, &mut h, post.eps)
+                .unwrap_or_else(|e| fail("residual + rms norm", e));
+            let gate_up = h.linear(&f.gate_up, None::<Tensor>);
+            let mut act = Tensor::empty([n, inter], (x.kind(), x.device()));
+            manta_cuda::silu_mul(&gate_up, &mut act).unwrap_or_else(|e| fail("silu x up", e));
+            let mlp = act.linear(&layer.mlp.down, None::<Tensor>);
+            let next = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.norm, |l| &l.input_layernorm);
+            normed = x.empty_like();
+            manta_cuda::add_rms_norm(&mut x, Some(&mlp), &next.weight, &mut normed, next.eps)
+                .unwrap_or_else(|e| fail("residual + rms norm", e));
+        }
+        normed
     }
 }

@@ -10,21 +10,24 @@ use manta_model::{CausalLm, PagedBatch, PagedKvCache};
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, warn};
 
-/// How a captured step's attention finds each row's keys and values.
-enum Context {
+/// The fixed input buffers a captured step reads.
+enum Inputs {
     /// Padded slot matrix [B, W] and mask [B, 1, 1, W], gathered by index_select.
-    Gather { slots: Tensor, keep: Tensor },
-    /// Block tables [B, W / block_size] and lengths [B], read in place by the paged kernel.
-    Paged { tables: Tensor, lens: Tensor },
+    Gather {
+        ids: Tensor,
+        positions: Tensor,
+        slot_mapping: Tensor,
+        slots: Tensor,
+        keep: Tensor,
+    },
+    /// For the paged kernel, everything in one i64 buffer (one host-to-device copy per
+    /// step): ids [B], positions [B], new slots [B], lengths [B], block tables [B × W / bs].
+    Paged { packed: Tensor },
 }
 
-/// The fixed buffers a captured step reads and writes.
 struct Captured {
     graph: CudaGraph,
-    ids: Tensor,
-    positions: Tensor,
-    slot_mapping: Tensor,
-    context: Context,
+    inputs: Inputs,
     hidden: Tensor,
 }
 
@@ -44,8 +47,8 @@ pub struct DecodeGraphs {
     graphs: HashMap<(usize, usize), Captured>,
     /// Set after a capture fails: decode runs eagerly from then on.
     disabled: bool,
-    /// Use the paged attention kernel (`MANTA_PAGED_KERNEL=1`, bf16; falls back to
-    /// gathering if it fails to build or run).
+    /// Use the paged attention kernel (models with decode kernels; falls back to
+    /// gathering if a capture with it fails).
     paged_kernel: bool,
     block_size: usize,
 }
@@ -57,7 +60,7 @@ fn bucket(n: usize, min: usize) -> usize {
 impl DecodeGraphs {
     pub fn new(
         device: Device,
-        kind: Kind,
+        paged_kernel: bool,
         max_batch: usize,
         context_length: usize,
         block_size: usize,
@@ -77,9 +80,7 @@ impl DecodeGraphs {
             scratch_slot,
             graphs: HashMap::new(),
             disabled: false,
-            // Opt-in until its GPU test passes on the device (BENCHMARKS.md, engine decode).
-            paged_kernel: kind == Kind::BFloat16
-                && std::env::var_os("MANTA_PAGED_KERNEL").is_some(),
+            paged_kernel,
             block_size,
         })
     }
@@ -124,43 +125,52 @@ impl DecodeGraphs {
         }
         let c = self.graphs.get_mut(&key)?;
         let (b, w) = key;
-        let mut ids = vec![0i64; b];
-        let mut pos = vec![0i64; b];
-        let mut mapping = vec![self.scratch_slot; b];
-        let mut slots = vec![self.scratch_slot; b * w];
-        let mut keep = vec![false; b * w];
-        for (i, r) in rows.iter().enumerate() {
-            ids[i] = r.token;
-            pos[i] = r.position;
-            mapping[i] = *r.slots.last().unwrap_or(&self.scratch_slot);
-            slots[i * w..i * w + r.slots.len()].copy_from_slice(r.slots);
-            keep[i * w..i * w + r.slots.len()].fill(true);
-        }
-        for i in rows.len()..b {
-            keep[i * w] = true;
-        }
-        c.ids.copy_(&Tensor::from_slice(&ids));
-        c.positions.copy_(&Tensor::from_slice(&pos));
-        c.slot_mapping.copy_(&Tensor::from_slice(&mapping));
         let block_size = self.block_size;
-        match &mut c.context {
-            Context::Gather { slots: s, keep: k } => {
-                s.copy_(&Tensor::from_slice(&slots).view([b as i64, w as i64]));
-                k.copy_(&Tensor::from_slice(&keep).view([b as i64, 1, 1, w as i64]));
-            }
-            Context::Paged { tables, lens } => {
+        match &mut c.inputs {
+            Inputs::Paged { packed } => {
                 let mb = w / block_size;
-                let mut t = vec![0i32; b * mb];
-                let mut l = vec![1i32; b];
+                let mut v = vec![0i64; 4 * b + b * mb];
+                v[2 * b..3 * b].fill(self.scratch_slot);
+                v[3 * b..4 * b].fill(1);
                 for (i, r) in rows.iter().enumerate() {
+                    v[i] = r.token;
+                    v[b + i] = r.position;
+                    v[2 * b + i] = *r.slots.last().unwrap_or(&self.scratch_slot);
+                    v[3 * b + i] = r.slots.len() as i64;
                     // A block's slots are consecutive: its id is any of its slots / block_size.
                     for (j, chunk) in r.slots.chunks(block_size).enumerate() {
-                        t[i * mb + j] = (chunk[0] / block_size as i64) as i32;
+                        v[4 * b + i * mb + j] = chunk[0] / block_size as i64;
                     }
-                    l[i] = r.slots.len() as i32;
                 }
-                tables.copy_(&Tensor::from_slice(&t).view([b as i64, mb as i64]));
-                lens.copy_(&Tensor::from_slice(&l));
+                packed.copy_(&Tensor::from_slice(&v));
+            }
+            Inputs::Gather {
+                ids: ids_t,
+                positions: pos_t,
+                slot_mapping: map_t,
+                slots: slots_t,
+                keep: keep_t,
+            } => {
+                let mut ids = vec![0i64; b];
+                let mut pos = vec![0i64; b];
+                let mut mapping = vec![self.scratch_slot; b];
+                let mut slots = vec![self.scratch_slot; b * w];
+                let mut keep = vec![false; b * w];
+                for (i, r) in rows.iter().enumerate() {
+                    ids[i] = r.token;
+                    pos[i] = r.position;
+                    mapping[i] = *r.slots.last().unwrap_or(&self.scratch_slot);
+                    slots[i * w..i * w + r.slots.len()].copy_from_slice(r.slots);
+                    keep[i * w..i * w + r.slots.len()].fill(true);
+                }
+                for i in rows.len()..b {
+                    keep[i * w] = true;
+                }
+                ids_t.copy_(&Tensor::from_slice(&ids));
+                pos_t.copy_(&Tensor::from_slice(&pos));
+                map_t.copy_(&Tensor::from_slice(&mapping));
+                slots_t.copy_(&Tensor::from_slice(&slots).view([b as i64, w as i64]));
+                keep_t.copy_(&Tensor::from_slice(&keep).view([b as i64, 1, 1, w as i64]));
             }
         }
         if let Err(e) = c.graph.replay() {
@@ -180,26 +190,49 @@ impl DecodeGraphs {
     ) -> Result<Captured, String> {
         let dev = Device::Cuda(self.device);
         let (bi, wi) = (b as i64, w as i64);
-        let ids = Tensor::zeros([bi], (Kind::Int64, dev));
-        let positions = Tensor::zeros([bi], (Kind::Int64, dev));
-        let slot_mapping = Tensor::full([bi], self.scratch_slot, (Kind::Int64, dev));
-        let (context, batch) = if paged_kernel {
-            let mb = (w / self.block_size) as i64;
-            let tables = Tensor::zeros([bi, mb], (Kind::Int, dev));
-            let lens = Tensor::ones([bi], (Kind::Int, dev));
-            let batch = PagedBatch::decode_paged(&slot_mapping, &tables, &lens, self.block_size);
-            (Context::Paged { tables, lens }, batch)
+        let block_size = self.block_size;
+        let mb = (w / block_size) as i64;
+        let inputs = if paged_kernel {
+            let packed = Tensor::zeros([4 * bi + bi * mb], (Kind::Int64, dev));
+            let _ = packed.narrow(0, 2 * bi, bi).fill_(self.scratch_slot);
+            let _ = packed.narrow(0, 3 * bi, bi).fill_(1);
+            Inputs::Paged { packed }
         } else {
-            let slots = Tensor::full([bi, wi], self.scratch_slot, (Kind::Int64, dev));
             let keep = Tensor::zeros([bi, 1, 1, wi], (Kind::Bool, dev));
             let _ = keep.narrow(3, 0, 1).fill_(1);
-            let batch = PagedBatch::decode_only(&slot_mapping, &slots, &keep);
-            (Context::Gather { slots, keep }, batch)
+            Inputs::Gather {
+                ids: Tensor::zeros([bi], (Kind::Int64, dev)),
+                positions: Tensor::zeros([bi], (Kind::Int64, dev)),
+                slot_mapping: Tensor::full([bi], self.scratch_slot, (Kind::Int64, dev)),
+                slots: Tensor::full([bi, wi], self.scratch_slot, (Kind::Int64, dev)),
+                keep,
+            }
         };
-        // Warm-up outside the capture: lazy initialisation (and the kernel's compilation),
+        // The step as captured: views of the input buffers (the paged kernel's int32
+        // tables and lengths are converted inside the graph), then the forward.
+        let step = || match &inputs {
+            Inputs::Paged { packed } => {
+                let view = |start: i64, len: i64| packed.narrow(0, start, len);
+                let lens = view(3 * bi, bi).to_kind(Kind::Int);
+                let tables = view(4 * bi, bi * mb).view([bi, mb]).to_kind(Kind::Int);
+                let batch = PagedBatch::decode_paged(&view(2 * bi, bi), &tables, &lens, block_size);
+                model.forward_paged(&view(0, bi), &view(bi, bi), &batch, kv)
+            }
+            Inputs::Gather {
+                ids,
+                positions,
+                slot_mapping,
+                slots,
+                keep,
+            } => {
+                let batch = PagedBatch::decode_only(slot_mapping, slots, keep);
+                model.forward_paged(ids, positions, &batch, kv)
+            }
+        };
+        // Warm-up outside the capture: lazy initialisation (and the kernels' compilation),
         // allocator growth; a failure here leaves no capture open.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = model.forward_paged(&ids, &positions, &batch, kv);
+            let _ = step();
         }))
         .map_err(|p| {
             p.downcast_ref::<String>()
@@ -207,10 +240,8 @@ impl DecodeGraphs {
                 .unwrap_or_else(|| "decode step panicked".into())
         })?;
         let share = self.graphs.values().next().map(|c| &c.graph);
-        let (graph, hidden) = CudaGraph::capture(self.device, share, || {
-            model.forward_paged(&ids, &positions, &batch, kv)
-        })
-        .map_err(|e| e.to_string())?;
+        let (graph, hidden) =
+            CudaGraph::capture(self.device, share, step).map_err(|e| e.to_string())?;
         debug!(
             batch = b,
             width = w,
@@ -219,10 +250,7 @@ impl DecodeGraphs {
         );
         Ok(Captured {
             graph,
-            ids,
-            positions,
-            slot_mapping,
-            context,
+            inputs,
             hidden,
         })
     }

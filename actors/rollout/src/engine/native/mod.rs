@@ -197,7 +197,7 @@ impl NativeEngine {
                 let built = (|| -> Result<Worker, EngineError> {
                     tch::manual_seed(thread_opts.seed as i64);
                     let mut vs = nn::VarStore::new(thread_opts.device);
-                    let model = CausalLm::new(&vs.root(), &cfg);
+                    let mut model = CausalLm::new(&vs.root(), &cfg);
                     let dir = &thread_opts.model_dir;
                     if dir.join("model.safetensors").exists()
                         || dir.join("model.safetensors.index.json").exists()
@@ -206,6 +206,7 @@ impl NativeEngine {
                     }
                     vs.set_kind(kind);
                     vs.freeze();
+                    enable_decode_kernels(&mut model, thread_opts.device, kind);
                     // One extra block: the scratch block padding rows of CUDA graphs use.
                     let kv = PagedKvCache::new(
                         &cfg,
@@ -393,5 +394,21 @@ impl Engine for NativeEngine {
         let (tx, rx) = oneshot::channel();
         self.send(Command::ReadWeights(tx))?;
         answer(rx).await
+    }
+}
+
+/// The CUDA decode kernels for bf16 models on a GPU, unless `MANTA_DECODE_KERNELS=0`; the
+/// composite tensor ops otherwise, or when the kernels cannot be built here (logged).
+fn enable_decode_kernels(model: &mut CausalLm, device: tch::Device, kind: tch::Kind) {
+    if !device.is_cuda() || kind != tch::Kind::BFloat16 {
+        return;
+    }
+    if std::env::var("MANTA_DECODE_KERNELS").is_ok_and(|v| v == "0") {
+        tracing::info!("decode kernels off (MANTA_DECODE_KERNELS=0)");
+        return;
+    }
+    match model.enable_decode_kernels() {
+        Ok(()) => tracing::info!("decode kernels on (paged attention, fused norms and rotary)"),
+        Err(e) => tracing::warn!(error = %e, "decode kernels unavailable; using tensor ops"),
     }
 }

@@ -32,6 +32,13 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
     let device = logits.device();
     let vocab = logits.size()[1];
     let logits = logits.to_kind(Kind::Float);
+    if rows.iter().all(|r| r.greedy) {
+        // Greedy rows: the argmax and its log-prob at temperature 1, nothing else.
+        let next = logits.argmax(-1, false);
+        let lse = logits.logsumexp([-1], false);
+        let next_logp = logits.gather(1, &next.unsqueeze(1), false).squeeze_dim(1) - lse;
+        return to_host(&next, &next_logp);
+    }
     let column = |values: Vec<f32>| Tensor::from_slice(&values).to(device).unsqueeze(1);
     // Greedy rows report the unscaled distribution (temperature 1).
     let temps = column(
@@ -85,11 +92,23 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
         argmax.where_self(&greedy, &drawn)
     };
     let next_logp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+    to_host(&next, &next_logp)
+}
+
+/// Token ids and log-probs to the host in one copy (one synchronisation per step).
+fn to_host(next: &Tensor, next_logp: &Tensor) -> (Vec<i64>, Vec<f32>) {
+    let both = Tensor::stack(
+        &[next.to_kind(Kind::Double), next_logp.to_kind(Kind::Double)],
+        0,
+    );
     // A failure here panics: the engine's step catches it and fails the batch's requests
     // (an empty result would leave them waiting forever).
-    let ids = Vec::<i64>::try_from(&next.to(Device::Cpu)).expect("sampled ids to host");
-    let lps = Vec::<f32>::try_from(&next_logp.to(Device::Cpu)).expect("log-probs to host");
-    (ids, lps)
+    let both = Vec::<f64>::try_from(&both.to(Device::Cpu).view([-1])).expect("sampled ids to host");
+    let (ids, lps) = both.split_at(both.len() / 2);
+    (
+        ids.iter().map(|&t| t as i64).collect(),
+        lps.iter().map(|&l| l as f32).collect(),
+    )
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ impl Worker {
         let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
         let graphs = DecodeGraphs::new(
             device,
-            kv.kind(),
+            model.decode_kernels_enabled(),
             sched.max_running,
             context_length,
             sched.block_size,
@@ -371,7 +371,11 @@ impl Worker {
         let hidden = match graphed {
             Some(hidden) => hidden,
             None => {
-                let batch = PagedBatch::new(&seqs, self.device);
+                let batch = if self.model.decode_kernels_enabled() {
+                    PagedBatch::new_paged(&seqs, self.device, bs)
+                } else {
+                    PagedBatch::new(&seqs, self.device)
+                };
                 let input = Tensor::from_slice(&ids).to(self.device);
                 let pos = Tensor::from_slice(&positions).to(self.device);
                 self.model.forward_paged(&input, &pos, &batch, &self.kv)
