@@ -154,7 +154,7 @@ pub async fn train_remote(
         (None, None) => anyhow::bail!("no trainer was started"),
     };
     // Engines on workers get the weights over gRPC: no disk is shared with them.
-    let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.gpus, tch::Device::Cpu);
+    let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.gpus);
     let engines_at: Vec<(String, Endpoint)> = cluster
         .rollout_nodes()
         .into_iter()

@@ -280,13 +280,11 @@ fn first_difference(expected: &[TensorDigest], got: &[TensorDigest]) -> Option<S
         .cloned()
 }
 
-/// Where the trainer lives, for [`route::choose`].
-pub fn trainer_endpoint(trainer: &TrainerHandle, gpus: &[u32], device: tch::Device) -> Endpoint {
+/// Where the trainer lives, for [`route::choose`]: on its worker, or in the driver
+/// (on the first of `gpus`, the CPU when none).
+pub fn trainer_endpoint(trainer: &TrainerHandle, gpus: &[u32]) -> Endpoint {
     match trainer.remote() {
         Some(r) => Endpoint::on_worker(r.addr(), gpus.first().copied()),
-        None => Endpoint::in_driver(match device {
-            tch::Device::Cuda(i) => Some(i as u32),
-            _ => None,
-        }),
+        None => Endpoint::in_driver(gpus.first().copied()),
     }
 }
