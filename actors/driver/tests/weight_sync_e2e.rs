@@ -184,6 +184,15 @@ fn check_sample_versions(samples: &Path, steps: u64) {
     }
 }
 
+/// Sends `sig` (e.g. "-STOP") to process `pid` with kill(1).
+fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
 fn driver(cluster: &Path, runs: &Path, save: &Path, samples: &Path, steps: u64) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
     cmd.current_dir(workspace())
@@ -216,7 +225,7 @@ fn driver(cluster: &Path, runs: &Path, save: &Path, samples: &Path, steps: u64) 
 
 #[test]
 fn remote_engines_get_the_trainers_weights_over_grpc_bit_for_bit() {
-    const STEPS: u64 = 10;
+    const STEPS: u64 = 12;
     let tmp = tempfile::tempdir().unwrap();
     let ports = [free_port(), free_port()];
     let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
@@ -227,7 +236,7 @@ fn remote_engines_get_the_trainers_weights_over_grpc_bit_for_bit() {
     std::fs::write(
         &cluster,
         format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\nlease_timeout_ms = 3000\n\n\
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\nlease_timeout_ms = 20000\n\n\
              [trainer]\nnode = 0\n\n\
              [rollout]\nengines = 1\nnodes = [0, 1]\nmax_concurrent_episodes = 16\n\n\
              [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
@@ -253,13 +262,17 @@ fn remote_engines_get_the_trainers_weights_over_grpc_bit_for_bit() {
     for line in BufReader::new(stdout).lines() {
         let line = line.unwrap();
         if line.starts_with("step ") && lines.iter().all(|l: &String| !l.starts_with("step ")) {
-            // Step 2 starts: kill worker 1, restart it in a new, empty directory.
+            // Step 2 starts: kill worker 1, restart it in a new, empty directory. The
+            // driver is stopped meanwhile, so the steps after it leave the restarted
+            // worker time to rejoin however fast they run.
+            signal(child.id(), "-STOP");
             drop(w1.take());
             w1 = Some(start_worker(
                 ports[1],
                 &tmp.path().join("w1-again"),
                 &logs[1],
             ));
+            signal(child.id(), "-CONT");
         }
         lines.push(line);
     }
