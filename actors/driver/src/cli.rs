@@ -247,6 +247,23 @@ pub struct TrainArgs {
     /// Train from files written by --save-debug-rollout-data: no engine, no environment.
     #[arg(long)]
     pub load_debug_rollout_data: Option<String>,
+    /// Groups started at a time while the step's batch is short of
+    /// --rollout-batch-size kept groups [--rollout-batch-size].
+    #[arg(long)]
+    pub over_sampling_batch_size: Option<usize>,
+    /// Dynamic sampling: drop groups this filter rejects and generate more until the
+    /// batch is full. check_reward_nonzero_std (slime's, also by its module path) drops
+    /// groups whose rewards all agree [off].
+    #[arg(long)]
+    pub dynamic_sampling_filter_path: Option<String>,
+    /// Asynchronous mode when ≥ 1: the next step's rollouts run while the trainer
+    /// trains; samples more than this many weight versions behind are regenerated [0].
+    #[arg(long)]
+    pub max_weight_staleness: Option<u64>,
+    /// Episodes that span a weight update go on with the new weights, each token's
+    /// version kept (implies --max-weight-staleness 1 unless set).
+    #[arg(long)]
+    pub partial_rollout: bool,
 }
 
 impl TrainArgs {
@@ -303,6 +320,10 @@ impl TrainArgs {
             min_lr: self.min_lr,
             save_debug_rollout_data: self.save_debug_rollout_data.clone(),
             load_debug_rollout_data: self.load_debug_rollout_data.clone(),
+            over_sampling_batch_size: self.over_sampling_batch_size,
+            dynamic_sampling_filter_path: self.dynamic_sampling_filter_path.clone(),
+            max_weight_staleness: self.max_weight_staleness,
+            partial_rollout: flag(self.partial_rollout),
         }
     }
 }
@@ -351,5 +372,33 @@ mod tests {
             (s.algo.lr_decay_style.as_str(), s.algo.min_lr),
             ("cosine", 1e-7)
         );
+    }
+
+    #[test]
+    fn slime_sampling_flags_reach_the_settings() {
+        let cli = Cli::try_parse_from([
+            "driver",
+            "--rollout-batch-size",
+            "4",
+            "--over-sampling-batch-size",
+            "12",
+            "--dynamic-sampling-filter-path",
+            "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+            "--max-weight-staleness",
+            "2",
+            "--partial-rollout",
+        ])
+        .unwrap();
+        let flags = cli.train.overrides();
+        flags
+            .validate(std::path::Path::new("command line"), "--")
+            .unwrap();
+        let s = flags.resolve().sampling;
+        assert_eq!(s.over_sampling_batch_size, 12);
+        assert_eq!(
+            s.dynamic_sampling_filter.as_deref(),
+            Some("check_reward_nonzero_std")
+        );
+        assert_eq!((s.max_weight_staleness, s.partial_rollout), (2, true));
     }
 }

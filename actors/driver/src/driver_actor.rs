@@ -9,7 +9,6 @@ use std::time::Instant;
 
 use anyhow::Context;
 use manta_config::TrainerFailurePolicy;
-use manta_rollout::GenerationSettings;
 use manta_runtime::TrainerCallError;
 use manta_telemetry::{MetricsWriter, TensorBoardWriter, WandbSink};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -17,8 +16,8 @@ use tracing::field::Empty;
 use tracing::{error, info, info_span, warn, Instrument};
 
 use crate::run::TrainerRecovery;
+use crate::sampling::GroupQueue;
 use crate::step::{run_step, StepActors};
-use crate::tasks::TaskSampler;
 use crate::trainer_handle::TrainerHandle;
 
 /// Trainer restarts in a row (no step completed in between) before the run gives up.
@@ -53,10 +52,10 @@ pub struct RunPlan {
     pub recovery: TrainerRecovery,
     /// The weight version the engines hold at the start (the resumed step, or 0).
     pub weight_version: u64,
-    pub sampler: TaskSampler,
+    /// Where each step's groups come from (over-sampling, dynamic sampling, async mode).
+    pub queue: GroupQueue,
     pub rollout_batch_size: usize,
     pub n_samples: usize,
-    pub generation: GenerationSettings,
     pub advantages: crate::step::AdvantageSpec,
     /// `--save-debug-rollout-data` template.
     pub save_debug: Option<String>,
@@ -173,24 +172,23 @@ impl Actor for DriverActor {
 async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     let plan = &mut state.plan;
     let step = state.next_step;
-    let start = (step - 1) * plan.rollout_batch_size as u64;
-    let tasks = plan.sampler.draw(start, plan.rollout_batch_size);
+    let version = state.weight_version;
     // Each step is the root of its own trace; episodes (local or on workers) hang off it.
     // Integers as i64: OpenTelemetry has no unsigned attribute type.
     let span = info_span!(
         parent: None,
         "step",
         step = step as i64,
-        samples = (tasks.len() * plan.n_samples) as i64,
+        samples = (plan.rollout_batch_size * plan.n_samples) as i64,
         reward = Empty,
         loss = Empty
     );
     let outcome = run_step(
         &plan.actors,
         step,
-        &tasks,
+        &mut plan.queue,
+        version,
         plan.n_samples,
-        plan.generation,
         plan.advantages,
         plan.save_debug.as_deref(),
     )
@@ -213,13 +211,7 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     if let Some(wandb) = &plan.wandb {
         wandb.log(step, m);
     }
-    println!(
-        "step {step:>5}/{}  reward {:.3}  loss {:+.4}  time {:.2}s",
-        plan.last_step,
-        m.get("rollout/raw_reward").copied().unwrap_or(f64::NAN),
-        m.get("train/loss").copied().unwrap_or(f64::NAN),
-        m.get("perf/step_time").copied().unwrap_or(f64::NAN),
-    );
+    println!("{}", progress_line(step, plan.last_step, m));
     if m.get("rollout/failed_count").copied().unwrap_or(0.0) > 0.0 {
         warn!(
             step,
@@ -241,6 +233,26 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One line per step: where its time went and how fast tokens moved. `rollout` is the
+/// time the step waited for its groups (in asynchronous mode they were mostly
+/// generated during the previous step), `tok/s` counts generated tokens over the
+/// groups' generation time and trained tokens over the training time.
+pub fn progress_line(step: u64, last_step: u64, m: &manta_telemetry::StepMetrics) -> String {
+    let get = |key: &str| m.get(key).copied().unwrap_or(f64::NAN);
+    format!(
+        "step {step:>5}/{last_step}  reward {:.3}  loss {:+.4}  time {:.2}s \
+         (rollout {:.2}s, train {:.2}s, sync {:.2}s)  tok/s rollout {:.0} train {:.0}",
+        get("rollout/raw_reward"),
+        get("train/loss"),
+        get("perf/step_time"),
+        get("perf/rollout_time"),
+        get("perf/train_time"),
+        get("perf/update_weights_time"),
+        get("perf/rollout_tokens_per_sec"),
+        get("perf/tokens_per_gpu_per_sec"),
+    )
 }
 
 async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<RunSummary> {
@@ -375,6 +387,7 @@ async fn restart_trainer(
         warn!(error = %e, "rewinding the TensorBoard event file failed; disabling it");
         state.tensorboard = None;
     }
+    plan.queue.rewind(from);
     state.next_step = from + 1;
     state.weight_version = from;
     info!(

@@ -10,6 +10,7 @@ pub mod prepare_tasks;
 pub mod remote;
 pub mod run;
 pub mod run_dir;
+pub mod sampling;
 pub mod serve;
 pub mod shutdown;
 pub mod step;

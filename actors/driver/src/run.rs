@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings, TrainerFailurePolicy};
 use manta_rollout::ors::OrsClient;
-use manta_rollout::{GenerationSettings, TaskRef};
+use manta_rollout::TaskRef;
 use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
 use ractor::{call, Actor};
 use tracing::info;
@@ -36,6 +36,16 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
     let settings = flags.over(cluster.train.clone()).resolve();
+    if cluster.rollout.colocate && settings.sampling.max_weight_staleness > 0 {
+        // As slime: overlapping rollouts with training needs the engines off the
+        // trainer's GPUs.
+        anyhow::bail!(
+            "max_weight_staleness = {}: asynchronous mode needs engines on their own GPUs, \
+             but {} sets rollout.colocate = true",
+            settings.sampling.max_weight_staleness,
+            args.cluster.display()
+        );
+    }
     let config_path = args
         .config
         .clone()
@@ -295,17 +305,18 @@ pub(crate) async fn run_with_actors(
         let config = serde_json::to_value(settings).unwrap_or_default();
         WandbSink::start(&opts, &config)
     });
+    let queue = crate::sampling::GroupQueue::new(
+        actors.rollouts.clone(),
+        TaskSampler::new(tasks, settings.seed),
+        settings,
+        first_step,
+    );
     let plan = RunPlan {
         actors,
         recovery,
-        sampler: TaskSampler::new(tasks, settings.seed),
+        queue,
         rollout_batch_size: settings.rollout_batch_size,
         n_samples: settings.n_samples,
-        generation: GenerationSettings {
-            temperature: settings.temperature,
-            max_response_len: settings.max_response_len,
-            context_len: settings.context_len,
-        },
         advantages: crate::step::AdvantageSpec::from_settings(&settings.algo)?,
         save_debug: settings.save_debug_rollout_data.clone(),
         first_step,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use futures::future::join_all;
 use manta_core::advantage::is_zero_std;
 use manta_core::{group_advantages, whiten_over_tokens, AdvantageOptions, Sample, SampleStatus};
-use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg, TaskRef};
+use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg};
 use manta_telemetry::StepMetrics;
 use manta_trainer::loss::AdvantageEstimator;
 use manta_trainer::TrainBatch;
@@ -28,28 +28,30 @@ pub struct StepActors {
 }
 
 /// Where rollouts run: in-process actors, or actors on worker daemons. The step loop
-/// calls both the same way.
+/// calls both the same way. Cheap to clone (handles), so each group can run as its own
+/// task (crate::sampling).
+#[derive(Clone)]
 pub enum Rollouts {
     /// In-process engines.
     Local { actors: Vec<ActorRef<RolloutMsg>> },
-    Remote { pool: Arc<manta_runtime::RemotePool> },
+    Remote {
+        pool: Arc<manta_runtime::RemotePool>,
+    },
     /// `--load-debug-rollout-data`: each step's samples come from a file; there is no
     /// engine to sync.
     DebugData { template: String },
 }
 
 impl Rollouts {
-    /// Runs every request and returns one sample per request.
+    /// Runs every request and returns one sample per request (whole groups per rollout
+    /// actor, by `group_index`).
     pub async fn run_episodes(
         &self,
         requests: Vec<EpisodeRequest>,
-        n_samples: usize,
         generation: GenerationSettings,
     ) -> anyhow::Result<Vec<Sample>> {
         match self {
-            Rollouts::Local { actors, .. } => {
-                run_local(actors, requests, n_samples, generation).await
-            }
+            Rollouts::Local { actors, .. } => run_local(actors, requests, generation).await,
             Rollouts::Remote { pool, .. } => Ok(pool.run_episodes(requests, generation).await?),
             Rollouts::DebugData { .. } => {
                 anyhow::bail!("no episodes run with --load-debug-rollout-data")
@@ -70,13 +72,11 @@ impl Rollouts {
 async fn run_local(
     rollouts: &[ActorRef<RolloutMsg>],
     requests: Vec<EpisodeRequest>,
-    n_samples: usize,
     generation: GenerationSettings,
 ) -> anyhow::Result<Vec<Sample>> {
     let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); rollouts.len()];
-    for (k, request) in requests.into_iter().enumerate() {
-        let group = k / n_samples;
-        shares[group % rollouts.len()].push(request);
+    for request in requests {
+        shares[request.group_index as usize % rollouts.len()].push(request);
     }
     let calls =
         rollouts
@@ -125,37 +125,27 @@ pub struct StepOutcome {
     pub trained_ids: Vec<u64>,
 }
 
-/// Runs step `step` (1-based) on `tasks` (one group each, `n_samples` per group).
+/// Runs step `step` (1-based) on the groups `queue` collects for the trainer's weight
+/// `version` (`n_samples` per group).
 pub async fn run_step(
     actors: &StepActors,
     step: u64,
-    tasks: &[TaskRef],
+    queue: &mut crate::sampling::GroupQueue,
+    version: u64,
     n_samples: usize,
-    generation: GenerationSettings,
     advantages: AdvantageSpec,
     save_debug: Option<&str>,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
-    let per_step = (tasks.len() * n_samples) as u64;
-    let mut requests = Vec::with_capacity(per_step as usize);
-    for (g, task) in tasks.iter().enumerate() {
-        for i in 0..n_samples {
-            requests.push(EpisodeRequest {
-                sample_id: (step - 1) * per_step + (g * n_samples + i) as u64,
-                group_index: g as u32,
-                index: i as u32,
-                task: task.clone(),
-            });
-        }
-    }
-    let samples = match &actors.rollouts {
+    let (samples, collected) = match &actors.rollouts {
         Rollouts::DebugData { template } => {
-            crate::debug_data::load(template, step - 1, (step - 1) * per_step)?
+            let per_step = queue.samples_per_step();
+            let first_id = (step - 1) * per_step;
+            (crate::debug_data::load(template, step - 1, first_id)?, None)
         }
-        rollouts => {
-            rollouts
-                .run_episodes(requests, n_samples, generation)
-                .await?
+        _ => {
+            let mut c = queue.collect(step, version).await?;
+            (std::mem::take(&mut c.samples), Some(c))
         }
     };
     if let Some(template) = save_debug {
@@ -166,7 +156,11 @@ pub async fn run_step(
 
     let mut m = rollout_metrics(&samples);
     let (batch, trained_ids, zero_std) = build_batch(samples, n_samples, advantages);
-    m.insert("rollout/zero_std/count".into(), zero_std as f64);
+    let dropped = collected.as_ref().map_or(0, |c| c.dropped);
+    m.insert("rollout/zero_std/count".into(), (zero_std + dropped) as f64);
+    if let Some(c) = collected {
+        m.extend(c.metrics);
+    }
 
     let train_started = Instant::now();
     if batch.samples.is_empty() {

@@ -54,6 +54,9 @@ struct Shared {
     context: EpisodeContext,
     environments: BTreeMap<String, EnvironmentHandle>,
     max_concurrent: usize,
+    /// Bounds episodes in flight across all `RunEpisodes` calls (the driver sends one
+    /// call per group, a worker one per episode).
+    episodes: tokio::sync::Semaphore,
 }
 
 pub struct RolloutActor;
@@ -73,6 +76,7 @@ impl Actor for RolloutActor {
                 context: args.context,
                 environments: args.environments,
                 max_concurrent: args.max_concurrent_episodes.max(1),
+                episodes: tokio::sync::Semaphore::new(args.max_concurrent_episodes.max(1)),
             }),
         })
     }
@@ -153,6 +157,8 @@ async fn run_all(
     let count = requests.len();
     let started = std::time::Instant::now();
     let samples: Vec<Sample> = stream::iter(requests.into_iter().map(|request| async move {
+        // Never closed, so the permit always comes.
+        let _permit = shared.episodes.acquire().await;
         match shared.environments.get(&request.task.environment) {
             Some(env) => run_episode(&shared.context, env, &request, settings).await,
             None => unknown_environment(&request),

@@ -50,7 +50,15 @@ pub struct GenerationSettings {
     pub max_response_len: usize,
     /// Whole-episode budget (prompt + all turns).
     pub context_len: usize,
+    /// `--partial-rollout`: a generate call that a weight update aborted goes on from
+    /// its partial output with the new weights, instead of ending the episode as
+    /// `Aborted`.
+    pub partial_rollout: bool,
 }
+
+/// Most times one turn's generation is resumed after an abort (a guard against an
+/// engine that aborts every request).
+const MAX_RESUMES_PER_TURN: usize = 64;
 
 /// An environment as the episode loop sees it: its client and its options.
 pub struct EnvironmentHandle {
@@ -111,7 +119,10 @@ struct Trajectory {
     response: Vec<u32>,
     loss_mask: Vec<u8>,
     logprobs: Vec<f32>,
-    /// The oldest weight version that generated any of its tokens.
+    /// Weight version behind each response token.
+    versions: Vec<u64>,
+    /// The engine's version when the episode started (the sample's version when it
+    /// generated nothing).
     weight_version: u64,
 }
 
@@ -119,15 +130,28 @@ impl Trajectory {
     fn len(&self) -> usize {
         self.prompt.len() + self.response.len()
     }
-    fn push_generated(&mut self, ids: &[u32], logprobs: &[f32]) {
+    fn push_generated(&mut self, ids: &[u32], logprobs: &[f32], version: u64) {
         self.response.extend_from_slice(ids);
         self.loss_mask.extend(std::iter::repeat_n(1u8, ids.len()));
         self.logprobs.extend_from_slice(logprobs);
+        self.versions
+            .extend(std::iter::repeat_n(version, ids.len()));
     }
     fn push_context(&mut self, ids: &[u32]) {
+        let version = self.versions.last().copied().unwrap_or(self.weight_version);
         self.response.extend_from_slice(ids);
         self.loss_mask.extend(std::iter::repeat_n(0u8, ids.len()));
         self.logprobs.extend(std::iter::repeat_n(0.0f32, ids.len()));
+        self.versions
+            .extend(std::iter::repeat_n(version, ids.len()));
+    }
+    /// The oldest version behind any of its tokens.
+    fn oldest_version(&self) -> u64 {
+        self.versions
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(self.weight_version)
     }
 }
 
@@ -169,6 +193,7 @@ pub async fn run_episode(
             response: Vec::new(),
             loss_mask: Vec::new(),
             logprobs: Vec::new(),
+            versions: Vec::new(),
             weight_version: ctx.engine.weight_version(),
         };
         let mut transcript = ctx
@@ -226,8 +251,9 @@ pub async fn run_episode(
         recorder.record("turns", i64::from(meta.num_turns));
         recorder.record("stop_reason", outcome.stop_reason);
         recorder.record("tokens", (traj.prompt.len() + response_length) as i64);
-        let version = traj.weight_version;
+        let version = traj.oldest_version();
         meta.engine_restarts = ctx.engine.restarts();
+        meta.weight_versions = traj.versions;
         let mut tokens = traj.prompt;
         tokens.extend(traj.response);
         Sample {
@@ -314,7 +340,7 @@ async fn episode_loop(
             },
             rid: None,
         };
-        let out = match ctx
+        let mut out = match ctx
             .engine
             .generate(request)
             .instrument(info_span!(parent: &turn_span, "generate", turn = turn as i64))
@@ -323,8 +349,44 @@ async fn episode_loop(
             Ok(out) => out,
             Err(e) => return failed("engine_error", format!("generate: {e}")),
         };
-        traj.weight_version = traj.weight_version.min(out.weight_version);
-        traj.push_generated(&out.output_ids, &out.logprobs);
+        traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
+        // A weight update aborted the call: as a partial rollout, go on from the
+        // tokens it produced, with the new weights.
+        let mut turn_ids = std::mem::take(&mut out.output_ids);
+        let mut resumes = 0;
+        while out.finish == FinishReason::Abort
+            && settings.partial_rollout
+            && turn_ids.len() < max_new
+            && resumes < MAX_RESUMES_PER_TURN
+        {
+            resumes += 1;
+            let mut input = traj.prompt.clone();
+            input.extend_from_slice(&traj.response);
+            let request = GenerateRequest {
+                input_ids: input,
+                params: SamplingParams {
+                    max_new_tokens: max_new - turn_ids.len(),
+                    temperature: settings.temperature,
+                    stop_token_ids: ctx.stop_token_ids.clone(),
+                    ..SamplingParams::default()
+                },
+                rid: None,
+            };
+            out = match ctx
+                .engine
+                .generate(request)
+                .instrument(
+                    info_span!(parent: &turn_span, "generate", turn = turn as i64, resumed = true),
+                )
+                .await
+            {
+                Ok(out) => out,
+                Err(e) => return failed("engine_error", format!("generate (resumed): {e}")),
+            };
+            traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
+            turn_ids.append(&mut out.output_ids);
+        }
+        out.output_ids = turn_ids;
         if out.finish == FinishReason::Abort {
             return Outcome {
                 status: SampleStatus::Aborted,

@@ -198,6 +198,7 @@ const SETTINGS: GenerationSettings = GenerationSettings {
     temperature: 1.0,
     max_response_len: 96,
     context_len: 8192,
+    partial_rollout: false,
 };
 
 /// One finished episode and what produced it.

@@ -169,6 +169,7 @@ const SETTINGS: GenerationSettings = GenerationSettings {
     temperature: 1.0,
     max_response_len: 64,
     context_len: 4096,
+    partial_rollout: false,
 };
 
 fn config(url: &str) -> UploadConfig {

@@ -19,7 +19,10 @@ pub use cluster::{
     TrainerFailurePolicy, TrainerSection,
 };
 pub use error::ConfigError;
-pub use settings::{AlgoSettings, TrainOverrides, TrainSettings};
+pub use settings::{
+    dynamic_sampling_filter_name, AlgoSettings, SamplingSettings, TrainOverrides, TrainSettings,
+    DYNAMIC_SAMPLING_FILTERS,
+};
 pub use train::{
     format_system_prompt, EnvironmentConfig, RewardReduction, TrainConfig, DEFAULT_SYSTEM_PROMPT,
 };

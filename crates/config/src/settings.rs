@@ -62,6 +62,10 @@ pub struct TrainOverrides {
     pub min_lr: Option<f64>,
     pub save_debug_rollout_data: Option<String>,
     pub load_debug_rollout_data: Option<String>,
+    pub over_sampling_batch_size: Option<usize>,
+    pub dynamic_sampling_filter_path: Option<String>,
+    pub max_weight_staleness: Option<u64>,
+    pub partial_rollout: Option<bool>,
 }
 
 /// Resolved settings the driver runs with.
@@ -114,6 +118,42 @@ pub struct TrainSettings {
     pub save_debug_rollout_data: Option<String>,
     /// `--load-debug-rollout-data`: train from such files; no engine, no environment.
     pub load_debug_rollout_data: Option<String>,
+    /// How rollouts feed steps: over-sampling, dynamic sampling, asynchronous mode.
+    pub sampling: SamplingSettings,
+}
+
+/// slime's over-sampling, dynamic-sampling and asynchronous-training options, resolved.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SamplingSettings {
+    /// Groups started at a time while the step's batch is short [rollout_batch_size].
+    pub over_sampling_batch_size: usize,
+    /// The group filter of dynamic sampling (one of [`DYNAMIC_SAMPLING_FILTERS`], by its
+    /// short name); `None` keeps every group.
+    pub dynamic_sampling_filter: Option<String>,
+    /// 0: synchronous steps. N ≥ 1: the next step's rollouts run while the trainer
+    /// trains, and samples whose oldest token is at most N weight versions behind the
+    /// trainer are trained on (older ones are regenerated).
+    pub max_weight_staleness: u64,
+    /// Episodes that span a weight update keep their tokens and go on with the new
+    /// weights (each token's version recorded); without it such episodes are regenerated.
+    pub partial_rollout: bool,
+}
+
+/// Values of `--dynamic-sampling-filter-path`: slime's filter functions, by their short
+/// name or their slime module path.
+pub const DYNAMIC_SAMPLING_FILTERS: &[&str] = &["check_reward_nonzero_std"];
+
+/// The module slime's built-in dynamic sampling filters live in.
+const SLIME_FILTER_MODULE: &str = "slime.rollout.filter_hub.dynamic_sampling_filters.";
+
+/// The short name of a dynamic sampling filter path, or `None` when it is not one
+/// Manta implements.
+pub fn dynamic_sampling_filter_name(path: &str) -> Option<&'static str> {
+    let short = path.strip_prefix(SLIME_FILTER_MODULE).unwrap_or(path);
+    DYNAMIC_SAMPLING_FILTERS
+        .iter()
+        .copied()
+        .find(|name| *name == short)
 }
 
 /// slime's algorithm flags, resolved. Names are slime's; enums stay strings here
@@ -218,7 +258,11 @@ impl TrainOverrides {
             lr_warmup_iters,
             min_lr,
             save_debug_rollout_data,
-            load_debug_rollout_data
+            load_debug_rollout_data,
+            over_sampling_batch_size,
+            dynamic_sampling_filter_path,
+            max_weight_staleness,
+            partial_rollout
         )
     }
 
@@ -278,6 +322,7 @@ impl TrainOverrides {
             ("num_rollout", self.num_rollout),
             ("context_len", self.context_len),
             ("num_steps_per_rollout", self.num_steps_per_rollout),
+            ("over_sampling_batch_size", self.over_sampling_batch_size),
         ];
         for (name, value) in at_least_one {
             if value == Some(0) {
@@ -365,6 +410,27 @@ impl TrainOverrides {
                 ));
             }
         }
+        if let Some(path) = &self.dynamic_sampling_filter_path {
+            if dynamic_sampling_filter_name(path).is_none() {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key("dynamic_sampling_filter_path"),
+                    format!("{path:?}"),
+                    format!(
+                        "must be one of {} (or {SLIME_FILTER_MODULE}<name>)",
+                        DYNAMIC_SAMPLING_FILTERS.join(", ")
+                    ),
+                ));
+            }
+        }
+        if self.partial_rollout == Some(true) && self.max_weight_staleness == Some(0) {
+            return Err(ConfigError::invalid(
+                origin,
+                key("max_weight_staleness"),
+                0,
+                "partial rollouts keep tokens of an older weight version: set it to at least 1",
+            ));
+        }
         if let (Some(low), Some(high)) = (self.tis_clip_low, self.tis_clip) {
             if low > high {
                 return Err(ConfigError::invalid(
@@ -381,13 +447,15 @@ impl TrainOverrides {
     /// Fills what is still unset with the cookbook's defaults.
     pub fn resolve(self) -> TrainSettings {
         let eps_clip = self.eps_clip.unwrap_or(0.2);
+        let rollout_batch_size = self.rollout_batch_size.unwrap_or(32);
+        let partial_rollout = self.partial_rollout.unwrap_or(false);
         TrainSettings {
             model: self
                 .model
                 .unwrap_or_else(|| PathBuf::from("assets/tiny-qwen3")),
             lr: self.lr.unwrap_or(1e-5),
             n_samples: self.n_samples.unwrap_or(16),
-            rollout_batch_size: self.rollout_batch_size.unwrap_or(32),
+            rollout_batch_size,
             max_response_len: self.max_response_len.unwrap_or(4096),
             max_tokens_per_gpu: self.max_tokens_per_gpu.unwrap_or(8192),
             temperature: self.temperature.unwrap_or(1.0),
@@ -438,6 +506,21 @@ impl TrainOverrides {
             },
             save_debug_rollout_data: self.save_debug_rollout_data,
             load_debug_rollout_data: self.load_debug_rollout_data,
+            sampling: SamplingSettings {
+                over_sampling_batch_size: self
+                    .over_sampling_batch_size
+                    .unwrap_or(rollout_batch_size),
+                dynamic_sampling_filter: self
+                    .dynamic_sampling_filter_path
+                    .as_deref()
+                    .and_then(dynamic_sampling_filter_name)
+                    .map(str::to_string),
+                // Partial rollouts hold older tokens by definition: one version at least.
+                max_weight_staleness: self
+                    .max_weight_staleness
+                    .unwrap_or(u64::from(partial_rollout)),
+                partial_rollout,
+            },
         }
     }
 }
@@ -552,5 +635,62 @@ mod tests {
         };
         let err = validation_error(&bad, "command line", "--");
         assert!(err.contains("--tis-clip-low"), "{err}");
+    }
+
+    #[test]
+    fn sampling_options_default_resolve_and_bad_values_are_named() {
+        let s = TrainOverrides {
+            rollout_batch_size: Some(6),
+            ..Default::default()
+        }
+        .resolve();
+        assert_eq!(s.sampling.over_sampling_batch_size, 6);
+        assert_eq!(s.sampling.dynamic_sampling_filter, None);
+        assert_eq!(
+            (s.sampling.max_weight_staleness, s.sampling.partial_rollout),
+            (0, false)
+        );
+        let s = TrainOverrides {
+            dynamic_sampling_filter_path: Some(
+                "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std".into(),
+            ),
+            partial_rollout: Some(true),
+            over_sampling_batch_size: Some(64),
+            ..Default::default()
+        }
+        .resolve();
+        assert_eq!(
+            s.sampling.dynamic_sampling_filter.as_deref(),
+            Some("check_reward_nonzero_std")
+        );
+        assert_eq!(s.sampling.over_sampling_batch_size, 64);
+        assert_eq!(s.sampling.max_weight_staleness, 1);
+        let bad = TrainOverrides {
+            dynamic_sampling_filter_path: Some("my.module.keep_all".into()),
+            ..Default::default()
+        };
+        let err = validation_error(&bad, "c.toml", "train.");
+        assert!(
+            err.contains("train.dynamic_sampling_filter_path")
+                && err.contains("my.module.keep_all")
+                && err.contains("check_reward_nonzero_std"),
+            "{err}"
+        );
+        let bad = TrainOverrides {
+            over_sampling_batch_size: Some(0),
+            ..Default::default()
+        };
+        let err = validation_error(&bad, "command line", "--");
+        assert!(err.contains("--over-sampling-batch-size"), "{err}");
+        let bad = TrainOverrides {
+            partial_rollout: Some(true),
+            max_weight_staleness: Some(0),
+            ..Default::default()
+        };
+        let err = validation_error(&bad, "command line", "--");
+        assert!(
+            err.contains("--max-weight-staleness") && err.contains("at least 1"),
+            "{err}"
+        );
     }
 }

@@ -32,6 +32,12 @@ pub struct EpisodeMetadata {
     /// (`rollout/engine_restarts`; 0 for in-process engines).
     #[serde(default)]
     pub engine_restarts: u64,
+    /// The weight version behind each response token: the generating version on
+    /// generated tokens, the latest one on tokens the environment or template added.
+    /// An episode that went on across a weight update (`--partial-rollout`) holds
+    /// more than one.
+    #[serde(default)]
+    pub weight_versions: Vec<u64>,
 }
 
 /// One episode. `tokens` = prompt + response; `loss_mask` and `rollout_log_probs`
@@ -104,6 +110,13 @@ impl Sample {
             return Err(format!(
                 "sample {}: reward {} is not finite",
                 self.id, self.reward
+            ));
+        }
+        let versions = self.metadata.weight_versions.len();
+        if versions != 0 && versions != self.response_length {
+            return Err(format!(
+                "sample {}: metadata.weight_versions has {versions} entries, response_length is {}",
+                self.id, self.response_length
             ));
         }
         Ok(())

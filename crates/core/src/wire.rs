@@ -44,6 +44,7 @@ impl From<&Sample> for pb::Sample {
                 num_turns: s.metadata.num_turns,
                 error: s.metadata.error.clone().unwrap_or_default(),
                 engine_restarts: s.metadata.engine_restarts,
+                weight_versions: s.metadata.weight_versions.clone(),
             }),
         }
     }
@@ -99,6 +100,7 @@ impl TryFrom<pb::Sample> for Sample {
                 step_rewards: meta.step_rewards,
                 error: (!meta.error.is_empty()).then_some(meta.error),
                 engine_restarts: meta.engine_restarts,
+                weight_versions: meta.weight_versions,
             },
         };
         sample.validate().map_err(WireError)?;
@@ -128,6 +130,7 @@ mod tests {
                 stop_reason: "max_turns".into(),
                 step_rewards: vec![0.25, 0.25],
                 num_turns: 2,
+                weight_versions: vec![4, 4, 5],
                 ..Default::default()
             },
         }

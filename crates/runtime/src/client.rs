@@ -403,6 +403,7 @@ impl WorkerClient {
             max_response_len: settings.max_response_len as u32,
             actor: actor.to_string(),
             context_len: settings.context_len as u32,
+            partial_rollout: settings.partial_rollout,
         };
         let mut request = tonic::Request::new(request);
         manta_telemetry::inject_into_metadata(&tracing::Span::current(), request.metadata_mut());

@@ -446,6 +446,7 @@ impl Rollout for WorkerDaemon {
             temperature: req.temperature as f64,
             max_response_len: req.max_response_len as usize,
             context_len: req.context_len as usize,
+            partial_rollout: req.partial_rollout,
         };
         let episodes = req
             .episodes

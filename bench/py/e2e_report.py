@@ -1,0 +1,76 @@
+"""Summarises bench/run_e2e.sh runs: where each step's time went.
+
+usage: e2e_report.py OUT MODE [MODE...]
+
+Reads OUT/runs/MODE/metrics.jsonl, writes OUT/e2e_MODE.json (medians over the steps
+after the first, whose time includes CUDA start-up): step_s = rollout_s + train_s +
+sync_s + other_s, where rollout_s is the time the step waited for its rollouts
+(perf/rollout_time), and prints a table of all modes last.
+"""
+import datetime
+import json
+import os
+import statistics
+import sys
+
+
+def median(rows, key):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarise(out, mode, device):
+    path = os.path.join(out, "runs", mode, "metrics.jsonl")
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    steady = rows[1:] if len(rows) > 1 else rows
+    step = median(steady, "perf/step_time")
+    rollout = median(steady, "perf/rollout_time")
+    train = median(steady, "perf/train_time") or 0.0
+    sync = median(steady, "perf/update_weights_time") or 0.0
+    res = {
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "mode": mode,
+        "steps": len(rows),
+        "step_s": step,
+        "rollout_s": rollout,
+        "train_s": train,
+        "sync_s": sync,
+        "other_s": step - rollout - train - sync,
+        "wait_time_ratio": median(steady, "perf/wait_time_ratio"),
+        "rollout_tokens_per_s": median(steady, "perf/rollout_tokens_per_sec"),
+        "train_tokens_per_s": median(steady, "perf/tokens_per_gpu_per_sec"),
+        "train_rollout_logprob_abs_diff": median(steady, "train/train_rollout_logprob_abs_diff"),
+        "weight_staleness_max": max((r.get("rollout/weight_staleness/max") or 0 for r in rows), default=0),
+    }
+    json.dump(res, open(os.path.join(out, f"e2e_{mode}.json"), "w"), indent=2)
+    return res
+
+
+def main():
+    out, modes = sys.argv[1], sys.argv[2:]
+    gpu = open(os.path.join(out, "gpu.txt")).read().strip().replace("\n", "; ") \
+        if os.path.exists(os.path.join(out, "gpu.txt")) else "unknown GPU"
+    device = os.environ.get("MANTA_DEVICE_KIND", "device machine") + ": " + gpu
+    results = [summarise(out, m, device) for m in modes if
+               os.path.exists(os.path.join(out, "runs", m, "metrics.jsonl"))]
+    lines = ["| mode | step s | rollout | train | sync | other | wait ratio | rollout tok/s | train tok/s | logprob diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        pct = lambda k: f"{r[k]:.2f} ({100 * r[k] / r['step_s']:.1f} %)"
+        f = lambda v, fmt: "-" if v is None else format(v, fmt)
+        lines.append(f"| {r['mode']} | {r['step_s']:.2f} | {pct('rollout_s')} | {pct('train_s')} | "
+                     f"{pct('sync_s')} | {pct('other_s')} | {f(r['wait_time_ratio'], '.3f')} | "
+                     f"{f(r['rollout_tokens_per_s'], ',.0f')} | {f(r['train_tokens_per_s'], ',.0f')} | "
+                     f"{f(r['train_rollout_logprob_abs_diff'], '.2e')} |")
+    sync = next((r for r in results if r["mode"] == "disagg-sync"), None)
+    asyn = next((r for r in results if r["mode"] == "disagg-async"), None)
+    if sync and asyn:
+        lines.append(f"\nasync step time / sync step time = {asyn['step_s'] / sync['step_s']:.2f} (target <= 0.6)")
+    report = "\n".join(lines)
+    open(os.path.join(out, "report.md"), "w").write(f"# e2e, {device}\n\n{report}\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
