@@ -244,6 +244,16 @@ pub(crate) async fn run_with_actors(
     recovery: TrainerRecovery,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
+    // Partial rollouts: a weight update ends running generate calls at once (their
+    // episodes resume with the new weights) instead of waiting for them to finish.
+    let actors = if settings.sampling.partial_rollout {
+        StepActors {
+            weights: actors.weights.abort_on_pause(),
+            ..actors
+        }
+    } else {
+        actors
+    };
     let tasks = match &settings.task_data {
         // Debug data replaces the tasks: one placeholder keeps the step loop's shape.
         _ if settings.load_debug_rollout_data.is_some() => vec![debug_task(train)],
