@@ -17,6 +17,7 @@ set -euo pipefail
 if [ "${1:-}" = build ]; then
   cargo build --release -p manta-driver --bin driver -p manta-bench --bin otlp_sink
   mkdir -p bin && cp target/release/driver target/release/otlp_sink bin/
+  strip bin/driver bin/otlp_sink   # the device tool carries 64 MiB at most
   ls -la bin/driver bin/otlp_sink
   exit 0
 fi
