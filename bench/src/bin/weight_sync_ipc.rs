@@ -24,8 +24,13 @@ use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions, PauseMode
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
+/// (name, shape) of each tensor.
+type TensorShapes = Vec<(String, Vec<i64>)>;
+/// Opened allocations and, per tensor, (allocation index, byte offset).
+type Mapped = (Vec<IpcMapping>, Vec<(usize, u64)>);
+
 /// (name, shape) of every tensor of a Qwen3 model shape.
-fn qwen3_tensors(shape: &str) -> anyhow::Result<(Vec<(String, Vec<i64>)>, &'static str)> {
+fn qwen3_tensors(shape: &str) -> anyhow::Result<(TensorShapes, &'static str)> {
     let (v, h, i, layers, nh, nkv, hd, tied, config) = match shape {
         "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true, QWEN3_0_6B),
         "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false, QWEN3_8B),
@@ -139,7 +144,7 @@ fn export_all(tensors: &[Tensor]) -> anyhow::Result<Value> {
 }
 
 /// Maps every allocation of an `export_all` message.
-fn open_all(msg: &Value) -> anyhow::Result<(Vec<IpcMapping>, Vec<(usize, u64)>)> {
+fn open_all(msg: &Value) -> anyhow::Result<Mapped> {
     let maps = msg["allocations"]
         .as_array()
         .context("allocations")?
@@ -280,7 +285,7 @@ fn ipc(shape: &str, reps: usize) -> anyhow::Result<Value> {
 fn child() -> anyhow::Result<()> {
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
-    let mut state: Option<(Vec<IpcMapping>, Vec<(usize, u64)>, Vec<Tensor>)> = None;
+    let mut state: Option<(Mapped, Vec<Tensor>)> = None;
     for line in stdin.lock().lines() {
         let msg: Value = serde_json::from_str(&line?)?;
         let reply = (|| -> anyhow::Result<Value> {
@@ -294,10 +299,10 @@ fn child() -> anyhow::Result<()> {
                 let t = Instant::now();
                 let (maps, places) = open_all(open)?;
                 let open_ms = t.elapsed().as_secs_f64() * 1e3;
-                state = Some((maps, places, own));
+                state = Some(((maps, places), own));
                 return Ok(json!({ "open_ms": open_ms }));
             }
-            let (maps, places, own) = state.as_mut().context("no weights opened yet")?;
+            let ((maps, places), own) = state.as_mut().context("no weights opened yet")?;
             if msg.get("sync").is_some() {
                 sync();
                 let t = Instant::now();

@@ -170,8 +170,8 @@ fn cuda_fp32_and_bf16_match_cpu() {
     }
 }
 
-/// The CUDA decode kernels (fused projections, q/k norm + rotary + cache store, residual
-/// + norm, SiLU×up, paged attention) against the composite tensor ops, bf16 on the GPU:
+/// The CUDA decode kernels (fused projections, q/k norm with rotary and cache store,
+/// residual add with norm, SiLU×up, paged attention) against the composite tensor ops, bf16 on the GPU:
 /// a mixed prefill step, then decode steps with a sequence joining mid-way; and a weight
 /// update after fusing reaches the fused buffers.
 #[test]
@@ -226,7 +226,7 @@ fn paged_decode_kernels_match_the_tensor_ops() {
         };
         // (sequence, tokens so far, prompt length)
         let mut seqs: Vec<(usize, Vec<i64>)> = vec![(0, prompt(0, 37)), (1, prompt(1, 5))];
-        let mut computed = vec![0usize; 3];
+        let mut computed = [0usize; 3];
         let logits = |m: &CausalLm, h: &Tensor| m.logits(h).to_kind(Kind::Float);
         for step in 0..8 {
             if step == 3 {
