@@ -30,6 +30,10 @@ use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
 
+/// The native engine's share of GPU memory (weights + KV cache) when it shares the
+/// trainer's GPU and `rollout.mem_fraction_static` is not set.
+const COLOCATED_MEM_FRACTION: f64 = 0.3;
+
 pub use manta_runtime::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
 
 /// Handles to everything local mode started.
@@ -226,10 +230,15 @@ pub async fn start(
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
             EngineKind::Native => {
                 let device = local_device("rollout.gpus_per_engine", &gpus, cuda_devices)?;
+                let defaults = NativeEngineOptions::new(model_dir, device);
                 NativeEngine::start(NativeEngineOptions {
                     seed: settings.seed,
                     max_running_requests: cluster.rollout.max_batch_size,
-                    ..NativeEngineOptions::new(model_dir, device)
+                    mem_fraction_static: engine_mem_fraction(
+                        &cluster.rollout,
+                        defaults.mem_fraction_static,
+                    ),
+                    ..defaults
                 })
                 .context("starting the native engine")?
             }
@@ -341,9 +350,29 @@ fn check_model_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The native engine's share of its GPU: `rollout.mem_fraction_static` when set; a
+/// colocated engine otherwise leaves most of the GPU to the trainer it shares.
+fn engine_mem_fraction(rollout: &manta_config::RolloutSection, default: f64) -> f64 {
+    rollout.mem_fraction_static.unwrap_or(if rollout.colocate {
+        COLOCATED_MEM_FRACTION
+    } else {
+        default
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_colocated_engine_takes_a_small_share_unless_told() {
+        let mut rollout = manta_config::RolloutSection::default();
+        assert_eq!(engine_mem_fraction(&rollout, 0.85), 0.85);
+        rollout.colocate = true;
+        assert_eq!(engine_mem_fraction(&rollout, 0.85), COLOCATED_MEM_FRACTION);
+        rollout.mem_fraction_static = Some(0.5);
+        assert_eq!(engine_mem_fraction(&rollout, 0.85), 0.5);
+    }
 
     #[test]
     fn gpus_need_cuda_and_errors_name_the_key() {

@@ -156,7 +156,8 @@ pub struct RolloutSection {
     /// `driver serve` is the stand-in where SGLang cannot run.
     #[serde(default)]
     pub command: Option<Vec<String>>,
-    /// SGLang's `--mem-fraction-static` (left to the server when absent).
+    /// SGLang's `--mem-fraction-static` (left to the server when absent); in local mode
+    /// also the native engine's share of its GPU (default 0.85, 0.3 when colocated).
     #[serde(default)]
     pub mem_fraction_static: Option<f64>,
     /// More flags appended to the server's command line as given.
