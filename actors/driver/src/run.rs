@@ -163,6 +163,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         trainer,
         rollouts: Rollouts::Local {
             actors: worker.rollouts.clone(),
+            colocated: cluster.rollout.colocate,
         },
         weights,
     };

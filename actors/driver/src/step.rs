@@ -14,7 +14,7 @@ use manta_telemetry::StepMetrics;
 use manta_trainer::loss::AdvantageEstimator;
 use manta_trainer::TrainBatch;
 use ractor::{call, ActorRef};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::trainer_handle::TrainerHandle;
 use crate::weight_sync::WeightSync;
@@ -32,8 +32,12 @@ pub struct StepActors {
 /// task (crate::sampling).
 #[derive(Clone)]
 pub enum Rollouts {
-    /// In-process engines.
-    Local { actors: Vec<ActorRef<RolloutMsg>> },
+    /// In-process engines. `colocated`: they share the trainer's GPU and free their KV
+    /// cache while it steps.
+    Local {
+        actors: Vec<ActorRef<RolloutMsg>>,
+        colocated: bool,
+    },
     Remote {
         pool: Arc<manta_runtime::RemotePool>,
     },
@@ -57,6 +61,46 @@ impl Rollouts {
                 anyhow::bail!("no episodes run with --load-debug-rollout-data")
             }
         }
+    }
+
+    /// Colocated engines free their KV cache for the training step (SGLang's release of
+    /// memory occupation); returns the rollout actors whose engines did. An engine that is
+    /// still generating (a group carried to the next step) or cannot release keeps its
+    /// memory.
+    async fn release_for_training(&self) -> Vec<usize> {
+        let Rollouts::Local {
+            actors,
+            colocated: true,
+        } = self
+        else {
+            return Vec::new();
+        };
+        let mut released = Vec::new();
+        for (i, actor) in actors.iter().enumerate() {
+            match call!(actor, RolloutMsg::ReleaseMemory) {
+                Ok(Ok(true)) => released.push(i),
+                Ok(Ok(false)) => debug!(engine = i, "engine busy; it keeps its KV cache this step"),
+                Ok(Err(e)) => debug!(engine = i, error = %e, "engine cannot release its KV cache"),
+                Err(e) => {
+                    warn!(engine = i, error = %e, "rollout actor did not answer the KV release")
+                }
+            }
+        }
+        released
+    }
+
+    /// Allocates again the KV caches that [`Rollouts::release_for_training`] freed.
+    async fn resume_after_training(&self, released: &[usize]) -> anyhow::Result<()> {
+        if let Rollouts::Local { actors, .. } = self {
+            for &i in released {
+                call!(actors[i], RolloutMsg::ResumeMemory)
+                    .map_err(|e| {
+                        anyhow::anyhow!("rollout actor {i} did not answer the KV resume: {e}")
+                    })?
+                    .with_context(|| format!("engine {i} could not reallocate its KV cache"))?;
+            }
+        }
+        Ok(())
     }
 
     /// Worker nodes answering heartbeats (remote mode only).
@@ -163,6 +207,8 @@ pub async fn run_step(
     }
 
     let train_started = Instant::now();
+    let released = actors.rollouts.release_for_training().await;
+    m.insert("rollout/kv_released_engines".into(), released.len() as f64);
     if batch.samples.is_empty() {
         warn!(
             step,
@@ -183,6 +229,7 @@ pub async fn run_step(
             tokens as f64 / train_time.max(1e-9),
         );
     }
+    actors.rollouts.resume_after_training(&released).await?;
     let synced = actors.weights.sync(step).await?;
     synced.record(&mut m);
     if let Some(live) = actors.rollouts.live_nodes() {

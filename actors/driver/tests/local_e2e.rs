@@ -305,3 +305,50 @@ fn a_second_run_with_the_same_name_does_not_mix_with_the_first() {
     assert_eq!(rows[2].1["weights/version"], 3.0);
     assert!(!runs.join("same-3").exists());
 }
+
+/// `[rollout] colocate = true`: the in-process engine frees its KV cache for every
+/// training step and gets it back before the weight sync; training goes on as usual.
+#[test]
+fn colocated_engines_release_their_kv_cache_for_each_training_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ws = workspace().canonicalize().unwrap();
+    let cluster = std::fs::read_to_string(ws.join("cluster.toml"))
+        .unwrap()
+        .replace(
+            "train_config = \"train_config.yaml\"",
+            &format!("train_config = {:?}", ws.join("train_config.yaml")),
+        )
+        .replace(
+            "model = \"assets/tiny-qwen3\"",
+            &format!("model = {:?}", ws.join("assets/tiny-qwen3")),
+        )
+        .replacen("[rollout]\n", "[rollout]\ncolocate = true\n", 1);
+    let path = tmp.path().join("colocated.toml");
+    std::fs::write(&path, cluster).unwrap();
+    let runs = tmp.path().join("runs");
+    driver(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "colocated",
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--save-interval",
+        "0",
+    ]);
+    let metrics = std::fs::read_to_string(runs.join("colocated/metrics.jsonl")).unwrap();
+    let released: Vec<f64> = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["rollout/kv_released_engines"].as_f64().unwrap_or(0.0)
+        })
+        .collect();
+    assert_eq!(released, [1.0, 1.0, 1.0], "{metrics}");
+}

@@ -37,6 +37,10 @@ pub enum RolloutMsg {
     ReadWeights(RpcReplyPort<Result<NamedTensors, EngineError>>),
     /// The engine's current weight version.
     WeightVersion(RpcReplyPort<u64>),
+    /// Free the engine's KV cache while a colocated trainer steps (`Ok(false)`: busy).
+    ReleaseMemory(RpcReplyPort<Result<bool, EngineError>>),
+    /// Allocate it again.
+    ResumeMemory(RpcReplyPort<Result<(), EngineError>>),
 }
 
 pub struct RolloutArgs {
@@ -114,6 +118,14 @@ impl Actor for RolloutActor {
             RolloutMsg::ApplyWeights(weights, version, mode, reply) => {
                 let engine = &state.shared.context.engine;
                 let _ = reply.send(apply_weights(engine.as_ref(), weights, version, mode).await);
+            }
+            RolloutMsg::ReleaseMemory(reply) => {
+                let engine = &state.shared.context.engine;
+                let _ = reply.send(engine.release_memory_occupation().await);
+            }
+            RolloutMsg::ResumeMemory(reply) => {
+                let engine = &state.shared.context.engine;
+                let _ = reply.send(engine.resume_memory_occupation().await);
             }
             RolloutMsg::ReadWeights(reply) => {
                 let _ = reply.send(state.shared.context.engine.read_weights().await);

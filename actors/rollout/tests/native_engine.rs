@@ -545,3 +545,53 @@ async fn a_weight_update_waits_for_earlier_requests_and_versions_follow() {
     // The update cleared the prefix cache: nothing of the earlier request is reused.
     assert_eq!(late.cached_tokens, 0);
 }
+
+/// A colocated engine frees its KV cache while the trainer steps: refused while a request
+/// runs; while released, new requests wait (no step runs); after the resume they finish
+/// with the tokens a never-released engine gives, and nothing stale is reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_kv_memory_holds_requests_until_resumed() {
+    use std::sync::atomic::Ordering;
+    let dir = model_dir();
+    let eng = engine(dir.path(), |_| {});
+    let prompt = prompts(1, 9).remove(0);
+    let expected = eng
+        .generate(request(prompt.clone(), greedy(12)))
+        .await
+        .unwrap();
+
+    // Busy: a long generation is running, so the release is refused.
+    let before = eng.stats().steps.load(Ordering::Relaxed);
+    let long = {
+        let eng = eng.clone();
+        let prompt = prompt.clone();
+        tokio::spawn(async move { eng.generate(request(prompt, greedy(200))).await })
+    };
+    while eng.stats().steps.load(Ordering::Relaxed) < before + 3 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(!eng.release_memory_occupation().await.unwrap());
+    long.await.unwrap().unwrap();
+
+    assert!(eng.release_memory_occupation().await.unwrap());
+    let steps = eng.stats().steps.load(Ordering::Relaxed);
+    let waiting = {
+        let eng = eng.clone();
+        let prompt = prompt.clone();
+        tokio::spawn(async move { eng.generate(request(prompt, greedy(12))).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a request ran on a released KV cache"
+    );
+    assert_eq!(eng.stats().steps.load(Ordering::Relaxed), steps);
+
+    eng.resume_memory_occupation().await.unwrap();
+    let after = waiting.await.unwrap().unwrap();
+    assert_eq!(after.output_ids, expected.output_ids);
+    assert_eq!(
+        after.cached_tokens, 0,
+        "the prefix cache went with the memory"
+    );
+}

@@ -17,6 +17,7 @@ extern "C" {
     fn manta_cuda_built_with_cuda() -> c_int;
     fn manta_cuda_total_memory(device: c_int, total: *mut usize) -> c_int;
     fn manta_cuda_device_arch(device: c_int, arch: *mut c_int) -> c_int;
+    fn manta_cuda_empty_cache() -> c_int;
     fn manta_graph_new() -> *mut c_void;
     fn manta_graph_capture_begin(g: *mut c_void, device: c_int, share: *mut c_void) -> c_int;
     fn manta_graph_capture_end(g: *mut c_void) -> c_int;
@@ -285,6 +286,13 @@ pub fn total_memory(device: usize) -> Result<usize, CudaError> {
     // SAFETY: the pointer is valid for writes.
     check(unsafe { manta_cuda_total_memory(device as c_int, &mut total) })?;
     Ok(total)
+}
+
+/// Returns the CUDA caching allocator's unused blocks to the device, so memory an engine
+/// released (its KV cache) becomes available to a trainer sharing the GPU.
+pub fn empty_cache() -> Result<(), CudaError> {
+    // SAFETY: no arguments; the allocator is thread-safe.
+    check(unsafe { manta_cuda_empty_cache() })
 }
 
 /// The compute capability of CUDA device `device` as NVRTC names it (90 for sm_90).

@@ -9,6 +9,7 @@
 // calls of our own), so binaries need no direct link to libcudart.
 #ifdef MANTA_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ATen.h>
@@ -198,6 +199,15 @@ int manta_cuda_total_memory(int device, size_t* total_bytes) {
   return guarded([&] {
     *total_bytes = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->totalGlobalMem;
   });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+int manta_cuda_empty_cache() {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { c10::cuda::CUDACachingAllocator::emptyCache(); });
 #else
   last_error = "built without CUDA";
   return 1;

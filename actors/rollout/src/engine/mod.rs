@@ -227,4 +227,14 @@ pub trait Engine: Send + Sync {
     async fn flush_cache(&self) -> Result<bool, EngineError> {
         Err(EngineError::Unsupported("flush_cache".into()))
     }
+    /// Frees the KV cache (SGLang's `/release_memory_occupation`) so a trainer sharing the
+    /// GPU can use the memory; new requests wait until [`Engine::resume_memory_occupation`].
+    /// Refused (`Ok(false)`) while requests are running.
+    async fn release_memory_occupation(&self) -> Result<bool, EngineError> {
+        Err(EngineError::Unsupported("release_memory_occupation".into()))
+    }
+    /// Allocates the KV cache again after a release; requests waiting for it go on.
+    async fn resume_memory_occupation(&self) -> Result<(), EngineError> {
+        Err(EngineError::Unsupported("resume_memory_occupation".into()))
+    }
 }

@@ -47,6 +47,11 @@ impl PagedKvCache {
         per_token * block_size
     }
 
+    /// Slots in the pool (`num_blocks × block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.k.first().map_or(0, |t| t.size()[0] as usize)
+    }
+
     /// The dtype keys and values are stored in.
     pub fn kind(&self) -> Kind {
         self.k.first().map_or(Kind::Float, |t| t.kind())

@@ -85,6 +85,12 @@ impl DecodeGraphs {
         })
     }
 
+    /// Drops every captured graph (they point into a KV pool that is going away); the
+    /// next steps capture again.
+    pub fn clear(&mut self) {
+        self.graphs.clear();
+    }
+
     /// Runs a decode-only step through a graph; `None` when this step cannot use one
     /// (too many rows, or graphs disabled), and the caller runs it eagerly.
     pub fn run(

@@ -390,6 +390,18 @@ impl Engine for NativeEngine {
         answer(rx).await
     }
 
+    async fn release_memory_occupation(&self) -> Result<bool, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::ReleaseMemory(tx))?;
+        answer(rx).await
+    }
+
+    async fn resume_memory_occupation(&self) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::ResumeMemory(tx))?;
+        answer(rx).await
+    }
+
     async fn read_weights(&self) -> Result<NamedTensors, EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::ReadWeights(tx))?;

@@ -30,6 +30,10 @@ pub enum Command {
     Flush(oneshot::Sender<bool>),
     /// Copies of the parameters, by name (weight-sync verification).
     ReadWeights(oneshot::Sender<NamedTensors>),
+    /// Free the KV cache while idle (`false`: requests are running).
+    ReleaseMemory(oneshot::Sender<bool>),
+    /// Allocate the KV cache again.
+    ResumeMemory(oneshot::Sender<()>),
 }
 
 type UpdateReply = oneshot::Sender<Result<(), EngineError>>;
@@ -59,6 +63,8 @@ pub struct Worker {
     profile: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
     next_id: u64,
+    /// Blocks (scratch block included) of the KV pool while it is released.
+    released_blocks: Option<usize>,
 }
 
 impl Worker {
@@ -100,6 +106,7 @@ impl Worker {
             profile: std::env::var_os("MANTA_ENGINE_PROFILE").is_some(),
             drain_waiters: Vec::new(),
             next_id: 0,
+            released_blocks: None,
         }
     }
 
@@ -107,8 +114,9 @@ impl Worker {
     pub fn serve(mut self, rx: mpsc::Receiver<Command>) {
         let _guard = tch::no_grad_guard();
         loop {
-            let busy = !self.sched.running.is_empty()
-                || (!self.sched.waiting.is_empty() && self.paused.is_none());
+            let busy = self.released_blocks.is_none()
+                && (!self.sched.running.is_empty()
+                    || (!self.sched.waiting.is_empty() && self.paused.is_none()));
             if !busy && self.updates.is_empty() {
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
@@ -119,7 +127,7 @@ impl Worker {
                 self.handle(cmd);
             }
             self.apply_due_updates();
-            if self.paused != Some(PauseMode::InPlace) {
+            if self.paused != Some(PauseMode::InPlace) && self.released_blocks.is_none() {
                 self.step();
             }
             if self.sched.running.is_empty() {
@@ -190,6 +198,13 @@ impl Worker {
                 named.sort_by(|a, b| a.0.cmp(&b.0));
                 let _ = reply.send(named);
             }
+            Command::ReleaseMemory(reply) => {
+                let _ = reply.send(self.release_memory());
+            }
+            Command::ResumeMemory(reply) => {
+                self.resume_memory();
+                let _ = reply.send(());
+            }
             Command::Flush(reply) => {
                 let idle = self.sched.is_idle();
                 if idle {
@@ -197,6 +212,46 @@ impl Worker {
                 }
                 let _ = reply.send(idle);
             }
+        }
+    }
+
+    /// Frees the KV pool (and the decode graphs that point into it) while no request runs.
+    fn release_memory(&mut self) -> bool {
+        if !self.sched.running.is_empty() {
+            return false;
+        }
+        if self.released_blocks.is_some() {
+            return true;
+        }
+        self.sched.cache.clear(&mut self.sched.pool);
+        let blocks = self.kv.num_slots() / self.sched.block_size;
+        let cfg = self.model.config().clone();
+        self.kv = PagedKvCache::new(&cfg, 0, self.sched.block_size, self.kv.kind(), self.device);
+        if let Some(graphs) = self.graphs.as_mut() {
+            graphs.clear();
+        }
+        if self.device.is_cuda() {
+            if let Err(e) = manta_cuda::empty_cache() {
+                tracing::warn!(error = %e, "could not return the released KV cache to the device");
+            }
+        }
+        self.released_blocks = Some(blocks);
+        tracing::info!(blocks, "native engine released its KV cache");
+        true
+    }
+
+    /// Allocates the KV pool again after [`Worker::release_memory`].
+    fn resume_memory(&mut self) {
+        if let Some(blocks) = self.released_blocks.take() {
+            let cfg = self.model.config().clone();
+            self.kv = PagedKvCache::new(
+                &cfg,
+                blocks,
+                self.sched.block_size,
+                self.kv.kind(),
+                self.device,
+            );
+            tracing::info!(blocks, "native engine allocated its KV cache again");
         }
     }
 

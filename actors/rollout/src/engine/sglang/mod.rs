@@ -554,4 +554,36 @@ impl Engine for SglangEngine {
             .await?;
         Ok(status == 200)
     }
+
+    /// The KV cache only (SGLang's `kv_cache` tag; the server needs
+    /// `--enable-memory-saver`): the weights stay, so the sync after the resume is the
+    /// usual one.
+    async fn release_memory_occupation(&self) -> Result<bool, EngineError> {
+        let (status, _) = self
+            .inner
+            .post(
+                "/release_memory_occupation",
+                &json!({ "tags": ["kv_cache"] }),
+                Duration::from_secs(120),
+            )
+            .await?;
+        Ok(status == 200)
+    }
+
+    async fn resume_memory_occupation(&self) -> Result<(), EngineError> {
+        let (status, answer) = self
+            .inner
+            .post(
+                "/resume_memory_occupation",
+                &json!({ "tags": ["kv_cache"] }),
+                Duration::from_secs(120),
+            )
+            .await?;
+        if status != 200 {
+            return Err(EngineError::Stopped(format!(
+                "/resume_memory_occupation: HTTP {status}: {answer}"
+            )));
+        }
+        Ok(())
+    }
 }
