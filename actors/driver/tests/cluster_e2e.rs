@@ -3,6 +3,9 @@
 //! port: the run completes, the trained sample ids have no gap and no repeat, and the
 //! restarted worker rejoins. Callers without the right token are refused.
 
+mod common;
+
+use common::workspace;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -12,10 +15,6 @@ use std::time::{Duration, Instant};
 use manta_telemetry::read_metrics;
 
 const TOKEN: &str = "e2e-cluster-token";
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -2,12 +2,11 @@
 //! the weights file is torn in half, then the process aborts) leaves the previous
 //! checkpoint as `latest`, loadable, and the run resumes from it.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::workspace;
+use std::path::Path;
+use std::process::{Command, Output};
 
 fn driver(data: &Path, save: &Path, runs: &Path, extra: &[&str], crash_at: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));

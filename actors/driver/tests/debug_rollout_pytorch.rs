@@ -3,12 +3,10 @@
 //! (actors/trainer/tests/py/slime_reference.py): per-step `train/*` metrics and the
 //! final weights, within fp32 tolerance.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::workspace;
+use std::process::Command;
 
 fn python() -> String {
     std::env::var("MANTA_PYTHON")

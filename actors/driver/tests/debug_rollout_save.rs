@@ -2,14 +2,12 @@
 //! writes slime's per-step sample files; `--load-debug-rollout-data` trains from them with
 //! no engine: its rewards are the saved ones.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::workspace;
 use std::process::Command;
 
 use manta_telemetry::read_metrics;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn driver(args: &[&str]) -> std::process::Output {
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))

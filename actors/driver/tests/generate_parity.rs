@@ -1,15 +1,14 @@
 //! `driver generate` against Hugging Face: the real binary's greedy output on a small
 //! random Qwen3 checkpoint must equal transformers' `generate`, token for token.
 
+mod common;
+
+use common::workspace;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const PROMPT_IDS: &str = "5,17,42,280,7";
 const NEW_TOKENS: usize = 32;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn python() -> PathBuf {
     std::env::var_os("MANTA_PYTHON")

@@ -1,30 +1,13 @@
 //! End to end in local mode: the real `driver` binary trains the tiny model for 3
 //! steps against the built-in environment server, then resumes for a 4th.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{driver_ok as driver, workspace};
+use std::path::Path;
 use std::process::Command;
 
 use manta_telemetry::read_metrics;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn driver(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .current_dir(workspace())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("driver runs");
-    assert!(
-        out.status.success(),
-        "driver {args:?} failed\nstdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
 
 /// Tensors of a safetensors file by name.
 fn read_weights(path: &Path) -> Vec<(String, tch::Tensor)> {

@@ -4,15 +4,14 @@
 //! over-sampling are trained in later steps, and asynchronous mode trains on groups
 //! started during the previous step within the staleness bound.
 
+mod common;
+
+use common::workspace;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use manta_telemetry::read_metrics;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 /// Runs `driver` on the default cluster.toml (tiny model, CPU) and returns stdout.
 fn driver(args: &[&str]) -> String {

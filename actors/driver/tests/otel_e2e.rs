@@ -4,8 +4,11 @@
 //! step → episode → turn → generate/tool_call trees, one trace per step. In remote mode
 //! the episodes run in a `worker` process and must still hang off the driver's step.
 
+mod common;
+
+use common::workspace;
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -92,10 +95,6 @@ impl TraceService for Receiver {
             partial_success: None,
         }))
     }
-}
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 /// Serves the OTLP trace service on a free loopback port; returns its endpoint URL.

@@ -2,6 +2,9 @@
 //! (`url: builtin`) and against the real `openreward` SDK server with an environment
 //! that refuses to list its tasks; then `driver --task-data` trains from the file.
 
+mod common;
+
+use common::workspace;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -10,10 +13,6 @@ use std::time::{Duration, Instant};
 use manta_driver::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use serde_json::Value;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn python() -> PathBuf {
     std::env::var_os("MANTA_PYTHON")

@@ -3,14 +3,13 @@
 //! from debug rollout data, so only trainer state (weights, AdamW moments, step count,
 //! LR schedule position) decides the outcome.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::workspace;
+use std::path::Path;
 use std::process::{Command, Output};
 
 use manta_telemetry::read_metrics;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn driver(args: &[String]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_driver"))

@@ -1,14 +1,13 @@
 //! Weights & Biases: the real `driver` logs each step through the real `wandb` package
 //! (offline mode), and a missing Python or `wandb` never stops training.
 
+mod common;
+
+use common::workspace;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use manta_telemetry::read_metrics;
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn python() -> String {
     std::env::var("MANTA_PYTHON")

@@ -14,10 +14,13 @@
 //!   the step before (version = step − 1).
 //! - Local: two in-process engines take the trainer's tensors each step.
 
+mod common;
+
+use common::workspace;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,10 +30,6 @@ use sha2::{Digest, Sha256};
 const TOKEN: &str = "weight-sync-e2e-token";
 /// Small chunks, so every tensor of the tiny model but the norms spans several.
 const CHUNK: &str = "4096";
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
