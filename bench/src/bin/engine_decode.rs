@@ -8,29 +8,12 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use manta_bench::{QWEN3_0_6B, QWEN3_8B};
 use manta_rollout::engine::{
     Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
 };
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
-
-const QWEN3_0_6B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-  "initializer_range": 0.02, "eos_token_id": 151645
-}"#;
-
-const QWEN3_8B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": false, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-  "initializer_range": 0.02, "eos_token_id": 151645
-}"#;
 
 /// Device-to-device copy bandwidth (read + write bytes per second), median of 10.
 fn copy_bandwidth(device: Device) -> f64 {

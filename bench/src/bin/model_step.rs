@@ -6,16 +6,9 @@
 
 use std::time::Instant;
 
+use manta_bench::QWEN3_0_6B;
 use manta_model::{Attention, CausalLm, ModelConfig};
 use tch::{nn, Device, Kind, Tensor};
-
-const QWEN3_0_6B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"
-}"#;
 
 fn main() -> anyhow::Result<()> {
     let arg = |i: usize, default: i64| -> i64 {

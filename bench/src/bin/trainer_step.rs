@@ -10,28 +10,13 @@
 use std::time::Instant;
 
 use anyhow::Context;
+use manta_bench::{QWEN3_0_6B, QWEN3_4B};
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
 use tch::{Device, Kind, Tensor};
-
-const QWEN3_0_6B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"
-}"#;
-
-const QWEN3_4B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
-  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"
-}"#;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();

@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
+use manta_bench::{QWEN3_0_6B, QWEN3_8B};
 use manta_cuda::ipc::{export_handle, IpcHandle, IpcMapping, HANDLE_BYTES};
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions, PauseMode};
 use serde_json::{json, Value};
@@ -61,24 +62,6 @@ fn qwen3_tensors(shape: &str) -> anyhow::Result<(TensorShapes, &'static str)> {
     }
     Ok((t, config))
 }
-
-const QWEN3_0_6B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-  "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-  "initializer_range": 0.02, "eos_token_id": 151645
-}"#;
-
-const QWEN3_8B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": false, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-  "initializer_range": 0.02, "eos_token_id": 151645
-}"#;
 
 const DEV: Device = Device::Cuda(0);
 
