@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::workspace;
+use common::{free_port, workspace, Worker};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -15,23 +15,6 @@ use std::time::{Duration, Instant};
 use manta_telemetry::read_metrics;
 
 const TOKEN: &str = "e2e-cluster-token";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Starts a worker in an empty directory of its own, with no OpenReward settings in
 /// its environment: everything but the model must come from the driver.

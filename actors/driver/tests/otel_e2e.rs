@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::workspace;
+use common::{workspace, Worker};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -158,16 +158,6 @@ async fn driver_exports_step_episode_turn_spans_over_otlp() {
 }
 
 const TOKEN: &str = "otel-e2e-token";
-
-/// A `worker` daemon, killed when dropped.
-struct Worker(std::process::Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Remote mode: episodes run in a `worker` process; their spans (service `manta-worker`)
 /// must sit under the driver's `step` span, in its trace, through the gRPC metadata.

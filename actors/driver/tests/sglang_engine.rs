@@ -6,6 +6,9 @@
 //! The tiny model is copied into each test's temp dir so the engine's command line
 //! (`--model-path <tmp>/model`) names that test alone: "no engine left" scans /proc for it.
 
+mod common;
+
+use common::Worker;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -332,15 +335,6 @@ fn a_sigkilled_driver_leaves_no_engine() {
 const TOKEN: &str = "sglang-engine-test-token";
 
 /// A `worker` daemon in a folder of its own; SIGKILLed when dropped.
-struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn start_worker(port: u16, cwd: &Path, log: &Path) -> Worker {
     std::fs::create_dir_all(cwd).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_worker"))

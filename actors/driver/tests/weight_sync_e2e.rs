@@ -16,12 +16,11 @@
 
 mod common;
 
-use common::workspace;
+use common::{free_port, workspace, Worker};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use manta_telemetry::read_metrics;
@@ -30,23 +29,6 @@ use sha2::{Digest, Sha256};
 const TOKEN: &str = "weight-sync-e2e-token";
 /// Small chunks, so every tensor of the tiny model but the norms spans several.
 const CHUNK: &str = "4096";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Worker(Child);
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A worker whose working directory is `cwd` (created empty), logging to `log`.
 fn start_worker(port: u16, cwd: &Path, log: &Path) -> Worker {

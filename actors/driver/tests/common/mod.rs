@@ -27,3 +27,22 @@ pub fn driver_ok(args: &[&str]) -> Output {
     );
     out
 }
+
+/// A free TCP port on the loopback interface (for a worker to listen on).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a free port")
+        .local_addr()
+        .expect("its address")
+        .port()
+}
+
+/// A `worker` process, killed and reaped when the test lets go of it.
+pub struct Worker(pub std::process::Child);
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
