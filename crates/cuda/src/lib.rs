@@ -38,17 +38,17 @@ extern "C" {
 }
 
 extern "C" {
-    fn manta_kernels_compile_check(
-        source: *const c_char,
-        defines: *const c_char,
+    #[allow(clippy::too_many_arguments)]
+    fn manta_decode_kernels_compile_check(
+        paged_source: *const c_char,
+        fused_source: *const c_char,
+        hidden: c_int,
+        intermediate: c_int,
+        heads: c_int,
+        kv_heads: c_int,
+        head_dim: c_int,
+        qk_norm: c_int,
         arch: c_int,
-    ) -> c_int;
-    fn manta_paged_defines(
-        hd: c_int,
-        rep: c_int,
-        nkv: c_int,
-        buf: *mut c_char,
-        len: c_int,
     ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_qk_norm_rope_store(
@@ -104,44 +104,20 @@ pub struct KernelShape {
 /// Compiles every decode kernel for `shape` and `sm_<arch>` with NVRTC, which needs no
 /// GPU: a check that CPU machines can run.
 pub fn decode_kernels_compile(shape: KernelShape, arch: u32) -> Result<(), CudaError> {
-    let mut buf = vec![0 as c_char; 512];
-    // SAFETY: buf is writable for its length.
+    // SAFETY: both sources are NUL-terminated statics.
     check(unsafe {
-        manta_paged_defines(
-            shape.head_dim as c_int,
-            (shape.heads / shape.kv_heads) as c_int,
+        manta_decode_kernels_compile_check(
+            PAGED_ATTENTION_SOURCE.as_ptr() as *const c_char,
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            shape.hidden as c_int,
+            shape.intermediate as c_int,
+            shape.heads as c_int,
             shape.kv_heads as c_int,
-            buf.as_mut_ptr(),
-            buf.len() as c_int,
+            shape.head_dim as c_int,
+            shape.qk_norm as c_int,
+            arch as c_int,
         )
-    })?;
-    // SAFETY: the shim wrote a NUL-terminated string into buf.
-    let paged = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_owned();
-    let d = |name: &str, v: usize| format!("#define {name} {v}\n");
-    let fused = [
-        d("HD", shape.head_dim)
-            + &d("NH", shape.heads)
-            + &d("NKV", shape.kv_heads)
-            + &d("HAS_NORM", shape.qk_norm as usize),
-        d("H", shape.hidden) + &d("THREADS", if shape.hidden >= 4096 { 1024 } else { 256 }),
-        d("I", shape.intermediate),
-    ];
-    let compile = |source: &str, defines: &CStr| {
-        // SAFETY: both strings are NUL-terminated and outlive the call.
-        check(unsafe {
-            manta_kernels_compile_check(
-                source.as_ptr() as *const c_char,
-                defines.as_ptr(),
-                arch as c_int,
-            )
-        })
-    };
-    compile(PAGED_ATTENTION_SOURCE, &paged)?;
-    for defines in fused {
-        let defines = std::ffi::CString::new(defines).map_err(|e| CudaError(e.to_string()))?;
-        compile(FUSED_OPS_SOURCE, &defines)?;
-    }
-    Ok(())
+    })
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {

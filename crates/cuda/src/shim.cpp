@@ -165,14 +165,25 @@ void check_bf16(const at::Tensor& t, const char* what) {
               " must be a contiguous bf16 CUDA tensor");
 }
 
-// The paged attention kernels' defines: the shape, and as many warps as static shared
-// memory (48 KiB) allows.
+// Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows.
+int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; }
+
+// Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
+// compile check compiles (one definition for both).
 std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv) {
-  const int64_t warps = hd * rep <= 1024 ? 8 : 4;
-  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", warps) + define("TT", 4);
+  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", paged_warps(hd, rep)) +
+         define("TT", 4);
 }
 
-int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; }
+std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
+  return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0);
+}
+
+int64_t rms_norm_threads(int64_t hidden) { return hidden >= 4096 ? 1024 : 256; }
+
+std::string rms_norm_defines(int64_t hidden) {
+  return define("H", hidden) + define("THREADS", rms_norm_threads(hidden));
+}
 
 struct Graph {
   at::cuda::CUDAGraph graph;
@@ -400,8 +411,7 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
                 "inv_freq must be float32 [head_dim / 2]");
     if (n == 0) return;
     const int device = qkv.get_device();
-    const std::string defines =
-        define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0);
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm);
     const void* a = qkv.data_ptr();
     const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
     const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
@@ -441,8 +451,8 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
     const int64_t rows = residual.numel() / h;
     if (rows == 0) return;
     const int device = residual.get_device();
-    const int64_t threads = h >= 4096 ? 1024 : 256;
-    const std::string defines = define("H", h) + define("THREADS", threads);
+    const int64_t threads = rms_norm_threads(h);
+    const std::string defines = rms_norm_defines(h);
     void* rp = residual.data_ptr();
     const void* dp = delta_ != nullptr ? tensor(delta_).data_ptr() : nullptr;
     const void* wp = weight.data_ptr();
@@ -482,24 +492,19 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 #endif
 }
 
-// Compiles `source` with `defines` for sm_<arch> without a GPU (NVRTC needs none), so CPU
-// test machines catch what would fail on the device.
-int manta_kernels_compile_check(const char* source, const char* defines, int arch) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] { compile_kernels(source, defines, arch); });
-#else
-  last_error = "built without CUDA";
-  return 1;
-#endif
-}
-
-// The paged attention kernels' defines for one shape (for the compile check).
-int manta_paged_defines(int hd, int rep, int nkv, char* buf, int len) {
+// Compiles every decode kernel for one model shape and sm_<arch> without a GPU (NVRTC
+// needs none), with the defines a launch would use, so CPU test machines catch what would
+// fail on the device.
+int manta_decode_kernels_compile_check(const char* paged_source, const char* fused_source, int hidden,
+                                       int intermediate, int heads, int kv_heads, int head_dim, int qk_norm,
+                                       int arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    std::string d = paged_defines(hd, rep, nkv);
-    TORCH_CHECK(static_cast<int>(d.size()) < len, "buffer too small");
-    std::memcpy(buf, d.c_str(), d.size() + 1);
+    TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads), arch);
+    compile_kernels(fused_source, qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0), arch);
+    compile_kernels(fused_source, rms_norm_defines(hidden), arch);
+    compile_kernels(fused_source, define("I", intermediate), arch);
   });
 #else
   last_error = "built without CUDA";
