@@ -117,7 +117,9 @@ impl Worker {
             let busy = self.released_blocks.is_none()
                 && (!self.sched.running.is_empty()
                     || (!self.sched.waiting.is_empty() && self.paused.is_none()));
-            if !busy && self.updates.is_empty() {
+            // Released: nothing can run until a command arrives (the resume, or an
+            // update applied below), so wait for one instead of spinning.
+            if (!busy && self.updates.is_empty()) || self.released_blocks.is_some() {
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => break,
