@@ -622,7 +622,7 @@ impl Trainer {
                     .index_select(0, &packed.gather);
                 let (logp, entropy) = if loss_opts.entropy_coef != 0.0 {
                     // The entropy bonus needs its gradient: full log-softmax with autograd.
-                    let mut logits = model.logits(&selected).to_kind(Kind::Float);
+                    let mut logits = model.logits_f32(&selected);
                     if opts.temperature != 1.0 {
                         logits /= opts.temperature;
                     }

@@ -36,7 +36,7 @@ pub fn token_logprobs(
         let len = chunk.min(n - start);
         let h = hidden.narrow(0, start, len);
         let t = targets.narrow(0, start, len);
-        let mut logits = model.logits(&h).to_kind(Kind::Float);
+        let mut logits = model.logits_f32(&h);
         if temperature != 1.0 {
             logits /= temperature;
         }

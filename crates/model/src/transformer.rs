@@ -625,6 +625,32 @@ impl CausalLm {
         hidden.linear(&self.lm_head, None::<Tensor>)
     }
 
+    /// hidden [.., hidden] -> fp32 logits [.., vocab], never rounded to bf16.
+    ///
+    /// Rounding logits to bf16 moves a log-prob by up to half a bf16 step (~4e-3 for
+    /// logits in [1, 2)), and two forwards that differ in the last bit round differently.
+    /// The engine and the trainer both score tokens through this, so their log-probs
+    /// agree to what their hidden states agree. On CUDA the bf16 GEMM writes fp32
+    /// directly; gradients flow through the bf16 product (the fp32 correction is
+    /// detached), which is the bf16 model's own derivative.
+    pub fn logits_f32(&self, hidden: &Tensor) -> Tensor {
+        let lowp = matches!(hidden.kind(), Kind::BFloat16 | Kind::Half);
+        if !(lowp && hidden.device().is_cuda()) {
+            return self.logits(hidden).to_kind(Kind::Float);
+        }
+        let mut shape = hidden.size();
+        let width = shape.pop().unwrap_or(1);
+        let flat = hidden.reshape([-1, width]);
+        let wide = tch::no_grad(|| flat.detach().mm_dtype(&self.lm_head.tr(), Kind::Float));
+        shape.push(wide.size()[1]);
+        let wide = wide.view(shape.as_slice());
+        if !(hidden.requires_grad() || self.lm_head.requires_grad()) {
+            return wide;
+        }
+        let narrow = self.logits(hidden).to_kind(Kind::Float);
+        &narrow + (wide - narrow.detach())
+    }
+
     /// The output projection [vocab, hidden]; the embedding matrix when tied.
     pub fn lm_head_weight(&self) -> &Tensor {
         &self.lm_head

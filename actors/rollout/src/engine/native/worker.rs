@@ -455,7 +455,7 @@ impl Worker {
         }
         if !rows.is_empty() {
             let idx = Tensor::from_slice(&sample_rows).to(self.device);
-            let logits = self.model.logits(&hidden.index_select(0, &idx));
+            let logits = self.model.logits_f32(&hidden.index_select(0, &idx));
             let (next, logprobs) = sample(&logits, &rows);
             for ((&index, tok), lp) in sampled_seqs.iter().zip(next).zip(logprobs) {
                 let seq = &mut self.sched.running[index];

@@ -1,0 +1,157 @@
+//! The native engine on CUDA in bf16 against the trainer's forward pass: the log-probs the
+//! engine reports for sampled tokens must be the ones the trainer computes for the same
+//! tokens (slime's `train_rollout_logprob_abs_diff`), else every importance ratio in the
+//! loss is off by their difference. The trainer side is what `manta-trainer` runs: one
+//! packed row of whole sequences (`Attention::Segments`) and `token_logprobs`.
+//!
+//! Returns early, saying so, on machines without CUDA (the CI machine); run the built
+//! binary on the GPU machine (`cargo test --release -p manta-rollout --test
+//! native_engine_cuda --no-run`, then the binary with `--nocapture`).
+
+use std::sync::Arc;
+
+use futures::future::join_all;
+use manta_model::{token_logprobs, Attention, CausalLm, ModelConfig};
+use manta_rollout::engine::{
+    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tch::{nn, Cuda, Device, Kind, Tensor};
+
+const SEED: u64 = 5;
+
+/// Qwen3-0.6B's shape (what bench/run_e2e.sh trains), random weights from `SEED`.
+const CONFIG: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 4096, "tie_word_embeddings": true,
+    "initializer_range": 0.02, "eos_token_id": 151645}"#;
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    let mut rng = StdRng::seed_from_u64(3);
+    (0..n)
+        .map(|i| {
+            let len = 100 + (i * 53) % 400;
+            (0..len).map(|_| rng.random_range(0..151_000)).collect()
+        })
+        .collect()
+}
+
+/// The trainer's log-probs of each sequence's output tokens: all sequences packed into one
+/// row, bf16, the way `manta-trainer` scores a batch.
+fn trainer_logprobs(seqs: &[(Vec<u32>, usize)], device: Device) -> Vec<Vec<f32>> {
+    let cfg = ModelConfig::from_json_str(CONFIG, "test config").expect("valid config");
+    tch::manual_seed(SEED as i64);
+    let mut vs = nn::VarStore::new(device);
+    let model = CausalLm::new(&vs.root(), &cfg);
+    vs.bfloat16();
+    tch::no_grad(|| {
+        let lengths: Vec<i64> = seqs.iter().map(|(t, _)| t.len() as i64).collect();
+        let tokens: Vec<i64> = seqs
+            .iter()
+            .flat_map(|(t, _)| t.iter().map(|&x| x as i64))
+            .collect();
+        let positions: Vec<i64> = lengths.iter().flat_map(|&l| 0..l).collect();
+        let input = Tensor::from_slice(&tokens).view([1, -1]).to(device);
+        let pos = Tensor::from_slice(&positions).view([1, -1]).to(device);
+        let hidden = model.forward_hidden(
+            &input,
+            &pos,
+            &Attention::Segments { lengths: &lengths },
+            None,
+        );
+        let hidden = hidden.view([tokens.len() as i64, -1]);
+        // Row r predicts token r + 1 of its sequence: score each output token.
+        let (mut rows, mut targets) = (Vec::new(), Vec::new());
+        let mut start = 0i64;
+        for (t, prompt_len) in seqs {
+            for k in *prompt_len..t.len() {
+                rows.push(start + k as i64 - 1);
+                targets.push(t[k] as i64);
+            }
+            start += t.len() as i64;
+        }
+        let rows = Tensor::from_slice(&rows).to(device);
+        let targets = Tensor::from_slice(&targets).to(device);
+        let (logp, _) = token_logprobs(&model, &hidden.index_select(0, &rows), &targets, 1.0, 4096);
+        let flat =
+            Vec::<f32>::try_from(logp.to_kind(Kind::Float).to(Device::Cpu)).expect("f32 log-probs");
+        let mut out = Vec::new();
+        let mut at = 0;
+        for (t, prompt_len) in seqs {
+            let n = t.len() - prompt_len;
+            out.push(flat[at..at + n].to_vec());
+            at += n;
+        }
+        out
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_engine_logprobs_match_the_trainer_forward() {
+    if !Cuda::is_available() {
+        eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
+        return;
+    }
+    let device = Device::Cuda(0);
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("config.json"), CONFIG).expect("write config");
+    let mut opts = NativeEngineOptions::new(dir.path(), device);
+    opts.seed = SEED;
+    opts.mem_fraction_static = 0.3;
+    let engine: Arc<NativeEngine> = NativeEngine::start(opts).expect("engine starts");
+    let ps = prompts(32);
+    let outs = join_all(ps.iter().enumerate().map(|(i, p)| {
+        engine.generate(GenerateRequest {
+            input_ids: p.clone(),
+            params: SamplingParams {
+                max_new_tokens: 64,
+                temperature: 1.0,
+                ignore_eos: true,
+                seed: Some(i as u64),
+                ..SamplingParams::default()
+            },
+            rid: None,
+        })
+    }))
+    .await;
+    let mut seqs = Vec::new();
+    let mut engine_lp = Vec::new();
+    for (p, out) in ps.iter().zip(outs) {
+        let out = out.expect("generation succeeds");
+        let mut t = p.clone();
+        t.extend(&out.output_ids);
+        seqs.push((t, p.len()));
+        engine_lp.push(out.logprobs);
+    }
+    drop(engine);
+    let trainer_lp = trainer_logprobs(&seqs, device);
+    let (mut sum, mut n, mut max) = (0f64, 0usize, 0f64);
+    let mut first = (0f64, 0usize);
+    for (e, t) in engine_lp.iter().zip(&trainer_lp) {
+        assert_eq!(e.len(), t.len());
+        for (k, (a, b)) in e.iter().zip(t).enumerate() {
+            let d = (*a as f64 - *b as f64).abs();
+            sum += d;
+            n += 1;
+            max = max.max(d);
+            if k == 0 {
+                first.0 += d;
+                first.1 += 1;
+            }
+        }
+    }
+    let mean = sum / n as f64;
+    let mean_logp = trainer_lp.iter().flatten().map(|&x| x as f64).sum::<f64>() / n as f64;
+    eprintln!(
+        "train_rollout_logprob_abs_diff over {n} tokens: mean {mean:.3e}, max {max:.3e}, \
+         first tokens (prefill) {:.3e}; mean log-prob {mean_logp:.3}",
+        first.0 / first.1 as f64
+    );
+    assert!(
+        mean < 1e-3,
+        "engine and trainer log-probs differ by {mean:.3e} on average"
+    );
+}
