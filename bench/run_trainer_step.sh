@@ -4,17 +4,34 @@
 # in the same run, Qwen3-0.6B and Qwen3-4B shapes (random bf16 weights made in the run),
 # SAMPLES x SEQ tokens per GPU; writes $OUT/trainer_step.json. Binaries come from bin/.
 # MANTA_DEVICE_KIND names the device-tool kind in the results; PEAK_TFLOPS overrides the
-# dense bf16 peak used for MFU (default: from the GPU's name).
+# dense bf16 peak used for MFU (default: from the GPU's name). RECOMPUTE_0_6B and
+# RECOMPUTE_4B (none | all | N | auto; defaults none and auto) choose how many of the first
+# layers each side recomputes (Megatron's block method); auto makes each side find the
+# fewest that fit in this GPU's memory at this batch, by trying steps.
 set -euo pipefail
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 SAMPLES=${SAMPLES:-8}; SEQ=${SEQ:-2048}; ITERS=${ITERS:-5}
+RECOMPUTE_0_6B=${RECOMPUTE_0_6B:-none}; RECOMPUTE_4B=${RECOMPUTE_4B:-auto}
+# Highest GPU memory in use (MiB, nvidia-smi: what the process holds, caches included)
+# while a command runs.
+peak_mem() {
+  local log=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$log.mem" &
+  local smi=$!
+  "$@"; local rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null || true
+  return $rc
+}
 for shape in 0.6b 4b; do
   tag=${shape/./_}
-  ./bin/trainer_step "$shape" "$SAMPLES" "$SEQ" "$ITERS" 2> >(tee "$OUT/manta_$tag.log" >&2) | tee "$OUT/manta_$tag.json"
-  python3 bench/py/trainer_step_eager.py "$shape" "$SAMPLES" "$SEQ" "$ITERS" | tee "$OUT/eager_$tag.json"
+  rc_var=RECOMPUTE_${tag^^}; rc=${!rc_var}
+  peak_mem "$OUT/manta_$tag" ./bin/trainer_step "$shape" "$SAMPLES" "$SEQ" "$ITERS" "$rc" 2> >(tee "$OUT/manta_$tag.log" >&2) > "$OUT/manta_$tag.json"
+  cat "$OUT/manta_$tag.json"
+  peak_mem "$OUT/eager_$tag" python3 bench/py/trainer_step_eager.py "$shape" "$SAMPLES" "$SEQ" "$ITERS" "$rc" 2> >(tee "$OUT/eager_$tag.log" >&2) > "$OUT/eager_$tag.json"
+  cat "$OUT/eager_$tag.json"
 done
 python3 - "$OUT" <<'PY'
 import datetime, json, os, sys, time
@@ -64,7 +81,15 @@ for shape in ["0.6b", "4b"]:
     f = flops(shape, m)
     for who, r in (("manta", m), ("pytorch_eager", e)):
         tflops = f / r["median_s"] / 1e12
-        res[f"{who}_{tag}"] = {k: r[k] for k in ("impl", "samples", "seq", "response_tokens", "gradient_checkpointing", "median_s", "tokens_per_s", "loss", "grad_norm") if k in r}
+        keys = ("impl", "samples", "seq", "response_tokens", "gradient_checkpointing", "recompute",
+                "recompute_num_layers", "num_layers", "recompute_choice", "recompute_probes",
+                "timed_oom_splits", "median_s", "tokens_per_s", "loss", "grad_norm")
+        res[f"{who}_{tag}"] = {k: r[k] for k in keys if k in r}
+        mem = os.path.join(out, f"{'manta' if who == 'manta' else 'eager'}_{tag}.mem")
+        if os.path.exists(mem):
+            used = [int(x) for x in open(mem).read().split() if x.strip().isdigit()]
+            if used:
+                res[f"{who}_{tag}"]["peak_gpu_memory_used_mib_nvidia_smi"] = max(used)
         res[f"{who}_{tag}"]["model_tflops_per_s"] = tflops
         res[f"{who}_{tag}"]["mfu"] = tflops / peak if peak else None
         if "peak_memory_gib" in r:
@@ -73,6 +98,12 @@ for shape in ["0.6b", "4b"]:
     res[f"model_flops_per_step_{tag}"] = f
     res[f"speedup_vs_pytorch_eager_{tag}"] = m["tokens_per_s"] / e["tokens_per_s"]
 res["mfu_4b"] = res["manta_4b"]["mfu"]
+res["recompute_num_layers"] = res["manta_4b"].get("recompute_num_layers")
+res["recompute_note"] = (
+    "each side recomputes (checkpoints) the first recompute_num_layers layers (Megatron's block "
+    "method; transformers' per-layer gradient_checkpointing for eager), chosen per side as the "
+    "fewest that fit this GPU at this batch (RECOMPUTE_4B=" + os.environ.get("RECOMPUTE_4B", "auto")
+    + "); model FLOPs do not count recomputation")
 json.dump(res, open(os.path.join(out, "trainer_step.json"), "w"), indent=2)
 print(f"{'impl':<24}{'tokens/s':>12}{'median s':>10}{'TFLOP/s':>10}{'MFU':>8}")
 for r in rows:

@@ -10,8 +10,15 @@ entropy is computed as a metric without autograd), the loss is the clipped polic
 against rollout log-probs (eps_clip 0.2, eps_clip_high 0.28), per-sample token mean,
 mean over samples; grad-norm clip 1.0. Prints one JSON object.
 
-usage: python trainer_step_eager.py 0.6b|4b [SAMPLES] [SEQ] [ITERS] [CHECKPOINTING 0|1]
+RECOMPUTE: gradient checkpointing of the first N decoder layers (transformers' per-layer
+`gradient_checkpointing` flag; Megatron's block method): none, all, N, or auto (the 4b
+default; 0.6b defaults to none): the fewest checkpointed layers with which a step fits
+in memory, found by trying steps (a CUDA out-of-memory error is caught and the probe
+moves on), as the Manta side does for itself.
+
+usage: python trainer_step_eager.py 0.6b|4b [SAMPLES] [SEQ] [ITERS] [RECOMPUTE]
 """
+import gc
 import json
 import math
 import sys
@@ -33,9 +40,9 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 def main():
     shape = sys.argv[1] if len(sys.argv) > 1 else "0.6b"
-    rest = [int(a) for a in sys.argv[2:]]
+    rest = [int(a) for a in sys.argv[2:5]]
     samples, seq, iters = (rest + [8, 2048, 5][len(rest):])[:3]
-    ckpt = bool(rest[3]) if len(rest) > 3 else shape == "4b"
+    recompute_arg = sys.argv[5] if len(sys.argv) > 5 else ("auto" if shape == "4b" else "none")
     cfg = Qwen3Config(
         vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_word_embeddings=True, max_position_embeddings=40960, use_cache=False,
@@ -48,10 +55,14 @@ def main():
         model = Qwen3ForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     model.train()
-    if ckpt:
-        with warnings.catch_warnings():  # renamed activation_checkpointing_* after 5.17
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():  # renamed activation_checkpointing_* after 5.17
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.model.layers
+
+    def checkpoint_first(n):
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < n
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone() for p in params]
     # fused=True: PyTorch's single-kernel AdamW; the default foreach path would also need
@@ -100,6 +111,40 @@ def main():
         clipfrac = ((ratio - 1).abs() > EPS_LOW).float().mean()
         return loss.item(), grad_norm.item(), clipfrac.item(), entropy.mean().item()
 
+    def fits(n):
+        checkpoint_first(n)
+        try:
+            step()
+            torch.cuda.synchronize()
+            ok = True
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        for p in params + masters:
+            p.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        probes.append((n, ok))
+        print(f"eager recompute probe: first {n} of {len(layers)} layers: {'fits' if ok else 'out of memory'}", file=sys.stderr)
+        return ok
+
+    probes = []
+    t_probe = time.perf_counter()
+    if recompute_arg == "auto":
+        if not fits(len(layers)):
+            sys.exit("the step does not fit in memory even with every layer checkpointed")
+        lo, hi = 0, len(layers)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        n_ckpt = hi
+    else:
+        n_ckpt = {"none": 0, "all": len(layers)}.get(recompute_arg)
+        n_ckpt = int(recompute_arg) if n_ckpt is None else n_ckpt
+    probe_s = time.perf_counter() - t_probe
+    checkpoint_first(n_ckpt)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -116,7 +161,10 @@ def main():
         "impl": "transformers Qwen3ForCausalLM, PyTorch eager (sdpa), bf16 + fp32 masters, torch.optim.AdamW(fused)",
         "attn_implementation": model.config._attn_implementation,
         "shape": shape, "samples": samples, "seq": seq, "iters": iters,
-        "response_tokens": samples * resp, "gradient_checkpointing": ckpt,
+        "response_tokens": samples * resp, "gradient_checkpointing": n_ckpt > 0,
+        "recompute": "checkpoint the first N layers" if n_ckpt else "none",
+        "recompute_num_layers": n_ckpt, "num_layers": len(layers),
+        "recompute_choice": recompute_arg, "recompute_probes": probes, "probe_s": probe_s,
         "init_s": init_s, "median_s": median, "times_s": times,
         "tokens_per_s": samples * seq / median,
         "loss": last[0], "grad_norm": last[1], "pg_clipfrac": last[2],

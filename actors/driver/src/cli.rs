@@ -152,6 +152,22 @@ pub struct TrainArgs {
     /// Recompute each layer in backward instead of keeping activations [true].
     #[arg(long, value_name = "BOOL")]
     pub gradient_checkpointing: Option<bool>,
+    /// Megatron's activation recompute: full (layers, with --recompute-method and
+    /// --recompute-num-layers) or selective (core attention only, which SDPA's flash
+    /// kernels already recompute: no layer is) [unset: --gradient-checkpointing decides].
+    #[arg(long)]
+    pub recompute_granularity: Option<String>,
+    /// uniform: groups of --recompute-num-layers layers, each recomputed as a unit;
+    /// block: the first --recompute-num-layers layers recomputed, the rest keep activations.
+    #[arg(long)]
+    pub recompute_method: Option<String>,
+    /// Layers per group (uniform) or recomputed layers (block), 1..=the model's layers.
+    #[arg(long)]
+    pub recompute_num_layers: Option<usize>,
+    /// bf16 weights and compute with fp32 master weights and AdamW state, as Megatron's
+    /// `--bf16`; the same as cluster.toml's `[trainer] bf16 = true`, which it overrides.
+    #[arg(long)]
+    pub bf16: bool,
     /// Whole-episode token budget: prompt plus all turns [8192].
     #[arg(long)]
     pub context_len: Option<usize>,
@@ -290,6 +306,9 @@ impl TrainArgs {
             eps_clip_high: self.eps_clip_high,
             clip_grad: self.clip_grad,
             gradient_checkpointing: self.gradient_checkpointing,
+            recompute_granularity: self.recompute_granularity.clone(),
+            recompute_method: self.recompute_method.clone(),
+            recompute_num_layers: self.recompute_num_layers,
             context_len: self.context_len,
             task_data: self.task_data.clone(),
             run_name: self.run_name.clone(),
@@ -372,6 +391,40 @@ mod tests {
             (s.algo.lr_decay_style.as_str(), s.algo.min_lr),
             ("cosine", 1e-7)
         );
+    }
+
+    #[test]
+    fn megatron_recompute_and_bf16_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "driver",
+            "--bf16",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "30",
+        ])
+        .unwrap();
+        assert!(cli.train.bf16);
+        let flags = cli.train.overrides();
+        flags
+            .validate(std::path::Path::new("command line"), "--")
+            .unwrap();
+        let r = flags.resolve().recompute.unwrap();
+        assert_eq!((r.method.as_str(), r.num_layers), ("block", 30));
+        let cli = Cli::try_parse_from(["driver", "--recompute-method", "blocky"]).unwrap();
+        let err = cli
+            .train
+            .overrides()
+            .validate(std::path::Path::new("command line"), "--")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--recompute-method") && err.contains("blocky"),
+            "{err}"
+        );
+        assert!(!Cli::try_parse_from(["driver"]).unwrap().train.bf16);
     }
 
     #[test]

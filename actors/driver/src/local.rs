@@ -24,7 +24,9 @@ use manta_trainer::loss::ClipRange;
 use manta_trainer::loss::LossOptions;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::schedule::{DecayStyle, LrSchedule};
-use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
+use manta_trainer::{
+    AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerMsg, TrainerOptions,
+};
 use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
 use tch::Device;
@@ -146,7 +148,11 @@ pub fn trainer_options(settings: &TrainSettings, device: Device) -> TrainerOptio
         bf16: None,
         use_rollout_logprobs: settings.algo.use_rollout_logprobs,
         logprob_chunk: 1024,
-        gradient_checkpointing: settings.gradient_checkpointing,
+        recompute: settings.recompute.as_ref().map(|r| Recompute {
+            // Validated with the settings (uniform or block).
+            method: r.method.parse().unwrap_or(RecomputeMethod::Uniform),
+            num_layers: r.num_layers,
+        }),
         algo: algo_options(settings),
     }
 }

@@ -32,7 +32,11 @@ pub struct ResolvedConfig {
 
 /// Reads cluster.toml and train_config.yaml and applies the flags on top.
 pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
-    let cluster = ClusterConfig::from_file(&args.cluster)?;
+    let mut cluster = ClusterConfig::from_file(&args.cluster)?;
+    if args.bf16 {
+        // `--bf16` means what `[trainer] bf16 = true` means, and wins over it.
+        cluster.trainer.bf16 = Some(true);
+    }
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
     let settings = flags.over(cluster.train.clone()).resolve();

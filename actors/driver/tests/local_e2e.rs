@@ -117,7 +117,7 @@ fn three_local_steps_train_and_sync_then_resume() {
             max_tokens_per_gpu: 4096,
             use_rollout_logprobs: false,
             logprob_chunk: 64,
-            gradient_checkpointing: false,
+            recompute: None,
             layout: Default::default(),
             bf16: None,
             algo: Default::default(),

@@ -15,4 +15,5 @@ pub mod schedule;
 pub mod trainer;
 
 pub use actor::{TrainerActor, TrainerArgs, TrainerMsg};
+pub use manta_model::{Recompute, RecomputeMethod};
 pub use trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};

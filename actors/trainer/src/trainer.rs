@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use manta_core::Sample;
-use manta_model::{Attention, CausalLm, ModelConfig, ModelError};
+use manta_model::{Attention, CausalLm, ModelConfig, ModelError, Recompute, RecomputeError};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
@@ -32,6 +32,8 @@ pub enum TrainerError {
     Torch(#[from] tch::TchError),
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    #[error(transparent)]
+    Recompute(#[from] RecomputeError),
 }
 
 /// Everything the trainer needs to start.
@@ -58,9 +60,11 @@ pub struct TrainerOptions {
     pub use_rollout_logprobs: bool,
     /// Rows per chunk when computing token log-probs.
     pub logprob_chunk: i64,
-    /// Recompute each layer in the backward pass instead of keeping its activations
-    /// (the cookbook always trains this way).
-    pub gradient_checkpointing: bool,
+    /// Layers recomputed in the backward pass instead of keeping their activations
+    /// (Megatron's `--recompute-granularity full --recompute-method uniform|block
+    /// --recompute-num-layers N`); `None` keeps every activation. The cookbook's
+    /// `gradient_checkpointing = true` is [`Recompute::EVERY_LAYER`].
+    pub recompute: Option<Recompute>,
     /// Loss options, LR schedule, updates per rollout, reference model.
     pub algo: AlgoOptions,
 }
@@ -240,7 +244,7 @@ impl Trainer {
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
         let mut model = CausalLm::new(&vs.root(), &cfg);
-        model.set_gradient_checkpointing(opts.gradient_checkpointing);
+        model.set_recompute(opts.recompute)?;
         if has_weights(&opts.model_dir) {
             manta_model::load_weights(&mut vs, &opts.model_dir)?;
             info!(dir = %opts.model_dir.display(), "trainer loaded weights");
@@ -285,6 +289,14 @@ impl Trainer {
 
     pub fn model_config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// Changes which layers are recomputed from the next micro-batch on (a benchmark
+    /// looks for the fewest that fit in memory); rejects counts outside the model.
+    pub fn set_recompute(&mut self, recompute: Option<Recompute>) -> Result<(), TrainerError> {
+        self.model.set_recompute(recompute)?;
+        self.opts.recompute = recompute;
+        Ok(())
     }
 
     pub fn optimizer_steps(&self) -> u64 {
@@ -381,6 +393,7 @@ impl Trainer {
             .map(|(k, v)| (format!("train/{k}"), v))
             .collect();
         metrics.insert("train/oom_skipped".into(), acc.oom_skipped as f64);
+        metrics.insert("train/oom_splits".into(), acc.oom_splits as f64);
         Ok((metrics, grads))
     }
 
@@ -459,6 +472,7 @@ impl Trainer {
             *sums.entry("train/grad_norm".into()).or_default() += grad_norm;
             *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
             *sums.entry("train/oom_skipped".into()).or_default() += acc.oom_skipped as f64;
+            *sums.entry("train/oom_splits".into()).or_default() += acc.oom_splits as f64;
             for (name, v) in acc.metrics {
                 *sums.entry(format!("train/{name}")).or_default() += v;
             }
@@ -467,7 +481,10 @@ impl Trainer {
         let mut m: BTreeMap<String, f64> = sums
             .into_iter()
             .map(|(k, v)| {
-                let v = if k == "train/tokens" || k == "train/oom_skipped" {
+                let v = if matches!(
+                    k.as_str(),
+                    "train/tokens" | "train/oom_skipped" | "train/oom_splits"
+                ) {
                     v
                 } else {
                     v / steps as f64
@@ -511,6 +528,7 @@ impl Trainer {
             match result {
                 Ok(()) => acc.merge(local),
                 Err(TrainerError::OutOfMemory(msg)) if r.len() > 1 => {
+                    acc.oom_splits += 1;
                     let mid = r.start + r.len() / 2;
                     tracing::warn!(samples = r.len(), %msg, "micro-batch out of memory: splitting it in halves");
                     queue.push_front(mid..r.end);
@@ -758,6 +776,8 @@ struct Accumulator {
     tokens: usize,
     /// Samples skipped because they did not fit in memory even alone.
     oom_skipped: usize,
+    /// Micro-batches split in halves after running out of memory.
+    oom_splits: usize,
 }
 
 impl Accumulator {
@@ -767,5 +787,6 @@ impl Accumulator {
         }
         self.tokens += other.tokens;
         self.oom_skipped += other.oom_skipped;
+        self.oom_splits += other.oom_splits;
     }
 }

@@ -43,7 +43,7 @@ fn options(bf16: Option<bool>, lr: f64) -> TrainerOptions {
         bf16,
         use_rollout_logprobs: true,
         logprob_chunk: 4,
-        gradient_checkpointing: true,
+        recompute: Some(manta_model::Recompute::EVERY_LAYER),
         algo: Default::default(),
     }
 }

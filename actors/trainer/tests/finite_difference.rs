@@ -32,7 +32,7 @@ fn options() -> TrainerOptions {
         max_tokens_per_gpu: 24,
         use_rollout_logprobs: true,
         logprob_chunk: 4,
-        gradient_checkpointing: true,
+        recompute: Some(manta_model::Recompute::EVERY_LAYER),
         layout: Default::default(),
         bf16: None,
         algo: AlgoOptions {

@@ -32,7 +32,7 @@ fn options() -> TrainerOptions {
         max_tokens_per_gpu: 1000,
         use_rollout_logprobs: true,
         logprob_chunk: 8,
-        gradient_checkpointing: false,
+        recompute: None,
         layout: Default::default(),
         bf16: None,
         algo: Default::default(),

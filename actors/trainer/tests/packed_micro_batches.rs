@@ -36,7 +36,7 @@ fn options(layout: MicroBatchLayout, max_tokens_per_gpu: usize, per_token: bool)
         bf16: None,
         use_rollout_logprobs: true,
         logprob_chunk: 5,
-        gradient_checkpointing: false,
+        recompute: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,

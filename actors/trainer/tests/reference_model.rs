@@ -28,7 +28,7 @@ fn options(seed: u64, ref_load: Option<&Path>) -> TrainerOptions {
         max_tokens_per_gpu: 100,
         use_rollout_logprobs: false,
         logprob_chunk: 8,
-        gradient_checkpointing: false,
+        recompute: None,
         layout: Default::default(),
         bf16: None,
         algo: AlgoOptions {

@@ -5,7 +5,14 @@
 //! weights of a Qwen3 shape, made in the run. Prints one JSON object;
 //! bench/py/trainer_step_eager.py is the PyTorch eager baseline.
 //!
-//! usage: trainer_step 0.6b|4b [SAMPLES] [SEQ] [ITERS] [CHECKPOINTING 0|1]
+//! usage: trainer_step 0.6b|4b [SAMPLES] [SEQ] [ITERS] [RECOMPUTE]
+//!
+//! RECOMPUTE is Megatron's block recompute (`--recompute-method block
+//! --recompute-num-layers N`): `none`, `all`, a layer count N, or `auto` (the default for
+//! 4b; 0.6b defaults to none): the fewest recomputed layers with which a step runs
+//! without running out of memory, found by trying steps (a step that runs out of memory
+//! is split by the trainer's recovery and counted in `train/oom_splits`, so the probe
+//! never crashes the bench).
 
 use std::time::Instant;
 
@@ -15,7 +22,7 @@ use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
-use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
+use manta_trainer::{Recompute, RecomputeMethod, TrainBatch, Trainer, TrainerOptions};
 use tch::{Device, Kind, Tensor};
 
 fn main() -> anyhow::Result<()> {
@@ -29,14 +36,14 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("argument {i} ({s:?}) is not a count")),
         }
     };
-    let (config, default_ckpt) = match shape {
-        "0.6b" => (QWEN3_0_6B, 0),
+    let (config, default_recompute) = match shape {
+        "0.6b" => (QWEN3_0_6B, "none"),
         // 4B at 16k tokens does not fit an 80 GB GPU with every layer's activations.
-        "4b" => (QWEN3_4B, 1),
+        "4b" => (QWEN3_4B, "auto"),
         other => anyhow::bail!("model shape {other:?}: expected 0.6b or 4b"),
     };
     let (samples, seq, iters) = (num(2, 8)?, num(3, 2048)?, num(4, 5)?);
-    let checkpointing = num(5, default_ckpt)? != 0;
+    let recompute_arg = args.get(5).map_or(default_recompute, String::as_str);
     anyhow::ensure!(
         tch::Cuda::is_available(),
         "CUDA is not available to libtorch"
@@ -69,24 +76,41 @@ fn main() -> anyhow::Result<()> {
         bf16: Some(true),
         use_rollout_logprobs: true,
         logprob_chunk: 1024,
-        gradient_checkpointing: checkpointing,
+        recompute: None,
         algo: Default::default(),
     })?;
     tch::Cuda::synchronize(0);
     let init_s = t0.elapsed().as_secs_f64();
     let cfg = trainer.model_config().clone();
+    let layers = cfg.num_hidden_layers as usize;
     let batch = make_batch(samples, seq, cfg.vocab_size);
+    let t_probe = Instant::now();
+    let (recompute_layers, probes) = match recompute_arg {
+        "auto" => fewest_recomputed_layers(&mut trainer, &batch, layers)?,
+        "none" => (0, Vec::new()),
+        "all" => (layers, Vec::new()),
+        n => (
+            n.parse().with_context(|| {
+                format!("RECOMPUTE {n:?}: expected auto, none, all or a layer count")
+            })?,
+            Vec::new(),
+        ),
+    };
+    let probe_s = t_probe.elapsed().as_secs_f64();
+    trainer.set_recompute(block(recompute_layers))?;
     for _ in 0..2 {
         trainer.train_step(&batch)?;
     }
     tch::Cuda::synchronize(0);
     let mut times = Vec::new();
-    let mut last = Default::default();
+    let mut last: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut oom_splits = 0.0;
     for _ in 0..iters {
         let t = Instant::now();
         last = trainer.train_step(&batch)?;
         tch::Cuda::synchronize(0);
         times.push(t.elapsed().as_secs_f64());
+        oom_splits += last.get("train/oom_splits").copied().unwrap_or(0.0);
     }
     let mut sorted = times.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
@@ -98,7 +122,14 @@ fn main() -> anyhow::Result<()> {
             "impl": "manta trainer (tch), bf16 + fp32 masters, packed",
             "shape": shape, "samples": samples, "seq": seq, "iters": iters,
             "response_tokens": samples * response_len(seq),
-            "gradient_checkpointing": checkpointing,
+            "gradient_checkpointing": recompute_layers > 0,
+            "recompute": if recompute_layers > 0 { "full, block" } else { "none" },
+            "recompute_num_layers": recompute_layers,
+            "num_layers": layers,
+            "recompute_choice": recompute_arg,
+            "recompute_probes": probes,
+            "probe_s": probe_s,
+            "timed_oom_splits": oom_splits,
             "init_s": init_s,
             "median_s": median, "times_s": times,
             "tokens_per_s": tokens / median,
@@ -107,6 +138,55 @@ fn main() -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// Megatron's block recompute of the first `n` layers (`None` for 0).
+fn block(n: usize) -> Option<Recompute> {
+    (n > 0).then_some(Recompute {
+        method: RecomputeMethod::Block,
+        num_layers: n,
+    })
+}
+
+/// The fewest block-recomputed layers with which a step fits in memory: a binary search
+/// between 0 and every layer, each probe one training step (the weights move, which does
+/// not matter for timing). A probe does not fit when the trainer had to split the
+/// micro-batch after running out of memory. Returns the count and each probe's
+/// (layers, fitted).
+fn fewest_recomputed_layers(
+    trainer: &mut Trainer,
+    batch: &TrainBatch,
+    layers: usize,
+) -> anyhow::Result<(usize, Vec<(usize, bool)>)> {
+    let mut probes = Vec::new();
+    let mut fits = |trainer: &mut Trainer, n: usize| -> anyhow::Result<bool> {
+        trainer.set_recompute(block(n))?;
+        let m = trainer.train_step(batch)?;
+        tch::Cuda::synchronize(0);
+        let ok = m.get("train/oom_splits").copied().unwrap_or(0.0) == 0.0
+            && m.get("train/oom_skipped").copied().unwrap_or(0.0) == 0.0;
+        eprintln!(
+            "recompute probe: block {n} of {layers} layers: {}",
+            if ok { "fits" } else { "out of memory" }
+        );
+        probes.push((n, ok));
+        Ok(ok)
+    };
+    anyhow::ensure!(
+        fits(trainer, layers)?,
+        "the step does not fit in memory even with every layer recomputed"
+    );
+    // Invariant: `hi` fits; everything below `lo` was not shown to fit.
+    let (mut lo, mut hi) = (0, layers);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if fits(trainer, mid)? {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok((hi, probes))
 }
 
 /// A quarter of each sample is prompt, the rest response (all trained).

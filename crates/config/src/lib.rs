@@ -20,8 +20,8 @@ pub use cluster::{
 };
 pub use error::ConfigError;
 pub use settings::{
-    dynamic_sampling_filter_name, AlgoSettings, SamplingSettings, TrainOverrides, TrainSettings,
-    DYNAMIC_SAMPLING_FILTERS,
+    dynamic_sampling_filter_name, AlgoSettings, LayerRecompute, SamplingSettings, TrainOverrides,
+    TrainSettings, DYNAMIC_SAMPLING_FILTERS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
 };
 pub use train::{
     format_system_prompt, EnvironmentConfig, RewardReduction, TrainConfig, DEFAULT_SYSTEM_PROMPT,

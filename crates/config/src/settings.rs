@@ -32,6 +32,14 @@ pub struct TrainOverrides {
     pub eps_clip_high: Option<f64>,
     pub clip_grad: Option<f64>,
     pub gradient_checkpointing: Option<bool>,
+    /// Megatron's `--recompute-granularity full|selective`; when set it decides instead
+    /// of `gradient_checkpointing`.
+    pub recompute_granularity: Option<String>,
+    /// `--recompute-method uniform|block` (with `full`).
+    pub recompute_method: Option<String>,
+    /// `--recompute-num-layers N` (with `full`): group size (uniform) or how many of the
+    /// first layers are recomputed (block).
+    pub recompute_num_layers: Option<usize>,
     pub context_len: Option<usize>,
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
@@ -99,8 +107,10 @@ pub struct TrainSettings {
     pub eps_clip: f64,
     pub eps_clip_high: f64,
     pub clip_grad: f64,
-    /// Recompute layers in backward instead of storing activations.
-    pub gradient_checkpointing: bool,
+    /// Layers recomputed in backward instead of storing their activations; `None`
+    /// keeps every activation. From `recompute_*` when set, else
+    /// `gradient_checkpointing` (every layer, uniform groups of one).
+    pub recompute: Option<LayerRecompute>,
     /// Whole-episode token budget (prompt + all turns).
     pub context_len: usize,
     /// tasks.jsonl to train from; `None` lists tasks from the environment servers.
@@ -120,6 +130,15 @@ pub struct TrainSettings {
     pub load_debug_rollout_data: Option<String>,
     /// How rollouts feed steps: over-sampling, dynamic sampling, asynchronous mode.
     pub sampling: SamplingSettings,
+}
+
+/// Megatron's full-granularity activation recompute, resolved.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct LayerRecompute {
+    /// One of [`RECOMPUTE_METHODS`].
+    pub method: String,
+    /// At least 1; the trainer checks it against the model's layer count.
+    pub num_layers: usize,
 }
 
 /// slime's over-sampling, dynamic-sampling and asynchronous-training options, resolved.
@@ -199,6 +218,12 @@ pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
 pub const KL_LOSS_TYPES: &[&str] = &["k1", "k2", "k3", "low_var_kl"];
 /// Values of `--tis-mode`.
 pub const TIS_MODES: &[&str] = &["truncate", "mask"];
+/// Values of `--recompute-granularity`. `selective` is Megatron's core-attention
+/// recompute: SDPA's flash kernels never store the attention matrix and recompute it in
+/// their backward pass anyway, so it recomputes no layer here.
+pub const RECOMPUTE_GRANULARITIES: &[&str] = &["full", "selective"];
+/// Values of `--recompute-method`.
+pub const RECOMPUTE_METHODS: &[&str] = &["uniform", "block"];
 /// Values of `--lr-decay-style`.
 pub const LR_DECAY_STYLES: &[&str] = &["constant", "linear", "cosine"];
 
@@ -229,6 +254,9 @@ impl TrainOverrides {
             eps_clip_high,
             clip_grad,
             gradient_checkpointing,
+            recompute_granularity,
+            recompute_method,
+            recompute_num_layers,
             context_len,
             task_data,
             run_name,
@@ -323,6 +351,7 @@ impl TrainOverrides {
             ("context_len", self.context_len),
             ("num_steps_per_rollout", self.num_steps_per_rollout),
             ("over_sampling_batch_size", self.over_sampling_batch_size),
+            ("recompute_num_layers", self.recompute_num_layers),
         ];
         for (name, value) in at_least_one {
             if value == Some(0) {
@@ -358,6 +387,16 @@ impl TrainOverrides {
             ("kl_loss_type", &self.kl_loss_type, KL_LOSS_TYPES),
             ("tis_mode", &self.tis_mode, TIS_MODES),
             ("lr_decay_style", &self.lr_decay_style, LR_DECAY_STYLES),
+            (
+                "recompute_granularity",
+                &self.recompute_granularity,
+                RECOMPUTE_GRANULARITIES,
+            ),
+            (
+                "recompute_method",
+                &self.recompute_method,
+                RECOMPUTE_METHODS,
+            ),
         ];
         for (name, value, allowed) in choices {
             if let Some(v) = value {
@@ -431,6 +470,7 @@ impl TrainOverrides {
                 "partial rollouts keep tokens of an older weight version: set it to at least 1",
             ));
         }
+        self.validate_recompute(origin, &key)?;
         if let (Some(low), Some(high)) = (self.tis_clip_low, self.tis_clip) {
             if low > high {
                 return Err(ConfigError::invalid(
@@ -439,6 +479,69 @@ impl TrainOverrides {
                     low,
                     format!("must not exceed tis_clip ({high})"),
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Megatron's rules for the recompute flags, which go together in one layer (one
+    /// command line, one `[train]` table): `full` needs a method and a layer count,
+    /// `selective` takes neither, and neither is meaningful without a granularity.
+    fn validate_recompute(
+        &self,
+        origin: &Path,
+        key: &dyn Fn(&str) -> String,
+    ) -> Result<(), ConfigError> {
+        let method = self.recompute_method.as_deref();
+        let layers = self.recompute_num_layers;
+        let stray = [
+            ("recompute_method", method.map(|m| format!("{m:?}"))),
+            ("recompute_num_layers", layers.map(|n| n.to_string())),
+        ];
+        match self.recompute_granularity.as_deref() {
+            Some("full") => {
+                if method.is_none() {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key("recompute_granularity"),
+                        "\"full\"",
+                        format!("needs {} (uniform or block)", key("recompute_method")),
+                    ));
+                }
+                if layers.is_none() {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key("recompute_granularity"),
+                        "\"full\"",
+                        format!(
+                            "needs {} (at least 1, at most the model's layers)",
+                            key("recompute_num_layers")
+                        ),
+                    ));
+                }
+            }
+            Some(other) => {
+                if let Some((name, Some(value))) = stray.iter().find(|(_, v)| v.is_some()) {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        value,
+                        format!(
+                            "applies only with {} = full, not {other:?}",
+                            key("recompute_granularity")
+                        ),
+                    ));
+                }
+            }
+            None => {
+                if let Some((name, Some(value))) = stray.iter().find(|(_, v)| v.is_some()) {
+                    return Err(ConfigError::invalid(
+                        origin,
+                        key(name),
+                        value,
+                        format!("needs {} = full", key("recompute_granularity")),
+                    ));
+                }
             }
         }
         Ok(())
@@ -471,7 +574,20 @@ impl TrainOverrides {
             eps_clip,
             eps_clip_high: self.eps_clip_high.unwrap_or(eps_clip),
             clip_grad: self.clip_grad.unwrap_or(1.0),
-            gradient_checkpointing: self.gradient_checkpointing.unwrap_or(true),
+            recompute: match self.recompute_granularity.as_deref() {
+                Some("full") => Some(LayerRecompute {
+                    method: self.recompute_method.unwrap_or_else(|| "uniform".into()),
+                    num_layers: self.recompute_num_layers.unwrap_or(1),
+                }),
+                Some(_) => None,
+                None => self
+                    .gradient_checkpointing
+                    .unwrap_or(true)
+                    .then(|| LayerRecompute {
+                        method: "uniform".into(),
+                        num_layers: 1,
+                    }),
+            },
             context_len: self.context_len.unwrap_or(8192),
             task_data: self.task_data,
             run_name: self.run_name,
@@ -635,6 +751,108 @@ mod tests {
         };
         let err = validation_error(&bad, "command line", "--");
         assert!(err.contains("--tis-clip-low"), "{err}");
+    }
+
+    #[test]
+    fn recompute_flags_resolve_as_megatron_and_bad_values_are_named() {
+        // Default: the cookbook's gradient checkpointing, every layer.
+        let every = Some(LayerRecompute {
+            method: "uniform".into(),
+            num_layers: 1,
+        });
+        assert_eq!(TrainOverrides::default().resolve().recompute, every);
+        let off = TrainOverrides {
+            gradient_checkpointing: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(off.clone().resolve().recompute, None);
+        // The recompute flags win over gradient_checkpointing, from any layer.
+        let block = TrainOverrides {
+            recompute_granularity: Some("full".into()),
+            recompute_method: Some("block".into()),
+            recompute_num_layers: Some(30),
+            ..Default::default()
+        };
+        block.validate(Path::new("c.toml"), "train.").unwrap();
+        let s = block.clone().over(off).resolve();
+        assert_eq!(
+            s.recompute,
+            Some(LayerRecompute {
+                method: "block".into(),
+                num_layers: 30
+            })
+        );
+        let selective = TrainOverrides {
+            recompute_granularity: Some("selective".into()),
+            ..Default::default()
+        };
+        assert_eq!(selective.over(block.clone()).resolve().recompute, None);
+
+        let bad_method = TrainOverrides {
+            recompute_method: Some("blocks".into()),
+            ..block.clone()
+        };
+        let err = validation_error(&bad_method, "command line", "--");
+        assert!(
+            err.contains("--recompute-method")
+                && err.contains("\"blocks\"")
+                && err.contains("uniform, block"),
+            "{err}"
+        );
+        let bad_granularity = TrainOverrides {
+            recompute_granularity: Some("partial".into()),
+            ..Default::default()
+        };
+        let err = validation_error(&bad_granularity, "c.toml", "train.");
+        assert!(
+            err.contains("train.recompute_granularity") && err.contains("\"partial\""),
+            "{err}"
+        );
+        let zero = TrainOverrides {
+            recompute_num_layers: Some(0),
+            ..block.clone()
+        };
+        let err = validation_error(&zero, "command line", "--");
+        assert!(
+            err.contains("--recompute-num-layers") && err.contains("at least 1"),
+            "{err}"
+        );
+        let no_method = TrainOverrides {
+            recompute_method: None,
+            ..block.clone()
+        };
+        let err = validation_error(&no_method, "command line", "--");
+        assert!(
+            err.contains("--recompute-granularity") && err.contains("--recompute-method"),
+            "{err}"
+        );
+        let no_layers = TrainOverrides {
+            recompute_num_layers: None,
+            ..block.clone()
+        };
+        let err = validation_error(&no_layers, "c.toml", "train.");
+        assert!(err.contains("train.recompute_num_layers"), "{err}");
+        let orphan = TrainOverrides {
+            recompute_num_layers: Some(4),
+            ..Default::default()
+        };
+        let err = validation_error(&orphan, "command line", "--");
+        assert!(
+            err.contains("--recompute-num-layers")
+                && err.contains('4')
+                && err.contains("--recompute-granularity"),
+            "{err}"
+        );
+        let selective_with_layers = TrainOverrides {
+            recompute_granularity: Some("selective".into()),
+            recompute_num_layers: Some(2),
+            ..Default::default()
+        };
+        let err = validation_error(&selective_with_layers, "command line", "--");
+        assert!(
+            err.contains("--recompute-num-layers") && err.contains("only with"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -12,6 +12,8 @@ pub mod checkpoint;
 pub use checkpoint::{load_weights, save_pretrained};
 pub mod logprobs;
 pub use logprobs::token_logprobs;
+pub mod recompute;
+pub use recompute::{Recompute, RecomputeError, RecomputeMethod};
 pub mod error;
 pub use error::ModelError;
 

@@ -11,6 +11,7 @@ use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
+use crate::recompute::{Recompute, RecomputeError};
 
 mod paged;
 pub use paged::{PagedBatch, PagedKvCache, PagedSeq};
@@ -432,7 +433,8 @@ pub struct CausalLm {
     norm: RmsNorm,
     lm_head: Tensor,
     rotary: Rotary,
-    gradient_checkpointing: bool,
+    /// Layers [`CausalLm::forward_backward`] recomputes; `None` keeps every activation.
+    recompute: Option<Recompute>,
     /// Fused projections for the CUDA decode kernels, when an engine enabled them
     /// ([`CausalLm::enable_decode_kernels`]).
     decode_kernels: Option<Vec<paged::FusedLayer>>,
@@ -494,7 +496,7 @@ impl CausalLm {
             norm,
             lm_head,
             rotary: Rotary::new(cfg, vs.device()),
-            gradient_checkpointing: false,
+            recompute: None,
             decode_kernels: None,
         }
     }
@@ -667,24 +669,42 @@ impl CausalLm {
         self.logits(&self.forward_hidden(input_ids, position_ids, attn, cache))
     }
 
-    /// Turns per-layer gradient checkpointing on or off for [`CausalLm::forward_backward`].
+    /// Turns per-layer gradient checkpointing on (every layer recomputed, Megatron's
+    /// uniform method with groups of one) or off (every activation kept).
     ///
     /// tch cannot define custom autograd functions, so checkpointing cannot hide inside
-    /// `forward_hidden`; instead `forward_backward` keeps only each layer's input during the
-    /// forward pass and recomputes each layer during a layer-by-layer backward pass.
+    /// `forward_hidden`; instead `forward_backward` keeps only the recomputed units' inputs
+    /// during the forward pass and recomputes them during a unit-by-unit backward pass.
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
-        self.gradient_checkpointing = on;
+        self.recompute = on.then_some(Recompute::EVERY_LAYER);
     }
 
-    /// Whether [`CausalLm::forward_backward`] recomputes layers in the backward pass.
+    /// Which layers [`CausalLm::forward_backward`] recomputes (`--recompute-method`,
+    /// `--recompute-num-layers`); `None` keeps every activation. Rejects a layer count
+    /// outside 1..=num_hidden_layers.
+    pub fn set_recompute(&mut self, recompute: Option<Recompute>) -> Result<(), RecomputeError> {
+        if let Some(r) = &recompute {
+            r.check(self.layers.len())?;
+        }
+        self.recompute = recompute;
+        Ok(())
+    }
+
+    /// The recompute setting in force.
+    pub fn recompute(&self) -> Option<Recompute> {
+        self.recompute
+    }
+
+    /// Whether [`CausalLm::forward_backward`] recomputes any layer in the backward pass.
     pub fn gradient_checkpointing(&self) -> bool {
-        self.gradient_checkpointing
+        self.recompute.is_some()
     }
 
     /// Training step helper: runs the forward pass, computes `loss_fn(final hidden [B, T, H])`
     /// (a scalar), back-propagates into the parameters' `.grad` (accumulating, like
-    /// `backward`), and returns the detached loss. With gradient checkpointing on, activation
-    /// memory is one [B, T, H] tensor per layer plus one layer's internals.
+    /// `backward`), and returns the detached loss. Recomputed units keep one [B, T, H]
+    /// input each (plus one unit's internals while it is recomputed); kept layers keep
+    /// their activations as a plain backward pass would.
     pub fn forward_backward(
         &self,
         input_ids: &Tensor,
@@ -692,28 +712,61 @@ impl CausalLm {
         attn: &Attention,
         loss_fn: impl FnOnce(&Tensor) -> Tensor,
     ) -> Tensor {
-        if !self.gradient_checkpointing {
+        let Some(recompute) = self.recompute else {
             let hidden = self.forward_hidden(input_ids, position_ids, attn, None);
             let loss = loss_fn(&hidden);
             loss.backward();
             return loss.detach();
-        }
+        };
+        let units = recompute.units(self.layers.len());
         let (embedded, ctx) = tch::no_grad(|| self.prepare(input_ids, position_ids, attn, 0));
-        let mut inputs = Vec::with_capacity(self.layers.len());
+        let run = |range: &std::ops::Range<usize>, x: &Tensor| {
+            self.layers[range.clone()]
+                .iter()
+                .fold(x.shallow_clone(), |x, layer| layer.forward(&x, &ctx, None))
+        };
+        // A recomputed unit keeps only its input; a kept unit runs with autograd from a
+        // detached input, so its graph stops there and the backward pass resumes from it.
+        let mut saved: Vec<(Tensor, Option<Tensor>)> = Vec::with_capacity(units.len());
         let mut x = embedded;
-        for layer in &self.layers {
-            let next = tch::no_grad(|| layer.forward(&x, &ctx, None));
-            inputs.push(x);
-            x = next;
+        for (range, recomputed) in &units {
+            if *recomputed {
+                let next = tch::no_grad(|| run(range, &x));
+                saved.push((x, None));
+                x = next;
+            } else {
+                let input = x.detach().set_requires_grad(true);
+                let out = run(range, &input);
+                saved.push((input, Some(out.shallow_clone())));
+                x = out;
+            }
         }
-        let last = x.detach().set_requires_grad(true);
+        // A kept last unit's graph runs on into the loss: one backward call covers both.
+        let tail_kept = matches!(saved.last(), Some((_, Some(_))));
+        let last = if tail_kept {
+            x
+        } else {
+            x.detach().set_requires_grad(true)
+        };
         let loss = loss_fn(&self.norm.forward(&last));
         loss.backward();
-        let mut grad = last.grad();
-        for (layer, input) in self.layers.iter().zip(inputs).rev() {
-            let input = input.detach().set_requires_grad(true);
-            let out = layer.forward(&input, &ctx, None);
-            // d(sum(out * g))/d(out) = g: a vector-Jacobian product through this layer.
+        let mut grad = match saved.pop() {
+            Some((input, Some(_))) => input.grad(),
+            other => {
+                saved.extend(other);
+                last.grad()
+            }
+        };
+        for ((range, _), (input, out)) in units[..saved.len()].iter().zip(saved).rev() {
+            let (input, out) = match out {
+                Some(out) => (input, out),
+                None => {
+                    let input = input.detach().set_requires_grad(true);
+                    let out = run(range, &input);
+                    (input, out)
+                }
+            };
+            // d(sum(out * g))/d(out) = g: a vector-Jacobian product through this unit.
             (out * &grad).sum(None::<Kind>).backward();
             grad = input.grad();
         }

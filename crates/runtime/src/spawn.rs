@@ -328,7 +328,12 @@ pub struct TrainerSpawnConfig {
     pub bf16: Option<bool>,
     pub use_rollout_logprobs: bool,
     pub logprob_chunk: i64,
+    /// Every layer recomputed (what older drivers send); `recompute` wins when present.
     pub gradient_checkpointing: bool,
+    /// Megatron's `--recompute-method`/`--recompute-num-layers`; `None` with
+    /// `gradient_checkpointing = false` keeps every activation.
+    #[serde(default)]
+    pub recompute: Option<manta_trainer::Recompute>,
     /// slime's loss options, LR schedule, updates per rollout and reference model, so a
     /// trainer on a worker trains exactly as an in-process one.
     #[serde(default)]
@@ -366,7 +371,8 @@ impl TrainerSpawnConfig {
             bf16: o.bf16,
             use_rollout_logprobs: o.use_rollout_logprobs,
             logprob_chunk: o.logprob_chunk,
-            gradient_checkpointing: o.gradient_checkpointing,
+            gradient_checkpointing: o.recompute.is_some(),
+            recompute: o.recompute,
             algo: o.algo.clone(),
         }
     }
@@ -408,7 +414,9 @@ impl TrainerSpawnConfig {
             bf16: self.bf16,
             use_rollout_logprobs: self.use_rollout_logprobs,
             logprob_chunk: self.logprob_chunk,
-            gradient_checkpointing: self.gradient_checkpointing,
+            recompute: self.recompute.or(self
+                .gradient_checkpointing
+                .then_some(manta_trainer::Recompute::EVERY_LAYER)),
             // Remote trainers do not receive slime's loss flags yet: plain GRPO.
             algo: self.algo,
         })
@@ -445,6 +453,12 @@ mod tests {
         let plain = TrainerSpawnConfig::from_json(&json.to_string()).unwrap();
         assert_eq!(plain.algo, AlgoOptions::default());
         let mut opts = plain.into_options(&[]).unwrap();
+        // Older drivers' gradient_checkpointing = true: every layer recomputed.
+        assert_eq!(opts.recompute, Some(manta_trainer::Recompute::EVERY_LAYER));
+        opts.recompute = Some(manta_trainer::Recompute {
+            method: manta_trainer::RecomputeMethod::Block,
+            num_layers: 30,
+        });
         opts.algo.loss.use_kl_loss = true;
         opts.algo.loss.kl_loss_coef = 0.1;
         opts.algo.num_steps_per_rollout = 2;
@@ -454,6 +468,7 @@ mod tests {
             .into_options(&[])
             .unwrap();
         assert_eq!(got.algo, opts.algo);
+        assert_eq!(got.recompute, opts.recompute);
         json["algo"] = serde_json::json!("nonsense");
         let err = TrainerSpawnConfig::from_json(&json.to_string()).unwrap_err();
         assert!(err.contains("algo"), "{err}");
