@@ -7,6 +7,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
     println!("cargo:rerun-if-changed=src/ipc.cpp");
+    println!("cargo:rerun-if-changed=src/adamw.cpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
     let lib = PathBuf::from(
@@ -48,6 +49,7 @@ fn main() {
         .cpp(true)
         .file("src/shim.cpp")
         .file("src/ipc.cpp")
+        .file("src/adamw.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")

@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use manta_cuda::adamw::{fused_adamw_masters, AdamWStep, MasterSlot};
 use tch::{Kind, Tensor};
 
 /// AdamW hyperparameters.
@@ -121,14 +122,22 @@ impl AdamW {
     /// One AdamW update from the current gradients. With master weights the update goes
     /// to the fp32 master and the parameter is then overwritten with its rounded value.
     pub fn step(&mut self) {
+        let fused = !std::env::var("MANTA_FUSED_ADAMW").is_ok_and(|v| v.trim() == "0");
+        self.update(fused);
+    }
+
+    /// [`AdamW::step`]; masters go through the fused kernel when `allow_fused` and it is
+    /// available. Returns whether it was used.
+    fn update(&mut self, allow_fused: bool) -> bool {
         self.step += 1;
         let c = self.config;
         let bias1 = 1.0 - c.beta1.powi(self.step as i32);
         let bias2 = 1.0 - c.beta2.powi(self.step as i32);
+        let fused = allow_fused && self.fused_master_step();
         tch::no_grad(|| {
             for (name, p) in self.params.iter_mut() {
                 let g = p.grad();
-                if !g.defined() {
+                if !g.defined() || (fused && self.masters.contains_key(name)) {
                     continue;
                 }
                 let g = g.to_kind(Kind::Float);
@@ -154,6 +163,52 @@ impl AdamW {
                 let _ = p.g_sub_(&update.to_kind(p.kind()));
             }
         });
+        fused
+    }
+
+    /// Updates every parameter with a master weight through ATen's fused multi-tensor
+    /// AdamW (`step` has been counted already): one pass per group of tensors instead of
+    /// a chain of kernels per parameter. Returns false, leaving everything as it was,
+    /// when the kernel is unavailable (then the per-parameter path runs).
+    fn fused_master_step(&mut self) -> bool {
+        if self.masters.is_empty() {
+            return false;
+        }
+        let grads: Vec<(&String, Tensor)> = self
+            .masters
+            .keys()
+            .map(|name| (name, self.params[name].grad()))
+            .filter(|(_, g)| g.defined())
+            .collect();
+        let slots: Vec<MasterSlot<'_>> = grads
+            .iter()
+            .map(|(name, grad)| MasterSlot {
+                param: &self.params[*name],
+                grad,
+                master: &self.masters[*name],
+                exp_avg: &self.exp_avg[*name],
+                exp_avg_sq: &self.exp_avg_sq[*name],
+            })
+            .collect();
+        let c = self.config;
+        let step = AdamWStep {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step: self.step,
+        };
+        match fused_adamw_masters(&slots, step) {
+            Ok(()) => true,
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(
+                    || tracing::warn!(error = %e, "fused AdamW unavailable: per-parameter updates"),
+                );
+                false
+            }
+        }
     }
 
     /// Clears gradients before the next step.
@@ -421,6 +476,72 @@ mod tests {
         assert!(
             q.equal(&p),
             "parameters are refreshed from the loaded masters"
+        );
+    }
+
+    #[test]
+    fn the_fused_master_update_equals_the_per_parameter_one() {
+        // ATen's fused AdamW (CPU here) against the per-parameter op chain, on bf16
+        // parameters of two sizes (two tensors, one group) over three steps.
+        let cfg = AdamWConfig {
+            lr: 0.05,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-3,
+            weight_decay: 0.1,
+        };
+        let make = || -> (Vec<Tensor>, AdamW) {
+            let ps = vec![
+                Tensor::from_slice(&[0.5f32, -0.25, 2.0, 0.0]),
+                Tensor::from_slice(&[1.5f32, -3.0]),
+            ]
+            .into_iter()
+            .map(|t| t.to_kind(Kind::BFloat16).set_requires_grad(true))
+            .collect::<Vec<_>>();
+            let named = ps
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (format!("w{i}"), p.shallow_clone()))
+                .collect();
+            (ps, AdamW::new(named, cfg))
+        };
+        let (pa, mut a) = make();
+        let (pb, mut b) = make();
+        let grads = [
+            ([1.0f32, -2.0, 0.5, 0.0], [0.25f32, -1.0]),
+            ([0.25, 1.0, -4.0, 3.0], [2.0, 0.5]),
+            ([-1.0, 0.5, 0.5, -0.125], [-0.5, 4.0]),
+        ];
+        for (g0, g1) in grads {
+            for (ps, opt) in [(&pa, &mut a), (&pb, &mut b)] {
+                opt.zero_grad();
+                let loss = (&ps[0] * Tensor::from_slice(&g0).to_kind(Kind::BFloat16))
+                    .sum(Kind::Float)
+                    + (&ps[1] * Tensor::from_slice(&g1).to_kind(Kind::BFloat16)).sum(Kind::Float);
+                loss.backward();
+            }
+            assert!(!a.update(false), "the per-parameter path ran");
+            assert!(b.update(true), "the fused kernel is available on the CPU");
+            for name in ["w0", "w1"] {
+                let d = (&a.masters[name] - &b.masters[name])
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                assert!(d < 1e-6, "{name}: masters differ by {d}");
+                assert!(
+                    a.params[name].equal(&b.params[name]),
+                    "{name}: bf16 weights differ"
+                );
+                let dm = (&a.exp_avg_sq[name] - &b.exp_avg_sq[name])
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                assert!(dm < 1e-6, "{name}: second moments differ by {dm}");
+            }
+        }
+        assert!(
+            a.masters["w0"].double_value(&[0]) != 0.5,
+            "the masters moved"
         );
     }
 

@@ -6,6 +6,7 @@
 //! from the `.cu.inc` sources beside this file). A small C++ shim compiled against the
 //! linked libtorch.
 
+pub mod adamw;
 pub mod ipc;
 
 use std::ffi::{c_char, c_int, c_void, CStr};

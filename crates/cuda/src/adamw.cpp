@@ -1,0 +1,71 @@
+// AdamW over fp32 master weights through ATen's multi-tensor `_fused_adamw_` (what
+// torch.optim.AdamW(fused=True) runs), which tch does not expose: one pass over masters,
+// gradients and moments per group of tensors instead of a chain of element-wise kernels
+// per parameter. Gradients (bf16) are widened to fp32 a group at a time, so the temporary
+// copy stays small; the low-precision parameters are then refreshed from the masters.
+// Works on the CPU and on CUDA. Every function catches C++ exceptions and returns non-zero
+// with the message kept for manta_adamw_last_error().
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+namespace {
+thread_local std::string adamw_error;
+
+const at::Tensor& as_tensor(void* p) { return *static_cast<at::Tensor*>(p); }
+}  // namespace
+
+extern "C" {
+
+const char* manta_adamw_last_error() { return adamw_error.c_str(); }
+
+// params[i] (any floating kind) is refreshed from masters[i] (fp32) after the update;
+// grads[i] has params[i]'s kind; exp_avgs/exp_avg_sqs are fp32. `step` is the step number
+// after this update (from 1). Tensors are taken in groups of at most `group_elems`
+// elements (the largest tensor alone when it is bigger), which bounds the fp32 copy of
+// the gradients.
+int manta_fused_adamw_masters(void** params, void** grads, void** masters, void** exp_avgs,
+                              void** exp_avg_sqs, int n, double step, double lr, double beta1,
+                              double beta2, double weight_decay, double eps,
+                              int64_t group_elems) {
+  try {
+    c10::NoGradGuard no_grad;
+    int start = 0;
+    while (start < n) {
+      int end = start;
+      int64_t elems = 0;
+      while (end < n && (end == start || elems + as_tensor(masters[end]).numel() <= group_elems)) {
+        elems += as_tensor(masters[end]).numel();
+        ++end;
+      }
+      std::vector<at::Tensor> m, g, a, s, steps;
+      const auto& first = as_tensor(masters[start]);
+      auto step_t = at::full({}, step, first.options().dtype(at::kFloat));
+      for (int i = start; i < end; ++i) {
+        m.push_back(as_tensor(masters[i]));
+        g.push_back(as_tensor(grads[i]).to(at::kFloat));
+        a.push_back(as_tensor(exp_avgs[i]));
+        s.push_back(as_tensor(exp_avg_sqs[i]));
+        steps.push_back(step_t);
+      }
+      at::_fused_adamw_(m, g, a, s, {}, steps, lr, beta1, beta2, weight_decay, eps,
+                        /*amsgrad=*/false, /*maximize=*/false);
+      for (int i = start; i < end; ++i) {
+        auto p = as_tensor(params[i]);
+        p.copy_(m[i - start]);
+      }
+      start = end;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    adamw_error = e.what();
+  } catch (...) {
+    adamw_error = "unknown C++ exception";
+  }
+  return 1;
+}
+
+}  // extern "C"
