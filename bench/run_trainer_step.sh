@@ -15,6 +15,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 SAMPLES=${SAMPLES:-8}; SEQ=${SEQ:-2048}; ITERS=${ITERS:-5}
 RECOMPUTE_0_6B=${RECOMPUTE_0_6B:-none}; RECOMPUTE_4B=${RECOMPUTE_4B:-auto}
+# Both sides use libtorch's caching allocator, which reads this: expandable segments
+# leave less memory stranded by fragmentation, so fewer layers need recomputing.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 # Highest GPU memory in use (MiB, nvidia-smi: what the process holds, caches included)
 # while a command runs.
 peak_mem() {
@@ -83,7 +86,7 @@ for shape in ["0.6b", "4b"]:
         tflops = f / r["median_s"] / 1e12
         keys = ("impl", "samples", "seq", "response_tokens", "gradient_checkpointing", "recompute",
                 "recompute_num_layers", "num_layers", "recompute_choice", "recompute_probes",
-                "timed_oom_splits", "median_s", "tokens_per_s", "loss", "grad_norm")
+                "timed_oom_splits", "warmup_oom_retries", "timed_oom_retries", "median_s", "tokens_per_s", "loss", "grad_norm")
         res[f"{who}_{tag}"] = {k: r[k] for k in keys if k in r}
         mem = os.path.join(out, f"{'manta' if who == 'manta' else 'eager'}_{tag}.mem")
         if os.path.exists(mem):
@@ -103,7 +106,8 @@ res["recompute_note"] = (
     "each side recomputes (checkpoints) the first recompute_num_layers layers (Megatron's block "
     "method; transformers' per-layer gradient_checkpointing for eager), chosen per side as the "
     "fewest that fit this GPU at this batch (RECOMPUTE_4B=" + os.environ.get("RECOMPUTE_4B", "auto")
-    + "); model FLOPs do not count recomputation")
+    + "); model FLOPs do not count recomputation; both sides ran with PYTORCH_CUDA_ALLOC_CONF="
+    + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 json.dump(res, open(os.path.join(out, "trainer_step.json"), "w"), indent=2)
 print(f"{'impl':<24}{'tokens/s':>12}{'median s':>10}{'TFLOP/s':>10}{'MFU':>8}")
 for r in rows:

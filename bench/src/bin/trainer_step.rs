@@ -53,6 +53,21 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("config.json"), config)?;
     let device = Device::Cuda(0);
+    // Probes that run out of memory panic inside libtorch (caught and recovered by the
+    // trainer): print one line for each instead of a C++ backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info.to_string();
+        eprintln!(
+            "panic: {}",
+            msg.lines()
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ")
+                .chars()
+                .take(300)
+                .collect::<String>()
+        );
+    }));
     let t0 = Instant::now();
     let mut trainer = Trainer::new(TrainerOptions {
         model_dir: dir.clone(),
@@ -97,11 +112,26 @@ fn main() -> anyhow::Result<()> {
         ),
     };
     let probe_s = t_probe.elapsed().as_secs_f64();
-    trainer.set_recompute(block(recompute_layers))?;
-    for _ in 0..2 {
-        trainer.train_step(&batch)?;
+    // A count that fitted its probe can still run out of memory in the warm-up steps
+    // (the caching allocator's fragmentation differs): then one more layer is recomputed
+    // and the warm-up starts again.
+    let mut recompute_layers = recompute_layers;
+    let mut warmup_retries = 0;
+    loop {
+        trainer.set_recompute(block(recompute_layers))?;
+        let mut splits = 0.0;
+        for _ in 0..2 {
+            let m = trainer.train_step(&batch)?;
+            splits += m.get("train/oom_splits").copied().unwrap_or(0.0);
+        }
+        tch::Cuda::synchronize(0);
+        if splits == 0.0 || recompute_layers >= layers {
+            break;
+        }
+        warmup_retries += 1;
+        recompute_layers += 1;
+        eprintln!("out of memory in the warm-up steps: recomputing {recompute_layers} layers");
     }
-    tch::Cuda::synchronize(0);
     let mut times = Vec::new();
     let mut last: std::collections::BTreeMap<String, f64> = Default::default();
     let mut oom_splits = 0.0;
@@ -130,6 +160,7 @@ fn main() -> anyhow::Result<()> {
             "recompute_probes": probes,
             "probe_s": probe_s,
             "timed_oom_splits": oom_splits,
+            "warmup_oom_retries": warmup_retries,
             "init_s": init_s,
             "median_s": median, "times_s": times,
             "tokens_per_s": tokens / median,
