@@ -473,7 +473,8 @@ mod tests {
             let delta = Tensor::randn([n, hidden], bf);
             let w = Tensor::rand([hidden], bf) + 0.5;
             let sum = &x + &delta;
-            let expect = sum.rms_norm([hidden], Some(&w), eps);
+            // transformers' order: the normalised row rounded to bf16, then times the weight.
+            let expect = sum.rms_norm([hidden], None::<Tensor>, eps) * &w;
             let mut residual = x.copy();
             let mut out = x.empty_like();
             add_rms_norm(&mut residual, Some(&delta), &w, &mut out, eps).unwrap();
@@ -483,7 +484,7 @@ mod tests {
             let mut plain = x.empty_like();
             let mut same = x.copy();
             add_rms_norm(&mut same, None, &w, &mut plain, eps).unwrap();
-            let d = max_diff(&plain, &x.rms_norm([hidden], Some(&w), eps));
+            let d = max_diff(&plain, &(x.rms_norm([hidden], None::<Tensor>, eps) * &w));
             assert!(d < 3e-2, "hidden {hidden}: rms_norm max diff {d}");
             assert_eq!(
                 max_diff(&same, &x),
@@ -542,8 +543,8 @@ mod tests {
             let v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view([n, nkv, hd]);
             let (q, k) = if norm {
                 (
-                    q.rms_norm([hd], Some(&qw), eps),
-                    k.rms_norm([hd], Some(&kw), eps),
+                    q.rms_norm([hd], None::<Tensor>, eps) * &qw,
+                    k.rms_norm([hd], None::<Tensor>, eps) * &kw,
                 )
             } else {
                 (q, k)
