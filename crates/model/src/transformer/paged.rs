@@ -333,16 +333,16 @@ impl SelfAttention {
                     .transpose(1, 2)
             };
             let qd = q.narrow(0, 0, rows).view([rows, nkv, rep, hd]);
-            let scores = qd
-                .matmul(&gather(&k_pool).transpose(2, 3))
-                .to_kind(Kind::Float)
-                * (1.0 / (hd as f64).sqrt());
-            let probs = scores
-                .masked_fill(&keep.logical_not(), f64::NEG_INFINITY)
-                .softmax(-1, Kind::Float)
-                .to_kind(q.kind());
-            let out = probs.matmul(&gather(&v_pool));
-            outs.push(out.reshape([rows, self.num_heads * hd]));
+            // Rounded where flash attention (the trainer's SDPA, transformers') rounds:
+            // scores and softmax in fp32, the unnormalised weights rounded to the model's
+            // dtype for the product with the values, which is normalised in fp32 after.
+            let scores =
+                wide_matmul(&qd, &gather(&k_pool).transpose(2, 3)) * (1.0 / (hd as f64).sqrt());
+            let scores = scores.masked_fill(&keep.logical_not(), f64::NEG_INFINITY);
+            let weights = (&scores - scores.amax([-1], true)).exp();
+            let sum = weights.sum_dim_intlist(-1, true, Kind::Float);
+            let out = wide_matmul(&weights.to_kind(q.kind()), &gather(&v_pool)) / sum;
+            outs.push(out.to_kind(q.kind()).reshape([rows, self.num_heads * hd]));
         }
         for (start, q_len, slots) in &batch.prefill {
             let (start, q_len) = (*start as i64, *q_len as i64);
@@ -394,6 +394,23 @@ impl SelfAttention {
         debug_assert_eq!(out.size()[0], n);
         out
     }
+}
+
+/// a [.., m, k] @ b [.., k, n] in fp32 with nothing rounded to 16 bits: on CUDA one batched
+/// GEMM writes fp32 from bf16/fp16 inputs; elsewhere (no such kernel) both are upcast.
+fn wide_matmul(a: &Tensor, b: &Tensor) -> Tensor {
+    let lowp = matches!(a.kind(), Kind::BFloat16 | Kind::Half);
+    if !(lowp && a.device().is_cuda()) {
+        return a.to_kind(Kind::Float).matmul(&b.to_kind(Kind::Float));
+    }
+    let (sa, sb) = (a.size(), b.size());
+    let (m, k, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let mut shape = sa[..sa.len() - 2].to_vec();
+    let out = a
+        .reshape([-1, m, k])
+        .bmm_dtype(&b.reshape([-1, k, n]), Kind::Float);
+    shape.extend([m, n]);
+    out.view(shape.as_slice())
 }
 
 impl CausalLm {
