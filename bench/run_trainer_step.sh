@@ -28,7 +28,8 @@ peak_mem() {
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null || true
   return $rc
 }
-for shape in 0.6b 4b; do
+SHAPES=${SHAPES:-0.6b 4b}
+for shape in $SHAPES; do
   tag=${shape/./_}
   rc_var=RECOMPUTE_${tag^^}; rc=${!rc_var}
   peak_mem "$OUT/manta_$tag" ./bin/trainer_step "$shape" "$SAMPLES" "$SEQ" "$ITERS" "$rc" 2> >(tee "$OUT/manta_$tag.log" >&2) > "$OUT/manta_$tag.json"
@@ -36,10 +37,10 @@ for shape in 0.6b 4b; do
   peak_mem "$OUT/eager_$tag" python3 bench/py/trainer_step_eager.py "$shape" "$SAMPLES" "$SEQ" "$ITERS" "$rc" 2> >(tee "$OUT/eager_$tag.log" >&2) > "$OUT/eager_$tag.json"
   cat "$OUT/eager_$tag.json"
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" $SHAPES <<'PY'
 import datetime, json, os, sys, time
 import torch
-out = sys.argv[1]
+out, shapes = sys.argv[1], sys.argv[2:]
 SHAPES = {  # layers, hidden, intermediate, heads, kv heads, head_dim, vocab (tied)
     "0.6b": (28, 1024, 3072, 16, 8, 128, 151936),
     "4b": (36, 2560, 9728, 32, 8, 128, 151936),
@@ -77,7 +78,7 @@ res = {
     "dp2_scaling_efficiency_reason": "not measured: data-parallel training (NCCL, ZeRO-2) is not built yet and two GPUs were not lent for this run",
 }
 rows = []
-for shape in ["0.6b", "4b"]:
+for shape in shapes:
     tag = shape.replace(".", "_")
     m = json.load(open(os.path.join(out, f"manta_{tag}.json")))
     e = json.load(open(os.path.join(out, f"eager_{tag}.json")))
@@ -100,8 +101,9 @@ for shape in ["0.6b", "4b"]:
         rows.append((f"{who} {shape}", r["tokens_per_s"], r["median_s"], tflops, tflops / peak if peak else float("nan")))
     res[f"model_flops_per_step_{tag}"] = f
     res[f"speedup_vs_pytorch_eager_{tag}"] = m["tokens_per_s"] / e["tokens_per_s"]
-res["mfu_4b"] = res["manta_4b"]["mfu"]
-res["recompute_num_layers"] = res["manta_4b"].get("recompute_num_layers")
+if "manta_4b" in res:
+    res["mfu_4b"] = res["manta_4b"]["mfu"]
+    res["recompute_num_layers"] = res["manta_4b"].get("recompute_num_layers")
 res["recompute_note"] = (
     "each side recomputes (checkpoints) the first recompute_num_layers layers (Megatron's block "
     "method; transformers' per-layer gradient_checkpointing for eager), chosen per side as the "
@@ -114,5 +116,6 @@ for r in rows:
     print(f"{r[0]:<24}{r[1]:>12.0f}{r[2]:>10.3f}{r[3]:>10.1f}{r[4]:>8.3f}")
 print(f"peak {peak} TFLOP/s ({res['peak_source']}); measured 8192^3 bf16 matmul {matmul_tflops:.0f} TFLOP/s")
 for k in ("speedup_vs_pytorch_eager_0_6b", "speedup_vs_pytorch_eager_4b", "mfu_4b"):
-    print(f"{k} = {res[k]:.3f}")
+    if k in res:
+        print(f"{k} = {res[k]:.3f}")
 PY
