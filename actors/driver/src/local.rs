@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use manta_cluster::OpenRewardAccess;
 use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_rollout::actor::RolloutArgs;
@@ -17,7 +18,6 @@ use manta_rollout::engine::{
 };
 use manta_rollout::ors::OrsClient;
 use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, Uploader};
-use manta_runtime::OpenRewardAccess;
 use manta_tokenizer::Tokenizer;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
@@ -36,7 +36,7 @@ use tracing::info;
 /// trainer's GPU and `rollout.mem_fraction_static` is not set.
 const COLOCATED_MEM_FRACTION: f64 = 0.3;
 
-pub use manta_runtime::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
+pub use manta_cluster::rollout::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
 
 /// Handles to everything local mode started.
 pub struct LocalWorker {
@@ -111,7 +111,7 @@ pub(crate) fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
-    Ok(manta_runtime::spawn::environment_clients(
+    Ok(manta_cluster::rollout::spawn::environment_clients(
         train,
         builtin_url,
         &OpenRewardAccess::from_env(train),

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
-use manta_runtime::pool::NodeSpec;
-use manta_runtime::{
-    load_token, ClientTls, Lease, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer,
-    RolloutSpawnConfig, ShippedTrainConfig, TrainerSpawnConfig, WorkerClient,
+use manta_cluster::{
+    NodeSpec, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
+    ShippedTrainConfig, TrainerSpawnConfig,
 };
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
+use manta_runtime::{load_token, ClientTls, Lease, WorkerClient};
 use tracing::info;
 
 use crate::driver_actor::RunSummary;
@@ -210,7 +210,7 @@ pub async fn train_remote(
 fn sglang_spawn(
     cluster: &manta_config::ClusterConfig,
     settings: &manta_config::TrainSettings,
-) -> Option<manta_runtime::spawn::SglangSpawn> {
+) -> Option<manta_cluster::SglangSpawn> {
     let r = &cluster.rollout;
     if r.engine != manta_config::EngineKind::Sglang {
         return None;
@@ -221,7 +221,7 @@ fn sglang_spawn(
             gpus.insert(format!("rollout-{i}-{k}"), cluster.engine_gpus(node, k));
         }
     }
-    Some(manta_runtime::spawn::SglangSpawn {
+    Some(manta_cluster::SglangSpawn {
         command: r.command.clone(),
         mem_fraction_static: r.mem_fraction_static,
         extra_args: r.extra_args.clone(),

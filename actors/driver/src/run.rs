@@ -192,7 +192,7 @@ async fn train_from_debug_data(
     settings: &TrainSettings,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
-    let trainer = manta_runtime::spawn::spawn_trainer(
+    let trainer = manta_cluster::trainer::spawn::spawn_trainer(
         "trainer",
         local::trainer_options(settings, tch::Device::Cpu),
     )

@@ -39,7 +39,7 @@ pub enum Rollouts {
         colocated: bool,
     },
     Remote {
-        pool: Arc<manta_runtime::RemotePool>,
+        pool: Arc<manta_cluster::RemotePool>,
     },
     /// `--load-debug-rollout-data`: each step's samples come from a file; there is no
     /// engine to sync.

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use manta_runtime::weights::WeightSet;
-use manta_runtime::{RemoteTrainer, TrainerCallError};
+use manta_cluster::weights::WeightSet;
+use manta_cluster::{RemoteTrainer, TrainerCallError};
 use manta_trainer::{NamedTensors, TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
 

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
+use manta_cluster::rollout::pool::PauseMode as WirePause;
+use manta_cluster::weights;
+use manta_cluster::RemotePool;
 use manta_proto::weight_sync::{EngineDigest, TensorDigest};
 use manta_rollout::engine::PauseMode;
 use manta_rollout::RolloutMsg;
-use manta_runtime::pool::PauseMode as WirePause;
-use manta_runtime::weights;
-use manta_runtime::RemotePool;
 use manta_telemetry::StepMetrics;
 use manta_weight_sync::route::{self, Endpoint};
 use manta_weight_sync::{SyncOptions, WeightSyncMsg};

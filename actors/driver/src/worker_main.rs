@@ -59,14 +59,13 @@ async fn main() -> ExitCode {
     println!("worker listening on {} ({scheme})", args.listen);
     // Actors run on this (multi-thread) runtime; gRPC on a control-plane thread.
     let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
-    let server =
-        match manta_runtime::server::spawn_control_plane(daemon.clone(), listener, token, tls) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("error: starting the control-plane thread: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
+    let server = match manta_cluster::spawn_control_plane(daemon.clone(), listener, token, tls) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: starting the control-plane thread: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let finished = tokio::task::spawn_blocking(move || server.join());
     tokio::pin!(finished);
     let joined = tokio::select! {

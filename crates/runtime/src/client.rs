@@ -1,53 +1,40 @@
 //! A typed client for one worker daemon; every call carries the cluster token and
 //! every error names the worker's address.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
 use manta_proto::common as pb;
-use manta_proto::rollout as rpb;
-use manta_proto::rollout::rollout_client::RolloutClient as RolloutRpc;
-use manta_proto::trainer as tpb;
-use manta_proto::trainer::trainer_client::TrainerClient as TrainerRpc;
-use manta_proto::weight_sync as wpb;
-use manta_proto::weight_sync::weight_sync_client::WeightSyncClient as WeightSyncRpc;
-use manta_rollout::{EpisodeRequest, GenerationSettings};
 use tonic::codegen::InterceptedService;
 use tonic::transport::Endpoint;
 
 use crate::auth::BearerToken;
-use crate::convert::request_to_pb;
 use crate::lease::Lease;
-use crate::spawn::{RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::{error_chain, status_chain, ClientTls};
 use crate::transport::{ClusterChannel, H2Channel};
-use crate::weights::{Assembler, WeightSet, MAX_WEIGHT_MESSAGE};
 use crate::RuntimeError;
 
-type Authed = InterceptedService<ClusterChannel, BearerToken>;
+/// The authenticated channel to one worker: every gRPC client of the worker's services
+/// (the generic `Worker` one here, those of hosted actors elsewhere) is built on it.
+pub type AuthedChannel = InterceptedService<ClusterChannel, BearerToken>;
 
 /// How long to wait for a worker's TCP connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One worker, reached over gRPC. Cheap to clone; the channel reconnects by itself
-/// when a worker restarts on the same address.
+/// when a worker restarts on the same address. Calls to hosted actors' services go
+/// over the same channel ([`WorkerClient::channel`]).
 #[derive(Clone)]
 pub struct WorkerClient {
     addr: String,
     tls: bool,
-    worker: WorkerRpc<Authed>,
-    rollout: RolloutRpc<Authed>,
-    trainer: TrainerRpc<Authed>,
-    weight_sync: WeightSyncRpc<Authed>,
+    channel: AuthedChannel,
+    worker: WorkerRpc<AuthedChannel>,
     /// Sent with heartbeats and spawns: actors spawned through this client live while
     /// its heartbeats keep coming.
     lease: Option<Lease>,
 }
-
-/// Largest message to or from a trainer (a rank's share of a batch).
-pub const MAX_TRAINER_MESSAGE: usize = 1 << 30;
 
 impl WorkerClient {
     /// A lazily connecting plaintext client for `addr` (`host:port`).
@@ -76,20 +63,20 @@ impl WorkerClient {
                     .connect_lazy(),
             ),
         };
-        let auth = BearerToken::new(token)?;
+        let channel = InterceptedService::new(channel, BearerToken::new(token)?);
         Ok(Self {
             addr: addr.to_string(),
             tls: tls.is_some(),
-            worker: WorkerRpc::with_interceptor(channel.clone(), auth.clone()),
-            rollout: RolloutRpc::with_interceptor(channel.clone(), auth.clone()),
-            weight_sync: WeightSyncRpc::with_interceptor(channel.clone(), auth.clone())
-                .max_encoding_message_size(MAX_WEIGHT_MESSAGE)
-                .max_decoding_message_size(MAX_WEIGHT_MESSAGE),
-            trainer: TrainerRpc::with_interceptor(channel, auth)
-                .max_encoding_message_size(MAX_TRAINER_MESSAGE)
-                .max_decoding_message_size(MAX_TRAINER_MESSAGE),
+            worker: WorkerRpc::new(channel.clone()),
+            channel,
             lease: None,
         })
+    }
+
+    /// The authenticated channel, for clients of other services on this worker
+    /// (e.g. `RolloutClient::new(worker.channel())`).
+    pub fn channel(&self) -> AuthedChannel {
+        self.channel.clone()
     }
 
     /// This client with `lease`: the actors it spawns are stopped by the worker when
@@ -103,7 +90,9 @@ impl WorkerClient {
         &self.addr
     }
 
-    fn rpc(&self, status: tonic::Status) -> RuntimeError {
+    /// A call's error status as an error naming this worker (with a hint when it looks
+    /// like a TLS mismatch).
+    pub fn rpc_error(&self, status: tonic::Status) -> RuntimeError {
         let status = match tls_mismatch_hint(self.tls, &status) {
             Some(hint) => {
                 tonic::Status::new(status.code(), format!("{} ({hint})", status_chain(&status)))
@@ -116,14 +105,15 @@ impl WorkerClient {
         }
     }
 
-    async fn timed<T>(
+    /// Awaits a unary call for at most `limit`; errors name this worker.
+    pub async fn timed<T>(
         &self,
         limit: Duration,
         fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     ) -> Result<T, RuntimeError> {
         match tokio::time::timeout(limit, fut).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(status)) => Err(self.rpc(status)),
+            Ok(Err(status)) => Err(self.rpc_error(status)),
             Err(_) => Err(RuntimeError::Timeout {
                 addr: self.addr.clone(),
                 ms: limit.as_millis() as u64,
@@ -202,44 +192,21 @@ impl WorkerClient {
         self.timed(limit, c.heartbeat(request)).await
     }
 
-    /// Starts a rollout actor named `name` on the worker.
-    pub async fn spawn_rollout(
+    /// Starts an actor of `kind` named `name` on the worker, on `gpus` (none: CPU),
+    /// from `config_json` (the kind's own format), under this client's lease.
+    pub async fn spawn_actor(
         &self,
+        kind: cpb::ActorKind,
         name: &str,
-        cfg: &RolloutSpawnConfig,
-    ) -> Result<(), RuntimeError> {
-        let config_json =
-            serde_json::to_string(cfg).map_err(|e| RuntimeError::Spawn(e.to_string()))?;
-        let mut c = self.worker.clone();
-        self.timed(
-            Duration::from_secs(120),
-            c.spawn_actor(cpb::SpawnActorRequest {
-                kind: cpb::ActorKind::Rollout as i32,
-                name: name.to_string(),
-                gpus: Vec::new(),
-                config_json,
-                lease: self.lease.map(Lease::to_pb),
-            }),
-        )
-        .await?;
-        Ok(())
-    }
-
-    /// Starts a trainer actor named `name` on the worker, on `gpus` (none: CPU).
-    pub async fn spawn_trainer(
-        &self,
-        name: &str,
-        cfg: &TrainerSpawnConfig,
         gpus: &[u32],
+        config_json: String,
         limit: Duration,
     ) -> Result<(), RuntimeError> {
-        let config_json =
-            serde_json::to_string(cfg).map_err(|e| RuntimeError::Spawn(e.to_string()))?;
         let mut c = self.worker.clone();
         self.timed(
             limit,
             c.spawn_actor(cpb::SpawnActorRequest {
-                kind: cpb::ActorKind::Trainer as i32,
+                kind: kind as i32,
                 name: name.to_string(),
                 gpus: gpus.to_vec(),
                 config_json,
@@ -248,126 +215,6 @@ impl WorkerClient {
         )
         .await?;
         Ok(())
-    }
-
-    /// One GRPO step on trainer `actor` (no time limit: a step takes what it takes;
-    /// a lost worker breaks the connection).
-    pub async fn train_step(
-        &self,
-        actor: &str,
-        step: u64,
-        batch: &manta_trainer::TrainBatch,
-    ) -> Result<std::collections::BTreeMap<String, f64>, RuntimeError> {
-        let mut c = self.trainer.clone();
-        let request = tpb::TrainStepRequest {
-            step,
-            samples: batch.samples.iter().map(pb::Sample::from).collect(),
-            advantages: batch.advantages.iter().map(|&a| a as f32).collect(),
-            global_batch_samples: batch.global_samples as u32,
-            actor: actor.to_string(),
-        };
-        let reply = c
-            .train_step(request)
-            .await
-            .map_err(|s| self.rpc(s))?
-            .into_inner();
-        Ok(reply.metrics.into_iter().collect())
-    }
-
-    pub async fn save_checkpoint(
-        &self,
-        actor: &str,
-        directory: &str,
-        step: u64,
-    ) -> Result<(), RuntimeError> {
-        let mut c = self.trainer.clone();
-        c.save_checkpoint(tpb::SaveCheckpointRequest {
-            directory: directory.to_string(),
-            step,
-            actor: actor.to_string(),
-        })
-        .await
-        .map_err(|s| self.rpc(s))?;
-        Ok(())
-    }
-
-    /// Restores trainer `actor` from a checkpoint; returns the checkpoint's step.
-    pub async fn load_checkpoint(&self, actor: &str, directory: &str) -> Result<u64, RuntimeError> {
-        let mut c = self.trainer.clone();
-        let reply = c
-            .load_checkpoint(tpb::LoadCheckpointRequest {
-                directory: directory.to_string(),
-                actor: actor.to_string(),
-            })
-            .await
-            .map_err(|s| self.rpc(s))?;
-        Ok(reply.into_inner().step)
-    }
-
-    /// Streams trainer `actor`'s current weights off the worker.
-    pub async fn pull_weights(&self, actor: &str) -> Result<WeightSet, RuntimeError> {
-        let mut c = self.weight_sync.clone();
-        let mut stream = c
-            .pull_weights(wpb::PullWeightsRequest {
-                actor: actor.to_string(),
-            })
-            .await
-            .map_err(|s| self.rpc(s))?
-            .into_inner();
-        let mut asm = Assembler::new();
-        while let Some(chunk) = stream.message().await.map_err(|s| self.rpc(s))? {
-            asm.push(chunk).map_err(|e| self.weights_error(e))?;
-        }
-        let (_, set) = asm.finish().map_err(|e| self.weights_error(e))?;
-        Ok(set)
-    }
-
-    /// Sends `set` as `version` in chunks of `chunk_bytes`; the worker stages it.
-    pub async fn push_weights(
-        &self,
-        set: Arc<WeightSet>,
-        version: u64,
-        chunk_bytes: usize,
-    ) -> Result<wpb::PushWeightsReply, RuntimeError> {
-        let mut c = self.weight_sync.clone();
-        let chunks = futures::stream::iter(set.chunks(version, chunk_bytes));
-        let reply = c.push_weights(chunks).await.map_err(|s| self.rpc(s))?;
-        Ok(reply.into_inner())
-    }
-
-    /// Applies the staged `version` to every engine on the worker (pause, copy, bump,
-    /// resume).
-    pub async fn apply_weights(
-        &self,
-        version: u64,
-        pause: wpb::PauseMode,
-    ) -> Result<wpb::ApplyWeightsReply, RuntimeError> {
-        let mut c = self.weight_sync.clone();
-        let reply = c
-            .apply_weights(wpb::ApplyWeightsRequest {
-                version,
-                pause: pause as i32,
-            })
-            .await
-            .map_err(|s| self.rpc(s))?;
-        Ok(reply.into_inner())
-    }
-
-    /// What each rollout engine on the worker holds, tensor by tensor.
-    pub async fn engine_digests(&self) -> Result<Vec<wpb::EngineDigest>, RuntimeError> {
-        let mut c = self.weight_sync.clone();
-        let reply = c
-            .engine_digests(wpb::EngineDigestsRequest {})
-            .await
-            .map_err(|s| self.rpc(s))?;
-        Ok(reply.into_inner().engines)
-    }
-
-    fn weights_error(&self, e: crate::weights::WeightsError) -> RuntimeError {
-        RuntimeError::Node {
-            addr: self.addr.clone(),
-            message: e.to_string(),
-        }
     }
 
     pub async fn stop_actor(&self, name: &str) -> Result<(), RuntimeError> {
@@ -389,31 +236,9 @@ impl WorkerClient {
         Ok(())
     }
 
-    /// Starts episodes on actor `actor`; samples stream back as they finish.
-    pub async fn run_episodes(
-        &self,
-        actor: &str,
-        episodes: &[EpisodeRequest],
-        settings: GenerationSettings,
-    ) -> Result<tonic::Streaming<pb::Sample>, RuntimeError> {
-        let mut c = self.rollout.clone();
-        let request = rpb::RunEpisodesRequest {
-            episodes: episodes.iter().map(request_to_pb).collect(),
-            temperature: settings.temperature as f32,
-            max_response_len: settings.max_response_len as u32,
-            actor: actor.to_string(),
-            context_len: settings.context_len as u32,
-            partial_rollout: settings.partial_rollout,
-        };
-        let mut request = tonic::Request::new(request);
-        manta_telemetry::inject_into_metadata(&tracing::Span::current(), request.metadata_mut());
-        self.timed(Duration::from_secs(30), c.run_episodes(request))
-            .await
-    }
-
     /// Maps a streaming error to one that names this worker.
     pub fn stream_error(&self, status: tonic::Status) -> RuntimeError {
-        self.rpc(status)
+        self.rpc_error(status)
     }
 }
 

@@ -1,44 +1,34 @@
-//! The cluster runtime: what lets the driver use actors that live in `worker` daemons
-//! on other processes or nodes as if they were local.
+//! The cluster runtime: the generic machinery that lets the driver use actors living in
+//! `worker` daemons on other processes or nodes. It knows no Manta actor: which actors
+//! a worker hosts and the services that call them plug in through [`host::ActorHost`]
+//! and [`server::serve_with_services`] (crates/cluster does that for rollouts and
+//! trainers).
 //!
 //! - [`auth`]: the cluster token, checked on every gRPC call (both sides).
-//! - [`spawn`]: building rollout and trainer actors from their JSON spawn configs.
-//! - [`server`]: the worker daemon's `Worker` and `Rollout` gRPC services.
-//! - [`client`]: a typed client for one worker.
+//! - [`host`]: what an actor kind plugs into a worker (spawn, typed handle, stop).
+//! - [`server`]: the worker daemon: hosted-actor registry and the `Worker` service.
+//! - [`client`]: a client for one worker and the channel other services share.
 //! - [`echo`]: the trivial actor behind the `Echo` RPC.
 //! - [`node`]: the node supervisor every hosted actor is linked to.
 //! - [`lease`]: a driver's hold on its actors; a worker stops them when it lapses.
-//! - [`pool`]: remote rollout actors across nodes, heartbeats, failover and rejoin.
-//! - [`remote_trainer`]: a trainer on a worker, its heartbeat and restart.
 //! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
-//! - [`weights`]: weights as bounded chunks on the wire (no shared disk).
-//! - [`sync_service`]: the worker's `WeightSync` service (pull, push, apply, digests).
 //! - [`tls`]: optional TLS (rustls) for the worker and its clients.
 
 pub mod auth;
 pub mod client;
-pub mod convert;
 pub mod echo;
+pub mod host;
 pub mod lease;
 pub mod node;
-pub mod pool;
-pub mod remote_trainer;
 pub mod server;
-pub mod spawn;
-pub mod sync_service;
 pub mod tls;
 pub mod transport;
-pub mod weights;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
-pub use client::WorkerClient;
+pub use client::{AuthedChannel, WorkerClient};
+pub use host::{ActorHost, HostedActor, SpawnRequest};
 pub use lease::Lease;
-pub use pool::{NodeSpec, PoolOptions, RemotePool};
-pub use remote_trainer::{RemoteTrainer, TrainerCallError};
-pub use server::{serve, serve_with_tls, WorkerDaemon};
-pub use spawn::{
-    OpenRewardAccess, RolloutSpawnConfig, ShippedTrainConfig, TrainerSpawnConfig, UploadTarget,
-};
+pub use server::{serve, serve_with_services, serve_with_tls, spawn_control_plane, WorkerDaemon};
 pub use tls::{ClientTls, ServerTls, TlsError};
 
 /// What can go wrong talking to or running a worker.

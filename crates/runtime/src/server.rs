@@ -1,94 +1,73 @@
-//! The worker daemon: hosts rollout actors and serves the `Worker` and `Rollout`
-//! gRPC services, every call checked against the cluster token.
+//! The worker daemon: a registry of hosted actors behind the `Worker` gRPC service
+//! (describe, spawn, stop, heartbeats, leases, echo), every call checked against the
+//! cluster token. Which actors it can host comes from the [`ActorHost`]s registered on
+//! it; services that call those actors are added by the caller ([`serve_with_services`]).
 //!
 //! The `worker` binary serves gRPC from a control-plane thread of its own
 //! ([`spawn_control_plane`], a current-thread runtime) while actors run on the main
 //! multi-thread runtime: a small call and the echo actor then stay on one thread,
-//! with no cross-thread wake-up, and episode work never queues behind them.
+//! with no cross-thread wake-up, and actor work never queues behind them.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt};
-use manta_config::TrainConfig;
+use futures::future::BoxFuture;
+use futures::StreamExt;
 use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_server::{Worker, WorkerServer};
 use manta_proto::common as pb;
-use manta_proto::rollout as rpb;
-use manta_proto::rollout::rollout_server::{Rollout, RolloutServer};
-use manta_proto::trainer as tpb;
-use manta_proto::trainer::trainer_server::{Trainer, TrainerServer};
-use manta_proto::weight_sync::weight_sync_server::WeightSyncServer;
-use manta_rollout::{GenerationSettings, RolloutMsg, Uploader};
-use manta_trainer::{TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
 use tokio::sync::{Mutex, Notify};
+use tonic::service::Routes;
 use tonic::{Request, Response, Status};
-use tracing::{info, warn, Instrument};
+use tracing::{info, warn};
 
 use crate::auth::CheckToken;
-use crate::convert::request_from_pb;
+use crate::host::{ActorHost, HostedActor, SpawnRequest};
 use crate::lease::{Lease, LeaseBook};
 use crate::node::NodeMsg;
-use crate::spawn::{spawn_rollout, spawn_trainer, RolloutSpawnConfig, TrainerSpawnConfig};
 use crate::tls::ServerTls;
 
-pub(crate) struct Hosted {
-    pub(crate) actor: ActorRef<RolloutMsg>,
-    max_concurrent: usize,
-    /// The actor's trajectory uploader, flushed when it stops.
-    upload: Option<Uploader>,
-}
-
-pub(crate) struct State {
-    pub(crate) actors: BTreeMap<String, Hosted>,
-    trainers: BTreeMap<String, ActorRef<TrainerMsg>>,
-    env_server: Option<manta_envs::ServerHandle>,
+struct State {
+    actors: BTreeMap<String, HostedActor>,
     /// Which lease holder placed each actor (actors spawned without a lease are absent).
     owners: BTreeMap<String, u64>,
     leases: LeaseBook,
-    /// Weights pushed for `ApplyWeights`, by version (CPU tensors; the newest two).
-    pub(crate) staged: BTreeMap<u64, manta_trainer::NamedTensors>,
 }
 
 impl State {
-    /// Takes actor `name` (rollout or trainer) off the registry and stops it; returns
-    /// its uploader, if any, for the caller to flush.
-    fn remove_and_stop(&mut self, name: &str) -> Option<Option<Uploader>> {
+    /// Takes actor `name` off the registry and stops it; returns what must run after
+    /// it stopped (`None`: no such actor).
+    fn remove_and_stop(&mut self, name: &str) -> Option<Option<BoxFuture<'static, ()>>> {
         self.owners.remove(name);
-        if let Some(t) = self.trainers.remove(name) {
-            t.stop(None);
-            return Some(None);
-        }
         let hosted = self.actors.remove(name)?;
-        hosted.actor.stop(None);
-        Some(hosted.upload)
+        hosted.cell.stop(None);
+        Some(hosted.on_stop)
     }
 }
 
 /// How often the worker looks for expired leases.
 const LEASE_CHECK: Duration = Duration::from_millis(100);
-/// How long stopping an actor waits for its last trajectories to upload.
-const UPLOAD_FLUSH: Duration = Duration::from_secs(5);
 
-/// The daemon's state, shared by both services.
+/// The daemon's state, shared by every service.
 #[derive(Clone)]
 pub struct WorkerDaemon {
     gpus: Vec<u32>,
-    /// Where hosted actors (and the built-in environment server) run.
+    /// Where hosted actors run.
     actors_runtime: tokio::runtime::Handle,
     started: Instant,
-    pub(crate) state: Arc<Mutex<State>>,
+    state: Arc<Mutex<State>>,
+    /// The actor kinds this daemon can host, by `ActorKind` value.
+    hosts: Arc<RwLock<BTreeMap<i32, Arc<dyn ActorHost>>>>,
     shutdown: Arc<Notify>,
     /// The node supervisor every hosted actor is linked to (started on first spawn).
     node: Arc<tokio::sync::OnceCell<ActorRef<NodeMsg>>>,
 }
 
 impl WorkerDaemon {
-    /// A daemon offering `gpus`. Call it inside a Tokio runtime: hosted actors run there.
+    /// A daemon offering `gpus`, hosting no actor kind yet ([`WorkerDaemon::host`]).
+    /// Call it inside a Tokio runtime: hosted actors run there.
     pub fn new(gpus: Vec<u32>) -> Self {
         Self {
             gpus,
@@ -96,16 +75,54 @@ impl WorkerDaemon {
             started: Instant::now(),
             state: Arc::new(Mutex::new(State {
                 actors: BTreeMap::new(),
-                trainers: BTreeMap::new(),
-                env_server: None,
                 owners: BTreeMap::new(),
                 leases: LeaseBook::default(),
-                staged: BTreeMap::new(),
             })),
+            hosts: Arc::new(RwLock::new(BTreeMap::new())),
             shutdown: Arc::new(Notify::new()),
             node: Arc::new(tokio::sync::OnceCell::new()),
         }
         .watching_leases()
+    }
+
+    /// From now on, `SpawnActor` calls for `kind` go to `host` (replacing any before).
+    pub fn host(&self, kind: cpb::ActorKind, host: Arc<dyn ActorHost>) {
+        if let Ok(mut hosts) = self.hosts.write() {
+            hosts.insert(kind as i32, host);
+        }
+    }
+
+    /// GPUs this worker offers.
+    pub fn gpus(&self) -> &[u32] {
+        &self.gpus
+    }
+
+    /// The runtime hosted actors run on (multi-threaded).
+    pub fn actors_runtime(&self) -> &tokio::runtime::Handle {
+        &self.actors_runtime
+    }
+
+    /// The handle of hosted actor `name` when it is a `T` (see [`HostedActor::new`]).
+    pub async fn hosted<T: Clone + Send + Sync + 'static>(&self, name: &str) -> Option<T> {
+        let state = self.state.lock().await;
+        state
+            .actors
+            .get(name)
+            .and_then(|h| h.handle.downcast_ref::<T>().cloned())
+    }
+
+    /// Every hosted actor whose handle is a `T`, by name.
+    pub async fn all_hosted<T: Clone + Send + Sync + 'static>(&self) -> Vec<(String, T)> {
+        let state = self.state.lock().await;
+        state
+            .actors
+            .iter()
+            .filter_map(|(name, h)| {
+                h.handle
+                    .downcast_ref::<T>()
+                    .map(|t| (name.clone(), t.clone()))
+            })
+            .collect()
     }
 
     /// Starts the task that stops the actors of holders whose lease expired (it ends
@@ -141,105 +158,53 @@ impl WorkerDaemon {
         Ok(())
     }
 
-    async fn actor(&self, name: &str) -> Result<(ActorRef<RolloutMsg>, usize), Status> {
-        let state = self.state.lock().await;
-        state
-            .actors
-            .get(name)
-            .map(|h| (h.actor.clone(), h.max_concurrent))
-            .ok_or_else(|| Status::not_found(format!("no actor named {name:?} on this worker")))
-    }
-
-    pub(crate) async fn trainer(&self, name: &str) -> Result<ActorRef<TrainerMsg>, Status> {
-        let state = self.state.lock().await;
-        state
-            .trainers
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("no trainer named {name:?} on this worker")))
-    }
-
     /// Asks [`serve`] to stop (as the `Shutdown` RPC does).
     pub fn request_shutdown(&self) {
         self.shutdown.notify_one();
     }
 
-    /// Stops every actor and the built-in environment server.
+    /// Stops every actor, then lets every host release what it keeps.
     pub async fn stop_all(&self) {
         let mut state = self.state.lock().await;
         state.owners.clear();
         for (_, h) in std::mem::take(&mut state.actors) {
-            h.actor.stop(None);
-            if let Some(upload) = h.upload {
-                finish_upload(upload).await;
+            h.cell.stop(None);
+            if let Some(finish) = h.on_stop {
+                finish.await;
             }
         }
-        for (_, t) in std::mem::take(&mut state.trainers) {
-            t.stop(None);
-        }
-        if let Some(server) = state.env_server.take() {
-            server.shutdown().await;
+        let hosts: Vec<Arc<dyn ActorHost>> = self
+            .hosts
+            .read()
+            .map(|h| h.values().cloned().collect())
+            .unwrap_or_default();
+        for host in hosts {
+            host.shutdown().await;
         }
     }
-}
 
-impl WorkerDaemon {
-    /// A spawn with a lease renews it and keeps it from expiring while it runs.
-    async fn spawn_starts(&self, req: &cpb::SpawnActorRequest) -> Option<Lease> {
-        let lease = Lease::from_pb(req.lease.as_ref())?;
-        self.state.lock().await.leases.spawning(lease, true);
-        Some(lease)
-    }
-
-    async fn spawn_ends<T>(
-        &self,
-        lease: Option<Lease>,
-        result: Result<T, Status>,
-    ) -> Result<T, Status> {
-        if let Some(lease) = lease {
-            self.state.lock().await.leases.spawning(lease, false);
+    /// The host registered for `kind`, or the call's error naming the kinds there are.
+    fn host_for(&self, kind: i32) -> Result<Arc<dyn ActorHost>, Status> {
+        let hosts = self
+            .hosts
+            .read()
+            .map_err(|_| Status::internal("the actor host registry is poisoned"))?;
+        if let Some(host) = hosts.get(&kind) {
+            return Ok(host.clone());
         }
-        result
-    }
-
-    async fn spawn_trainer_actor(
-        &self,
-        req: cpb::SpawnActorRequest,
-    ) -> Result<Response<cpb::SpawnActorReply>, Status> {
-        let cfg =
-            TrainerSpawnConfig::from_json(&req.config_json).map_err(Status::invalid_argument)?;
-        if let Some(g) = req.gpus.iter().find(|g| !self.gpus.contains(g)) {
-            return Err(Status::failed_precondition(format!(
-                "trainer {:?} asks for GPU {g}, but this worker offers {:?}",
-                req.name, self.gpus
-            )));
-        }
-        let options = cfg
-            .into_options(&req.gpus)
-            .map_err(Status::failed_precondition)?;
-        if self.state.lock().await.trainers.contains_key(&req.name) {
-            return Err(Status::already_exists(format!(
-                "a trainer named {:?} already runs here",
-                req.name
-            )));
-        }
-        let name = req.name.clone();
-        let lease = self.spawn_starts(&req).await;
-        let spawned = self
-            .actors_runtime
-            .spawn(async move { spawn_trainer(&name, options).await })
-            .await
-            .map_err(|e| Status::internal(e.to_string()))
-            .and_then(|r| r.map_err(|e| Status::internal(format!("{e:#}"))));
-        let actor = self.spawn_ends(lease, spawned).await?;
-        self.supervise(actor.get_cell()).await?;
-        info!(actor = %req.name, gpus = ?req.gpus, "trainer spawned");
-        let mut state = self.state.lock().await;
-        state.trainers.insert(req.name.clone(), actor);
-        if let Some(lease) = lease {
-            state.owners.insert(req.name.clone(), lease.holder);
-        }
-        Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
+        let known: Vec<&str> = hosts
+            .keys()
+            .filter_map(|&k| cpb::ActorKind::try_from(k).ok())
+            .map(|k| k.as_str_name())
+            .collect();
+        Err(Status::unimplemented(format!(
+            "actor kind {kind} cannot be hosted by this worker ({})",
+            if known.is_empty() {
+                "it hosts no actor kind".to_string()
+            } else {
+                known.join(" or ")
+            }
+        )))
     }
 }
 
@@ -255,12 +220,7 @@ impl Worker for WorkerDaemon {
             if let Some(lease) = Lease::from_pb(request.lease.as_ref()) {
                 state.leases.renew(lease);
             }
-            state
-                .actors
-                .keys()
-                .chain(state.trainers.keys())
-                .cloned()
-                .collect()
+            state.actors.keys().cloned().collect()
         };
         Ok(Response::new(cpb::HeartbeatReply {
             sequence: request.sequence,
@@ -301,71 +261,41 @@ impl Worker for WorkerDaemon {
         request: Request<cpb::SpawnActorRequest>,
     ) -> Result<Response<cpb::SpawnActorReply>, Status> {
         let req = request.into_inner();
-        if req.kind == cpb::ActorKind::Trainer as i32 {
-            return self.spawn_trainer_actor(req).await;
-        }
-        if req.kind != cpb::ActorKind::Rollout as i32 {
-            return Err(Status::unimplemented(format!(
-                "actor kind {} cannot be hosted by this worker (ACTOR_KIND_ROLLOUT or ACTOR_KIND_TRAINER)",
-                req.kind
-            )));
-        }
-        let cfg =
-            RolloutSpawnConfig::from_json(&req.config_json).map_err(Status::invalid_argument)?;
-        let train: TrainConfig = cfg
-            .train_config
-            .parse()
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let mut state = self.state.lock().await;
-        if state.actors.contains_key(&req.name) {
+        let host = self.host_for(req.kind)?;
+        if self.state.lock().await.actors.contains_key(&req.name) {
             return Err(Status::already_exists(format!(
                 "an actor named {:?} already runs here",
                 req.name
             )));
         }
-        if RolloutSpawnConfig::needs_builtin(&train) && state.env_server.is_none() {
-            let addr = SocketAddr::from(([127, 0, 0, 1], 0));
-            let server = self
-                .actors_runtime
-                .spawn(manta_envs::serve(addr, manta_envs::builtin_environments()))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?
-                .map_err(|e| {
-                    Status::internal(format!("starting the built-in environment server: {e}"))
-                })?;
-            info!(url = %server.base_url(), "built-in environment server started");
-            state.env_server = Some(server);
-        }
-        let builtin_url = state.env_server.as_ref().map(|s| s.base_url());
+        // A spawn renews its lease and keeps it from expiring while it runs (a holder
+        // loading a model is alive).
         let lease = Lease::from_pb(req.lease.as_ref());
         if let Some(lease) = lease {
-            state.leases.spawning(lease, true);
+            self.state.lock().await.leases.spawning(lease, true);
         }
-        let name = req.name.clone();
-        let spawn_cfg = cfg.clone();
-        let spawned =
-            self.actors_runtime
-                .spawn(async move {
-                    spawn_rollout(&name, &spawn_cfg, &train, builtin_url.as_deref()).await
-                })
-                .await
-                .map_err(|e| Status::internal(e.to_string()))
-                .and_then(|r| r.map_err(|e| Status::internal(format!("{e:#}"))));
+        let spawn = SpawnRequest {
+            name: req.name.clone(),
+            gpus: req.gpus,
+            config_json: req.config_json,
+            offered_gpus: self.gpus.clone(),
+        };
+        let spawned = self
+            .actors_runtime
+            .spawn(async move { host.spawn(spawn).await })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))
+            .and_then(|r| r);
         if let Some(lease) = lease {
-            state.leases.spawning(lease, false);
+            self.state.lock().await.leases.spawning(lease, false);
+        }
+        let hosted = spawned?;
+        self.supervise(hosted.cell.clone()).await?;
+        let mut state = self.state.lock().await;
+        state.actors.insert(req.name.clone(), hosted);
+        if let Some(lease) = lease {
             state.owners.insert(req.name.clone(), lease.holder);
         }
-        let (actor, upload) = spawned?;
-        self.supervise(actor.get_cell()).await?;
-        info!(actor = %req.name, "rollout actor spawned");
-        state.actors.insert(
-            req.name.clone(),
-            Hosted {
-                actor,
-                max_concurrent: cfg.max_concurrent_episodes.max(1),
-                upload,
-            },
-        );
         Ok(Response::new(cpb::SpawnActorReply { name: req.name }))
     }
 
@@ -376,10 +306,10 @@ impl Worker for WorkerDaemon {
         let name = request.into_inner().name;
         let stopped = self.state.lock().await.remove_and_stop(&name);
         match stopped {
-            Some(upload) => {
+            Some(finish) => {
                 info!(actor = %name, "actor stopped");
-                if let Some(upload) = upload {
-                    finish_upload(upload).await;
+                if let Some(finish) = finish {
+                    finish.await;
                 }
                 Ok(Response::new(pb::Empty {}))
             }
@@ -428,94 +358,25 @@ impl Worker for WorkerDaemon {
     }
 }
 
-type SampleStream = Pin<Box<dyn Stream<Item = Result<pb::Sample, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl Rollout for WorkerDaemon {
-    type RunEpisodesStream = SampleStream;
-
-    async fn run_episodes(
-        &self,
-        request: Request<rpb::RunEpisodesRequest>,
-    ) -> Result<Response<SampleStream>, Status> {
-        let span = tracing::info_span!("run_episodes");
-        manta_telemetry::set_parent_from_metadata(&span, request.metadata());
-        let req = request.into_inner();
-        let (actor, concurrency) = self.actor(&req.actor).await?;
-        let settings = GenerationSettings {
-            temperature: req.temperature as f64,
-            max_response_len: req.max_response_len as usize,
-            context_len: req.context_len as usize,
-            partial_rollout: req.partial_rollout,
-        };
-        let episodes = req
-            .episodes
-            .into_iter()
-            .map(request_from_pb)
-            .collect::<Result<Vec<_>, String>>()
-            .map_err(Status::invalid_argument)?;
-        // One episode per actor call, so each sample streams back as soon as it ends.
-        let stream = futures::stream::iter(episodes)
-            .map(move |episode| {
-                let actor = actor.clone();
-                let span = span.clone();
-                async move {
-                    let id = episode.sample_id;
-                    let mut samples =
-                        call!(actor, RolloutMsg::RunEpisodes, vec![episode], settings).map_err(
-                            |e| Status::internal(format!("sample {id}: rollout actor: {e}")),
-                        )?;
-                    let sample = samples.pop().ok_or_else(|| {
-                        Status::internal(format!("sample {id}: the rollout actor returned nothing"))
-                    })?;
-                    Ok(pb::Sample::from(&sample))
-                }
-                .instrument(span)
-            })
-            .buffer_unordered(concurrency);
-        Ok(Response::new(Box::pin(stream)))
-    }
-
-    async fn weight_version(
-        &self,
-        _request: Request<pb::Empty>,
-    ) -> Result<Response<rpb::WeightVersionReply>, Status> {
-        let actors: Vec<ActorRef<RolloutMsg>> = {
-            let state = self.state.lock().await;
-            state.actors.values().map(|h| h.actor.clone()).collect()
-        };
-        let mut version = 0;
-        for actor in actors {
-            version = version.max(call!(actor, RolloutMsg::WeightVersion).unwrap_or(0));
-        }
-        Ok(Response::new(rpb::WeightVersionReply { version }))
-    }
-}
-
 /// Takes an actor that ended off the registry, unless it was already removed (asked to
 /// stop) or its name now belongs to a newer actor.
 async fn forget_exited(state: &Mutex<State>, exit: &crate::node::ActorExit) {
     let mut state = state.lock().await;
-    let rollout = state
+    let hosted = state
         .actors
         .get(&exit.name)
-        .is_some_and(|h| h.actor.get_id() == exit.id);
-    let trainer = state
-        .trainers
-        .get(&exit.name)
-        .is_some_and(|t| t.get_id() == exit.id);
-    if rollout || trainer {
-        if let Some(Some(upload)) = state.remove_and_stop(&exit.name) {
-            tokio::spawn(finish_upload(upload));
-        }
+        .is_some_and(|h| h.cell.get_id() == exit.id);
+    if !hosted {
+        return;
     }
-    if rollout || trainer {
-        warn!(
-            actor = %exit.name,
-            how = %exit.how,
-            "a hosted actor ended on its own; removed from this node (the driver re-creates it)"
-        );
+    if let Some(Some(finish)) = state.remove_and_stop(&exit.name) {
+        tokio::spawn(finish);
     }
+    warn!(
+        actor = %exit.name,
+        how = %exit.how,
+        "a hosted actor ended on its own; removed from this node (the driver re-creates it)"
+    );
 }
 
 /// Every [`LEASE_CHECK`], stops the actors of holders whose lease expired; ends when
@@ -527,7 +388,7 @@ async fn watch_leases(state: Weak<Mutex<State>>) {
         let Some(state) = state.upgrade() else {
             return;
         };
-        let mut uploads = Vec::new();
+        let mut finishing = Vec::new();
         {
             let mut state = state.lock().await;
             for lease in state.leases.take_expired(Instant::now()) {
@@ -541,7 +402,7 @@ async fn watch_leases(state: Weak<Mutex<State>>) {
                     continue;
                 }
                 for name in &names {
-                    uploads.extend(state.remove_and_stop(name).flatten());
+                    finishing.extend(state.remove_and_stop(name).flatten());
                 }
                 warn!(
                     holder = %format!("{:016x}", lease.holder),
@@ -551,92 +412,14 @@ async fn watch_leases(state: Weak<Mutex<State>>) {
                 );
             }
         }
-        for upload in uploads {
-            finish_upload(upload).await;
+        for finish in finishing {
+            finish.await;
         }
     }
 }
 
-/// Sends a stopped actor's last trajectories (at most [`UPLOAD_FLUSH`]) and logs the counts.
-async fn finish_upload(upload: Uploader) {
-    let stats = upload.shutdown(UPLOAD_FLUSH).await;
-    info!(
-        uploaded = stats.uploaded,
-        dropped = stats.dropped,
-        failed = stats.failed,
-        "trajectory upload finished"
-    );
-}
-
-fn trainer_call<T>(
-    name: &str,
-    result: Result<T, ractor::RactorErr<TrainerMsg>>,
-) -> Result<T, Status> {
-    result.map_err(|e| Status::unavailable(format!("trainer {name} did not answer: {e}")))
-}
-
-#[tonic::async_trait]
-impl Trainer for WorkerDaemon {
-    async fn train_step(
-        &self,
-        request: Request<tpb::TrainStepRequest>,
-    ) -> Result<Response<tpb::TrainStepReply>, Status> {
-        let req = request.into_inner();
-        let trainer = self.trainer(&req.actor).await?;
-        if req.advantages.len() != req.samples.len() {
-            return Err(Status::invalid_argument(format!(
-                "{} advantages for {} samples",
-                req.advantages.len(),
-                req.samples.len()
-            )));
-        }
-        let samples = req
-            .samples
-            .into_iter()
-            .map(manta_core::Sample::try_from)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let batch = TrainBatch {
-            samples,
-            advantages: req.advantages.iter().map(|&a| a as f64).collect(),
-            global_samples: req.global_batch_samples as usize,
-        };
-        let metrics = trainer_call(&req.actor, call!(trainer, TrainerMsg::TrainStep, batch))?
-            .map_err(|e| Status::internal(format!("training step {} failed: {e}", req.step)))?;
-        Ok(Response::new(tpb::TrainStepReply {
-            metrics: metrics.into_iter().collect(),
-        }))
-    }
-
-    async fn save_checkpoint(
-        &self,
-        request: Request<tpb::SaveCheckpointRequest>,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let req = request.into_inner();
-        let trainer = self.trainer(&req.actor).await?;
-        let dir = std::path::PathBuf::from(&req.directory);
-        trainer_call(
-            &req.actor,
-            call!(trainer, TrainerMsg::SaveCheckpoint, dir, req.step),
-        )?
-        .map_err(|e| Status::internal(format!("saving {}: {e}", req.directory)))?;
-        Ok(Response::new(pb::Empty {}))
-    }
-
-    async fn load_checkpoint(
-        &self,
-        request: Request<tpb::LoadCheckpointRequest>,
-    ) -> Result<Response<tpb::LoadCheckpointReply>, Status> {
-        let req = request.into_inner();
-        let trainer = self.trainer(&req.actor).await?;
-        let dir = std::path::PathBuf::from(&req.directory);
-        let step = trainer_call(&req.actor, call!(trainer, TrainerMsg::LoadCheckpoint, dir))?
-            .map_err(|e| Status::failed_precondition(format!("loading {}: {e}", req.directory)))?;
-        Ok(Response::new(tpb::LoadCheckpointReply { step }))
-    }
-}
-
-/// Serves both services on `listener` until a `Shutdown` call or `stop` resolves.
+/// Serves the `Worker` service alone on `listener` until a `Shutdown` call or `stop`
+/// resolves.
 pub async fn serve(
     daemon: WorkerDaemon,
     listener: tokio::net::TcpListener,
@@ -654,6 +437,19 @@ pub async fn serve_with_tls(
     tls: Option<ServerTls>,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_with_services(daemon, listener, token, tls, |_| Routes::default(), stop).await
+}
+
+/// [`serve_with_tls`], plus the services `services` builds (given the token check
+/// they must put in front of each), e.g. those that call the hosted actors.
+pub async fn serve_with_services(
+    daemon: WorkerDaemon,
+    listener: tokio::net::TcpListener,
+    token: String,
+    tls: Option<ServerTls>,
+    services: impl FnOnce(&CheckToken) -> Routes,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     let check = CheckToken::new(token);
     let shutdown = daemon.shutdown.clone();
     // Small gRPC frames must not wait for delayed ACKs (Nagle): without TCP_NODELAY
@@ -665,31 +461,16 @@ pub async fn serve_with_tls(
             Ok(tcp)
         })
     });
+    let routes = services(&check).add_service(WorkerServer::with_interceptor(
+        daemon.clone(),
+        check.clone(),
+    ));
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder.tls_config(tls.config())?;
     }
     let result = builder
-        .add_service(WorkerServer::with_interceptor(
-            daemon.clone(),
-            check.clone(),
-        ))
-        .add_service(RolloutServer::with_interceptor(
-            daemon.clone(),
-            check.clone(),
-        ))
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            WeightSyncServer::new(daemon.clone())
-                .max_decoding_message_size(crate::weights::MAX_WEIGHT_MESSAGE)
-                .max_encoding_message_size(crate::weights::MAX_WEIGHT_MESSAGE),
-            check.clone(),
-        ))
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            TrainerServer::new(daemon.clone())
-                .max_decoding_message_size(crate::client::MAX_TRAINER_MESSAGE)
-                .max_encoding_message_size(crate::client::MAX_TRAINER_MESSAGE),
-            check,
-        ))
+        .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, async move {
             tokio::select! {
                 _ = shutdown.notified() => {}
@@ -704,13 +485,15 @@ pub async fn serve_with_tls(
     result
 }
 
-/// Serves `daemon` from a thread of its own running a current-thread runtime (see the
-/// module docs), until a `Shutdown` call or [`WorkerDaemon::request_shutdown`].
+/// Serves `daemon` (and what `services` builds, see [`serve_with_services`]) from a
+/// thread of its own running a current-thread runtime (see the module docs), until a
+/// `Shutdown` call or [`WorkerDaemon::request_shutdown`].
 pub fn spawn_control_plane(
     daemon: WorkerDaemon,
     listener: std::net::TcpListener,
     token: String,
     tls: Option<ServerTls>,
+    services: impl FnOnce(&CheckToken) -> Routes + Send + 'static,
 ) -> std::io::Result<std::thread::JoinHandle<Result<(), String>>> {
     listener.set_nonblocking(true)?;
     std::thread::Builder::new()
@@ -723,9 +506,16 @@ pub fn spawn_control_plane(
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)
                     .map_err(|e| format!("listening: {e}"))?;
-                serve_with_tls(daemon, listener, token, tls, std::future::pending())
-                    .await
-                    .map_err(|e| crate::tls::error_chain(&e))
+                serve_with_services(
+                    daemon,
+                    listener,
+                    token,
+                    tls,
+                    services,
+                    std::future::pending(),
+                )
+                .await
+                .map_err(|e| crate::tls::error_chain(&e))
             })
         })
 }

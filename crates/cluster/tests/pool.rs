@@ -5,11 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use manta_runtime::pool::{NodeSpec, PauseMode};
-use manta_runtime::weights::{self, WeightSet};
-use manta_runtime::{
-    serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig, WorkerDaemon,
-};
+use manta_cluster::rollout::pool::{NodeSpec, PauseMode};
+use manta_cluster::weights::{self, WeightSet};
+use manta_cluster::{serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig};
+use manta_runtime::WorkerDaemon;
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "pool-test-token";

@@ -1,24 +1,29 @@
-//! The worker daemon's `WeightSync` service: weights arrive and leave as streams of
-//! bounded chunks (crate::weights), so no disk is shared between trainer and engines.
+//! The worker's `WeightSync` service: weights arrive and leave as streams of bounded
+//! chunks ([`super::wire`]), so no disk is shared between trainer and engines.
 //!
 //! A push only stages a version (checked, in memory); `ApplyWeights` then pauses each
 //! engine on the node, copies the weights in, bumps its version and resumes it. The
 //! transfer happens while engines still run, so the pause covers the copy alone.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::Stream;
 use manta_proto::weight_sync as wpb;
 use manta_proto::weight_sync::weight_sync_server::WeightSync;
 use manta_rollout::engine::PauseMode;
 use manta_rollout::RolloutMsg;
-use manta_trainer::TrainerMsg;
-use ractor::{call, ActorRef};
+use manta_runtime::WorkerDaemon;
+use manta_trainer::{NamedTensors, TrainerMsg};
+use ractor::call;
+use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::server::WorkerDaemon;
-use crate::weights::{self, Assembler, WeightChunk, WeightSet, WeightsError};
+use super::wire::{self as weights, Assembler, WeightChunk, WeightSet, WeightsError};
+use crate::rollout::worker::HostedRollout;
+use crate::trainer::worker::hosted_trainer;
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<WeightChunk, Status>> + Send>>;
 
@@ -35,19 +40,34 @@ async fn blocking<T: Send + 'static>(
         .map_err(bad_weights)
 }
 
-impl WorkerDaemon {
-    async fn rollout_actors(&self) -> Vec<(String, ActorRef<RolloutMsg>)> {
-        let state = self.state.lock().await;
-        state
-            .actors
-            .iter()
-            .map(|(n, h)| (n.clone(), h.actor.clone()))
+/// The `WeightSync` service over a daemon's hosted trainers and rollout actors.
+#[derive(Clone)]
+pub struct WeightSyncService {
+    daemon: WorkerDaemon,
+    /// Weights pushed for `ApplyWeights`, by version (CPU tensors; the newest two).
+    staged: Arc<Mutex<BTreeMap<u64, NamedTensors>>>,
+}
+
+impl WeightSyncService {
+    pub fn new(daemon: WorkerDaemon) -> Self {
+        Self {
+            daemon,
+            staged: Arc::default(),
+        }
+    }
+
+    async fn rollout_actors(&self) -> Vec<(String, ractor::ActorRef<RolloutMsg>)> {
+        self.daemon
+            .all_hosted::<HostedRollout>()
+            .await
+            .into_iter()
+            .map(|(name, h)| (name, h.actor))
             .collect()
     }
 }
 
 #[tonic::async_trait]
-impl WeightSync for WorkerDaemon {
+impl WeightSync for WeightSyncService {
     type PullWeightsStream = ChunkStream;
 
     async fn pull_weights(
@@ -55,14 +75,12 @@ impl WeightSync for WorkerDaemon {
         request: Request<wpb::PullWeightsRequest>,
     ) -> Result<Response<ChunkStream>, Status> {
         let name = request.into_inner().actor;
-        let trainer = self.trainer(&name).await?;
+        let trainer = hosted_trainer(&self.daemon, &name).await?;
         let chunk = weights::chunk_bytes().map_err(|e| Status::internal(e.to_string()))?;
         let tensors = call!(trainer, TrainerMsg::ExportWeights)
             .map_err(|e| Status::unavailable(format!("trainer {name} did not answer: {e}")))?;
         let set = blocking(move || WeightSet::from_tensors(&tensors)).await?;
-        let chunks = std::sync::Arc::new(set)
-            .chunks(0, chunk)
-            .map(Ok::<_, Status>);
+        let chunks = Arc::new(set).chunks(0, chunk).map(Ok::<_, Status>);
         Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
     }
 
@@ -84,10 +102,10 @@ impl WeightSync for WorkerDaemon {
         let tensors = blocking(move || set.to_tensors()).await?;
         {
             // A rejoin and a step's sync may overlap: keep the two newest versions.
-            let mut state = self.state.lock().await;
-            state.staged.insert(version, tensors);
-            while state.staged.len() > 2 {
-                state.staged.pop_first();
+            let mut staged = self.staged.lock().await;
+            staged.insert(version, tensors);
+            while staged.len() > 2 {
+                staged.pop_first();
             }
         }
         info!(
@@ -115,16 +133,16 @@ impl WeightSync for WorkerDaemon {
             }
         };
         let tensors = {
-            let mut state = self.state.lock().await;
-            let Some(tensors) = state.staged.remove(&req.version) else {
-                let staged: Vec<u64> = state.staged.keys().copied().collect();
+            let mut staged = self.staged.lock().await;
+            let Some(tensors) = staged.remove(&req.version) else {
+                let staged: Vec<u64> = staged.keys().copied().collect();
                 return Err(Status::failed_precondition(format!(
                     "weights version {} were not pushed to this worker (staged: {staged:?})",
                     req.version
                 )));
             };
             // Older versions will not be applied any more.
-            state.staged.retain(|v, _| *v > req.version);
+            staged.retain(|v, _| *v > req.version);
             tensors
         };
         let actors = self.rollout_actors().await;

@@ -5,14 +5,15 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use manta_runtime::{RuntimeError, WorkerClient};
 use manta_trainer::TrainBatch;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::client::WorkerClient;
-use crate::spawn::TrainerSpawnConfig;
-use crate::RuntimeError;
+use super::client::TrainerCalls;
+use super::spawn::TrainerSpawnConfig;
+use crate::weights::{WeightSet, WeightSyncCalls};
 
 /// Why a trainer call did not give a result. The driver restarts a `Lost` trainer (or
 /// stops, as configured); a `Failed` call is a bug or bad input and stops the run.
@@ -165,7 +166,7 @@ impl RemoteTrainer {
     }
 
     /// The trainer's current weights, streamed off its worker in chunks.
-    pub async fn pull_weights(&self) -> Result<crate::weights::WeightSet, TrainerCallError> {
+    pub async fn pull_weights(&self) -> Result<WeightSet, TrainerCallError> {
         self.guarded(self.client.pull_weights(&self.name)).await
     }
 

@@ -11,16 +11,14 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use manta_core::Sample;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
+use manta_runtime::{ClientTls, Lease, RuntimeError, WorkerClient};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::client::WorkerClient;
-use crate::lease::Lease;
-use crate::spawn::RolloutSpawnConfig;
-use crate::tls::ClientTls;
-use crate::weights::WeightSet;
-use crate::RuntimeError;
+use super::client::RolloutCalls;
+use super::spawn::RolloutSpawnConfig;
+use crate::weights::{WeightSet, WeightSyncCalls};
 pub use manta_proto::weight_sync::PauseMode;
 
 /// Heartbeat and failover timing.

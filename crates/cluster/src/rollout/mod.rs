@@ -1,0 +1,10 @@
+//! Rollout actors on workers: their spawn config ([`spawn`]), what a worker runs for
+//! them ([`worker`]: the actor host and the `Rollout` service), the driver's calls
+//! ([`client`]), episode requests on the wire ([`convert`]) and the driver's pool of
+//! them across nodes ([`pool`]).
+
+pub mod client;
+pub mod convert;
+pub mod pool;
+pub mod spawn;
+pub mod worker;

@@ -1,0 +1,113 @@
+//! The driver's side of weight sync on a worker: pulling a trainer's weights, pushing
+//! and applying a version on the engines, reading back what they hold.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use manta_proto::weight_sync as wpb;
+use manta_proto::weight_sync::weight_sync_client::WeightSyncClient as WeightSyncRpc;
+use manta_runtime::{AuthedChannel, RuntimeError, WorkerClient};
+
+use super::wire::{Assembler, WeightSet, WeightsError, MAX_WEIGHT_MESSAGE};
+
+/// Weight-sync calls on a worker (implemented for [`WorkerClient`]).
+pub trait WeightSyncCalls {
+    /// Streams trainer `actor`'s current weights off the worker.
+    fn pull_weights(
+        &self,
+        actor: &str,
+    ) -> impl Future<Output = Result<WeightSet, RuntimeError>> + Send;
+
+    /// Sends `set` as `version` in chunks of `chunk_bytes`; the worker stages it.
+    fn push_weights(
+        &self,
+        set: Arc<WeightSet>,
+        version: u64,
+        chunk_bytes: usize,
+    ) -> impl Future<Output = Result<wpb::PushWeightsReply, RuntimeError>> + Send;
+
+    /// Applies the staged `version` to every engine on the worker (pause, copy, bump,
+    /// resume).
+    fn apply_weights(
+        &self,
+        version: u64,
+        pause: wpb::PauseMode,
+    ) -> impl Future<Output = Result<wpb::ApplyWeightsReply, RuntimeError>> + Send;
+
+    /// What each rollout engine on the worker holds, tensor by tensor.
+    fn engine_digests(
+        &self,
+    ) -> impl Future<Output = Result<Vec<wpb::EngineDigest>, RuntimeError>> + Send;
+}
+
+fn weight_sync_rpc(client: &WorkerClient) -> WeightSyncRpc<AuthedChannel> {
+    WeightSyncRpc::new(client.channel())
+        .max_encoding_message_size(MAX_WEIGHT_MESSAGE)
+        .max_decoding_message_size(MAX_WEIGHT_MESSAGE)
+}
+
+fn weights_error(client: &WorkerClient, e: WeightsError) -> RuntimeError {
+    RuntimeError::Node {
+        addr: client.addr().to_string(),
+        message: e.to_string(),
+    }
+}
+
+impl WeightSyncCalls for WorkerClient {
+    async fn pull_weights(&self, actor: &str) -> Result<WeightSet, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let mut stream = c
+            .pull_weights(wpb::PullWeightsRequest {
+                actor: actor.to_string(),
+            })
+            .await
+            .map_err(|s| self.rpc_error(s))?
+            .into_inner();
+        let mut asm = Assembler::new();
+        while let Some(chunk) = stream.message().await.map_err(|s| self.rpc_error(s))? {
+            asm.push(chunk).map_err(|e| weights_error(self, e))?;
+        }
+        let (_, set) = asm.finish().map_err(|e| weights_error(self, e))?;
+        Ok(set)
+    }
+
+    async fn push_weights(
+        &self,
+        set: Arc<WeightSet>,
+        version: u64,
+        chunk_bytes: usize,
+    ) -> Result<wpb::PushWeightsReply, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let chunks = futures::stream::iter(set.chunks(version, chunk_bytes));
+        let reply = c
+            .push_weights(chunks)
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
+    }
+
+    async fn apply_weights(
+        &self,
+        version: u64,
+        pause: wpb::PauseMode,
+    ) -> Result<wpb::ApplyWeightsReply, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .apply_weights(wpb::ApplyWeightsRequest {
+                version,
+                pause: pause as i32,
+            })
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
+    }
+
+    async fn engine_digests(&self) -> Result<Vec<wpb::EngineDigest>, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .engine_digests(wpb::EngineDigestsRequest {})
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner().engines)
+    }
+}
