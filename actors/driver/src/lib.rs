@@ -8,6 +8,7 @@ pub mod generate;
 pub mod local;
 pub mod prepare_tasks;
 pub mod remote;
+pub mod rollouts;
 pub mod run;
 pub mod run_dir;
 pub mod sampling;

@@ -19,8 +19,9 @@ use tracing::info;
 
 use crate::driver_actor::RunSummary;
 use crate::local;
+use crate::rollouts::Rollouts;
 use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
-use crate::step::{Rollouts, StepActors};
+use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
 use crate::weight_sync::{trainer_endpoint, Targets, WeightSync};
 use manta_weight_sync::route::Endpoint;
@@ -179,8 +180,9 @@ pub async fn train_remote(
     .verifying_from_env(crate::run::verify_log(&settings));
     let actors = StepActors {
         trainer: trainer.clone(),
-        rollouts: Rollouts::Remote { pool: pool.clone() },
+        rollouts: Rollouts::remote(pool.clone()),
         weights,
+        debug_data: None,
     };
     let recovery = TrainerRecovery {
         policy: cluster.trainer.on_failure,

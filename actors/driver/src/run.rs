@@ -17,7 +17,8 @@ use tracing::info;
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
 use crate::local;
-use crate::step::{Rollouts, StepActors};
+use crate::rollouts::Rollouts;
+use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::TrainerHandle;
 use crate::weight_sync::{Targets, WeightSync};
@@ -165,11 +166,9 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     .verifying_from_env(verify_log(&settings));
     let actors = StepActors {
         trainer,
-        rollouts: Rollouts::Local {
-            actors: worker.rollouts.clone(),
-            colocated: cluster.rollout.colocate,
-        },
+        rollouts: Rollouts::local(worker.rollouts.clone(), cluster.rollout.colocate),
         weights,
+        debug_data: None,
     };
     let result = run_with_actors(
         &worker.env_clients,
@@ -201,8 +200,9 @@ async fn train_from_debug_data(
     let handle = TrainerHandle::Local(trainer.clone());
     let actors = StepActors {
         trainer: handle.clone(),
-        rollouts: Rollouts::DebugData { template },
+        rollouts: Rollouts::none(),
         weights: WeightSync::none(handle),
+        debug_data: Some(template),
     };
     let result = run_with_actors(
         &Default::default(),

@@ -19,7 +19,7 @@ use manta_telemetry::StepMetrics;
 use tokio::sync::mpsc;
 use tracing::debug;
 
-use crate::step::Rollouts;
+use crate::rollouts::Rollouts;
 use crate::tasks::TaskSampler;
 
 /// Groups the filter may drop in one step, per group of the batch, before the step

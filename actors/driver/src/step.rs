@@ -2,139 +2,30 @@
 //! (crate::weight_sync).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use futures::future::join_all;
 use manta_core::advantage::is_zero_std;
 use manta_core::{group_advantages, whiten_over_tokens, AdvantageOptions, Sample, SampleStatus};
-use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg};
 use manta_telemetry::StepMetrics;
 use manta_trainer::loss::AdvantageEstimator;
 use manta_trainer::TrainBatch;
-use ractor::{call, ActorRef};
-use tracing::{debug, warn};
+use tracing::warn;
 
+use crate::rollouts::Rollouts;
 use crate::trainer_handle::TrainerHandle;
 use crate::weight_sync::WeightSync;
 
 /// The actors a step talks to.
 pub struct StepActors {
     pub trainer: TrainerHandle,
+    /// The rollout actors, in this process or on workers (one handle either way).
     pub rollouts: Rollouts,
     /// Moves the trainer's weights into every engine (one call, any placement).
     pub weights: WeightSync,
-}
-
-/// Where rollouts run: in-process actors, or actors on worker daemons. The step loop
-/// calls both the same way. Cheap to clone (handles), so each group can run as its own
-/// task (crate::sampling).
-#[derive(Clone)]
-pub enum Rollouts {
-    /// In-process engines. `colocated`: they share the trainer's GPU and free their KV
-    /// cache while it steps.
-    Local {
-        actors: Vec<ActorRef<RolloutMsg>>,
-        colocated: bool,
-    },
-    Remote {
-        pool: Arc<manta_cluster::RemotePool>,
-    },
-    /// `--load-debug-rollout-data`: each step's samples come from a file; there is no
-    /// engine to sync.
-    DebugData { template: String },
-}
-
-impl Rollouts {
-    /// Runs every request and returns one sample per request (whole groups per rollout
-    /// actor, by `group_index`).
-    pub async fn run_episodes(
-        &self,
-        requests: Vec<EpisodeRequest>,
-        generation: GenerationSettings,
-    ) -> anyhow::Result<Vec<Sample>> {
-        match self {
-            Rollouts::Local { actors, .. } => run_local(actors, requests, generation).await,
-            Rollouts::Remote { pool, .. } => Ok(pool.run_episodes(requests, generation).await?),
-            Rollouts::DebugData { .. } => {
-                anyhow::bail!("no episodes run with --load-debug-rollout-data")
-            }
-        }
-    }
-
-    /// Colocated engines free their KV cache for the training step (SGLang's release of
-    /// memory occupation); returns the rollout actors whose engines did. An engine that is
-    /// still generating (a group carried to the next step) or cannot release keeps its
-    /// memory.
-    async fn release_for_training(&self) -> Vec<usize> {
-        let Rollouts::Local {
-            actors,
-            colocated: true,
-        } = self
-        else {
-            return Vec::new();
-        };
-        let mut released = Vec::new();
-        for (i, actor) in actors.iter().enumerate() {
-            match call!(actor, RolloutMsg::ReleaseMemory) {
-                Ok(Ok(true)) => released.push(i),
-                Ok(Ok(false)) => debug!(engine = i, "engine busy; it keeps its KV cache this step"),
-                Ok(Err(e)) => debug!(engine = i, error = %e, "engine cannot release its KV cache"),
-                Err(e) => {
-                    warn!(engine = i, error = %e, "rollout actor did not answer the KV release")
-                }
-            }
-        }
-        released
-    }
-
-    /// Allocates again the KV caches that [`Rollouts::release_for_training`] freed.
-    async fn resume_after_training(&self, released: &[usize]) -> anyhow::Result<()> {
-        if let Rollouts::Local { actors, .. } = self {
-            for &i in released {
-                call!(actors[i], RolloutMsg::ResumeMemory)
-                    .map_err(|e| {
-                        anyhow::anyhow!("rollout actor {i} did not answer the KV resume: {e}")
-                    })?
-                    .with_context(|| format!("engine {i} could not reallocate its KV cache"))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Worker nodes answering heartbeats (remote mode only).
-    fn live_nodes(&self) -> Option<usize> {
-        match self {
-            Rollouts::Local { .. } | Rollouts::DebugData { .. } => None,
-            Rollouts::Remote { pool, .. } => Some(pool.live_nodes()),
-        }
-    }
-}
-
-/// Whole groups go to one rollout actor, round robin.
-async fn run_local(
-    rollouts: &[ActorRef<RolloutMsg>],
-    requests: Vec<EpisodeRequest>,
-    generation: GenerationSettings,
-) -> anyhow::Result<Vec<Sample>> {
-    let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); rollouts.len()];
-    for request in requests {
-        shares[request.group_index as usize % rollouts.len()].push(request);
-    }
-    let calls =
-        rollouts
-            .iter()
-            .zip(shares)
-            .filter(|(_, share)| !share.is_empty())
-            .map(|(actor, share)| async move {
-                call!(actor, RolloutMsg::RunEpisodes, share, generation)
-            });
-    let mut samples: Vec<Sample> = Vec::new();
-    for result in join_all(calls).await {
-        samples.extend(result.context("a rollout actor failed")?);
-    }
-    Ok(samples)
+    /// `--load-debug-rollout-data`: each step's samples come from this file template
+    /// instead of rollouts.
+    pub debug_data: Option<String>,
 }
 
 /// How a step turns rewards into advantages (slime's `--advantage-estimator`,
@@ -181,13 +72,13 @@ pub async fn run_step(
     save_debug: Option<&str>,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
-    let (samples, collected) = match &actors.rollouts {
-        Rollouts::DebugData { template } => {
+    let (samples, collected) = match &actors.debug_data {
+        Some(template) => {
             let per_step = queue.samples_per_step();
             let first_id = (step - 1) * per_step;
             (crate::debug_data::load(template, step - 1, first_id)?, None)
         }
-        _ => {
+        None => {
             let mut c = queue.collect(step, version).await?;
             (std::mem::take(&mut c.samples), Some(c))
         }
@@ -207,7 +98,7 @@ pub async fn run_step(
     }
 
     let train_started = Instant::now();
-    let released = actors.rollouts.release_for_training().await;
+    let released = actors.rollouts.release_memory().await;
     m.insert("rollout/kv_released_engines".into(), released.len() as f64);
     if batch.samples.is_empty() {
         warn!(
@@ -229,7 +120,7 @@ pub async fn run_step(
             tokens as f64 / train_time.max(1e-9),
         );
     }
-    actors.rollouts.resume_after_training(&released).await?;
+    actors.rollouts.resume_memory(&released).await?;
     let synced = actors.weights.sync(step).await?;
     synced.record(&mut m);
     if let Some(live) = actors.rollouts.live_nodes() {
