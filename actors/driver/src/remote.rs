@@ -23,7 +23,8 @@ use crate::rollouts::Rollouts;
 use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
-use crate::weight_sync::{trainer_endpoint, Targets, WeightSync};
+use crate::weight_sync::workers::WorkerEngines;
+use crate::weight_sync::{trainer_endpoint, WeightSync};
 use manta_weight_sync::route::Endpoint;
 
 /// The trainer actor's name on its worker.
@@ -174,7 +175,7 @@ pub async fn train_remote(
     let weights = WeightSync::new(
         trainer.clone(),
         &trainer_at,
-        Targets::Workers(pool.clone()),
+        WorkerEngines::new(pool.clone()),
         &engines_at,
     )
     .verifying_from_env(crate::run::verify_log(&settings));

@@ -21,7 +21,8 @@ use crate::rollouts::Rollouts;
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::TrainerHandle;
-use crate::weight_sync::{Targets, WeightSync};
+use crate::weight_sync::in_process::InProcessEngines;
+use crate::weight_sync::WeightSync;
 use manta_weight_sync::route::Endpoint;
 
 /// Configuration after all layers are applied.
@@ -157,10 +158,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     let weights = WeightSync::new(
         trainer.clone(),
         &Endpoint::in_driver(None),
-        Targets::InProcess {
-            actor: weight_sync,
-            engines: worker.rollouts.clone(),
-        },
+        InProcessEngines::new(weight_sync, worker.rollouts.clone()),
         &engines_at,
     )
     .verifying_from_env(verify_log(&settings));

@@ -7,6 +7,13 @@
 //!
 //! Every sync follows the version protocol: engines pause (running requests finish, or
 //! abort with their partial output), copy, take the new version, resume.
+//!
+//! Where the engines are is an [`EngineTargets`]: engines in this process
+//! ([`in_process`]) or on worker daemons ([`workers`]); [`WeightSync`] has one code path
+//! over either.
+
+pub mod in_process;
+pub mod workers;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,16 +21,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use manta_cluster::rollout::pool::PauseMode as WirePause;
-use manta_cluster::weights;
-use manta_cluster::RemotePool;
 use manta_proto::weight_sync::{EngineDigest, TensorDigest};
 use manta_rollout::engine::PauseMode;
-use manta_rollout::RolloutMsg;
 use manta_telemetry::StepMetrics;
 use manta_weight_sync::route::{self, Endpoint};
-use manta_weight_sync::{SyncOptions, WeightSyncMsg};
-use ractor::{call, ActorRef};
 use tracing::{info, warn};
 
 use crate::trainer_handle::TrainerHandle;
@@ -34,17 +35,37 @@ use crate::trainer_handle::TrainerHandle;
 /// the same way after its sync.
 pub const VERIFY_ENV: &str = "MANTA_VERIFY_WEIGHT_SYNC";
 
-/// The engines weights go to.
-pub enum Targets {
-    /// Engines in the driver process, fed by the in-process weight-sync actor.
-    InProcess {
-        actor: ActorRef<WeightSyncMsg>,
-        engines: Vec<ActorRef<RolloutMsg>>,
-    },
-    /// Engines on worker daemons, fed over gRPC.
-    Workers(Arc<RemotePool>),
-    /// No engine (`--load-debug-rollout-data`).
-    None,
+/// The engines weights go to, wherever they live.
+#[async_trait::async_trait]
+pub trait EngineTargets: Send + Sync {
+    /// Puts `trainer`'s current weights into every engine as `version`, each engine
+    /// pausing as `pause` says. `want_digests`: return the digests of what was sent, when
+    /// the weights passed through here as bytes (verification then reads them no
+    /// second time).
+    async fn publish(
+        &self,
+        trainer: &TrainerHandle,
+        version: u64,
+        pause: PauseMode,
+        want_digests: bool,
+    ) -> anyhow::Result<Published>;
+
+    /// What every engine holds now, by where it lives (verification).
+    async fn engine_digests(&self) -> anyhow::Result<Vec<(String, EngineDigest)>>;
+
+    /// Verification is on: engines that rejoin later are checked too (where they can).
+    fn verify_rejoins(&self) {}
+}
+
+/// What one publication did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Published {
+    /// Longest time an engine was paused.
+    pub pause_to_resume_s: f64,
+    /// Engines that took the version.
+    pub engines: usize,
+    /// The sent weights' digests, when asked for and at hand.
+    pub sent: Option<Vec<TensorDigest>>,
 }
 
 /// What one sync did.
@@ -70,7 +91,8 @@ impl SyncOutcome {
 /// Moves the trainer's weights into every engine.
 pub struct WeightSync {
     trainer: TrainerHandle,
-    targets: Targets,
+    /// `None`: no engine to feed (`--load-debug-rollout-data`).
+    targets: Option<Arc<dyn EngineTargets>>,
     pause: PauseMode,
     /// Where verification records go (see [`VERIFY_ENV`]).
     verify: Option<PathBuf>,
@@ -82,7 +104,16 @@ impl WeightSync {
     pub fn new(
         trainer: TrainerHandle,
         trainer_at: &Endpoint,
-        targets: Targets,
+        targets: impl EngineTargets + 'static,
+        engines_at: &[(String, Endpoint)],
+    ) -> Self {
+        Self::with_targets(trainer, trainer_at, Some(Arc::new(targets)), engines_at)
+    }
+
+    fn with_targets(
+        trainer: TrainerHandle,
+        trainer_at: &Endpoint,
+        targets: Option<Arc<dyn EngineTargets>>,
         engines_at: &[(String, Endpoint)],
     ) -> Self {
         for (name, at) in engines_at {
@@ -107,14 +138,14 @@ impl WeightSync {
 
     /// No engine to feed (debug rollout data).
     pub fn none(trainer: TrainerHandle) -> Self {
-        Self::new(trainer, &Endpoint::in_driver(None), Targets::None, &[])
+        Self::with_targets(trainer, &Endpoint::in_driver(None), None, &[])
     }
 
     /// Verifies every sync and appends the digests to `path` when [`VERIFY_ENV`] is set.
     pub fn verifying_from_env(mut self, path: PathBuf) -> Self {
         if std::env::var(VERIFY_ENV).is_ok_and(|v| v == "1" || v == "true") {
-            if let Targets::Workers(pool) = &self.targets {
-                pool.verify_rejoins();
+            if let Some(targets) = &self.targets {
+                targets.verify_rejoins();
             }
             self.verify = Some(path);
         }
@@ -131,46 +162,22 @@ impl WeightSync {
     /// version is allowed: a rewind to a checkpoint).
     pub async fn sync(&self, version: u64) -> anyhow::Result<SyncOutcome> {
         let started = Instant::now();
-        let (pause_to_resume_s, engines, expected) = match &self.targets {
-            Targets::None => (0.0, 0, None),
-            Targets::InProcess { actor, engines } => {
-                let opts = SyncOptions {
-                    pause: self.pause,
-                    allow_rewind: true,
-                };
-                let report = call!(actor, WeightSyncMsg::SyncWith, version, opts)
-                    .context("the weight-sync actor did not answer")?
-                    .context("in-process weight sync")?;
-                (report.pause_to_resume_s, engines.len(), None)
-            }
-            Targets::Workers(pool) => {
-                let set = Arc::new(
-                    self.trainer
-                        .weight_set()
-                        .await
-                        .context("reading the trainer's weights")?,
-                );
-                let chunk = weights::chunk_bytes()?;
-                let pause = match self.pause {
-                    PauseMode::Abort => WirePause::Abort,
-                    _ => WirePause::Drain,
-                };
-                let synced = pool
-                    .publish_weights(set.clone(), version, chunk, pause)
-                    .await
-                    .with_context(|| format!("sending weights version {version} to the workers"))?;
-                let expected = self.verify.is_some().then(|| set.digests());
-                (synced.pause_to_resume_s, synced.engines, expected)
+        let published = match &self.targets {
+            None => Published::default(),
+            Some(targets) => {
+                targets
+                    .publish(&self.trainer, version, self.pause, self.verify.is_some())
+                    .await?
             }
         };
         let outcome = SyncOutcome {
             version,
             seconds: started.elapsed().as_secs_f64(),
-            pause_to_resume_s,
-            engines,
+            pause_to_resume_s: published.pause_to_resume_s,
+            engines: published.engines,
         };
         if let Some(path) = &self.verify {
-            self.verify(path, version, expected).await?;
+            self.verify(path, version, published.sent).await?;
         }
         Ok(outcome)
     }
@@ -182,6 +189,9 @@ impl WeightSync {
         version: u64,
         expected: Option<Vec<TensorDigest>>,
     ) -> anyhow::Result<()> {
+        let Some(targets) = &self.targets else {
+            return Ok(());
+        };
         let expected = match expected {
             Some(e) => e,
             None => {
@@ -189,37 +199,7 @@ impl WeightSync {
                 set.digests()
             }
         };
-        let mut found: Vec<(String, EngineDigest)> = Vec::new();
-        match &self.targets {
-            Targets::None => return Ok(()),
-            Targets::InProcess { engines, .. } => {
-                for (i, engine) in engines.iter().enumerate() {
-                    let tensors = call!(engine, RolloutMsg::ReadWeights)
-                        .context("a rollout actor did not answer")?
-                        .context("reading an engine's weights")?;
-                    let v = call!(engine, RolloutMsg::WeightVersion)
-                        .context("a rollout actor did not answer")?;
-                    let digests =
-                        tokio::task::spawn_blocking(move || weights::digest_tensors(&tensors))
-                            .await??;
-                    found.push((
-                        "driver".into(),
-                        EngineDigest {
-                            actor: format!("rollout-{i}"),
-                            version: v,
-                            tensors: digests,
-                        },
-                    ));
-                }
-            }
-            Targets::Workers(pool) => {
-                for (node, digests) in pool.engine_digests().await {
-                    for d in digests? {
-                        found.push((node.clone(), d));
-                    }
-                }
-            }
-        }
+        let found = targets.engine_digests().await?;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
