@@ -360,12 +360,10 @@ async fn restart_trainer(
     checkpoint: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let plan = &mut state.plan;
-    let remote = plan
-        .actors
+    plan.actors
         .trainer
-        .remote()
-        .context("only a trainer on a worker can be restarted")?;
-    remote.restart(plan.recovery.restart_timeout).await?;
+        .restart(plan.recovery.restart_timeout)
+        .await?;
     let from = match checkpoint {
         Some(ckpt) => plan
             .actors

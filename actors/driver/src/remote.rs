@@ -150,9 +150,9 @@ pub async fn train_remote(
             .map_err(in_cluster)?;
             let (client, name) = remote.placed();
             crate::shutdown::register(client, vec![name]);
-            TrainerHandle::Remote(Arc::new(remote))
+            TrainerHandle::remote(Arc::new(remote))
         }
-        (None, Some(local)) => TrainerHandle::Local(local.clone()),
+        (None, Some(local)) => TrainerHandle::local(local.clone()),
         (None, None) => anyhow::bail!("no trainer was started"),
     };
     // Engines on workers get the weights over gRPC: no disk is shared with them.
@@ -198,9 +198,7 @@ pub async fn train_remote(
         stop,
     )
     .await;
-    if let Some(remote) = trainer.remote() {
-        remote.shutdown().await;
-    }
+    trainer.shutdown().await;
     worker.shutdown().await;
     if let Ok(pool) = Arc::try_unwrap(pool) {
         pool.shutdown().await;

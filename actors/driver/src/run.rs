@@ -151,7 +151,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         (Some(t), Some(w)) => (t.clone(), w.clone()),
         _ => anyhow::bail!("local mode started without a trainer"),
     };
-    let trainer = TrainerHandle::Local(trainer);
+    let trainer = TrainerHandle::local(trainer);
     let engines_at: Vec<(String, Endpoint)> = (0..worker.rollouts.len())
         .map(|i| (format!("rollout-{i}"), Endpoint::in_driver(None)))
         .collect();
@@ -195,7 +195,7 @@ async fn train_from_debug_data(
     )
     .await
     .context("starting the trainer")?;
-    let handle = TrainerHandle::Local(trainer.clone());
+    let handle = TrainerHandle::local(trainer.clone());
     let actors = StepActors {
         trainer: handle.clone(),
         rollouts: Rollouts::none(),

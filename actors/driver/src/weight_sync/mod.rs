@@ -263,8 +263,8 @@ fn first_difference(expected: &[TensorDigest], got: &[TensorDigest]) -> Option<S
 /// Where the trainer lives, for [`route::choose`]: on its worker, or in the driver
 /// (on the first of `gpus`, the CPU when none).
 pub fn trainer_endpoint(trainer: &TrainerHandle, gpus: &[u32]) -> Endpoint {
-    match trainer.remote() {
-        Some(r) => Endpoint::on_worker(r.addr(), gpus.first().copied()),
+    match trainer.worker_addr() {
+        Some(addr) => Endpoint::on_worker(addr, gpus.first().copied()),
         None => Endpoint::in_driver(gpus.first().copied()),
     }
 }

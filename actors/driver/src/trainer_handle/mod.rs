@@ -1,0 +1,96 @@
+//! The trainer as the step loop sees it: one handle, [`TrainerHandle`], with the same
+//! calls whether the trainer is an actor in this process ([`local`]) or one hosted by a
+//! worker daemon ([`remote`]); each placement implements [`TrainerBackend`].
+
+pub mod local;
+pub mod remote;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use manta_cluster::weights::WeightSet;
+use manta_cluster::TrainerCallError;
+use manta_trainer::TrainBatch;
+
+/// What the step loop asks of the trainer, wherever it lives.
+#[async_trait::async_trait]
+pub trait TrainerBackend: Send + Sync {
+    async fn train_step(
+        &self,
+        step: u64,
+        batch: TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerCallError>;
+
+    async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError>;
+
+    /// Restores weights, optimizer and step; returns the checkpoint's step.
+    async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError>;
+
+    /// The current weights as bytes, for engines in other processes.
+    async fn weight_set(&self) -> Result<WeightSet, TrainerCallError>;
+
+    /// The worker hosting the trainer (`None`: this process), for weight-sync routing.
+    fn worker_addr(&self) -> Option<&str> {
+        None
+    }
+
+    /// Re-creates a lost trainer with its initial weights (the caller restores a
+    /// checkpoint after). Only a trainer on a worker can be lost and re-created.
+    async fn restart(&self, _timeout: Duration) -> anyhow::Result<()> {
+        anyhow::bail!("only a trainer on a worker can be restarted")
+    }
+
+    /// Stops a trainer this handle placed on a worker; an in-process one stops with
+    /// the local worker that started it.
+    async fn shutdown(&self) {}
+}
+
+/// A handle to the run's trainer. Cheap to clone.
+#[derive(Clone)]
+pub struct TrainerHandle(Arc<dyn TrainerBackend>);
+
+impl TrainerHandle {
+    pub fn new(backend: impl TrainerBackend + 'static) -> Self {
+        Self(Arc::new(backend))
+    }
+
+    pub async fn train_step(
+        &self,
+        step: u64,
+        batch: TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerCallError> {
+        self.0.train_step(step, batch).await
+    }
+
+    pub async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError> {
+        self.0.save_checkpoint(dir, step).await
+    }
+
+    /// Restores weights, optimizer and step; returns the checkpoint's step.
+    pub async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
+        self.0.load_checkpoint(dir).await
+    }
+
+    /// The current weights as bytes, for engines in other processes: exported
+    /// in-process, or streamed off the trainer's worker in chunks.
+    pub async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
+        self.0.weight_set().await
+    }
+
+    /// The worker hosting the trainer (`None`: this process).
+    pub fn worker_addr(&self) -> Option<&str> {
+        self.0.worker_addr()
+    }
+
+    /// See [`TrainerBackend::restart`].
+    pub async fn restart(&self, timeout: Duration) -> anyhow::Result<()> {
+        self.0.restart(timeout).await
+    }
+
+    /// See [`TrainerBackend::shutdown`].
+    pub async fn shutdown(&self) {
+        self.0.shutdown().await
+    }
+}
