@@ -8,16 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use manta_cluster::rollout::spawn::start_rollout_actor;
 use manta_cluster::OpenRewardAccess;
 use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
-use manta_rollout::actor::RolloutArgs;
-use manta_rollout::chat::ChatFormat;
 use manta_rollout::engine::{
     Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions,
 };
 use manta_rollout::ors::OrsClient;
-use manta_rollout::{EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, Uploader};
+use manta_rollout::{RolloutMsg, Uploader};
 use manta_tokenizer::Tokenizer;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
@@ -264,35 +263,20 @@ pub async fn start(
                 })?
             }
         };
-        let environments = environment_clients(train, builtin_url.as_deref())?
+        let clients = environment_clients(train, builtin_url.as_deref())?
             .into_iter()
-            .map(|(name, (client, _))| {
-                let config = train.environments[&name].clone();
-                (
-                    name.clone(),
-                    EnvironmentHandle {
-                        name,
-                        client,
-                        config,
-                    },
-                )
-            })
+            .map(|(name, (client, _))| (name, client))
             .collect();
-        let context = EpisodeContext {
+        let rollout = start_rollout_actor(
+            &format!("rollout-{i}"),
             engine,
-            chat: ChatFormat::new(tokenizer.clone(), train.thinking),
-            system_prompt_template: train.system_prompt_template.clone(),
-            stop_token_ids: stop_token_ids(&tokenizer),
-            upload: upload.clone(),
-        };
-        let args = RolloutArgs {
-            context,
-            environments,
-            max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
-        };
-        let (rollout, _) = Actor::spawn(Some(format!("rollout-{i}")), RolloutActor, args)
-            .await
-            .context("starting a rollout actor")?;
+            &tokenizer,
+            train,
+            clients,
+            upload.clone(),
+            cluster.rollout.max_concurrent_episodes,
+        )
+        .await?;
         rollouts.push(rollout);
     }
     let weight_sync = match &trainer {

@@ -266,7 +266,33 @@ pub async fn spawn_rollout(
         }
     };
     let upload = cfg.openreward.start_uploader()?;
-    let environments = environment_clients(train, builtin_url, &cfg.openreward)?
+    let clients = environment_clients(train, builtin_url, &cfg.openreward)?;
+    let actor = start_rollout_actor(
+        name,
+        engine,
+        &tokenizer,
+        train,
+        clients,
+        upload.clone(),
+        cfg.max_concurrent_episodes,
+    )
+    .await?;
+    Ok((actor, upload))
+}
+
+/// Starts rollout actor `name` generating on `engine`, with one environment per ORS
+/// client in `clients`, the model's chat format and stop tokens, and `upload`. Every
+/// rollout actor is built here, in the driver (local mode) or on a worker.
+pub async fn start_rollout_actor(
+    name: &str,
+    engine: Arc<dyn Engine>,
+    tokenizer: &Arc<Tokenizer>,
+    train: &TrainConfig,
+    clients: BTreeMap<String, OrsClient>,
+    upload: Option<Uploader>,
+    max_concurrent_episodes: usize,
+) -> anyhow::Result<ActorRef<RolloutMsg>> {
+    let environments = clients
         .into_iter()
         .map(|(name, client)| {
             let config = train.environments[&name].clone();
@@ -284,16 +310,16 @@ pub async fn spawn_rollout(
         engine,
         chat: ChatFormat::new(tokenizer.clone(), train.thinking),
         system_prompt_template: train.system_prompt_template.clone(),
-        stop_token_ids: stop_token_ids(&tokenizer),
-        upload: upload.clone(),
+        stop_token_ids: stop_token_ids(tokenizer),
+        upload,
     };
     let args = RolloutArgs {
         context,
         environments,
-        max_concurrent_episodes: cfg.max_concurrent_episodes.max(1),
+        max_concurrent_episodes: max_concurrent_episodes.max(1),
     };
     let (actor, _) = Actor::spawn(Some(name.to_string()), RolloutActor, args)
         .await
         .with_context(|| format!("starting rollout actor {name}"))?;
-    Ok((actor, upload))
+    Ok(actor)
 }
