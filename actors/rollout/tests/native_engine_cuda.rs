@@ -74,9 +74,9 @@ fn trainer_logprobs(seqs: &[(Vec<u32>, usize)], device: Device) -> Vec<Vec<f32>>
         let (mut rows, mut targets) = (Vec::new(), Vec::new());
         let mut start = 0i64;
         for (t, prompt_len) in seqs {
-            for k in *prompt_len..t.len() {
+            for (k, &token) in t.iter().enumerate().skip(*prompt_len) {
                 rows.push(start + k as i64 - 1);
-                targets.push(t[k] as i64);
+                targets.push(token as i64);
             }
             start += t.len() as i64;
         }
