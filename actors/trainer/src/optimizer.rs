@@ -312,7 +312,7 @@ impl AdamW {
 /// (large models spend a noticeable share of the step here): the moments by `lerp_`,
 /// and `master += m / denom` with the step size folded into `denom`, so no update tensor
 /// is materialised. Same formula: master -= lr · (m / bias1) / (sqrt(v / bias2) + eps).
-fn master_update(
+pub(crate) fn master_update(
     master: &mut Tensor,
     m: &mut Tensor,
     v: &mut Tensor,

@@ -11,6 +11,8 @@ use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
 use crate::batch::{micro_batches, MicroBatchLayout};
+use crate::data_parallel::metrics::all_reduce_metrics;
+use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ZeroAdamW};
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
 };
@@ -34,6 +36,8 @@ pub enum TrainerError {
     OutOfMemory(String),
     #[error(transparent)]
     Recompute(#[from] RecomputeError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
 }
 
 /// Everything the trainer needs to start.
@@ -103,7 +107,8 @@ pub struct TrainerState {
 pub struct Trainer {
     vs: nn::VarStore,
     model: CausalLm,
-    optimizer: AdamW,
+    /// The whole AdamW on one rank; this rank's ZeRO-2 shard in data parallel.
+    optimizer: RankOptimizer,
     opts: TrainerOptions,
     /// Frozen reference policy, kept only with `use_kl_loss`.
     reference: Option<(nn::VarStore, CausalLm)>,
@@ -240,6 +245,25 @@ impl Trainer {
     /// Builds the model from `model_dir/config.json` and loads its weights, or draws
     /// random ones from `seed` when the directory has none.
     pub fn new(opts: TrainerOptions) -> Result<Self, TrainerError> {
+        Self::build(opts, None)
+    }
+
+    /// A data-parallel rank of `comm`'s group (crate::data_parallel): every rank starts
+    /// from rank 0's weights, keeps the optimizer state of its shard only (ZeRO-2,
+    /// gradients reduced in buckets of `bucket_numel` elements) and ends each step with
+    /// the same weights as the others. A group of one is exactly [`Trainer::new`].
+    pub fn new_data_parallel(
+        opts: TrainerOptions,
+        comm: Box<dyn Collective>,
+        bucket_numel: usize,
+    ) -> Result<Self, TrainerError> {
+        Self::build(opts, Some((comm, bucket_numel)))
+    }
+
+    fn build(
+        opts: TrainerOptions,
+        group: Option<(Box<dyn Collective>, usize)>,
+    ) -> Result<Self, TrainerError> {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
@@ -257,6 +281,14 @@ impl Trainer {
             vs.bfloat16();
         }
         info!(bf16, device = ?opts.device, "trainer precision");
+        // Before the reference copy: data parallel starts every rank from rank 0's weights.
+        let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
+        let optimizer = match group {
+            Some((comm, bucket_numel)) if comm.world_size() > 1 => RankOptimizer::Sharded(
+                Box::new(ZeroAdamW::new(params, opts.adam, comm, bucket_numel)?),
+            ),
+            _ => RankOptimizer::Whole(AdamW::new(params, opts.adam)),
+        };
         let reference = if opts.algo.loss.use_kl_loss {
             let mut ref_vs = nn::VarStore::new(opts.device);
             let mut ref_model = CausalLm::new(&ref_vs.root(), &cfg);
@@ -273,8 +305,6 @@ impl Trainer {
         } else {
             None
         };
-        let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
-        let optimizer = AdamW::new(params, opts.adam);
         Ok(Self {
             vs,
             model,
@@ -309,9 +339,24 @@ impl Trainer {
     }
 
     /// The optimizer's fp32 master weights by HF name (empty in an fp32 run), for
-    /// checking that the bf16 weights follow them.
+    /// checking that the bf16 weights follow them. In data parallel this gathers the
+    /// shards (every rank must call it) and panics if the group fails; see
+    /// [`Trainer::try_master_weights`].
     pub fn master_weights(&self) -> NamedTensors {
-        self.optimizer.master_weights()
+        self.try_master_weights()
+            .unwrap_or_else(|e| panic!("gathering the master weights: {e}"))
+    }
+
+    /// [`Trainer::master_weights`], with a failed data-parallel group as an error.
+    pub fn try_master_weights(&self) -> Result<NamedTensors, TrainerError> {
+        Ok(self.optimizer.master_weights()?)
+    }
+
+    /// (rank, world size) of this trainer's data-parallel group; (0, 1) alone.
+    pub fn data_parallel_rank(&self) -> (usize, usize) {
+        self.optimizer
+            .collective()
+            .map_or((0, 1), |c| (c.rank(), c.world_size()))
     }
 
     /// Handles to the current weights by HF name. They alias the trainer's parameters:
@@ -441,11 +486,17 @@ impl Trainer {
         for k in 0..steps {
             // slime: global batch = samples / num_steps_per_rollout, in order.
             let chunk = (k * n / steps)..((k + 1) * n / steps);
-            let chunk_global = batch.global_samples * chunk.len() / n.max(1);
-            let chunk_tokens: usize = batch.samples[chunk.clone()]
+            let mut chunk_global = batch.global_samples * chunk.len() / n.max(1);
+            let mut chunk_tokens: usize = batch.samples[chunk.clone()]
                 .iter()
                 .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
                 .sum();
+            if let Some(comm) = self.optimizer.collective() {
+                // Data parallel: the loss divides by the counts over every rank's chunk.
+                let mut counts = [chunk.len() as f64, chunk_tokens as f64];
+                comm.all_reduce_f64(&mut counts, crate::data_parallel::ReduceOp::Sum)?;
+                (chunk_global, chunk_tokens) = (counts[0] as usize, counts[1] as usize);
+            }
             self.optimizer.zero_grad();
             let mut acc = Accumulator::default();
             let base = chunk.start;
@@ -462,12 +513,16 @@ impl Trainer {
                 &mut acc,
             )?;
             acc.oom_skipped += skipped;
-            if let Some(schedule) = &self.opts.algo.lr_schedule {
-                self.optimizer.config.lr = schedule.lr_at(self.optimizer.step_count());
+            if let Some(comm) = self.optimizer.collective() {
+                acc.all_reduce(comm)?;
             }
-            lr = self.optimizer.config.lr;
-            let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad);
-            self.optimizer.step();
+            if let Some(schedule) = &self.opts.algo.lr_schedule {
+                self.optimizer
+                    .set_lr(schedule.lr_at(self.optimizer.step_count()));
+            }
+            lr = self.optimizer.config().lr;
+            let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad)?;
+            self.optimizer.step()?;
             self.optimizer.zero_grad();
             *sums.entry("train/grad_norm".into()).or_default() += grad_norm;
             *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
@@ -781,6 +836,21 @@ struct Accumulator {
 }
 
 impl Accumulator {
+    /// Sums the ranks' accumulators (data parallel): every rank then reports the step's
+    /// global metrics.
+    fn all_reduce(&mut self, comm: &dyn Collective) -> Result<(), CollectiveError> {
+        let mut counts = [
+            self.tokens as f64,
+            self.oom_skipped as f64,
+            self.oom_splits as f64,
+        ];
+        all_reduce_metrics(comm, &mut self.metrics, &mut counts)?;
+        self.tokens = counts[0] as usize;
+        self.oom_skipped = counts[1] as usize;
+        self.oom_splits = counts[2] as usize;
+        Ok(())
+    }
+
     fn merge(&mut self, other: Accumulator) {
         for (k, v) in other.metrics {
             *self.metrics.entry(k).or_default() += v;

@@ -19,6 +19,8 @@ extern "C" {
     fn manta_cuda_total_memory(device: c_int, total: *mut usize) -> c_int;
     fn manta_cuda_device_arch(device: c_int, arch: *mut c_int) -> c_int;
     fn manta_cuda_empty_cache() -> c_int;
+    fn manta_cuda_current_stream(device: c_int, stream: *mut *mut c_void) -> c_int;
+    fn manta_cuda_set_device(device: c_int) -> c_int;
     fn manta_graph_new() -> *mut c_void;
     fn manta_graph_capture_begin(g: *mut c_void, device: c_int, share: *mut c_void) -> c_int;
     fn manta_graph_capture_end(g: *mut c_void) -> c_int;
@@ -278,6 +280,22 @@ pub fn device_arch(device: usize) -> Result<u32, CudaError> {
     // SAFETY: the pointer is valid for writes.
     check(unsafe { manta_cuda_device_arch(device as c_int, &mut arch) })?;
     Ok(arch as u32)
+}
+
+/// The raw `cudaStream_t` of libtorch's current stream on `device`: work queued there
+/// (NCCL collectives on tch tensors' memory) is ordered with the tensor ops around it.
+pub fn current_stream(device: usize) -> Result<*mut c_void, CudaError> {
+    let mut stream: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the pointer is valid for writes.
+    check(unsafe { manta_cuda_current_stream(device as c_int, &mut stream) })?;
+    Ok(stream)
+}
+
+/// Makes `device` the calling thread's current CUDA device (an NCCL communicator binds
+/// to the device current when it is created).
+pub fn set_device(device: usize) -> Result<(), CudaError> {
+    // SAFETY: plain integer argument.
+    check(unsafe { manta_cuda_set_device(device as c_int) })
 }
 
 /// A captured CUDA graph. Tensors used during capture must stay alive and keep their

@@ -225,6 +225,30 @@ int manta_cuda_empty_cache() {
 #endif
 }
 
+// The raw cudaStream_t that libtorch queues `device`'s work on now, so collectives
+// (NCCL) are ordered with the tensor ops around them.
+int manta_cuda_current_stream(int device, void** stream) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    *stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Makes `device` the calling thread's current CUDA device (NCCL binds a communicator
+// to the device current at its creation).
+int manta_cuda_set_device(int device) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device)); });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
 int manta_cuda_device_arch(int device, int* arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {

@@ -1,0 +1,172 @@
+//! Data parallel training: one trainer rank per GPU, any count, with ZeRO-2.
+//!
+//! - [`Collective`]: what a rank needs from its group (reduce-scatter, all-gather,
+//!   all-reduce, broadcast on flat contiguous tensors), with two backends:
+//!   [`ThreadCollective`] (ranks as threads of one process, on the CPU: tests and
+//!   multi-rank CPU training) and [`NcclCollective`] (cudarc's NCCL on tch CUDA tensors,
+//!   on libtorch's current stream).
+//! - [`layout`]: the flattened parameter list cut into buckets, each bucket split
+//!   evenly across the ranks.
+//! - [`zero`]: the ZeRO-2 optimizer — fp32 masters and AdamW moments of this rank's
+//!   shard only; gradients reduce-scattered bucket by bucket; updated shards all-gathered
+//!   into every rank's model.
+//! - [`metrics`]: summing the step's loss metrics over the ranks.
+//!
+//! Loss normalisation: each rank's loss weights divide by the *global* count (samples,
+//! or trained tokens with `calculate_per_token_loss`, summed over the ranks by an
+//! all-reduce before the step), so a rank's loss is its share of the global mean and the
+//! gradients are *summed* over the ranks. That equals one rank's step on the union of
+//! the ranks' samples whatever the split; averaging per-rank means (each normalised by
+//! its own count) would only match when every rank holds as many samples and tokens.
+
+pub mod layout;
+pub mod metrics;
+pub mod nccl;
+pub mod thread;
+pub mod zero;
+
+pub use layout::FlatLayout;
+pub use nccl::NcclCollective;
+pub use thread::{ThreadCollective, ThreadGroup};
+pub use zero::{RankOptimizer, ZeroAdamW};
+
+use tch::{Device, Kind, Tensor};
+
+/// How a collective combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The sum divided by the world size.
+    Mean,
+    Max,
+}
+
+/// Why a collective (or setting up a group) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("data parallel: world size must be at least 1, got {0}")]
+    EmptyWorld(usize),
+    #[error("data parallel: rank {rank} is outside a world of {world} ranks")]
+    RankOutOfRange { rank: usize, world: usize },
+    #[error("data parallel: rank {0} of the thread group was already taken")]
+    RankTaken(usize),
+    #[error("data parallel {op}: {message}")]
+    BadTensor { op: &'static str, message: String },
+    #[error("data parallel {op}: ranks disagree: {message}")]
+    Mismatch { op: &'static str, message: String },
+    #[error("data parallel: the group failed: {0}")]
+    PeerFailed(String),
+    #[error("NCCL unavailable: {0}")]
+    Unavailable(String),
+    #[error("NCCL {op}: {message}")]
+    Nccl { op: &'static str, message: String },
+}
+
+/// Checks a (rank, world size) pair before any backend is touched.
+pub fn check_rank(rank: usize, world: usize) -> Result<(), CollectiveError> {
+    if world == 0 {
+        return Err(CollectiveError::EmptyWorld(world));
+    }
+    if rank >= world {
+        return Err(CollectiveError::RankOutOfRange { rank, world });
+    }
+    Ok(())
+}
+
+/// A rank's view of its data-parallel group. Every rank calls the same collectives in
+/// the same order with tensors of the same size and kind; tensors are flat (1-D) and
+/// contiguous, on [`Collective::device`].
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Where this rank's tensors live.
+    fn device(&self) -> Device;
+    /// Combines every rank's `input` (`world × output.numel()` elements) and writes
+    /// this rank's slice `[rank × n, (rank + 1) × n)` of the result into `output`.
+    fn reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError>;
+    /// Concatenates every rank's `input` in rank order into `output`
+    /// (`world × input.numel()` elements).
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError>;
+    /// Combines `tensor` over the ranks, in place on every rank.
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError>;
+    /// Overwrites `tensor` on every rank with rank `root`'s.
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CollectiveError>;
+
+    /// [`Collective::all_reduce`] of a few scalars (loss metrics, counts, the squared
+    /// gradient norm), in fp64.
+    fn all_reduce_f64(&self, values: &mut [f64], op: ReduceOp) -> Result<(), CollectiveError> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        let mut t = Tensor::from_slice(values).to_device(self.device());
+        self.all_reduce(&mut t, op)?;
+        let out =
+            Vec::<f64>::try_from(t.to_device(Device::Cpu).to_kind(Kind::Double)).map_err(|e| {
+                CollectiveError::BadTensor {
+                    op: "all_reduce",
+                    message: e.to_string(),
+                }
+            })?;
+        values.copy_from_slice(&out);
+        Ok(())
+    }
+}
+
+/// Checks what every backend needs of a collective's tensors: flat, contiguous, on the
+/// group's device, one kind, and `big = world × small` elements.
+pub(crate) fn check_pair(
+    op: &'static str,
+    device: Device,
+    big: &Tensor,
+    small: &Tensor,
+    world: usize,
+) -> Result<(), CollectiveError> {
+    for t in [big, small] {
+        check_flat(op, device, t)?;
+    }
+    if big.kind() != small.kind() {
+        return Err(CollectiveError::BadTensor {
+            op,
+            message: format!("kinds differ: {:?} and {:?}", big.kind(), small.kind()),
+        });
+    }
+    if big.numel() != small.numel() * world {
+        return Err(CollectiveError::BadTensor {
+            op,
+            message: format!(
+                "{} elements are not {world} ranks × {} elements",
+                big.numel(),
+                small.numel()
+            ),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_flat(
+    op: &'static str,
+    device: Device,
+    t: &Tensor,
+) -> Result<(), CollectiveError> {
+    if t.dim() != 1 || !t.is_contiguous() {
+        return Err(CollectiveError::BadTensor {
+            op,
+            message: format!(
+                "expected a flat contiguous tensor, got shape {:?}",
+                t.size()
+            ),
+        });
+    }
+    if t.device() != device {
+        return Err(CollectiveError::BadTensor {
+            op,
+            message: format!("tensor on {:?}, the group is on {device:?}", t.device()),
+        });
+    }
+    Ok(())
+}

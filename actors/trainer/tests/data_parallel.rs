@@ -1,0 +1,327 @@
+//! Data parallel on the CPU: N trainer ranks as threads (`ThreadCollective`), each given
+//! its share of a global batch, take the same steps as one trainer on the whole batch —
+//! same loss, grad norm and updated weights (fp32, up to summation order) — and every
+//! rank ends each step with bit-identical weights. The shares are uneven (samples and
+//! tokens), so this also checks that the loss is normalised by global counts.
+//!
+//! NCCL cannot run here (no GPU): the same trainer code runs over `NcclCollective` on the
+//! device through bench/run_trainer_dp.sh.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use manta_trainer::data_parallel::{Collective, ThreadCollective};
+use manta_trainer::loss::{ClipRange, LossOptions};
+use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerOptions};
+use tch::Kind;
+
+/// Trainers seed libtorch's global generator: build one test's trainers at a time.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn options(model_dir: &Path, seed: u64, per_token: bool, clip_grad: f64) -> TrainerOptions {
+    TrainerOptions {
+        model_dir: model_dir.to_path_buf(),
+        seed,
+        device: tch::Device::Cpu,
+        adam: AdamWConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        clip: ClipRange {
+            eps_clip: 0.2,
+            eps_clip_high: 0.28,
+        },
+        clip_grad,
+        temperature: 1.0,
+        max_tokens_per_gpu: 16,
+        layout: Default::default(),
+        bf16: Some(false),
+        use_rollout_logprobs: true,
+        logprob_chunk: 8,
+        recompute: None,
+        algo: AlgoOptions {
+            loss: LossOptions {
+                calculate_per_token_loss: per_token,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    }
+}
+
+fn tiny_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
+}
+
+/// Seven samples of different lengths and trained-token counts.
+fn global_samples() -> (Vec<Sample>, Vec<f64>) {
+    let mk = |id: u64, tokens: Vec<u32>, mask: Vec<u8>, lp: f32| {
+        let response_length = mask.len();
+        Sample {
+            id,
+            group_index: 0,
+            index: id as u32,
+            rollout_log_probs: vec![lp; response_length],
+            tokens,
+            response_length,
+            loss_mask: mask,
+            reward: 0.0,
+            status: SampleStatus::Completed,
+            weight_version: 0,
+            metadata: EpisodeMetadata::default(),
+        }
+    };
+    let samples = vec![
+        mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
+        mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
+        mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.7),
+        mk(3, vec![11, 12, 13, 14], vec![1, 1], -5.6),
+        mk(
+            4,
+            vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
+            vec![1, 1, 1, 1, 1, 1, 0, 1],
+            -5.5,
+        ),
+        mk(5, vec![30, 31, 32], vec![1], -5.3),
+        mk(6, vec![40, 41, 42, 43, 44, 45], vec![0, 1, 1, 1], -5.6),
+    ];
+    let advantages = vec![1.0, 0.5, -0.25, -1.0, 0.75, 0.2, -0.6];
+    (samples, advantages)
+}
+
+/// Weights copied out (export_weights aliases the live parameters).
+fn weights(t: &Trainer) -> NamedTensors {
+    t.export_weights()
+        .into_iter()
+        .map(|(k, v)| (k, v.copy()))
+        .collect()
+}
+
+fn max_diff(a: &NamedTensors, b: &NamedTensors) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta.to_kind(Kind::Double) - tb.to_kind(Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+type StepMetrics = Vec<BTreeMap<String, f64>>;
+
+/// The initial weights saved once, so every trainer of a comparison starts from them.
+fn initial_checkpoint(dir: &Path) -> PathBuf {
+    let t = Trainer::new(options(&tiny_model(), 7, false, 1.0)).unwrap();
+    let init = dir.join("init");
+    t.save_checkpoint(&init, 0).unwrap();
+    init
+}
+
+/// One rank on the whole batch for `steps` steps.
+fn single(model: &Path, per_token: bool, clip: f64, steps: usize) -> (StepMetrics, NamedTensors) {
+    let (samples, advantages) = global_samples();
+    let batch = TrainBatch {
+        global_samples: samples.len(),
+        samples,
+        advantages,
+    };
+    let mut t = Trainer::new(options(model, 7, per_token, clip)).unwrap();
+    let metrics = (0..steps).map(|_| t.train_step(&batch).unwrap()).collect();
+    (metrics, weights(&t))
+}
+
+/// `shares.len()` ranks, rank r on the next `shares[r]` samples, `steps` steps; each
+/// rank's metrics and final weights. Ranks other than 0 start from another seed's random
+/// weights: the trainer must take rank 0's.
+fn ranks(
+    model: &Path,
+    shares: &[usize],
+    per_token: bool,
+    clip: f64,
+    steps: usize,
+) -> Vec<(StepMetrics, NamedTensors)> {
+    let (samples, advantages) = global_samples();
+    assert_eq!(shares.iter().sum::<usize>(), samples.len());
+    let world = shares.len();
+    let comms = ThreadCollective::group(world).unwrap();
+    let mut start = 0;
+    let handles: Vec<_> = comms
+        .into_iter()
+        .zip(shares)
+        .map(|(comm, &share)| {
+            let batch = TrainBatch {
+                samples: samples[start..start + share].to_vec(),
+                advantages: advantages[start..start + share].to_vec(),
+                global_samples: samples.len(),
+            };
+            start += share;
+            let rank = comm.rank();
+            // Rank 0 loads the saved weights; the others start from random ones.
+            let opts = if rank == 0 {
+                options(model, 7, per_token, clip)
+            } else {
+                options(&tiny_model(), 100 + rank as u64, per_token, clip)
+            };
+            std::thread::spawn(move || {
+                // Small buckets: several per model, most with padding.
+                let mut t = Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap();
+                assert_eq!(t.data_parallel_rank(), (rank, world));
+                let metrics = (0..steps).map(|_| t.train_step(&batch).unwrap()).collect();
+                (metrics, weights(&t))
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+fn compare(shares: &[usize], per_token: bool, clip: f64) {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let init = initial_checkpoint(dir.path());
+    let steps = 2;
+    let (one_metrics, one_weights) = single(&init, per_token, clip, steps);
+    let start = weights(&Trainer::new(options(&init, 7, per_token, clip)).unwrap());
+    assert!(
+        max_diff(&start, &one_weights) > 1e-3,
+        "the single rank's weights moved"
+    );
+    let results = ranks(&init, shares, per_token, clip, steps);
+    for (rank, (metrics, w)) in results.iter().enumerate() {
+        for (step, (m, m1)) in metrics.iter().zip(&one_metrics).enumerate() {
+            for key in [
+                "train/loss",
+                "train/pg_loss",
+                "train/grad_norm",
+                "train/ppo_kl",
+            ] {
+                let (a, b) = (m[key], m1[key]);
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1e-3),
+                    "rank {rank} step {step} {key}: {a} vs one rank {b}"
+                );
+            }
+            assert_eq!(
+                m["train/tokens"], m1["train/tokens"],
+                "rank {rank} step {step}"
+            );
+            assert_eq!(
+                m.keys().collect::<Vec<_>>(),
+                m1.keys().collect::<Vec<_>>(),
+                "rank {rank} step {step}: metric names"
+            );
+        }
+        let d = max_diff(w, &one_weights);
+        assert!(d < 1e-5, "rank {rank}: weights differ from one rank by {d}");
+        let same = results[0]
+            .1
+            .iter()
+            .zip(w)
+            .all(|((_, a), (_, b))| a.equal(b));
+        assert!(same, "rank {rank}'s weights are not rank 0's bit for bit");
+    }
+}
+
+#[test]
+fn two_ranks_equal_one_rank_on_the_global_batch() {
+    compare(&[4, 3], false, 1.0);
+}
+
+#[test]
+fn three_uneven_ranks_equal_one_rank_with_clipping() {
+    // A small max norm: the global norm clips every step.
+    compare(&[2, 4, 1], false, 0.05);
+}
+
+#[test]
+fn per_token_loss_over_ranks_with_different_token_counts() {
+    // Rank 0: 3 + 3 trained tokens, rank 1: 4 + 2 + 7 + 1 + 3.
+    compare(&[2, 5], true, 1.0);
+}
+
+#[test]
+fn a_group_of_one_is_the_single_rank_path() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let init = initial_checkpoint(dir.path());
+    let (one_metrics, one_weights) = single(&init, false, 1.0, 2);
+    let comm = ThreadCollective::group(1).unwrap().pop().unwrap();
+    let mut t =
+        Trainer::new_data_parallel(options(&init, 7, false, 1.0), Box::new(comm), 3_000).unwrap();
+    assert_eq!(
+        t.data_parallel_rank(),
+        (0, 1),
+        "no group: the whole optimizer"
+    );
+    let (samples, advantages) = global_samples();
+    let batch = TrainBatch {
+        global_samples: samples.len(),
+        samples,
+        advantages,
+    };
+    let metrics: StepMetrics = (0..2).map(|_| t.train_step(&batch).unwrap()).collect();
+    assert_eq!(metrics, one_metrics);
+    let w = weights(&t);
+    assert!(w
+        .iter()
+        .zip(&one_weights)
+        .all(|((_, a), (_, b))| a.equal(b)));
+}
+
+#[test]
+fn bf16_ranks_stay_identical_and_follow_their_masters() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let init = initial_checkpoint(dir.path());
+    let (samples, advantages) = global_samples();
+    let comms = ThreadCollective::group(2).unwrap();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let r = comm.rank();
+            let (lo, hi) = if r == 0 { (0, 3) } else { (3, 7) };
+            let batch = TrainBatch {
+                samples: samples[lo..hi].to_vec(),
+                advantages: advantages[lo..hi].to_vec(),
+                global_samples: 7,
+            };
+            let mut opts = options(&init, 7, false, 1.0);
+            opts.bf16 = Some(true);
+            std::thread::spawn(move || {
+                let mut t = Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap();
+                assert!(t.is_bf16());
+                let before = t.master_weights();
+                t.train_step(&batch).unwrap();
+                let masters = t.master_weights();
+                let w = weights(&t);
+                for ((nw, w), (nm, m)) in w.iter().zip(&masters) {
+                    assert_eq!(nw, nm);
+                    assert_eq!(w.kind(), Kind::BFloat16);
+                    assert!(
+                        w.equal(&m.to_kind(Kind::BFloat16)),
+                        "{nw}: not its rounded master"
+                    );
+                }
+                assert!(max_diff(&before, &masters) > 1e-3, "the masters moved");
+                w
+            })
+        })
+        .collect();
+    let w: Vec<NamedTensors> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(w[0].iter().zip(&w[1]).all(|((_, a), (_, b))| a.equal(b)));
+}
