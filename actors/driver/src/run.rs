@@ -367,3 +367,34 @@ fn debug_task(train: &TrainConfig) -> manta_rollout::TaskRef {
         server_env: environment,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// `--bf16` means `[trainer] bf16 = true` and wins over the file's `false`.
+    #[test]
+    fn bf16_flag_overrides_the_trainer_section() {
+        let dir = tempfile::tempdir().unwrap();
+        let train_config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../train_config.yaml");
+        let cluster = dir.path().join("cluster.toml");
+        std::fs::write(
+            &cluster,
+            format!(
+                "[cluster]\ntrain_config = {:?}\n\n[trainer]\nbf16 = false\n",
+                train_config.display().to_string()
+            ),
+        )
+        .unwrap();
+        let args = |extra: &[&str]| {
+            let mut argv = vec!["driver", "--cluster", cluster.to_str().unwrap()];
+            argv.extend_from_slice(extra);
+            crate::cli::Cli::try_parse_from(argv).unwrap().train
+        };
+        let plain = resolve_config(&args(&[])).unwrap();
+        assert_eq!(plain.cluster.trainer.bf16, Some(false));
+        let flagged = resolve_config(&args(&["--bf16"])).unwrap();
+        assert_eq!(flagged.cluster.trainer.bf16, Some(true));
+    }
+}
