@@ -22,6 +22,18 @@ extern "C" {
 
 const char* manta_adamw_last_error() { return adamw_error.c_str(); }
 
+// `param.grad = None`: frees a gradient the optimizer no longer needs (ZeRO-2 keeps only
+// its shard of the reduced gradients); the next backward pass allocates a new one.
+int manta_clear_grad(void* param) {
+  try {
+    static_cast<at::Tensor*>(param)->mutable_grad().reset();
+    return 0;
+  } catch (const std::exception& e) {
+    adamw_error = e.what();
+  }
+  return 1;
+}
+
 // params[i] (any floating kind) is refreshed from masters[i] (fp32) after the update;
 // grads[i] has params[i]'s kind; exp_avgs/exp_avg_sqs are fp32. `step` is the step number
 // after this update (from 1). Tensors are taken in groups of at most `group_elems`

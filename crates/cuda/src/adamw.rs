@@ -11,6 +11,7 @@ use crate::CudaError;
 
 extern "C" {
     fn manta_adamw_last_error() -> *const c_char;
+    fn manta_clear_grad(param: *mut c_void) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_fused_adamw_masters(
         params: *mut *mut c_void,
@@ -90,6 +91,21 @@ pub fn fused_adamw_masters(slots: &[MasterSlot<'_>], c: AdamWStep) -> Result<(),
         )
     };
     if rc == 0 {
+        Ok(())
+    } else {
+        // SAFETY: the shim returns a pointer to a thread-local, NUL-terminated string.
+        let msg = unsafe { CStr::from_ptr(manta_adamw_last_error()) };
+        Err(CudaError(msg.to_string_lossy().into_owned()))
+    }
+}
+
+/// Drops `param`'s gradient (`param.grad = None` in PyTorch): the memory goes back to the
+/// allocator and the next backward pass allocates a fresh one. ZeRO-2 calls it once the
+/// gradients are reduced into its shard.
+pub fn clear_grad(param: &Tensor) -> Result<(), CudaError> {
+    // SAFETY: `as_ptr` is the live at::Tensor behind `param`; the shim only resets its
+    // gradient field.
+    if unsafe { manta_clear_grad(param.as_ptr() as *mut c_void) } == 0 {
         Ok(())
     } else {
         // SAFETY: the shim returns a pointer to a thread-local, NUL-terminated string.

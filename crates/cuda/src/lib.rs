@@ -21,6 +21,7 @@ extern "C" {
     fn manta_cuda_empty_cache() -> c_int;
     fn manta_cuda_current_stream(device: c_int, stream: *mut *mut c_void) -> c_int;
     fn manta_cuda_set_device(device: c_int) -> c_int;
+    fn manta_cuda_peak_allocated(device: c_int, reset: c_int, bytes: *mut usize) -> c_int;
     fn manta_graph_new() -> *mut c_void;
     fn manta_graph_capture_begin(g: *mut c_void, device: c_int, share: *mut c_void) -> c_int;
     fn manta_graph_capture_end(g: *mut c_void) -> c_int;
@@ -296,6 +297,16 @@ pub fn current_stream(device: usize) -> Result<*mut c_void, CudaError> {
 pub fn set_device(device: usize) -> Result<(), CudaError> {
     // SAFETY: plain integer argument.
     check(unsafe { manta_cuda_set_device(device as c_int) })
+}
+
+/// The most bytes libtorch's caching allocator had allocated on `device` at once since
+/// the start or the last reset (`torch.cuda.max_memory_allocated`); `reset` then starts
+/// a new peak (`torch.cuda.reset_peak_memory_stats`).
+pub fn peak_allocated(device: usize, reset: bool) -> Result<usize, CudaError> {
+    let mut bytes = 0usize;
+    // SAFETY: the pointer is valid for writes.
+    check(unsafe { manta_cuda_peak_allocated(device as c_int, reset as c_int, &mut bytes) })?;
+    Ok(bytes)
 }
 
 /// A captured CUDA graph. Tensors used during capture must stay alive and keep their

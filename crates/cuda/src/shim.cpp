@@ -249,6 +249,23 @@ int manta_cuda_set_device(int device) {
 #endif
 }
 
+// The caching allocator's peak of allocated bytes on `device` since the process
+// started or the last reset (torch.cuda.max_memory_allocated); `reset` starts a new peak.
+int manta_cuda_peak_allocated(int device, int reset, size_t* bytes) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    auto index = static_cast<c10::DeviceIndex>(device);
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    *bytes = static_cast<size_t>(
+        stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak);
+    if (reset) c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+  });
+#else
+  last_error = "built without CUDA";
+  return 1;
+#endif
+}
+
 int manta_cuda_device_arch(int device, int* arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use manta_cuda::adamw::{fused_adamw_masters, AdamWStep, MasterSlot};
+use manta_cuda::adamw::{clear_grad, fused_adamw_masters, AdamWStep, MasterSlot};
 use tch::{Kind, Tensor};
 
 use super::{Collective, CollectiveError, FlatLayout, ReduceOp};
@@ -158,7 +158,8 @@ impl ZeroAdamW {
     }
 
     /// Sums every rank's gradients and leaves this rank's shard of the sum in `grad`
-    /// (fp32), bucket by bucket. Parameters without a gradient count as zero.
+    /// (fp32), bucket by bucket, dropping the parameters' own gradients. Parameters
+    /// without a gradient count as zero.
     pub fn reduce_gradients(&mut self) -> Result<(), CollectiveError> {
         tch::no_grad(|| {
             for b in 0..self.layout.buckets.len() {
@@ -171,6 +172,14 @@ impl ZeroAdamW {
                     }
                 });
                 let bucket = &self.layout.buckets[b];
+                // ZeRO-2: the full gradients are not kept past their reduction (the
+                // staged copy is ordered before any reuse of their memory).
+                for p in &self.params[bucket.params.clone()] {
+                    clear_grad(p).map_err(|e| CollectiveError::BadTensor {
+                        op: "clear_grad",
+                        message: e.to_string(),
+                    })?;
+                }
                 let mut out = self
                     .grad
                     .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);

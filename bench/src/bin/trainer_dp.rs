@@ -1,0 +1,235 @@
+//! Data-parallel trainer ranks on GPUs (bench/run_trainer_dp.sh): one process per GPU,
+//! NCCL through `manta_trainer::data_parallel::NcclCollective`, ZeRO-2. Each run trains
+//! a few steps on its share of one global batch (checked against one rank on the whole
+//! batch by the script), writes its weights, then times steps on the same share.
+//!
+//! usage:
+//!   trainer_dp init DIR
+//!       config.json (Qwen3-0.6B shape) and random weights, made on cuda:0, in DIR
+//!   trainer_dp id FILE
+//!       a new NCCL unique id (128 bytes) into FILE (rank 0's side of the exchange
+//!       that Manta's gRPC will carry)
+//!   trainer_dp run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT
+//!       rank RANK of WORLD on cuda:RANK (WORLD 1: the single-GPU trainer, no NCCL,
+//!       ID_FILE unused) trains STEPS steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD)
+//!       of the global batch, writes its weights to WEIGHTS_OUT (safetensors), then
+//!       times ITERS more steps; PRECISION is bf16 (fp32 masters) or fp32. Micro-batches
+//!       hold G/2 samples whatever the world size. Prints one JSON object.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context};
+use manta_bench::QWEN3_0_6B;
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use manta_trainer::batch::MicroBatchLayout;
+use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
+use manta_trainer::data_parallel::{Collective, NcclCollective};
+use manta_trainer::loss::ClipRange;
+use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
+use tch::{Device, Kind, Tensor};
+
+fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {
+    TrainerOptions {
+        model_dir: model_dir.to_path_buf(),
+        seed: 0,
+        device,
+        adam: AdamWConfig {
+            // Large enough that one step moves many bf16 weights.
+            lr: 1e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        clip: ClipRange {
+            eps_clip: 0.2,
+            eps_clip_high: 0.28,
+        },
+        clip_grad: 1.0,
+        temperature: 1.0,
+        max_tokens_per_gpu: micro_tokens,
+        layout: MicroBatchLayout::Packed,
+        bf16: Some(bf16),
+        use_rollout_logprobs: true,
+        logprob_chunk: 1024,
+        recompute: None,
+        algo: Default::default(),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("init") => init(Path::new(args.get(2).context("usage: trainer_dp init DIR")?)),
+        Some("id") => {
+            let file = args.get(2).context("usage: trainer_dp id FILE")?;
+            let id = NcclCollective::unique_id()?;
+            std::fs::write(file, id).with_context(|| format!("writing {file}"))
+        }
+        Some("run") => run(&args[2..]),
+        _ => bail!("usage: trainer_dp init DIR | id FILE | run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT"),
+    }
+}
+
+/// Random bf16 weights of the 0.6B shape, saved as a model directory every run loads.
+fn init(dir: &Path) -> anyhow::Result<()> {
+    ensure!(
+        tch::Cuda::is_available(),
+        "CUDA is not available to libtorch"
+    );
+    let shape = dir.with_extension("shape");
+    std::fs::create_dir_all(&shape)?;
+    std::fs::write(shape.join("config.json"), QWEN3_0_6B)?;
+    let t = Trainer::new(options(&shape, Device::Cuda(0), true, 1 << 20))?;
+    t.save_checkpoint(dir, 0)?;
+    // Only the weights are needed; the optimizer state is gigabytes.
+    let _ = std::fs::remove_file(dir.join("optimizer.safetensors"));
+    Ok(())
+}
+
+fn run(a: &[String]) -> anyhow::Result<()> {
+    ensure!(a.len() == 10, "run takes 10 arguments, got {}", a.len());
+    let num = |i: usize| -> anyhow::Result<usize> {
+        a[i].parse()
+            .with_context(|| format!("argument {} ({:?}) is not a count", i + 1, a[i]))
+    };
+    let (rank, world) = (num(0)?, num(1)?);
+    let (id_file, model_dir) = (&a[2], Path::new(&a[3]));
+    let (global, seq, steps, iters) = (num(4)?, num(5)?, num(6)?, num(7)?);
+    let bf16 = match a[8].as_str() {
+        "bf16" => true,
+        "fp32" => false,
+        other => bail!("PRECISION {other:?}: expected bf16 or fp32"),
+    };
+    let weights_out = Path::new(&a[9]);
+    ensure!(world >= 1 && rank < world, "rank {rank} of world {world}");
+    ensure!(
+        global % world == 0 && global >= 2,
+        "GLOBAL_SAMPLES {global} must split evenly over {world} ranks"
+    );
+    ensure!(
+        tch::Cuda::is_available(),
+        "CUDA is not available to libtorch"
+    );
+    let device = Device::Cuda(rank);
+    let opts = options(model_dir, device, bf16, global / 2 * seq);
+    let t0 = Instant::now();
+    let mut trainer = if world == 1 {
+        Trainer::new(opts)?
+    } else {
+        let id = wait_for_id(id_file)?;
+        let comm = NcclCollective::new(rank, world, &id, rank)?;
+        eprintln!(
+            "rank {rank}: NCCL communicator of {} ranks",
+            comm.world_size()
+        );
+        Trainer::new_data_parallel(opts, Box::new(comm), DEFAULT_BUCKET_NUMEL)?
+    };
+    tch::Cuda::synchronize(rank as i64);
+    let init_s = t0.elapsed().as_secs_f64();
+    let vocab = trainer.model_config().vocab_size;
+    let full = make_batch(global, seq, vocab);
+    let share = global / world;
+    let batch = TrainBatch {
+        samples: full.samples[rank * share..(rank + 1) * share].to_vec(),
+        advantages: full.advantages[rank * share..(rank + 1) * share].to_vec(),
+        global_samples: global,
+    };
+    let mut checked = Vec::new();
+    for _ in 0..steps {
+        let m = trainer.train_step(&batch)?;
+        checked.push(serde_json::json!({
+            "loss": m.get("train/loss"), "grad_norm": m.get("train/grad_norm"),
+            "pg_loss": m.get("train/pg_loss"), "tokens": m.get("train/tokens"),
+        }));
+    }
+    let named: Vec<(String, Tensor)> = trainer
+        .export_weights()
+        .into_iter()
+        .map(|(k, t)| (k, t.to_device(Device::Cpu)))
+        .collect();
+    Tensor::write_safetensors(&named, weights_out)
+        .with_context(|| format!("writing {}", weights_out.display()))?;
+    drop(named);
+    manta_cuda::peak_allocated(rank, true)?;
+    let mut times = Vec::new();
+    for _ in 0..iters {
+        let t = Instant::now();
+        trainer.train_step(&batch)?;
+        tch::Cuda::synchronize(rank as i64);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let peak = manta_cuda::peak_allocated(rank, false)?;
+    let mut sorted = times.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "{}",
+        serde_json::json!({
+            "rank": rank, "world": world, "precision": a[8],
+            "global_samples": global, "seq": seq, "rank_samples": share,
+            "micro_batch_tokens": global / 2 * seq,
+            "steps": checked, "init_s": init_s,
+            "median_s": median, "times_s": times,
+            "global_tokens_per_s": (global * seq) as f64 / median,
+            "peak_allocated_gib": peak as f64 / (1u64 << 30) as f64,
+        })
+    );
+    Ok(())
+}
+
+/// Rank 0's unique id, read from the file the launcher wrote (waits up to a minute).
+fn wait_for_id(file: &str) -> anyhow::Result<Vec<u8>> {
+    for _ in 0..600 {
+        if let Ok(id) = std::fs::read(file) {
+            if id.len() == UNIQUE_ID_BYTES {
+                return Ok(id);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    bail!("no {UNIQUE_ID_BYTES}-byte NCCL unique id in {file} after 60 s")
+}
+
+/// The global batch, the same in every process: random token ids (a quarter prompt, the
+/// rest trained response), rollout log-probs near a random model's, advantages ±1.
+fn make_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
+    tch::manual_seed(1);
+    let resp = seq - seq / 4;
+    let base = -(vocab as f64).ln();
+    let list = (0..samples)
+        .map(|i| {
+            let tokens: Vec<i64> = Vec::try_from(Tensor::randint(
+                vocab,
+                [seq as i64],
+                (Kind::Int64, Device::Cpu),
+            ))
+            .unwrap_or_default();
+            let noise: Vec<f32> =
+                Vec::try_from(Tensor::randn([resp as i64], (Kind::Float, Device::Cpu)) * 0.2)
+                    .unwrap_or_default();
+            Sample {
+                id: i as u64,
+                group_index: 0,
+                index: i as u32,
+                tokens: tokens.iter().map(|&t| t as u32).collect(),
+                response_length: resp,
+                loss_mask: vec![1; resp],
+                rollout_log_probs: noise.iter().map(|n| base as f32 + n).collect(),
+                reward: 0.0,
+                status: SampleStatus::Completed,
+                weight_version: 0,
+                metadata: EpisodeMetadata::default(),
+            }
+        })
+        .collect();
+    TrainBatch {
+        samples: list,
+        advantages: (0..samples)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+        global_samples: samples,
+    }
+}
