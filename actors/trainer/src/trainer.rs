@@ -448,14 +448,28 @@ impl Trainer {
         &mut self,
         batch: &TrainBatch,
     ) -> Result<BTreeMap<String, f64>, TrainerError> {
-        self.check_batch(batch)?;
         let steps = self.opts.algo.num_steps_per_rollout.max(1);
-        if steps > batch.samples.len() {
-            return Err(TrainerError::Batch(format!(
-                "--num-steps-per-rollout {steps} is more than the {} samples of the step",
-                batch.samples.len()
-            )));
+        let checked = self.check_batch(batch).and_then(|()| {
+            if steps > batch.samples.len() {
+                return Err(TrainerError::Batch(format!(
+                    "--num-steps-per-rollout {steps} is more than the {} samples of the step",
+                    batch.samples.len()
+                )));
+            }
+            Ok(())
+        });
+        if let Some(comm) = self.optimizer.collective() {
+            // Every rank learns whether any rank rejected its share, so they all stop
+            // here instead of the others waiting in the step's collectives.
+            let mut bad = [f64::from(u8::from(checked.is_err()))];
+            comm.all_reduce_f64(&mut bad, crate::data_parallel::ReduceOp::Max)?;
+            if bad[0] > 0.0 && checked.is_ok() {
+                return Err(TrainerError::Batch(
+                    "another data-parallel rank rejected its share of the batch".into(),
+                ));
+            }
         }
+        checked?;
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
         let budget = self.opts.max_tokens_per_gpu;
         // π_old: the weights before this rollout's first update. With one update per

@@ -325,3 +325,48 @@ fn bf16_ranks_stay_identical_and_follow_their_masters() {
     let w: Vec<NamedTensors> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert!(w[0].iter().zip(&w[1]).all(|((_, a), (_, b))| a.equal(b)));
 }
+
+#[test]
+fn a_rank_with_a_bad_share_stops_every_rank_with_an_error() {
+    let _serial = one_at_a_time();
+    let (samples, advantages) = global_samples();
+    let comms = ThreadCollective::group(2).unwrap();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let r = comm.rank();
+            let mut batch = TrainBatch {
+                samples: samples[r * 3..r * 3 + 3].to_vec(),
+                advantages: advantages[r * 3..r * 3 + 3].to_vec(),
+                global_samples: 6,
+            };
+            if r == 1 {
+                batch.advantages.pop();
+            }
+            let opts = options(&tiny_model(), 7, false, 1.0);
+            std::thread::spawn(move || {
+                let mut t = Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap();
+                let e = t.train_step(&batch).unwrap_err().to_string();
+                // The group is still usable: the next (good) step runs on both ranks.
+                batch.advantages = vec![0.5; batch.samples.len()];
+                let m = t.train_step(&batch).unwrap();
+                (e, m["train/tokens"])
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(
+        out[0].0.contains("another data-parallel rank rejected"),
+        "{}",
+        out[0].0
+    );
+    assert!(
+        out[1].0.contains("3 samples but 2 advantages"),
+        "{}",
+        out[1].0
+    );
+    assert_eq!(
+        out[0].1, out[1].1,
+        "both ranks report the global token count"
+    );
+}
