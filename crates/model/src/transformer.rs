@@ -654,8 +654,12 @@ impl CausalLm {
         if !(hidden.requires_grad() || self.lm_head.requires_grad()) {
             return wide;
         }
+        // The fp32 correction is computed in place on `wide` (one fp32 [N, vocab] buffer
+        // less at the peak of a logits chunk).
         let narrow = self.logits(hidden).to_kind(Kind::Float);
-        &narrow + (wide - narrow.detach())
+        let mut correction = wide;
+        let _ = correction.g_sub_(&narrow.detach());
+        narrow + correction
     }
 
     /// The output projection [vocab, hidden]; the embedding matrix when tied.
