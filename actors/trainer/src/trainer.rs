@@ -458,18 +458,16 @@ impl Trainer {
             }
             Ok(())
         });
-        if let Some(comm) = self.optimizer.collective() {
+        match self.optimizer.collective() {
             // Every rank learns whether any rank rejected its share, so they all stop
             // here instead of the others waiting in the step's collectives.
-            let mut bad = [f64::from(u8::from(checked.is_err()))];
-            comm.all_reduce_f64(&mut bad, crate::data_parallel::ReduceOp::Max)?;
-            if bad[0] > 0.0 && checked.is_ok() {
-                return Err(TrainerError::Batch(
+            Some(comm) => agree(comm, checked, || {
+                TrainerError::Batch(
                     "another data-parallel rank rejected its share of the batch".into(),
-                ));
-            }
+                )
+            })?,
+            None => checked?,
         }
-        checked?;
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
         let budget = self.opts.max_tokens_per_gpu;
         // π_old: the weights before this rollout's first update. With one update per
@@ -768,6 +766,9 @@ impl Trainer {
     /// and trainer_state.json. Written to `dir.tmp` first and renamed, so an interrupted
     /// save never leaves a half checkpoint under the final name.
     pub fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerError> {
+        if let Some(comm) = self.optimizer.collective() {
+            return self.save_sharded_checkpoint(comm, dir, step);
+        }
         let err = |message: String| TrainerError::Checkpoint {
             path: dir.to_path_buf(),
             message,
@@ -793,6 +794,55 @@ impl Trainer {
         Ok(())
     }
 
+    /// [`Trainer::save_checkpoint`] of a data-parallel rank (every rank calls it, with a
+    /// directory they all see): rank 0 writes the weights and trainer_state.json into
+    /// `dir.tmp`, every rank its optimizer shard (`optimizer.rank<r>-of-<world>`), and
+    /// rank 0 renames the directory once all are written. A failure on any rank fails
+    /// the save on every rank.
+    fn save_sharded_checkpoint(
+        &self,
+        comm: &dyn Collective,
+        dir: &Path,
+        step: u64,
+    ) -> Result<(), TrainerError> {
+        let err = |message: String| TrainerError::Checkpoint {
+            path: dir.to_path_buf(),
+            message,
+        };
+        let tmp = dir.with_extension("tmp");
+        let rank0 = comm.rank() == 0;
+        let weights = || -> Result<(), TrainerError> {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
+            }
+            std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
+            manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?;
+            crash_mid_save_if_asked(&tmp, step);
+            let state = TrainerState {
+                step,
+                optimizer_steps: self.optimizer.step_count(),
+            };
+            let json = serde_json::to_string_pretty(&state).map_err(|e| err(e.to_string()))?;
+            std::fs::write(tmp.join("trainer_state.json"), json).map_err(|e| err(e.to_string()))
+        };
+        let elsewhere = |what: &str| {
+            let what = what.to_string();
+            move || err(format!("another data-parallel rank failed to {what}"))
+        };
+        let local = if rank0 { weights() } else { Ok(()) };
+        agree(comm, local, elsewhere("write the weights"))?;
+        let local = self.optimizer.save(&tmp).map_err(TrainerError::from);
+        agree(comm, local, elsewhere("write its optimizer shard"))?;
+        let publish = || -> Result<(), TrainerError> {
+            if dir.exists() {
+                std::fs::remove_dir_all(dir).map_err(|e| err(e.to_string()))?;
+            }
+            std::fs::rename(&tmp, dir).map_err(|e| err(e.to_string()))
+        };
+        let local = if rank0 { publish() } else { Ok(()) };
+        agree(comm, local, elsewhere("move the checkpoint into place"))
+    }
+
     /// Restores weights, optimizer and step from a directory written by
     /// [`Trainer::save_checkpoint`]. Returns the step it was saved at.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64, TrainerError> {
@@ -811,6 +861,22 @@ impl Trainer {
             .map_err(err)?;
         Ok(state.step)
     }
+}
+
+/// One phase's outcome agreed by every data-parallel rank: this rank's error, or
+/// `elsewhere()` when only another rank failed, so all ranks stop together.
+fn agree(
+    comm: &dyn Collective,
+    local: Result<(), TrainerError>,
+    elsewhere: impl FnOnce() -> TrainerError,
+) -> Result<(), TrainerError> {
+    let mut failed = [f64::from(u8::from(local.is_err()))];
+    comm.all_reduce_f64(&mut failed, crate::data_parallel::ReduceOp::Max)?;
+    local?;
+    if failed[0] > 0.0 {
+        return Err(elsewhere());
+    }
+    Ok(())
 }
 
 /// Fault injection for tests: with `MANTA_CRASH_MID_SAVE=<step>` the process dies while

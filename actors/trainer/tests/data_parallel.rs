@@ -401,3 +401,77 @@ fn ranks_recomputing_every_layer_equal_one_rank() {
         Some(manta_trainer::Recompute::EVERY_LAYER),
     );
 }
+
+#[test]
+fn ranks_resume_from_a_sharded_checkpoint() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let init = initial_checkpoint(dir.path());
+    let ckpt = dir.path().join("step1");
+    let (samples, advantages) = global_samples();
+    let share = |r: usize| TrainBatch {
+        samples: samples[r * 3..r * 3 + 3 + r].to_vec(),
+        advantages: advantages[r * 3..r * 3 + 3 + r].to_vec(),
+        global_samples: 7,
+    };
+    // Two ranks: step 1, save, step 2.
+    let spawn = |resume: bool| {
+        let handles: Vec<_> = ThreadCollective::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|comm| {
+                let r = comm.rank();
+                let batch = share(r);
+                // Resumed ranks start from other random weights: the checkpoint must
+                // restore them.
+                let opts = if resume {
+                    options(&tiny_model(), 50 + r as u64, false, 1.0)
+                } else {
+                    options(&init, 7, false, 1.0)
+                };
+                let ckpt = ckpt.clone();
+                std::thread::spawn(move || {
+                    let mut t = Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap();
+                    if resume {
+                        assert_eq!(t.load_checkpoint(&ckpt).unwrap(), 1);
+                        assert_eq!(t.optimizer_steps(), 1);
+                    } else {
+                        t.train_step(&batch).unwrap();
+                        t.save_checkpoint(&ckpt, 1).unwrap();
+                    }
+                    let m = t.train_step(&batch).unwrap();
+                    (m["train/loss"], weights(&t))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let kept = spawn(false);
+    let mut files: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert!(
+        files.contains(&"optimizer.rank0-of-2.safetensors".to_string())
+            && files.contains(&"optimizer.rank1-of-2.safetensors".to_string())
+            && files.contains(&"model.safetensors".to_string())
+            && files.contains(&"trainer_state.json".to_string()),
+        "{files:?}"
+    );
+    assert!(
+        !ckpt.with_extension("tmp").exists(),
+        "the temporary directory was renamed"
+    );
+    let resumed = spawn(true);
+    for ((loss_a, wa), (loss_b, wb)) in kept.iter().zip(&resumed) {
+        assert_eq!(loss_a, loss_b, "step 2 loss after resuming");
+        assert!(
+            wa.iter().zip(wb).all(|((_, a), (_, b))| a.equal(b)),
+            "step 2 weights after resuming"
+        );
+    }
+}
