@@ -402,7 +402,8 @@ impl Trainer {
 
     /// The loss gradient at the current weights (every micro-batch, one chunk, no
     /// optimizer step), by HF name, with the step's `train/*` loss metrics. For
-    /// checking the gradient against finite differences of `train/loss`.
+    /// checking the gradient against finite differences of `train/loss`. In data
+    /// parallel these are this rank's own (unreduced) share.
     pub fn gradients(
         &mut self,
         batch: &TrainBatch,

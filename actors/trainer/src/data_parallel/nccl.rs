@@ -144,9 +144,13 @@ impl NcclCollective {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        // SAFETY: the communicator is ours and no call on it is in flight (`&mut self`).
-        if let Err(e) = unsafe { result::comm_destroy(self.comm) } {
-            tracing::warn!(error = ?e, "NCCL communicator destroy failed");
+        // Finalize waits for the operations queued on the communicator, then destroy
+        // frees it. SAFETY: the communicator is ours and no call on it is being made
+        // (`&mut self`).
+        let done = unsafe { result::comm_finalize(self.comm) }
+            .and_then(|_| unsafe { result::comm_destroy(self.comm) });
+        if let Err(e) = done {
+            tracing::warn!(error = ?e, "NCCL communicator teardown failed");
         }
     }
 }
