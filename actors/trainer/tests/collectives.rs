@@ -409,3 +409,33 @@ fn a_sharded_optimizer_resumes_from_its_saved_shards() {
         );
     }
 }
+
+#[test]
+fn many_back_to_back_collectives_stay_in_step() {
+    // Ranks race through hundreds of collectives of changing sizes; every result must
+    // be the sum of that very call's deposits (a slot reused too early would mix calls).
+    let world = 4;
+    let out = on_ranks(world, move |c| {
+        let mut ok = 0;
+        for i in 0..300usize {
+            let n = 1 + (i % 7);
+            let mut x = Tensor::full(
+                [n as i64],
+                (c.rank() * 1000 + i) as f64,
+                (Kind::Double, tch::Device::Cpu),
+            );
+            if i % 2 == 0 {
+                c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            } else {
+                let mut y = Tensor::zeros([(world * n) as i64], (Kind::Double, tch::Device::Cpu));
+                c.all_gather(&x, &mut y).unwrap();
+                x = y.sum_dim_intlist(0, false, Kind::Double).view([1]) / n as f64;
+            }
+            let want = (0..world).map(|r| (r * 1000 + i) as f64).sum::<f64>();
+            let got = Vec::<f64>::try_from(x).unwrap();
+            ok += usize::from(got.iter().all(|&g| g == want));
+        }
+        ok
+    });
+    assert_eq!(out, vec![300; world]);
+}
