@@ -3,8 +3,8 @@
 # data-parallel trainer ranks (bin/trainer_dp, one process per GPU, NCCL through cudarc,
 # ZeRO-2) against one rank on the same global batch, Qwen3-0.6B shape, random weights
 # made once in the run. For each precision in PRECISIONS (default "bf16 fp32"):
-#   - 2 ranks (cuda:0, cuda:1), GLOBAL/2 samples each: STEPS checked steps, weights
-#     written, then ITERS timed steps;
+#   - 2 ranks (cuda:0, cuda:1), GLOBAL/2 samples each (fp32: FP32_GLOBAL/2): STEPS
+#     checked steps, weights written, then ITERS timed steps;
 #   - 1 rank (cuda:0) on all GLOBAL samples (in two micro-batches of GLOBAL/2): the same.
 # Reports loss / grad-norm agreement, the two ranks' weights (bit-identical expected),
 # the DP weights against the single rank's, peak memory per GPU (caching allocator and
@@ -20,11 +20,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${WORK:-/tmp/manta_dp}; rm -rf "$W"; mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 GLOBAL=${GLOBAL:-16}; SEQ=${SEQ:-2048}; STEPS=${STEPS:-2}; ITERS=${ITERS:-5}
+# fp32 activations take twice the memory: half the samples keep a micro-batch's bytes.
+FP32_GLOBAL=${FP32_GLOBAL:-8}
 PRECISIONS=${PRECISIONS:-bf16 fp32}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 
 ./bin/trainer_dp init "$W/model" 2> >(tee "$OUT/init.log" >&2)
 for prec in $PRECISIONS; do
+  g=$GLOBAL; [ "$prec" = fp32 ] && g=$FP32_GLOBAL
   # Per-GPU memory in use (MiB) while the two ranks run.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/dp2_$prec.mem" &
   smi=$!
@@ -32,7 +35,7 @@ for prec in $PRECISIONS; do
   ./bin/trainer_dp id "$W/nccl.id"
   pids=()
   for r in 0 1; do
-    ./bin/trainer_dp run $r 2 "$W/nccl.id" "$W/model" "$GLOBAL" "$SEQ" "$STEPS" "$ITERS" "$prec" \
+    ./bin/trainer_dp run $r 2 "$W/nccl.id" "$W/model" "$g" "$SEQ" "$STEPS" "$ITERS" "$prec" \
       "$W/w_${prec}_dp2_r$r.safetensors" > "$OUT/dp2_${prec}_r$r.json" 2> "$OUT/dp2_${prec}_r$r.log" &
     pids+=($!)
   done
@@ -40,7 +43,7 @@ for prec in $PRECISIONS; do
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null || true
   tail -n 5 "$OUT"/dp2_${prec}_r*.log
   [ "$rc" = 0 ] || { echo "a data-parallel rank failed (rc $rc)"; exit 1; }
-  ./bin/trainer_dp run 0 1 - "$W/model" "$GLOBAL" "$SEQ" "$STEPS" "$ITERS" "$prec" \
+  ./bin/trainer_dp run 0 1 - "$W/model" "$g" "$SEQ" "$STEPS" "$ITERS" "$prec" \
     "$W/w_${prec}_dp1.safetensors" > "$OUT/dp1_$prec.json" 2> >(tee "$OUT/dp1_$prec.log" >&2)
   cat "$OUT"/dp2_${prec}_r*.json "$OUT/dp1_$prec.json"
 done
