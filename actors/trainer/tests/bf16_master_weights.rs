@@ -4,89 +4,34 @@
 //! still move the masters; the bf16 step tracks the fp32 step; a bf16 checkpoint resumes
 //! exactly (the masters are saved with the optimizer).
 
-use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+mod common;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
-use manta_trainer::loss::ClipRange;
-use manta_trainer::optimizer::AdamWConfig;
+use common::{adam, max_diff, one_at_a_time, sample_at};
 use manta_trainer::{NamedTensors, TrainBatch, Trainer, TrainerOptions};
 use tch::Kind;
 
-/// Trainers draw their random init from libtorch's global seed: tests that compare two
-/// trainers' weights must not build trainers at the same time.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn options(bf16: Option<bool>, lr: f64) -> TrainerOptions {
     TrainerOptions {
-        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
         seed: 3,
-        device: tch::Device::Cpu,
-        adam: AdamWConfig {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-        clip: ClipRange {
-            eps_clip: 0.2,
-            eps_clip_high: 0.2,
-        },
-        clip_grad: 1.0,
-        temperature: 1.0,
+        adam: adam(lr),
         max_tokens_per_gpu: 12,
-        layout: Default::default(),
         bf16,
-        use_rollout_logprobs: true,
         logprob_chunk: 4,
         recompute: Some(manta_model::Recompute::EVERY_LAYER),
-        algo: Default::default(),
+        ..common::options()
     }
 }
 
 fn batch() -> TrainBatch {
-    let mk = |id: u64, tokens: Vec<u32>, mask: Vec<u8>| {
-        let response_length = mask.len();
-        Sample {
-            id,
-            group_index: 0,
-            index: id as u32,
-            rollout_log_probs: vec![-5.5; response_length],
-            tokens,
-            response_length,
-            loss_mask: mask,
-            reward: 0.0,
-            status: SampleStatus::Completed,
-            weight_version: 0,
-            metadata: EpisodeMetadata::default(),
-        }
-    };
     TrainBatch {
         samples: vec![
-            mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1]),
-            mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1]),
-            mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1]),
+            sample_at(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
+            sample_at(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.5),
+            sample_at(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.5),
         ],
         advantages: vec![1.0, 0.5, -0.25],
         global_samples: 3,
     }
-}
-
-fn max_diff(a: &NamedTensors, b: &NamedTensors) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|((na, ta), (nb, tb))| {
-            assert_eq!(na, nb);
-            (ta.to_kind(Kind::Float) - tb.to_kind(Kind::Float))
-                .abs()
-                .max()
-                .double_value(&[])
-        })
-        .fold(0.0, f64::max)
 }
 
 /// The bf16 weights are exactly the masters rounded to bf16.

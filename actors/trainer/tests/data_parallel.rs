@@ -7,22 +7,18 @@
 //! NCCL cannot run here (no GPU): the same trainer code runs over `NcclCollective` on the
 //! device through bench/run_trainer_dp.sh.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use common::{adam, max_diff, one_at_a_time, sample_at, tiny_model};
+use manta_core::Sample;
 use manta_trainer::data_parallel::{Collective, ThreadCollective};
 use manta_trainer::loss::{ClipRange, LossOptions};
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerOptions};
 use tch::Kind;
-
-/// Trainers seed libtorch's global generator: build one test's trainers at a time.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 thread_local! {
     /// Recompute setting of the trainers a test builds (threads it spawns copy it).
@@ -34,29 +30,22 @@ fn options(model_dir: &Path, seed: u64, per_token: bool, clip_grad: f64) -> Trai
     TrainerOptions {
         model_dir: model_dir.to_path_buf(),
         seed,
-        device: tch::Device::Cpu,
         adam: AdamWConfig {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
             // Adam's update is about lr × sign(g) wherever |g| ≫ eps, so with a tiny eps
             // the summation-order noise of near-zero gradients (k_proj of a random model)
             // flips whole steps, as changing the micro-batch split of one rank does.
             // This eps keeps such gradients' steps proportional to them.
             eps: 1e-4,
             weight_decay: 0.01,
+            ..adam(1e-2)
         },
         clip: ClipRange {
             eps_clip: 0.2,
             eps_clip_high: 0.28,
         },
         clip_grad,
-        temperature: 1.0,
         max_tokens_per_gpu: 16,
-        layout: Default::default(),
         bf16: Some(false),
-        use_rollout_logprobs: true,
-        logprob_chunk: 8,
         recompute: RECOMPUTE.with(|r| r.get()),
         algo: AlgoOptions {
             loss: LossOptions {
@@ -65,31 +54,13 @@ fn options(model_dir: &Path, seed: u64, per_token: bool, clip_grad: f64) -> Trai
             },
             ..Default::default()
         },
+        ..common::options()
     }
-}
-
-fn tiny_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
 }
 
 /// Seven samples of different lengths and trained-token counts.
 fn global_samples() -> (Vec<Sample>, Vec<f64>) {
-    let mk = |id: u64, tokens: Vec<u32>, mask: Vec<u8>, lp: f32| {
-        let response_length = mask.len();
-        Sample {
-            id,
-            group_index: 0,
-            index: id as u32,
-            rollout_log_probs: vec![lp; response_length],
-            tokens,
-            response_length,
-            loss_mask: mask,
-            reward: 0.0,
-            status: SampleStatus::Completed,
-            weight_version: 0,
-            metadata: EpisodeMetadata::default(),
-        }
-    };
+    let mk = sample_at;
     let samples = vec![
         mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
         mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
@@ -114,20 +85,6 @@ fn weights(t: &Trainer) -> NamedTensors {
         .into_iter()
         .map(|(k, v)| (k, v.copy()))
         .collect()
-}
-
-fn max_diff(a: &NamedTensors, b: &NamedTensors) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, ta), (nb, tb))| {
-            assert_eq!(na, nb);
-            (ta.to_kind(Kind::Double) - tb.to_kind(Kind::Double))
-                .abs()
-                .max()
-                .double_value(&[])
-        })
-        .fold(0.0, f64::max)
 }
 
 type StepMetrics = Vec<BTreeMap<String, f64>>;

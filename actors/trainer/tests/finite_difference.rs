@@ -2,39 +2,26 @@
 //! the frozen reference, entropy bonus, sample-mean aggregation over micro-batches)
 //! equals central finite differences of its own `train/loss` on a tiny model.
 
-use std::path::Path;
+mod common;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use common::{adam, sample};
 use manta_trainer::loss::{ClipRange, KlType, LossOptions};
-use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{AlgoOptions, TrainBatch, Trainer, TrainerOptions};
 use tch::{IndexOp, Kind};
 
 fn options() -> TrainerOptions {
     TrainerOptions {
-        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
         seed: 5,
-        device: tch::Device::Cpu,
-        adam: AdamWConfig {
-            lr: 3e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
+        adam: adam(3e-2),
         // Wide enough that no token sits on a clip boundary (the loss stays smooth).
         clip: ClipRange {
             eps_clip: 0.99,
             eps_clip_high: 10.0,
         },
-        clip_grad: 1.0,
         temperature: 0.9,
         max_tokens_per_gpu: 24,
-        use_rollout_logprobs: true,
         logprob_chunk: 4,
         recompute: Some(manta_model::Recompute::EVERY_LAYER),
-        layout: Default::default(),
-        bf16: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,
@@ -45,29 +32,19 @@ fn options() -> TrainerOptions {
             },
             ..Default::default()
         },
+        ..common::options()
     }
 }
 
 fn batch() -> TrainBatch {
+    // Rollout log-probs drift along each response; masked-out tokens carry none.
     let mk = |id: u64, tokens: Vec<u32>, mask: Vec<u8>, lp: f32| {
-        let response_length = mask.len();
-        Sample {
-            id,
-            group_index: 0,
-            index: id as u32,
-            rollout_log_probs: mask
-                .iter()
-                .enumerate()
-                .map(|(k, &m)| if m == 1 { lp - 0.1 * k as f32 } else { 0.0 })
-                .collect(),
-            tokens,
-            response_length,
-            loss_mask: mask,
-            reward: 0.0,
-            status: SampleStatus::Completed,
-            weight_version: 0,
-            metadata: EpisodeMetadata::default(),
-        }
+        let lps = mask
+            .iter()
+            .enumerate()
+            .map(|(k, &m)| if m == 1 { lp - 0.1 * k as f32 } else { 0.0 })
+            .collect();
+        sample(id, tokens, mask, lps)
     };
     let samples = vec![
         mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.4),

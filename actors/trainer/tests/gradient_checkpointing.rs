@@ -3,25 +3,19 @@
 //! N`) gives the loss and gradients of a plain backward pass; a layer count the model
 //! does not have is an error naming the flag and the value.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use std::path::PathBuf;
+
+use common::{one_at_a_time, sample_at, tiny_model};
 use manta_model::{Recompute, RecomputeMethod};
-use manta_trainer::loss::ClipRange;
-use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerError, TrainerOptions};
 
 /// libtorch's RNG is process-global and the tests of this binary run in parallel: two
 /// seeded inits must not interleave with another test's.
-static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn new_trainer(opts: TrainerOptions) -> Result<Trainer, TrainerError> {
-    let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    let _guard = one_at_a_time();
     Trainer::new(opts)
-}
-
-fn tiny_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
 }
 
 fn options(gradient_checkpointing: bool) -> TrainerOptions {
@@ -35,56 +29,25 @@ fn options_for(model_dir: PathBuf, recompute: Option<Recompute>) -> TrainerOptio
     TrainerOptions {
         model_dir,
         seed: 3,
-        device: tch::Device::Cpu,
-        adam: AdamWConfig {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-        clip: ClipRange {
-            eps_clip: 0.2,
-            eps_clip_high: 0.2,
-        },
-        clip_grad: 1.0,
         temperature: 0.8,
         max_tokens_per_gpu: 24,
         use_rollout_logprobs: false,
         logprob_chunk: 4,
         recompute,
-        layout: Default::default(),
-        bf16: None,
-        algo: Default::default(),
-    }
-}
-
-fn sample(id: u64, tokens: Vec<u32>, mask: Vec<u8>) -> Sample {
-    let response_length = mask.len();
-    Sample {
-        id,
-        group_index: 0,
-        index: id as u32,
-        rollout_log_probs: vec![-1.0; response_length],
-        tokens,
-        response_length,
-        loss_mask: mask,
-        reward: 0.0,
-        status: SampleStatus::Completed,
-        weight_version: 0,
-        metadata: EpisodeMetadata::default(),
+        ..common::options()
     }
 }
 
 fn batch() -> TrainBatch {
     TrainBatch {
         samples: vec![
-            sample(0, vec![258, 10, 20, 30, 40, 50, 60], vec![1, 1, 0, 1]),
-            sample(1, vec![258, 11, 21, 31, 41], vec![1, 1]),
-            sample(
+            sample_at(0, vec![258, 10, 20, 30, 40, 50, 60], vec![1, 1, 0, 1], -1.0),
+            sample_at(1, vec![258, 11, 21, 31, 41], vec![1, 1], -1.0),
+            sample_at(
                 2,
                 vec![258, 12, 22, 32, 42, 52, 62, 72, 82],
                 vec![0, 1, 1, 1, 1],
+                -1.0,
             ),
         ],
         advantages: vec![1.0, -0.5, 0.25],

@@ -3,64 +3,25 @@
 //! as an unfailed step; a sample that does not fit even alone is skipped and counted in
 //! `train/oom_skipped`. One test in this binary: the injection is process-wide.
 
-use std::path::Path;
+mod common;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
-use manta_trainer::loss::ClipRange;
-use manta_trainer::optimizer::AdamWConfig;
+use common::sample_at;
 use manta_trainer::{NamedTensors, TrainBatch, Trainer, TrainerOptions};
 
 fn options() -> TrainerOptions {
     TrainerOptions {
-        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
         seed: 9,
-        device: tch::Device::Cpu,
-        adam: AdamWConfig {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-        clip: ClipRange {
-            eps_clip: 0.2,
-            eps_clip_high: 0.2,
-        },
-        clip_grad: 1.0,
-        temperature: 1.0,
         // One micro-batch holds the whole batch (6 + 5 + 7 = 18 packed tokens).
         max_tokens_per_gpu: 1000,
-        use_rollout_logprobs: true,
-        logprob_chunk: 8,
-        recompute: None,
-        layout: Default::default(),
-        bf16: None,
-        algo: Default::default(),
-    }
-}
-
-fn sample(id: u64, tokens: Vec<u32>, mask: Vec<u8>) -> Sample {
-    let response_length = mask.len();
-    Sample {
-        id,
-        group_index: 0,
-        index: id as u32,
-        rollout_log_probs: vec![-5.0; response_length],
-        tokens,
-        response_length,
-        loss_mask: mask,
-        reward: 0.0,
-        status: SampleStatus::Completed,
-        weight_version: 0,
-        metadata: EpisodeMetadata::default(),
+        ..common::options()
     }
 }
 
 fn batch(n: usize) -> TrainBatch {
     let all = [
-        sample(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1]),
-        sample(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1]),
-        sample(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1]),
+        sample_at(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.0),
+        sample_at(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.0),
+        sample_at(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.0),
     ];
     TrainBatch {
         samples: all[..n].to_vec(),

@@ -4,10 +4,12 @@
 //! alone, and of the padded layout. If attention or positions leaked across samples,
 //! the packed micro-batch would differ from the per-sample ones.
 
-use std::collections::BTreeMap;
-use std::path::Path;
+mod common;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use std::collections::BTreeMap;
+
+use common::adam;
+use manta_core::Sample;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::{ClipRange, KlType, LossOptions};
 use manta_trainer::optimizer::AdamWConfig;
@@ -15,28 +17,18 @@ use manta_trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerOptio
 
 fn options(layout: MicroBatchLayout, max_tokens_per_gpu: usize, per_token: bool) -> TrainerOptions {
     TrainerOptions {
-        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
         seed: 11,
-        device: tch::Device::Cpu,
         adam: AdamWConfig {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
             weight_decay: 0.01,
+            ..adam(1e-2)
         },
         clip: ClipRange {
             eps_clip: 0.2,
             eps_clip_high: 0.28,
         },
-        clip_grad: 1.0,
-        temperature: 1.0,
         max_tokens_per_gpu,
         layout,
-        bf16: None,
-        use_rollout_logprobs: true,
         logprob_chunk: 5,
-        recompute: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,
@@ -48,26 +40,16 @@ fn options(layout: MicroBatchLayout, max_tokens_per_gpu: usize, per_token: bool)
             },
             ..Default::default()
         },
+        ..common::options()
     }
 }
 
+/// Rollout log-probs that differ per token and per sample.
 fn sample(id: u64, tokens: Vec<u32>, mask: Vec<u8>) -> Sample {
-    let response_length = mask.len();
-    Sample {
-        id,
-        group_index: 0,
-        index: id as u32,
-        rollout_log_probs: (0..response_length)
-            .map(|k| -4.0 - 0.3 * k as f32 - 0.1 * id as f32)
-            .collect(),
-        tokens,
-        response_length,
-        loss_mask: mask,
-        reward: 0.0,
-        status: SampleStatus::Completed,
-        weight_version: 0,
-        metadata: EpisodeMetadata::default(),
-    }
+    let lps = (0..mask.len())
+        .map(|k| -4.0 - 0.3 * k as f32 - 0.1 * id as f32)
+        .collect();
+    common::sample(id, tokens, mask, lps)
 }
 
 /// Four samples of lengths 9, 6, 6 and 11 (two of equal length, which packed attention

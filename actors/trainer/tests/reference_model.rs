@@ -1,36 +1,19 @@
 //! The KL reference: the initial weights by default, the `--ref-load` directory when given.
 
+mod common;
+
 use std::path::Path;
 
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
-use manta_trainer::loss::{ClipRange, LossOptions};
-use manta_trainer::optimizer::AdamWConfig;
+use common::sample_at;
+use manta_core::Sample;
+use manta_trainer::loss::LossOptions;
 use manta_trainer::{AlgoOptions, TrainBatch, Trainer, TrainerOptions};
 
 fn options(seed: u64, ref_load: Option<&Path>) -> TrainerOptions {
     TrainerOptions {
-        model_dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
         seed,
-        device: tch::Device::Cpu,
-        adam: AdamWConfig {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-        clip: ClipRange {
-            eps_clip: 0.2,
-            eps_clip_high: 0.2,
-        },
-        clip_grad: 1.0,
-        temperature: 1.0,
         max_tokens_per_gpu: 100,
         use_rollout_logprobs: false,
-        logprob_chunk: 8,
-        recompute: None,
-        layout: Default::default(),
-        bf16: None,
         algo: AlgoOptions {
             loss: LossOptions {
                 use_kl_loss: true,
@@ -40,23 +23,15 @@ fn options(seed: u64, ref_load: Option<&Path>) -> TrainerOptions {
             ref_load: ref_load.map(Path::to_path_buf),
             ..Default::default()
         },
+        ..common::options()
     }
 }
 
 fn batch() -> TrainBatch {
     TrainBatch {
         samples: vec![Sample {
-            id: 0,
-            group_index: 0,
-            index: 0,
-            tokens: vec![3, 17, 42, 99, 100, 7],
-            response_length: 4,
-            loss_mask: vec![1, 1, 0, 1],
-            rollout_log_probs: vec![-5.0; 4],
             reward: 1.0,
-            status: SampleStatus::Completed,
-            weight_version: 0,
-            metadata: EpisodeMetadata::default(),
+            ..sample_at(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.0)
         }],
         advantages: vec![1.0],
         global_samples: 1,
