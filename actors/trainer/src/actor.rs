@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use crate::data_parallel::Collective;
 use crate::trainer::{NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};
 
 /// Messages a trainer rank handles, one at a time.
@@ -46,25 +47,69 @@ impl Actor for TrainerActor {
         message: TrainerMsg,
         trainer: &mut Trainer,
     ) -> Result<(), ActorProcessingErr> {
-        // Compute is blocking; block_in_place lets other tasks (the environment server,
-        // rollouts) keep running on the runtime's other workers.
-        match message {
-            TrainerMsg::TrainStep(batch, reply) => {
-                let result = tokio::task::block_in_place(|| trainer.train_step(&batch));
-                let _ = reply.send(result);
-            }
-            TrainerMsg::ExportWeights(reply) => {
-                let _ = reply.send(trainer.export_weights());
-            }
-            TrainerMsg::SaveCheckpoint(dir, step, reply) => {
-                let result = tokio::task::block_in_place(|| trainer.save_checkpoint(&dir, step));
-                let _ = reply.send(result);
-            }
-            TrainerMsg::LoadCheckpoint(dir, reply) => {
-                let result = tokio::task::block_in_place(|| trainer.load_checkpoint(&dir));
-                let _ = reply.send(result);
-            }
-        }
+        handle_message(message, trainer);
         Ok(())
+    }
+}
+
+/// What a data-parallel rank's actor is built from: its options, its place in the
+/// group, and the gradient bucket size ([`Trainer::new_data_parallel`]).
+pub struct TrainerRankArgs {
+    pub options: TrainerOptions,
+    pub comm: Box<dyn Collective>,
+    pub bucket_numel: usize,
+}
+
+/// [`TrainerActor`] for one rank of a data-parallel group: the same messages, a trainer
+/// built by [`Trainer::new_data_parallel`]. Every rank of the group must be started at
+/// once (building a rank waits for the others) and be sent the same messages.
+pub struct TrainerRankActor;
+
+impl Actor for TrainerRankActor {
+    type Msg = TrainerMsg;
+    type State = Trainer;
+    type Arguments = TrainerRankArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: TrainerRankArgs,
+    ) -> Result<Trainer, ActorProcessingErr> {
+        Ok(tokio::task::block_in_place(|| {
+            Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
+        })?)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        message: TrainerMsg,
+        trainer: &mut Trainer,
+    ) -> Result<(), ActorProcessingErr> {
+        handle_message(message, trainer);
+        Ok(())
+    }
+}
+
+/// Serves one message on the actor's trainer (either actor).
+fn handle_message(message: TrainerMsg, trainer: &mut Trainer) {
+    // Compute is blocking; block_in_place lets other tasks (the environment server,
+    // rollouts) keep running on the runtime's other workers.
+    match message {
+        TrainerMsg::TrainStep(batch, reply) => {
+            let result = tokio::task::block_in_place(|| trainer.train_step(&batch));
+            let _ = reply.send(result);
+        }
+        TrainerMsg::ExportWeights(reply) => {
+            let _ = reply.send(trainer.export_weights());
+        }
+        TrainerMsg::SaveCheckpoint(dir, step, reply) => {
+            let result = tokio::task::block_in_place(|| trainer.save_checkpoint(&dir, step));
+            let _ = reply.send(result);
+        }
+        TrainerMsg::LoadCheckpoint(dir, reply) => {
+            let result = tokio::task::block_in_place(|| trainer.load_checkpoint(&dir));
+            let _ = reply.send(result);
+        }
     }
 }

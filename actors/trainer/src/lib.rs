@@ -16,6 +16,6 @@ pub mod optimizer;
 pub mod schedule;
 pub mod trainer;
 
-pub use actor::{TrainerActor, TrainerArgs, TrainerMsg};
+pub use actor::{TrainerActor, TrainerArgs, TrainerMsg, TrainerRankActor, TrainerRankArgs};
 pub use manta_model::{Recompute, RecomputeMethod};
 pub use trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};
