@@ -31,6 +31,9 @@ use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
 
+use crate::trainer_handle::data_parallel::{spawn_ranks, RankDevices};
+use crate::trainer_handle::TrainerHandle;
+
 /// The native engine's share of GPU memory (weights + KV cache) when it shares the
 /// trainer's GPU and `rollout.mem_fraction_static` is not set.
 const COLOCATED_MEM_FRACTION: f64 = 0.3;
@@ -39,8 +42,9 @@ pub use manta_cluster::rollout::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SES
 
 /// Handles to everything local mode started.
 pub struct LocalWorker {
-    /// The in-process trainer (absent when a worker daemon hosts it).
-    pub trainer: Option<ActorRef<TrainerMsg>>,
+    /// The in-process trainer: one actor or a data-parallel rank group (absent when a
+    /// worker daemon hosts it).
+    pub trainer: Option<TrainerHandle>,
     pub rollouts: Vec<ActorRef<RolloutMsg>>,
     pub weight_sync: Option<ActorRef<WeightSyncMsg>>,
     /// One client per environment, for listing tasks.
@@ -63,7 +67,7 @@ impl LocalWorker {
             w.stop(None);
         }
         if let Some(t) = &self.trainer {
-            t.stop(None);
+            t.shutdown().await;
         }
         if let Some(upload) = self.upload {
             let stats = upload.shutdown(UPLOAD_FLUSH_TIMEOUT).await;
@@ -221,10 +225,12 @@ pub async fn start(
             bf16: cluster.trainer.bf16,
             ..trainer_options(settings, device)
         };
-        let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, options)
-            .await
-            .context("starting the trainer")?;
-        Some(trainer)
+        let devices = if cluster.trainer.gpus.is_empty() {
+            RankDevices::Cpu(cluster.trainer.data_parallel_world())
+        } else {
+            RankDevices::Gpus(cluster.trainer.gpus.clone())
+        };
+        Some(start_trainer(options, &devices).await?)
     } else {
         None
     };
@@ -280,12 +286,13 @@ pub async fn start(
         rollouts.push(rollout);
     }
     let weight_sync = match &trainer {
-        Some(trainer) => Some(
+        Some((_, rank0)) => Some(
             Actor::spawn(
                 Some("weight-sync".into()),
                 WeightSyncActor,
                 WeightSyncArgs {
-                    trainer: trainer.clone(),
+                    // Every data-parallel rank holds the same weights.
+                    trainer: rank0.clone(),
                     engines: rollouts.clone(),
                 },
             )
@@ -296,13 +303,32 @@ pub async fn start(
         None => None,
     };
     Ok(LocalWorker {
-        trainer,
+        trainer: trainer.map(|(handle, _)| handle),
         rollouts,
         weight_sync,
         env_clients: env_clients.into_iter().map(|(k, (c, _))| (k, c)).collect(),
         env_server,
         upload,
     })
+}
+
+/// Starts the in-process trainer: one actor when `devices` has one rank (`options.device`
+/// is its device), else a data-parallel rank group, one actor per rank. Returns its
+/// handle and rank 0's actor (what in-process weight sync reads).
+pub async fn start_trainer(
+    options: TrainerOptions,
+    devices: &RankDevices,
+) -> anyhow::Result<(TrainerHandle, ActorRef<TrainerMsg>)> {
+    if devices.world() <= 1 {
+        let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, options)
+            .await
+            .context("starting the trainer")?;
+        return Ok((TrainerHandle::local(trainer.clone()), trainer));
+    }
+    let steps = options.algo.num_steps_per_rollout;
+    let ranks = spawn_ranks(options, devices).await?;
+    let rank0 = ranks[0].clone();
+    Ok((TrainerHandle::local_ranks(ranks, steps), rank0))
 }
 
 /// The device for GPUs `gpus` named by cluster.toml key `key` in local mode: the CPU

@@ -152,7 +152,7 @@ pub async fn train_remote(
             crate::shutdown::register(client, vec![name]);
             TrainerHandle::remote(Arc::new(remote))
         }
-        (None, Some(local)) => TrainerHandle::local(local.clone()),
+        (None, Some(local)) => local.clone(),
         (None, None) => anyhow::bail!("no trainer was started"),
     };
     // Engines on workers get the weights over gRPC: no disk is shared with them.

@@ -20,7 +20,7 @@ use crate::local;
 use crate::rollouts::Rollouts;
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
-use crate::trainer_handle::TrainerHandle;
+use crate::trainer_handle::data_parallel::RankDevices;
 use crate::weight_sync::in_process::InProcessEngines;
 use crate::weight_sync::WeightSync;
 use manta_weight_sync::route::Endpoint;
@@ -141,7 +141,12 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     );
     // Debug data needs no engine or environment, local or remote: the trainer runs here.
     if let Some(template) = settings.load_debug_rollout_data.clone() {
-        return train_from_debug_data(template, &train, &settings, stop).await;
+        // Data-parallel ranks are a local-mode setting (remote ranks are not built yet).
+        let ranks = match cluster.mode {
+            ClusterMode::Local => cluster.trainer.data_parallel_world(),
+            ClusterMode::Remote => 1,
+        };
+        return train_from_debug_data(template, &train, &settings, ranks, stop).await;
     }
     if cluster.mode == ClusterMode::Remote {
         return crate::remote::train_remote(cluster, train, settings, stop).await;
@@ -151,7 +156,6 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         (Some(t), Some(w)) => (t.clone(), w.clone()),
         _ => anyhow::bail!("local mode started without a trainer"),
     };
-    let trainer = TrainerHandle::local(trainer);
     let engines_at: Vec<(String, Endpoint)> = (0..worker.rollouts.len())
         .map(|i| (format!("rollout-{i}"), Endpoint::in_driver(None)))
         .collect();
@@ -181,25 +185,25 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     result
 }
 
-/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32); each step
-/// trains on the saved samples of that rollout.
+/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32, as `ranks`
+/// data-parallel ranks: `[trainer]`'s rank count, GPUs or not); each step trains on the
+/// saved samples of that rollout.
 async fn train_from_debug_data(
     template: String,
     train: &TrainConfig,
     settings: &TrainSettings,
+    ranks: usize,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
-    let trainer = manta_cluster::trainer::spawn::spawn_trainer(
-        "trainer",
+    let (handle, _) = local::start_trainer(
         local::trainer_options(settings, tch::Device::Cpu),
+        &RankDevices::Cpu(ranks),
     )
-    .await
-    .context("starting the trainer")?;
-    let handle = TrainerHandle::local(trainer.clone());
+    .await?;
     let actors = StepActors {
         trainer: handle.clone(),
         rollouts: Rollouts::none(),
-        weights: WeightSync::none(handle),
+        weights: WeightSync::none(handle.clone()),
         debug_data: Some(template),
     };
     let result = run_with_actors(
@@ -211,7 +215,7 @@ async fn train_from_debug_data(
         stop,
     )
     .await;
-    trainer.stop(None);
+    handle.shutdown().await;
     result
 }
 

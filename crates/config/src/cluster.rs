@@ -91,9 +91,15 @@ pub struct TrainerSection {
     /// the driver process hosts it.
     pub node: Option<usize>,
     /// GPUs of that node the trainer uses (empty: CPU); in local mode, GPUs of this
-    /// machine. The trainer computes on the first.
+    /// machine, one data-parallel rank on each (NCCL). A remote trainer computes on the
+    /// first.
     #[serde(default)]
     pub gpus: Vec<u32>,
+    /// Local mode: data-parallel trainer ranks (ZeRO-2). On the CPU (no `gpus`), this many
+    /// ranks as threads of the driver; with `gpus`, it may only repeat their count.
+    /// Absent: one rank, or one per listed GPU.
+    #[serde(default)]
+    pub data_parallel_ranks: Option<usize>,
     /// Megatron/slime's `--bf16`: bf16 weights and compute with fp32 master weights and
     /// fp32 AdamW state. Absent: bf16 when the trainer runs on a GPU, fp32 on the CPU.
     #[serde(default)]
@@ -105,12 +111,25 @@ pub struct TrainerSection {
     pub restart_timeout_s: u64,
 }
 
+impl TrainerSection {
+    /// Data-parallel ranks of a local-mode trainer: one per listed GPU, else
+    /// `data_parallel_ranks` (1 when absent). Validated with the file.
+    pub fn data_parallel_world(&self) -> usize {
+        if self.gpus.is_empty() {
+            self.data_parallel_ranks.unwrap_or(1)
+        } else {
+            self.gpus.len()
+        }
+    }
+}
+
 impl Default for TrainerSection {
     fn default() -> Self {
         Self {
             node: None,
             gpus: Vec::new(),
             bf16: None,
+            data_parallel_ranks: None,
             on_failure: TrainerFailurePolicy::Restart,
             restart_timeout_s: default_restart_timeout_s(),
         }
@@ -290,6 +309,7 @@ impl ClusterConfig {
         })?;
         validate_remote(&raw, path)?;
         validate_placement(&raw, path)?;
+        validate_data_parallel(&raw, path)?;
         if let Some(command) = &raw.rollout.command {
             if command.first().is_none_or(|p| p.is_empty()) {
                 return Err(ConfigError::invalid(
@@ -441,6 +461,42 @@ impl ClusterConfig {
             .collect();
         free.into_iter().skip(engine * per).take(per).collect()
     }
+}
+
+/// `trainer.data_parallel_ranks`: at least 1, the GPU count when `trainer.gpus` lists
+/// GPUs, and local mode only (remote ranks, one per worker GPU, are not built yet).
+fn validate_data_parallel(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
+    let t = &raw.trainer;
+    let Some(ranks) = t.data_parallel_ranks else {
+        return Ok(());
+    };
+    const KEY: &str = "trainer.data_parallel_ranks";
+    if ranks == 0 {
+        return Err(ConfigError::invalid(path, KEY, ranks, "must be at least 1"));
+    }
+    if !t.gpus.is_empty() && ranks != t.gpus.len() {
+        return Err(ConfigError::invalid(
+            path,
+            KEY,
+            ranks,
+            format!(
+                "trainer.gpus = {:?} runs one rank per GPU ({}); leave data_parallel_ranks out \
+                 or set it to {}",
+                t.gpus,
+                t.gpus.len(),
+                t.gpus.len()
+            ),
+        ));
+    }
+    if raw.cluster.mode == ClusterMode::Remote && ranks > 1 {
+        return Err(ConfigError::invalid(
+            path,
+            KEY,
+            ranks,
+            "data-parallel trainer ranks run in local mode only (remote ranks are not built yet)",
+        ));
+    }
+    Ok(())
 }
 
 /// Roles must fit the nodes: the trainer's node and GPUs exist, rollout nodes exist,
@@ -699,6 +755,50 @@ mod tests {
         .unwrap();
         assert_eq!(shared.local_engine_gpus(0), vec![0]);
         assert!(parse("").unwrap().local_engine_gpus(0).is_empty());
+    }
+
+    #[test]
+    fn data_parallel_ranks_come_from_the_gpus_or_the_key() {
+        assert_eq!(parse("").unwrap().trainer.data_parallel_world(), 1);
+        let cpu = parse("[trainer]\ndata_parallel_ranks = 3\n").unwrap();
+        assert_eq!(cpu.trainer.data_parallel_world(), 3);
+        let gpus = parse("[trainer]\ngpus = [0, 1]\n").unwrap();
+        assert_eq!(gpus.trainer.data_parallel_world(), 2);
+        let same = parse("[trainer]\ngpus = [2, 3]\ndata_parallel_ranks = 2\n").unwrap();
+        assert_eq!(same.trainer.data_parallel_world(), 2);
+    }
+
+    #[test]
+    fn bad_data_parallel_ranks_are_named() {
+        let err = parse("[trainer]\ndata_parallel_ranks = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trainer.data_parallel_ranks")
+                && err.contains("value 0")
+                && err.contains("at least 1"),
+            "{err}"
+        );
+        let err = parse("[trainer]\ngpus = [0, 1]\ndata_parallel_ranks = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trainer.data_parallel_ranks")
+                && err.contains("value 3")
+                && err.contains("[0, 1]")
+                && err.contains("one rank per GPU (2)"),
+            "{err}"
+        );
+        let err = parse(
+            "[cluster]\nmode = \"remote\"\n\n[trainer]\ndata_parallel_ranks = 2\n\n\
+             [[nodes]]\naddress = \"a:1\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("trainer.data_parallel_ranks") && err.contains("local mode only"),
+            "{err}"
+        );
     }
 
     #[test]

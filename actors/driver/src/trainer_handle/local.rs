@@ -27,7 +27,8 @@ impl TrainerHandle {
     }
 }
 
-struct LocalTrainer(ActorRef<TrainerMsg>);
+/// One trainer actor in this process (also each rank of a local data-parallel group).
+pub(super) struct LocalTrainer(pub(super) ActorRef<TrainerMsg>);
 
 #[async_trait::async_trait]
 impl TrainerBackend for LocalTrainer {
@@ -60,5 +61,9 @@ impl TrainerBackend for LocalTrainer {
             .await
             .map_err(failed)?
             .map_err(failed)
+    }
+
+    async fn shutdown(&self) {
+        self.0.stop(None);
     }
 }

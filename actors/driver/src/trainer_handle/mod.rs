@@ -1,7 +1,9 @@
 //! The trainer as the step loop sees it: one handle, [`TrainerHandle`], with the same
-//! calls whether the trainer is an actor in this process ([`local`]) or one hosted by a
+//! calls whether the trainer is an actor in this process ([`local`]), a group of
+//! data-parallel rank actors in this process ([`data_parallel`]) or one hosted by a
 //! worker daemon ([`remote`]); each placement implements [`TrainerBackend`].
 
+pub mod data_parallel;
 pub mod local;
 pub mod remote;
 
@@ -42,8 +44,7 @@ pub trait TrainerBackend: Send + Sync {
         anyhow::bail!("only a trainer on a worker can be restarted")
     }
 
-    /// Stops a trainer this handle placed on a worker; an in-process one stops with
-    /// the local worker that started it.
+    /// Stops the trainer (its actors in this process, or the one it placed on a worker).
     async fn shutdown(&self) {}
 }
 

@@ -1,0 +1,394 @@
+//! Data-parallel trainer ranks in the driver process (local mode, `[trainer] gpus` with
+//! several GPUs or `[trainer] data_parallel_ranks`): one `TrainerRankActor` per rank
+//! (manta_trainer::data_parallel, ZeRO-2), NCCL between GPUs or threads on the CPU,
+//! behind the same [`TrainerHandle`] as one trainer.
+//!
+//! Each step's global batch is cut into one share per rank so that the ranks' step
+//! equals one trainer's step on the whole batch (loss weights divide by global counts);
+//! every rank steps at once and rank 0's metrics, global after the ranks' all-reduce,
+//! are the step's. Weights for sync come from rank 0 (every rank holds the same). A
+//! checkpoint is saved by every rank into one directory (rank 0's weights and state,
+//! each rank's ZeRO optimizer shard) and resume restores every rank from it, so it needs
+//! the same rank count.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+use futures::future::join_all;
+use manta_cluster::weights::WeightSet;
+use manta_cluster::TrainerCallError;
+use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
+use manta_trainer::data_parallel::{Collective, NcclCollective, ThreadCollective};
+use manta_trainer::{TrainBatch, TrainerMsg, TrainerOptions, TrainerRankActor, TrainerRankArgs};
+use ractor::{Actor, ActorRef};
+use tch::Device;
+use tracing::{info, warn};
+
+use super::local::LocalTrainer;
+use super::{TrainerBackend, TrainerHandle};
+
+/// Where a local rank group runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RankDevices {
+    /// This many ranks on the CPU, as threads (`[trainer] data_parallel_ranks`).
+    Cpu(usize),
+    /// One rank per GPU, in order (`[trainer] gpus`), over NCCL.
+    Gpus(Vec<u32>),
+}
+
+impl RankDevices {
+    pub fn world(&self) -> usize {
+        match self {
+            Self::Cpu(n) => *n,
+            Self::Gpus(gpus) => gpus.len(),
+        }
+    }
+}
+
+impl TrainerHandle {
+    /// The ranks of a local data-parallel group, rank 0 first, each started by
+    /// [`spawn_ranks`]; `steps_per_rollout` is the trainer's `num_steps_per_rollout`.
+    pub fn local_ranks(ranks: Vec<ActorRef<TrainerMsg>>, steps_per_rollout: usize) -> Self {
+        Self::new(RankGroup {
+            ranks: ranks.into_iter().map(LocalTrainer).collect(),
+            steps_per_rollout: steps_per_rollout.max(1),
+            warned_uneven: AtomicBool::new(false),
+        })
+    }
+}
+
+/// Starts one trainer rank actor per rank of `devices`, all at once (building a rank
+/// waits for the others). `options.device` is replaced by each rank's device.
+pub async fn spawn_ranks(
+    options: TrainerOptions,
+    devices: &RankDevices,
+) -> anyhow::Result<Vec<ActorRef<TrainerMsg>>> {
+    let world = devices.world();
+    let comms: Vec<(Box<dyn Collective>, Device)> = match devices {
+        RankDevices::Cpu(_) => ThreadCollective::group(world)
+            .with_context(|| format!("[trainer] data_parallel_ranks = {world}"))?
+            .into_iter()
+            .map(|c| (Box::new(c) as Box<dyn Collective>, Device::Cpu))
+            .collect(),
+        RankDevices::Gpus(gpus) => nccl_group(gpus.clone()).await?,
+    };
+    let tasks: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (comm, device))| {
+            let args = TrainerRankArgs {
+                options: TrainerOptions {
+                    device,
+                    ..options.clone()
+                },
+                comm,
+                bucket_numel: DEFAULT_BUCKET_NUMEL,
+            };
+            // A task per rank: each builds its trainer in block_in_place and waits in
+            // the group's first collective for the others.
+            tokio::spawn(async move {
+                Actor::spawn(Some(format!("trainer-rank-{rank}")), TrainerRankActor, args).await
+            })
+        })
+        .collect();
+    let mut ranks = Vec::new();
+    let mut first_error = None;
+    for (rank, task) in join_all(tasks).await.into_iter().enumerate() {
+        match task {
+            Ok(Ok((actor, _))) => ranks.push(actor),
+            Ok(Err(e)) => {
+                first_error.get_or_insert_with(|| format!("starting trainer rank {rank}: {e}"));
+            }
+            Err(e) => {
+                first_error.get_or_insert_with(|| format!("starting trainer rank {rank}: {e}"));
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        for r in &ranks {
+            r.stop(None);
+        }
+        anyhow::bail!("{e}");
+    }
+    info!(world, devices = ?devices, "data-parallel trainer ranks started");
+    Ok(ranks)
+}
+
+/// Joins an in-process NCCL group over `gpus`, one rank per GPU: the unique id made
+/// here, every rank joining at once on a thread of its own.
+async fn nccl_group(gpus: Vec<u32>) -> anyhow::Result<Vec<(Box<dyn Collective>, Device)>> {
+    let shown = format!("[trainer] gpus = {gpus:?}");
+    let id = NcclCollective::unique_id()
+        .with_context(|| format!("{shown}: data-parallel ranks need NCCL"))?;
+    let world = gpus.len();
+    let joined = tokio::task::spawn_blocking(move || {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = gpus
+                .iter()
+                .enumerate()
+                .map(|(rank, &gpu)| {
+                    let id = &id;
+                    s.spawn(move || NcclCollective::new(rank, world, id, gpu as usize))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .zip(gpus.iter())
+                .map(|(h, &gpu)| {
+                    let comm = h
+                        .join()
+                        .map_err(|_| anyhow::anyhow!("joining NCCL on GPU {gpu} panicked"))?
+                        .with_context(|| format!("joining NCCL on GPU {gpu}"))?;
+                    Ok((
+                        Box::new(comm) as Box<dyn Collective>,
+                        Device::Cuda(gpu as usize),
+                    ))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+        })
+    })
+    .await
+    .context("joining the NCCL group")?;
+    joined.with_context(|| shown.clone())
+}
+
+/// The trainer as a group of local ranks.
+struct RankGroup {
+    ranks: Vec<LocalTrainer>,
+    steps_per_rollout: usize,
+    /// Whether the log already said that a batch could not be split exactly.
+    warned_uneven: AtomicBool,
+}
+
+/// How a rank's error begins when another rank failed first: that rank's error says
+/// why, so it is the one reported.
+const PEER_FAILED: &str = "another data-parallel rank";
+
+/// The first error of the ranks' results, preferring one that says why over one that
+/// only says another rank failed.
+fn first_error<T>(results: Vec<Result<T, TrainerCallError>>) -> Result<Vec<T>, TrainerCallError> {
+    let mut ok = Vec::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => errors.push(e),
+        }
+    }
+    if errors.is_empty() {
+        return Ok(ok);
+    }
+    let pick = errors
+        .iter()
+        .position(|e| !e.to_string().contains(PEER_FAILED))
+        .unwrap_or(0);
+    Err(errors.swap_remove(pick))
+}
+
+fn failed(message: impl ToString) -> TrainerCallError {
+    TrainerCallError::Failed {
+        addr: "the driver process (data-parallel ranks)".into(),
+        message: message.to_string(),
+    }
+}
+
+#[async_trait::async_trait]
+impl TrainerBackend for RankGroup {
+    async fn train_step(
+        &self,
+        step: u64,
+        batch: TrainBatch,
+    ) -> Result<BTreeMap<String, f64>, TrainerCallError> {
+        let world = self.ranks.len();
+        let (shares, exact) = split_batch(batch, world, self.steps_per_rollout)
+            .map_err(|e| failed(format!("training step {step}: {e}")))?;
+        if !exact && !self.warned_uneven.swap(true, Ordering::Relaxed) {
+            warn!(
+                world,
+                steps_per_rollout = self.steps_per_rollout,
+                "the step's samples do not split evenly over the ranks and optimizer steps: \
+                 each optimizer step still uses global counts, but takes other samples than \
+                 one trainer would (use a batch that is a multiple of ranks × \
+                 num_steps_per_rollout)"
+            );
+        }
+        let results = join_all(
+            self.ranks
+                .iter()
+                .zip(shares)
+                .map(|(rank, share)| rank.train_step(step, share)),
+        )
+        .await;
+        Ok(first_error(results)?.swap_remove(0))
+    }
+
+    async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError> {
+        // A collective: every rank writes into `dir` (rank 0 the weights and state, each
+        // its optimizer shard) and rank 0 moves it into place once all are written.
+        let saved = join_all(
+            self.ranks
+                .iter()
+                .map(|rank| rank.save_checkpoint(dir, step)),
+        )
+        .await;
+        first_error(saved).map(|_| ())
+    }
+
+    async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
+        let loaded = join_all(self.ranks.iter().map(|rank| rank.load_checkpoint(dir))).await;
+        Ok(first_error(loaded)?[0])
+    }
+
+    async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
+        // Every rank ends each step with the same weights.
+        self.ranks[0].weight_set().await
+    }
+
+    async fn shutdown(&self) {
+        for rank in &self.ranks {
+            rank.shutdown().await;
+        }
+    }
+}
+
+/// Cuts a global batch into one share per rank so that the ranks' step equals one
+/// trainer's: with `steps` optimizer steps per rollout the trainer takes chunk `k` of
+/// its samples for step `k`, so each global chunk is split over the ranks and rank `r`'s
+/// share is its piece of every chunk, in order. The flag says whether each rank's own
+/// chunks then fall exactly on those pieces (always with one step; with more, when the
+/// batch divides evenly); when not, the shares are still valid, only grouped into
+/// optimizer steps differently than one trainer would.
+pub fn split_batch(
+    batch: TrainBatch,
+    world: usize,
+    steps: usize,
+) -> anyhow::Result<(Vec<TrainBatch>, bool)> {
+    let n = batch.samples.len();
+    let steps = steps.max(1);
+    if batch.advantages.len() != n {
+        anyhow::bail!("{n} samples but {} advantages", batch.advantages.len());
+    }
+    if n < world * steps {
+        anyhow::bail!(
+            "{n} samples cannot be shared by {world} data-parallel ranks taking {steps} \
+             optimizer step(s) each: every rank needs at least {steps}, so the step needs \
+             at least {}",
+            world * steps
+        );
+    }
+    // pieces[r][k]: rank r's sample range of global chunk k.
+    let chunk = |k: usize, len: usize| (k * len / steps)..((k + 1) * len / steps);
+    let pieces: Vec<Vec<std::ops::Range<usize>>> = (0..world)
+        .map(|r| {
+            (0..steps)
+                .map(|k| {
+                    let c = chunk(k, n);
+                    let m = c.len();
+                    (c.start + r * m / world)..(c.start + (r + 1) * m / world)
+                })
+                .collect()
+        })
+        .collect();
+    let exact = pieces.iter().all(|mine| {
+        let total: usize = mine.iter().map(|p| p.len()).sum();
+        mine.iter()
+            .enumerate()
+            .all(|(k, p)| chunk(k, total).len() == p.len())
+    });
+    let TrainBatch {
+        samples,
+        advantages,
+        global_samples,
+    } = batch;
+    let shares = pieces
+        .iter()
+        .map(|mine| TrainBatch {
+            samples: mine
+                .iter()
+                .flat_map(|p| samples[p.clone()].iter().cloned())
+                .collect(),
+            advantages: mine
+                .iter()
+                .flat_map(|p| advantages[p.clone()].iter().copied())
+                .collect(),
+            global_samples,
+        })
+        .collect();
+    Ok((shares, exact))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+
+    fn batch(n: usize) -> TrainBatch {
+        let samples = (0..n as u64)
+            .map(|id| Sample {
+                id,
+                group_index: 0,
+                index: id as u32,
+                tokens: vec![1, 2, 3],
+                response_length: 1,
+                loss_mask: vec![1],
+                rollout_log_probs: vec![-1.0],
+                reward: 0.0,
+                status: SampleStatus::Completed,
+                weight_version: 0,
+                metadata: EpisodeMetadata::default(),
+            })
+            .collect();
+        TrainBatch {
+            samples,
+            advantages: (0..n).map(|i| i as f64).collect(),
+            global_samples: n,
+        }
+    }
+
+    fn ids(b: &TrainBatch) -> Vec<u64> {
+        b.samples.iter().map(|s| s.id).collect()
+    }
+
+    #[test]
+    fn one_optimizer_step_takes_contiguous_shares() {
+        let (shares, exact) = split_batch(batch(7), 2, 1).unwrap();
+        assert!(exact);
+        assert_eq!(ids(&shares[0]), vec![0, 1, 2]);
+        assert_eq!(ids(&shares[1]), vec![3, 4, 5, 6]);
+        assert_eq!(shares[1].advantages, vec![3.0, 4.0, 5.0, 6.0]);
+        assert!(shares.iter().all(|s| s.global_samples == 7));
+    }
+
+    #[test]
+    fn each_optimizer_step_is_split_over_the_ranks() {
+        // Two optimizer steps on 8 samples: step 0 takes 0..4, step 1 takes 4..8, so
+        // rank 0 holds [0, 1 | 4, 5] and rank 1 [2, 3 | 6, 7].
+        let (shares, exact) = split_batch(batch(8), 2, 2).unwrap();
+        assert!(exact);
+        assert_eq!(ids(&shares[0]), vec![0, 1, 4, 5]);
+        assert_eq!(ids(&shares[1]), vec![2, 3, 6, 7]);
+        // 9 samples: chunks of 4 and 5; rank 0 gets 2 + 2, rank 1 gets 2 + 3, and
+        // rank 1's own halving (2 | 3) falls on its pieces.
+        let (_, exact) = split_batch(batch(9), 2, 2).unwrap();
+        assert!(exact);
+        let (shares, exact) = split_batch(batch(10), 2, 3).unwrap();
+        assert!(exact);
+        assert_eq!(ids(&shares[0]), vec![0, 3, 6, 7]);
+        // 15 samples, 2 steps over 5 ranks: chunks 7 and 8; rank 2 gets 2 of the first
+        // and 1 of the second, but halves its 3 samples as 1 | 2.
+        let (shares, exact) = split_batch(batch(15), 5, 2).unwrap();
+        assert!(!exact);
+        assert_eq!(ids(&shares[2]), vec![2, 3, 10]);
+        let mut all: Vec<u64> = shares.iter().flat_map(ids).collect();
+        all.sort();
+        assert_eq!(all, (0..15).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn too_few_samples_for_the_ranks_is_an_error() {
+        let e = split_batch(batch(3), 2, 2).unwrap_err().to_string();
+        assert!(e.contains("3 samples") && e.contains("at least 4"), "{e}");
+    }
+}

@@ -1,0 +1,293 @@
+//! Data-parallel trainer ranks in local mode (`[trainer] data_parallel_ranks`), run by
+//! the driver binary from debug rollout data (no engine; the same samples every run):
+//! two CPU ranks (threads over `ThreadCollective`, ZeRO-2) take the same steps as one
+//! trainer — per-step loss metrics and final weights agree up to summation order — and
+//! a two-rank run that dies after a checkpoint resumes every rank from it exactly.
+//! Bad rank settings stop the driver with an error naming the key.
+//!
+//! NCCL ranks (`[trainer] gpus = [0, 1]`) need GPUs; here only their clear refusal
+//! without CUDA is checked.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::workspace;
+use manta_telemetry::read_metrics;
+
+fn driver(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("driver runs")
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
+fn cluster(dir: &Path, name: &str, trainer: &str) -> PathBuf {
+    let path = dir.join(name);
+    let text = format!(
+        "[cluster]\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n",
+        workspace().join("train_config.yaml").display().to_string()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Samples for `steps` rollouts (2 groups × 3 samples each) and a random tiny model.
+fn debug_data(dir: &Path, steps: usize) -> PathBuf {
+    let data = dir.join("data");
+    let python = std::env::var("MANTA_PYTHON")
+        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
+    let made = Command::new(python)
+        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
+        .args(["make", data.to_str().unwrap(), "--seed", "5"])
+        .args(["--steps", &steps.to_string()])
+        .arg("--config")
+        .arg(workspace().join("assets/tiny-qwen3/config.json"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    data
+}
+
+fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, load: bool) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "r",
+        "--lr",
+        "0.01",
+        // Adam's step is about lr × sign(g) where |g| ≫ eps: with a tiny eps the
+        // summation-order noise of near-zero gradients flips whole steps (as it would
+        // between two micro-batch splits of one trainer).
+        "--adam-eps",
+        "1e-4",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-rollout-logprobs",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if load {
+        a.push("--load".into());
+        a.push(save.to_str().unwrap().into());
+    }
+    a
+}
+
+type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
+
+fn metrics(runs: &Path) -> Metrics {
+    read_metrics(&runs.join("r/metrics.jsonl")).unwrap()
+}
+
+type Weights = Vec<(String, tch::Tensor)>;
+
+fn weights(path: &Path) -> Weights {
+    let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
+    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
+}
+
+const LOSSES: [&str; 5] = [
+    "train/loss",
+    "train/pg_loss",
+    "train/kl_loss",
+    "train/grad_norm",
+    "train/ppo_kl",
+];
+
+/// Runs one trainer and two ranks on the same data with `extra` flags; checks that
+/// they agree step by step and in their final weights. Returns the two ranks' metrics,
+/// final weights and the data.
+fn one_and_two_ranks_agree(dir: &Path, extra: &[&str]) -> (Metrics, Weights, PathBuf, PathBuf) {
+    let data = debug_data(dir, 3);
+    let one = cluster(dir, "one.toml", "");
+    let two = cluster(dir, "two.toml", "data_parallel_ranks = 2");
+    let with_extra = |mut a: Vec<String>| {
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+
+    let (save1, runs1) = (dir.join("ckpt-1"), dir.join("runs-1"));
+    ok(driver(&with_extra(args(
+        &one, &data, &save1, &runs1, false,
+    ))));
+    let (save2, runs2) = (dir.join("ckpt-2"), dir.join("runs-2"));
+    ok(driver(&with_extra(args(
+        &two, &data, &save2, &runs2, false,
+    ))));
+
+    // Two ranks ran: each saved its ZeRO optimizer shard into the checkpoint.
+    let last = save2.join("step_000003");
+    for r in 0..2 {
+        let shard = last.join(format!("optimizer.rank{r}-of-2.safetensors"));
+        assert!(shard.is_file(), "{} missing", shard.display());
+    }
+    let (m1, m2) = (metrics(&runs1), metrics(&runs2));
+    for s in 1..=3 {
+        let (a, b) = (step(&m1, s), step(&m2, s));
+        // fp32 sums in another order: ~1e-7 apart on losses of ~0.1 and norms of ~2.
+        for key in LOSSES {
+            let (x, y) = (a[key], b[key]);
+            assert!(
+                (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+                "step {s} {key}: one rank {x}, two ranks {y}"
+            );
+        }
+        assert_eq!(a["train/tokens"], b["train/tokens"], "step {s}");
+    }
+    let start = weights(&data.join("model/model.safetensors"));
+    let w1 = weights(&save1.join("step_000003/model.safetensors"));
+    let w2 = weights(&last.join("model.safetensors"));
+    assert_eq!(w1.len(), w2.len());
+    let diff = |a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]| {
+        a.iter()
+            .zip(b)
+            .map(|((na, ta), (nb, tb))| {
+                assert_eq!(na, nb);
+                (ta.to_kind(tch::Kind::Double) - tb.to_kind(tch::Kind::Double))
+                    .abs()
+                    .max()
+                    .double_value(&[])
+            })
+            .fold(0.0, f64::max)
+    };
+    assert!(diff(&start, &w1) > 1e-3, "training moved the weights");
+    let d = diff(&w1, &w2);
+    assert!(d < 1e-5, "two ranks' weights differ from one rank's by {d}");
+
+    (m2, w2, data, two)
+}
+
+#[test]
+fn two_cpu_ranks_equal_one_trainer_and_resume_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m2, w2, data, two) = one_and_two_ranks_agree(dir.path(), &[]);
+
+    // Two ranks die in step 3 (its data is missing) after saving step 2, then resume.
+    let partial = dir.path().join("partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::os::unix::fs::symlink(data.join("model"), partial.join("model")).unwrap();
+    for k in 0..2 {
+        let f = format!("debug_{k}.jsonl");
+        std::fs::copy(data.join(&f), partial.join(&f)).unwrap();
+    }
+    let (save3, runs3) = (dir.path().join("ckpt-3"), dir.path().join("runs-3"));
+    let out = driver(&args(&two, &partial, &save3, &runs3, false));
+    assert!(!out.status.success(), "the run should die in step 3");
+    let latest = std::fs::read_to_string(save3.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step_000002");
+    ok(driver(&args(&two, &data, &save3, &runs3, true)));
+    let m3 = metrics(&runs3);
+    let (a, b) = (step(&m2, 3), step(&m3, 3));
+    for key in LOSSES {
+        assert_eq!(a[key], b[key], "step 3 {key}: uninterrupted vs resumed");
+    }
+    let w3 = weights(&save3.join("step_000003/model.safetensors"));
+    for ((n, x), (_, y)) in w2.iter().zip(&w3) {
+        assert!(x.equal(y), "{n} differs after resuming both ranks");
+    }
+}
+
+#[test]
+fn two_ranks_split_each_optimizer_step_as_one_trainer_does() {
+    // Two optimizer steps per rollout on 6 samples: one trainer takes samples 0..3 then
+    // 3..6; rank 0 gets [0 | 3] and rank 1 [1, 2 | 4, 5].
+    let dir = tempfile::tempdir().unwrap();
+    one_and_two_ranks_agree(dir.path(), &["--num-steps-per-rollout", "2"]);
+}
+
+fn config_error(trainer: &str, debug_data: bool) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = cluster(dir.path(), "cluster.toml", trainer);
+    let mut a = vec![
+        "--cluster".to_string(),
+        path.to_str().unwrap().into(),
+        "--model".into(),
+        "assets/tiny-qwen3".into(),
+        "--num-rollout".into(),
+        "1".into(),
+        "--runs-dir".into(),
+        dir.path().join("runs").to_str().unwrap().into(),
+    ];
+    if debug_data {
+        a.push("--load-debug-rollout-data".into());
+        a.push(
+            dir.path()
+                .join("none_{rollout_id}.jsonl")
+                .to_str()
+                .unwrap()
+                .into(),
+        );
+    }
+    let out = driver(&a);
+    assert!(
+        !out.status.success(),
+        "[trainer] {trainer} should be refused"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_rank_settings_are_refused_naming_the_key() {
+    let err = config_error("data_parallel_ranks = 0", true);
+    assert!(
+        err.contains("trainer.data_parallel_ranks") && err.contains("must be at least 1"),
+        "{err}"
+    );
+    let err = config_error("gpus = [0, 1]\ndata_parallel_ranks = 3", true);
+    assert!(
+        err.contains("trainer.data_parallel_ranks") && err.contains("one rank per GPU (2)"),
+        "{err}"
+    );
+    if !tch::Cuda::is_available() {
+        // NCCL ranks need the GPUs they name; without CUDA the driver says so.
+        let err = config_error("gpus = [0, 1]", false);
+        assert!(
+            err.contains("trainer.gpus") && err.contains("CUDA is not available"),
+            "{err}"
+        );
+    }
+}
