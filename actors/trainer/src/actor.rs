@@ -65,28 +65,50 @@ pub struct TrainerRankArgs {
 /// once (building a rank waits for the others) and be sent the same messages.
 pub struct TrainerRankActor;
 
+/// A rank's trainer and its GPU, made the current CUDA device of whichever runtime
+/// thread serves a message (ranks of one process sit on different GPUs).
+pub struct TrainerRank {
+    trainer: Trainer,
+    gpu: Option<usize>,
+}
+
+fn make_current(gpu: Option<usize>) {
+    if let Some(gpu) = gpu {
+        if let Err(e) = manta_cuda::set_device(gpu) {
+            tracing::warn!(gpu, error = %e, "trainer rank: setting the current CUDA device");
+        }
+    }
+}
+
 impl Actor for TrainerRankActor {
     type Msg = TrainerMsg;
-    type State = Trainer;
+    type State = TrainerRank;
     type Arguments = TrainerRankArgs;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
         args: TrainerRankArgs,
-    ) -> Result<Trainer, ActorProcessingErr> {
-        Ok(tokio::task::block_in_place(|| {
+    ) -> Result<TrainerRank, ActorProcessingErr> {
+        let gpu = match args.options.device {
+            tch::Device::Cuda(i) => Some(i),
+            _ => None,
+        };
+        make_current(gpu);
+        let trainer = tokio::task::block_in_place(|| {
             Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
-        })?)
+        })?;
+        Ok(TrainerRank { trainer, gpu })
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         message: TrainerMsg,
-        trainer: &mut Trainer,
+        rank: &mut TrainerRank,
     ) -> Result<(), ActorProcessingErr> {
-        handle_message(message, trainer);
+        make_current(rank.gpu);
+        handle_message(message, &mut rank.trainer);
         Ok(())
     }
 }
