@@ -229,6 +229,20 @@ fn two_cpu_ranks_equal_one_trainer_and_resume_every_rank() {
     for ((n, x), (_, y)) in w2.iter().zip(&w3) {
         assert!(x.equal(y), "{n} differs after resuming both ranks");
     }
+
+    // Another rank count cannot take the two ranks' optimizer shards.
+    let three = cluster(dir.path(), "three.toml", "data_parallel_ranks = 3");
+    let runs4 = dir.path().join("runs-4");
+    let out = driver(&args(&three, &data, &save3, &runs4, true));
+    assert!(
+        !out.status.success(),
+        "3 ranks should refuse a 2-rank checkpoint"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("saved by 2 data-parallel ranks") && err.contains("this run has 3 ranks"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -237,6 +237,7 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
+        check_shards(dir, self.ranks.len()).map_err(failed)?;
         let loaded = join_all(self.ranks.iter().map(|rank| rank.load_checkpoint(dir))).await;
         Ok(first_error(loaded)?[0])
     }
@@ -251,6 +252,40 @@ impl TrainerBackend for RankGroup {
             rank.shutdown().await;
         }
     }
+}
+
+/// Checks that checkpoint `dir` holds an optimizer shard for each of `world` ranks
+/// (`optimizer.rank<r>-of-<world>.safetensors`, as every rank saved it) before any rank
+/// starts loading, so a checkpoint of another rank count is refused with its count
+/// instead of some ranks loading while others fail.
+fn check_shards(dir: &Path, world: usize) -> Result<(), String> {
+    let missing: Vec<String> = (0..world)
+        .map(|r| format!("optimizer.rank{r}-of-{world}.safetensors"))
+        .filter(|name| !dir.join(name).is_file())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let saved_by = std::fs::read_dir(dir)
+        .map_err(|e| format!("reading checkpoint {}: {e}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rest = name.strip_prefix("optimizer.rank")?;
+            let (_, of) = rest.split_once("-of-")?;
+            of.strip_suffix(".safetensors")?.parse::<usize>().ok()
+        })
+        .max();
+    let saved_by = match saved_by {
+        Some(n) => format!("{n} data-parallel ranks"),
+        None => "one trainer (no per-rank optimizer shards)".into(),
+    };
+    Err(format!(
+        "checkpoint {} was saved by {saved_by}, this run has {world} ranks \
+         ([trainer] data_parallel_ranks / gpus): resume with the same count (missing {})",
+        dir.display(),
+        missing.join(", ")
+    ))
 }
 
 /// Cuts a global batch into one share per rank so that the ranks' step equals one
