@@ -851,12 +851,30 @@ impl Trainer {
             path: dir.to_path_buf(),
             message,
         };
-        let state_path = dir.join("trainer_state.json");
-        let text = std::fs::read_to_string(&state_path)
-            .map_err(|e| err(format!("trainer_state.json: {e}")))?;
-        let state: TrainerState =
-            serde_json::from_str(&text).map_err(|e| err(format!("trainer_state.json: {e}")))?;
-        manta_model::load_weights(&mut self.vs, dir)?;
+        let local = (|| -> Result<TrainerState, TrainerError> {
+            let text = std::fs::read_to_string(dir.join("trainer_state.json"))
+                .map_err(|e| err(format!("trainer_state.json: {e}")))?;
+            let state: TrainerState =
+                serde_json::from_str(&text).map_err(|e| err(format!("trainer_state.json: {e}")))?;
+            manta_model::load_weights(&mut self.vs, dir)?;
+            Ok(state)
+        })();
+        // Data parallel: the optimizer's load runs collectives, so every rank first learns
+        // whether all ranks read their checkpoint; one unreadable copy stops them all
+        // instead of leaving the others waiting in an all-gather (NCCL would hang).
+        let state = match self.optimizer.collective() {
+            Some(comm) => {
+                let (state, status) = match local {
+                    Ok(state) => (Some(state), Ok(())),
+                    Err(e) => (None, Err(e)),
+                };
+                agree(comm, status, || {
+                    err("another data-parallel rank could not read the checkpoint".into())
+                })?;
+                state.ok_or_else(|| err("checkpoint state missing after agreement".into()))?
+            }
+            None => local?,
+        };
         self.optimizer
             .load(dir, state.optimizer_steps)
             .map_err(err)?;

@@ -432,3 +432,63 @@ fn ranks_resume_from_a_sharded_checkpoint() {
         );
     }
 }
+
+/// A checkpoint one rank cannot read stops every rank with an error (the others learn it
+/// before the optimizer's all-gather; over NCCL they would otherwise wait there forever).
+#[test]
+fn an_unreadable_shard_on_one_rank_stops_every_rank() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let init = initial_checkpoint(dir.path());
+    let ckpt = dir.path().join("step1");
+    let (samples, advantages) = global_samples();
+    let run = |resume: bool| -> Vec<Result<u64, String>> {
+        let handles: Vec<_> = ThreadCollective::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|comm| {
+                let r = comm.rank();
+                let batch = TrainBatch {
+                    samples: samples[r * 3..r * 3 + 3 + r].to_vec(),
+                    advantages: advantages[r * 3..r * 3 + 3 + r].to_vec(),
+                    global_samples: 7,
+                };
+                let (init, ckpt) = (init.clone(), ckpt.clone());
+                std::thread::spawn(move || {
+                    let opts = options(&init, 7, false, 1.0);
+                    let mut t = Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap();
+                    if resume {
+                        return t.load_checkpoint(&ckpt).map_err(|e| e.to_string());
+                    }
+                    t.train_step(&batch).unwrap();
+                    t.save_checkpoint(&ckpt, 1).unwrap();
+                    Ok(1)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    assert!(run(false).iter().all(Result::is_ok));
+    // Tear rank 1's optimizer shard in half, as a crash or a full disk would.
+    let shard = ckpt.join("optimizer.rank1-of-2.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let loaded = run(true);
+    let errors: Vec<&String> = loaded.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(errors.len(), 2, "both ranks must fail: {loaded:?}");
+    assert!(
+        errors[1].contains("optimizer.rank1-of-2.safetensors"),
+        "rank 1 names its shard: {}",
+        errors[1]
+    );
+    assert!(
+        errors[0].contains("another data-parallel rank"),
+        "rank 0 says another rank failed: {}",
+        errors[0]
+    );
+}

@@ -349,6 +349,32 @@ impl ZeroAdamW {
     /// Restores the shard [`ZeroAdamW::save`] wrote (same world size and model), then
     /// refreshes every rank's parameters from the masters.
     pub fn load(&mut self, dir: &Path, step: u64) -> Result<(), String> {
+        let staged = self.read_shard(dir);
+        // Every rank learns whether all ranks read their shard before the all-gather
+        // below, so one unreadable shard stops every rank instead of leaving the others
+        // waiting in it.
+        let mut failed = [f64::from(u8::from(staged.is_err()))];
+        self.comm
+            .all_reduce_f64(&mut failed, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        let staged = staged?;
+        if failed[0] > 0.0 {
+            return Err("another data-parallel rank could not read its optimizer shard".into());
+        }
+        tch::no_grad(|| {
+            self.master.copy_(&staged[0]);
+            self.exp_avg.copy_(&staged[1]);
+            self.exp_avg_sq.copy_(&staged[2]);
+            if self.kind != Kind::Float {
+                self.param_shard.copy_(&self.master);
+            }
+        });
+        self.step = step;
+        self.gather_params().map_err(|e| e.to_string())
+    }
+
+    /// This rank's saved master, first and second moments, checked against the layout.
+    fn read_shard(&self, dir: &Path) -> Result<Vec<Tensor>, String> {
         let path = self.shard_file(dir);
         let tensors =
             Tensor::read_safetensors(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -368,16 +394,7 @@ impl ZeroAdamW {
             }
             staged.push(t.shallow_clone());
         }
-        tch::no_grad(|| {
-            self.master.copy_(&staged[0]);
-            self.exp_avg.copy_(&staged[1]);
-            self.exp_avg_sq.copy_(&staged[2]);
-            if self.kind != Kind::Float {
-                self.param_shard.copy_(&self.master);
-            }
-        });
-        self.step = step;
-        self.gather_params().map_err(|e| e.to_string())
+        Ok(staged)
     }
 }
 
