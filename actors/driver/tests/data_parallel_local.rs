@@ -292,7 +292,13 @@ fn local_mode_with_two_ranks_trains_and_syncs_rank_0s_weights_to_the_engine() {
             m["weights/version"], *step as f64,
             "engine version after step {step}"
         );
-        assert!(m["train/grad_norm"] > 0.0, "step {step} had no gradient");
+        // A step whose groups all agree on their rewards has zero advantages and so a
+        // zero gradient (sampling decides); the debug-data tests above check the maths.
+        assert!(
+            m["train/grad_norm"].is_finite(),
+            "step {step}: grad_norm {}",
+            m["train/grad_norm"]
+        );
     }
     let verified = std::fs::read_to_string(runs.join("dp/weight_sync.jsonl")).unwrap();
     assert_eq!(
