@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
     println!("cargo:rerun-if-changed=src/ipc.cpp");
     println!("cargo:rerun-if-changed=src/adamw.cpp");
+    println!("cargo:rerun-if-changed=src/rendezvous.cpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
     let lib = PathBuf::from(
@@ -50,6 +51,7 @@ fn main() {
         .file("src/shim.cpp")
         .file("src/ipc.cpp")
         .file("src/adamw.cpp")
+        .file("src/rendezvous.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")

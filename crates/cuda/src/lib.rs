@@ -8,6 +8,7 @@
 
 pub mod adamw;
 pub mod ipc;
+pub mod rendezvous;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
