@@ -1,6 +1,10 @@
 //! What Manta's benchmark binaries share: the Qwen3 model shapes they measure, as HF
 //! `config.json` text (random weights are made from them in each run; nothing is
-//! downloaded).
+//! downloaded), and the random GRPO batch the trainer benchmarks step on.
+
+use manta_core::{EpisodeMetadata, Sample, SampleStatus};
+use manta_trainer::TrainBatch;
+use tch::{Device, Kind, Tensor};
 
 /// Qwen3-0.6B's shape (tied embeddings).
 pub const QWEN3_0_6B: &str = r#"{
@@ -31,3 +35,51 @@ pub const QWEN3_8B: &str = r#"{
   "tie_word_embeddings": false, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
   "initializer_range": 0.02, "eos_token_id": 151645
 }"#;
+
+/// Trained tokens of a benchmark sample of `seq` tokens: a quarter prompt, the rest the
+/// response.
+pub fn response_len(seq: usize) -> usize {
+    seq - seq / 4
+}
+
+/// The benchmark's global batch, the same in every process and run (seed 1): random
+/// token ids, rollout log-probs near a random model's (−ln vocab, plus noise) so that the
+/// clipped ratio is exercised, advantages ±1 by sample.
+pub fn grpo_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
+    tch::manual_seed(1);
+    let resp = response_len(seq);
+    let base = -(vocab as f64).ln();
+    let list = (0..samples)
+        .map(|i| {
+            let tokens: Vec<i64> = Vec::try_from(Tensor::randint(
+                vocab,
+                [seq as i64],
+                (Kind::Int64, Device::Cpu),
+            ))
+            .unwrap_or_default();
+            let noise: Vec<f32> =
+                Vec::try_from(Tensor::randn([resp as i64], (Kind::Float, Device::Cpu)) * 0.2)
+                    .unwrap_or_default();
+            Sample {
+                id: i as u64,
+                group_index: 0,
+                index: i as u32,
+                tokens: tokens.iter().map(|&t| t as u32).collect(),
+                response_length: resp,
+                loss_mask: vec![1; resp],
+                rollout_log_probs: noise.iter().map(|n| base as f32 + n).collect(),
+                reward: 0.0,
+                status: SampleStatus::Completed,
+                weight_version: 0,
+                metadata: EpisodeMetadata::default(),
+            }
+        })
+        .collect();
+    TrainBatch {
+        samples: list,
+        advantages: (0..samples)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+        global_samples: samples,
+    }
+}

@@ -21,14 +21,13 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
 use manta_bench::QWEN3_0_6B;
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {
     TrainerOptions {
@@ -130,7 +129,7 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     tch::Cuda::synchronize(rank as i64);
     let init_s = t0.elapsed().as_secs_f64();
     let vocab = trainer.model_config().vocab_size;
-    let full = make_batch(global, seq, vocab);
+    let full = manta_bench::grpo_batch(global, seq, vocab);
     let share = global / world;
     let batch = TrainBatch {
         samples: full.samples[rank * share..(rank + 1) * share].to_vec(),
@@ -191,45 +190,4 @@ fn wait_for_id(file: &str) -> anyhow::Result<Vec<u8>> {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     bail!("no {UNIQUE_ID_BYTES}-byte NCCL unique id in {file} after 60 s")
-}
-
-/// The global batch, the same in every process: random token ids (a quarter prompt, the
-/// rest trained response), rollout log-probs near a random model's, advantages ±1.
-fn make_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
-    tch::manual_seed(1);
-    let resp = seq - seq / 4;
-    let base = -(vocab as f64).ln();
-    let list = (0..samples)
-        .map(|i| {
-            let tokens: Vec<i64> = Vec::try_from(Tensor::randint(
-                vocab,
-                [seq as i64],
-                (Kind::Int64, Device::Cpu),
-            ))
-            .unwrap_or_default();
-            let noise: Vec<f32> =
-                Vec::try_from(Tensor::randn([resp as i64], (Kind::Float, Device::Cpu)) * 0.2)
-                    .unwrap_or_default();
-            Sample {
-                id: i as u64,
-                group_index: 0,
-                index: i as u32,
-                tokens: tokens.iter().map(|&t| t as u32).collect(),
-                response_length: resp,
-                loss_mask: vec![1; resp],
-                rollout_log_probs: noise.iter().map(|n| base as f32 + n).collect(),
-                reward: 0.0,
-                status: SampleStatus::Completed,
-                weight_version: 0,
-                metadata: EpisodeMetadata::default(),
-            }
-        })
-        .collect();
-    TrainBatch {
-        samples: list,
-        advantages: (0..samples)
-            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
-            .collect(),
-        global_samples: samples,
-    }
 }

@@ -18,12 +18,11 @@ use std::time::Instant;
 
 use anyhow::Context;
 use manta_bench::{QWEN3_0_6B, QWEN3_4B};
-use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{Recompute, RecomputeMethod, TrainBatch, Trainer, TrainerOptions};
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -98,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     let init_s = t0.elapsed().as_secs_f64();
     let cfg = trainer.model_config().clone();
     let layers = cfg.num_hidden_layers as usize;
-    let batch = make_batch(samples, seq, cfg.vocab_size);
+    let batch = manta_bench::grpo_batch(samples, seq, cfg.vocab_size);
     let t_probe = Instant::now();
     let (recompute_layers, probes) = match recompute_arg {
         "auto" => fewest_recomputed_layers(&mut trainer, &batch, layers)?,
@@ -151,7 +150,7 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({
             "impl": "manta trainer (tch), bf16 + fp32 masters, packed",
             "shape": shape, "samples": samples, "seq": seq, "iters": iters,
-            "response_tokens": samples * response_len(seq),
+            "response_tokens": samples * manta_bench::response_len(seq),
             "gradient_checkpointing": recompute_layers > 0,
             "recompute": if recompute_layers > 0 { "full, block" } else { "none" },
             "recompute_num_layers": recompute_layers,
@@ -218,50 +217,4 @@ fn fewest_recomputed_layers(
         }
     }
     Ok((hi, probes))
-}
-
-/// A quarter of each sample is prompt, the rest response (all trained).
-fn response_len(seq: usize) -> usize {
-    seq - seq / 4
-}
-
-/// Random token ids; rollout log-probs near a random model's (−ln vocab) so that the
-/// clipped ratio is exercised on both sides; advantages ±1 by sample.
-fn make_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
-    tch::manual_seed(1);
-    let resp = response_len(seq);
-    let base = -(vocab as f64).ln();
-    let list = (0..samples)
-        .map(|i| {
-            let tokens: Vec<i64> = Vec::try_from(Tensor::randint(
-                vocab,
-                [seq as i64],
-                (Kind::Int64, Device::Cpu),
-            ))
-            .unwrap_or_default();
-            let noise: Vec<f32> =
-                Vec::try_from(Tensor::randn([resp as i64], (Kind::Float, Device::Cpu)) * 0.2)
-                    .unwrap_or_default();
-            Sample {
-                id: i as u64,
-                group_index: 0,
-                index: i as u32,
-                tokens: tokens.iter().map(|&t| t as u32).collect(),
-                response_length: resp,
-                loss_mask: vec![1; resp],
-                rollout_log_probs: noise.iter().map(|n| base as f32 + n).collect(),
-                reward: 0.0,
-                status: SampleStatus::Completed,
-                weight_version: 0,
-                metadata: EpisodeMetadata::default(),
-            }
-        })
-        .collect();
-    TrainBatch {
-        samples: list,
-        advantages: (0..samples)
-            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
-            .collect(),
-        global_samples: samples,
-    }
 }
