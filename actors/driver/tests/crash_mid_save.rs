@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::workspace;
+use common::{debug_data, workspace};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -43,28 +43,7 @@ fn driver(data: &Path, save: &Path, runs: &Path, extra: &[&str], crash_at: Optio
 #[test]
 fn crash_mid_save_leaves_the_previous_checkpoint_loadable() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let python = std::env::var("MANTA_PYTHON")
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
-    let made = Command::new(python)
-        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
-        .args([
-            "make",
-            data.to_str().unwrap(),
-            "--steps",
-            "3",
-            "--seed",
-            "2",
-        ])
-        .arg("--config")
-        .arg(workspace().join("assets/tiny-qwen3/config.json"))
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
+    let data = debug_data(dir.path(), 3, 2);
     let (save, runs) = (dir.path().join("ckpt"), dir.path().join("runs"));
 
     let out = driver(&data, &save, &runs, &[], Some("2"));

@@ -12,29 +12,10 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use common::workspace;
+use common::{assert_success, debug_data, driver_run, sorted_weights, workspace};
 use manta_telemetry::read_metrics;
-
-fn driver(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_driver"))
-        .current_dir(workspace())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("driver runs")
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
 
 /// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
 fn cluster(dir: &Path, name: &str, trainer: &str) -> PathBuf {
@@ -45,27 +26,6 @@ fn cluster(dir: &Path, name: &str, trainer: &str) -> PathBuf {
     );
     std::fs::write(&path, text).unwrap();
     path
-}
-
-/// Samples for `steps` rollouts (2 groups × 3 samples each) and a random tiny model.
-fn debug_data(dir: &Path, steps: usize) -> PathBuf {
-    let data = dir.join("data");
-    let python = std::env::var("MANTA_PYTHON")
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
-    let made = Command::new(python)
-        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
-        .args(["make", data.to_str().unwrap(), "--seed", "5"])
-        .args(["--steps", &steps.to_string()])
-        .arg("--config")
-        .arg(workspace().join("assets/tiny-qwen3/config.json"))
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
-    data
 }
 
 fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, load: bool) -> Vec<String> {
@@ -120,12 +80,6 @@ fn metrics(runs: &Path) -> Metrics {
 
 type Weights = Vec<(String, tch::Tensor)>;
 
-fn weights(path: &Path) -> Weights {
-    let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
-    w.sort_by(|a, b| a.0.cmp(&b.0));
-    w
-}
-
 fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
     &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
 }
@@ -142,7 +96,7 @@ const LOSSES: [&str; 5] = [
 /// they agree step by step and in their final weights. Returns the two ranks' metrics,
 /// final weights and the data.
 fn one_and_two_ranks_agree(dir: &Path, extra: &[&str]) -> (Metrics, Weights, PathBuf, PathBuf) {
-    let data = debug_data(dir, 3);
+    let data = debug_data(dir, 3, 5);
     let one = cluster(dir, "one.toml", "");
     let two = cluster(dir, "two.toml", "data_parallel_ranks = 2");
     let with_extra = |mut a: Vec<String>| {
@@ -151,11 +105,11 @@ fn one_and_two_ranks_agree(dir: &Path, extra: &[&str]) -> (Metrics, Weights, Pat
     };
 
     let (save1, runs1) = (dir.join("ckpt-1"), dir.join("runs-1"));
-    ok(driver(&with_extra(args(
+    assert_success(driver_run(&with_extra(args(
         &one, &data, &save1, &runs1, false,
     ))));
     let (save2, runs2) = (dir.join("ckpt-2"), dir.join("runs-2"));
-    ok(driver(&with_extra(args(
+    assert_success(driver_run(&with_extra(args(
         &two, &data, &save2, &runs2, false,
     ))));
 
@@ -178,9 +132,9 @@ fn one_and_two_ranks_agree(dir: &Path, extra: &[&str]) -> (Metrics, Weights, Pat
         }
         assert_eq!(a["train/tokens"], b["train/tokens"], "step {s}");
     }
-    let start = weights(&data.join("model/model.safetensors"));
-    let w1 = weights(&save1.join("step_000003/model.safetensors"));
-    let w2 = weights(&last.join("model.safetensors"));
+    let start = sorted_weights(&data.join("model/model.safetensors"));
+    let w1 = sorted_weights(&save1.join("step_000003/model.safetensors"));
+    let w2 = sorted_weights(&last.join("model.safetensors"));
     assert_eq!(w1.len(), w2.len());
     let diff = |a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]| {
         a.iter()
@@ -215,17 +169,17 @@ fn two_cpu_ranks_equal_one_trainer_and_resume_every_rank() {
         std::fs::copy(data.join(&f), partial.join(&f)).unwrap();
     }
     let (save3, runs3) = (dir.path().join("ckpt-3"), dir.path().join("runs-3"));
-    let out = driver(&args(&two, &partial, &save3, &runs3, false));
+    let out = driver_run(&args(&two, &partial, &save3, &runs3, false));
     assert!(!out.status.success(), "the run should die in step 3");
     let latest = std::fs::read_to_string(save3.join("latest")).unwrap();
     assert_eq!(latest.trim(), "step_000002");
-    ok(driver(&args(&two, &data, &save3, &runs3, true)));
+    assert_success(driver_run(&args(&two, &data, &save3, &runs3, true)));
     let m3 = metrics(&runs3);
     let (a, b) = (step(&m2, 3), step(&m3, 3));
     for key in LOSSES {
         assert_eq!(a[key], b[key], "step 3 {key}: uninterrupted vs resumed");
     }
-    let w3 = weights(&save3.join("step_000003/model.safetensors"));
+    let w3 = sorted_weights(&save3.join("step_000003/model.safetensors"));
     for ((n, x), (_, y)) in w2.iter().zip(&w3) {
         assert!(x.equal(y), "{n} differs after resuming both ranks");
     }
@@ -233,7 +187,7 @@ fn two_cpu_ranks_equal_one_trainer_and_resume_every_rank() {
     // Another rank count cannot take the two ranks' optimizer shards.
     let three = cluster(dir.path(), "three.toml", "data_parallel_ranks = 3");
     let runs4 = dir.path().join("runs-4");
-    let out = driver(&args(&three, &data, &save3, &runs4, true));
+    let out = driver_run(&args(&three, &data, &save3, &runs4, true));
     assert!(
         !out.status.success(),
         "3 ranks should refuse a 2-rank checkpoint"
@@ -284,7 +238,7 @@ fn local_mode_with_two_ranks_trains_and_syncs_rank_0s_weights_to_the_engine() {
         .env("MANTA_VERIFY_WEIGHT_SYNC", "1")
         .output()
         .expect("driver runs");
-    ok(out);
+    assert_success(out);
     let rows = read_metrics(&runs.join("dp/metrics.jsonl")).unwrap();
     assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
     for (step, m) in &rows {
@@ -337,7 +291,7 @@ fn config_error(trainer: &str, debug_data: bool) -> String {
                 .into(),
         );
     }
-    let out = driver(&a);
+    let out = driver_run(&a);
     assert!(
         !out.status.success(),
         "[trainer] {trainer} should be refused"

@@ -5,20 +5,10 @@
 
 mod common;
 
-use common::workspace;
+use common::{debug_data, driver_run, sorted_weights};
 use std::path::Path;
-use std::process::{Command, Output};
 
 use manta_telemetry::read_metrics;
-
-fn driver(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_driver"))
-        .current_dir(workspace())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("driver runs")
-}
 
 fn args(data: &Path, save: &Path, runs: &Path, load: Option<&Path>) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -61,41 +51,14 @@ fn args(data: &Path, save: &Path, runs: &Path, load: Option<&Path>) -> Vec<Strin
     a
 }
 
-fn weights(path: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
-    w.sort_by(|a, b| a.0.cmp(&b.0));
-    w
-}
-
 #[test]
 fn stop_after_step_3_then_load_equals_the_uninterrupted_step_4() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let python = std::env::var("MANTA_PYTHON")
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
-    let made = Command::new(python)
-        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
-        .args([
-            "make",
-            data.to_str().unwrap(),
-            "--steps",
-            "4",
-            "--seed",
-            "11",
-        ])
-        .arg("--config")
-        .arg(workspace().join("assets/tiny-qwen3/config.json"))
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
+    let data = debug_data(dir.path(), 4, 11);
 
     // Uninterrupted: 4 steps.
     let (save_a, runs_a) = (dir.path().join("ckpt-a"), dir.path().join("runs-a"));
-    let out = driver(&args(&data, &save_a, &runs_a, None));
+    let out = driver_run(&args(&data, &save_a, &runs_a, None));
     assert!(
         out.status.success(),
         "{}",
@@ -111,13 +74,13 @@ fn stop_after_step_3_then_load_equals_the_uninterrupted_step_4() {
         std::fs::copy(data.join(&f), partial.join(&f)).unwrap();
     }
     let (save_b, runs_b) = (dir.path().join("ckpt-b"), dir.path().join("runs-b"));
-    let out = driver(&args(&partial, &save_b, &runs_b, None));
+    let out = driver_run(&args(&partial, &save_b, &runs_b, None));
     assert!(!out.status.success(), "the run should die in step 4");
     let latest = std::fs::read_to_string(save_b.join("latest")).unwrap();
     assert_eq!(latest.trim(), "step_000003");
 
     // Resumed with the full data.
-    let out = driver(&args(&data, &save_b, &runs_b, Some(&save_b)));
+    let out = driver_run(&args(&data, &save_b, &runs_b, Some(&save_b)));
     assert!(
         out.status.success(),
         "{}",
@@ -147,8 +110,8 @@ fn stop_after_step_3_then_load_equals_the_uninterrupted_step_4() {
             a4[key], b4[key]
         );
     }
-    let wa = weights(&save_a.join("step_000004/model.safetensors"));
-    let wb = weights(&save_b.join("step_000004/model.safetensors"));
+    let wa = sorted_weights(&save_a.join("step_000004/model.safetensors"));
+    let wb = sorted_weights(&save_b.join("step_000004/model.safetensors"));
     assert_eq!(wa.len(), wb.len());
     for ((na, ta), (nb, tb)) in wa.iter().zip(&wb) {
         assert_eq!(na, nb);

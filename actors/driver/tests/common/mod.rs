@@ -10,15 +10,31 @@ pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Runs `driver ARGS` from the workspace (RUST_LOG=warn) and fails the test, with both
-/// output streams, if it does not succeed.
-pub fn driver_ok(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+/// Runs `driver ARGS` from the workspace (RUST_LOG=warn), whatever its outcome.
+pub fn driver_run<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
-        .expect("driver runs");
+        .expect("driver runs")
+}
+
+/// Fails the test, with both output streams, unless the process succeeded.
+pub fn assert_success(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs `driver ARGS` from the workspace (RUST_LOG=warn) and fails the test, with both
+/// output streams, if it does not succeed.
+pub fn driver_ok(args: &[&str]) -> Output {
+    let out = driver_run(args);
     assert!(
         out.status.success(),
         "driver {args:?} failed\nstdout:\n{}\nstderr:\n{}",
@@ -26,6 +42,36 @@ pub fn driver_ok(args: &[&str]) -> Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
+}
+
+/// Writes `steps` rollouts of debug rollout data (2 groups × 3 samples each, from
+/// `seed`) and a random tiny model into `dir/data` with the PyTorch transcription of
+/// slime's formulas (actors/trainer/tests/py/slime_reference.py); returns `dir/data`.
+pub fn debug_data(dir: &Path, steps: usize, seed: u64) -> PathBuf {
+    let data = dir.join("data");
+    let python = std::env::var("MANTA_PYTHON")
+        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string());
+    let made = Command::new(python)
+        .arg(workspace().join("actors/trainer/tests/py/slime_reference.py"))
+        .args(["make", data.to_str().unwrap()])
+        .args(["--steps", &steps.to_string(), "--seed", &seed.to_string()])
+        .arg("--config")
+        .arg(workspace().join("assets/tiny-qwen3/config.json"))
+        .output()
+        .expect("run slime_reference.py (set MANTA_PYTHON)");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    data
+}
+
+/// A safetensors file's tensors, sorted by name.
+pub fn sorted_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
 }
 
 /// A free TCP port on the loopback interface (for a worker to listen on).
