@@ -9,6 +9,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ipc.cpp");
     println!("cargo:rerun-if-changed=src/adamw.cpp");
     println!("cargo:rerun-if-changed=src/rendezvous.cpp");
+    println!("cargo:rerun-if-changed=src/guarded.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
     let lib = PathBuf::from(

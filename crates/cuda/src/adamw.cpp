@@ -5,6 +5,7 @@
 // copy stays small; the low-precision parameters are then refreshed from the masters.
 // Works on the CPU and on CUDA. Every function catches C++ exceptions and returns non-zero
 // with the message kept for manta_adamw_last_error().
+#include "guarded.hpp"
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,25 +14,17 @@
 #include <c10/core/GradMode.h>
 
 namespace {
-thread_local std::string adamw_error;
-
 const at::Tensor& as_tensor(void* p) { return *static_cast<at::Tensor*>(p); }
 }  // namespace
 
 extern "C" {
 
-const char* manta_adamw_last_error() { return adamw_error.c_str(); }
+const char* manta_adamw_last_error() { return manta::last_error().c_str(); }
 
 // `param.grad = None`: frees a gradient the optimizer no longer needs (ZeRO-2 keeps only
 // its shard of the reduced gradients); the next backward pass allocates a new one.
 int manta_clear_grad(void* param) {
-  try {
-    static_cast<at::Tensor*>(param)->mutable_grad().reset();
-    return 0;
-  } catch (const std::exception& e) {
-    adamw_error = e.what();
-  }
-  return 1;
+  return manta::guarded([&] { static_cast<at::Tensor*>(param)->mutable_grad().reset(); });
 }
 
 // params[i] (any floating kind) is refreshed from masters[i] (fp32) after the update;
@@ -43,7 +36,7 @@ int manta_fused_adamw_masters(void** params, void** grads, void** masters, void*
                               void** exp_avg_sqs, int n, double step, double lr, double beta1,
                               double beta2, double weight_decay, double eps,
                               int64_t group_elems) {
-  try {
+  return manta::guarded([&] {
     c10::NoGradGuard no_grad;
     int start = 0;
     while (start < n) {
@@ -71,13 +64,7 @@ int manta_fused_adamw_masters(void** params, void** grads, void** masters, void*
       }
       start = end;
     }
-    return 0;
-  } catch (const std::exception& e) {
-    adamw_error = e.what();
-  } catch (...) {
-    adamw_error = "unknown C++ exception";
-  }
-  return 1;
+  });
 }
 
 }  // extern "C"

@@ -4,6 +4,7 @@
 // Driver API functions come from dlopen("libcuda.so.1"), as in shim.cpp; tensors and the
 // current device go through libtorch. Every function catches C++ exceptions and returns
 // non-zero with the message kept for manta_ipc_last_error().
+#include "guarded.hpp"
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -19,20 +20,8 @@
 #endif
 
 namespace {
-thread_local std::string ipc_error;
-
-template <typename F>
-int ipc_guarded(F f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    ipc_error = e.what();
-  } catch (...) {
-    ipc_error = "unknown C++ exception";
-  }
-  return 1;
-}
+using manta::guarded;
+using manta::last_error;
 
 #ifdef MANTA_WITH_CUDA
 void* ipc_driver() {
@@ -71,7 +60,7 @@ void ipc_use_device(int device) {
 
 extern "C" {
 
-const char* manta_ipc_last_error() { return ipc_error.c_str(); }
+const char* manta_ipc_last_error() { return last_error().c_str(); }
 
 // The IPC handle of the allocation holding `tensor_`'s data, the data pointer's offset
 // from that allocation's base, the base itself (allocations repeat across tensors) and
@@ -79,7 +68,7 @@ const char* manta_ipc_last_error() { return ipc_error.c_str(); }
 int manta_ipc_export(void* tensor_, unsigned char* handle_out, uint64_t* offset, uint64_t* base_out,
                      int* device) {
 #ifdef MANTA_WITH_CUDA
-  return ipc_guarded([&] {
+  return guarded([&] {
     const at::Tensor& t = *static_cast<at::Tensor*>(tensor_);
     TORCH_CHECK(t.is_cuda(), "CUDA IPC export needs a CUDA tensor, got one on ", t.device().str());
     ipc_use_device(t.get_device());
@@ -96,7 +85,7 @@ int manta_ipc_export(void* tensor_, unsigned char* handle_out, uint64_t* offset,
     *device = t.get_device();
   });
 #else
-  ipc_error = "manta-cuda was built without CUDA: no CUDA IPC";
+  last_error() = "manta-cuda was built without CUDA: no CUDA IPC";
   return 1;
 #endif
 }
@@ -104,7 +93,7 @@ int manta_ipc_export(void* tensor_, unsigned char* handle_out, uint64_t* offset,
 // Maps an exported allocation into this process on `device`; writes its base address.
 int manta_ipc_open(const unsigned char* handle_in, int device, uint64_t* base_out) {
 #ifdef MANTA_WITH_CUDA
-  return ipc_guarded([&] {
+  return guarded([&] {
     ipc_use_device(device);
     CUipcMemHandle handle;
     std::memcpy(handle.reserved, handle_in, CU_IPC_HANDLE_SIZE);
@@ -115,7 +104,7 @@ int manta_ipc_open(const unsigned char* handle_in, int device, uint64_t* base_ou
     *base_out = static_cast<uint64_t>(base);
   });
 #else
-  ipc_error = "manta-cuda was built without CUDA: no CUDA IPC";
+  last_error() = "manta-cuda was built without CUDA: no CUDA IPC";
   return 1;
 #endif
 }
@@ -125,7 +114,7 @@ int manta_ipc_open(const unsigned char* handle_in, int device, uint64_t* base_ou
 void* manta_ipc_view(uint64_t base, uint64_t offset, const int64_t* shape, int ndim, int dtype, int device) {
 #ifdef MANTA_WITH_CUDA
   void* out = nullptr;
-  int rc = ipc_guarded([&] {
+  int rc = guarded([&] {
     TORCH_CHECK(base != 0, "CUDA IPC view of an unmapped allocation");
     std::vector<int64_t> sizes(shape, shape + ndim);
     auto options = at::TensorOptions()
@@ -136,7 +125,7 @@ void* manta_ipc_view(uint64_t base, uint64_t offset, const int64_t* shape, int n
   });
   return rc == 0 ? out : nullptr;
 #else
-  ipc_error = "manta-cuda was built without CUDA: no CUDA IPC";
+  last_error() = "manta-cuda was built without CUDA: no CUDA IPC";
   return nullptr;
 #endif
 }
@@ -144,13 +133,13 @@ void* manta_ipc_view(uint64_t base, uint64_t offset, const int64_t* shape, int n
 // Unmaps an allocation opened with manta_ipc_open.
 int manta_ipc_close(uint64_t base, int device) {
 #ifdef MANTA_WITH_CUDA
-  return ipc_guarded([&] {
+  return guarded([&] {
     ipc_use_device(device);
     ipc_check(ipc_sym<decltype(&cuIpcCloseMemHandle)>("cuIpcCloseMemHandle")(static_cast<CUdeviceptr>(base)),
               "cuIpcCloseMemHandle");
   });
 #else
-  ipc_error = "manta-cuda was built without CUDA: no CUDA IPC";
+  last_error() = "manta-cuda was built without CUDA: no CUDA IPC";
   return 1;
 #endif
 }

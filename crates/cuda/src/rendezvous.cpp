@@ -4,6 +4,7 @@
 // wire-compatible with those peers by construction. CPU only: no CUDA needed.
 // Every function catches C++ exceptions and returns non-zero with the message kept for
 // manta_store_last_error().
+#include "guarded.hpp"
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -14,20 +15,8 @@
 #include <vector>
 
 namespace {
-thread_local std::string last_error;
-
-template <typename F>
-int guarded(F f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-  } catch (...) {
-    last_error = "unknown C++ exception";
-  }
-  return 1;
-}
+using manta::guarded;
+using manta::last_error;
 
 using StorePtr = c10::intrusive_ptr<c10d::TCPStore>;
 
@@ -36,7 +25,7 @@ c10d::TCPStore& store(void* handle) { return **static_cast<StorePtr*>(handle); }
 
 extern "C" {
 
-const char* manta_store_last_error() { return last_error.c_str(); }
+const char* manta_store_last_error() { return last_error().c_str(); }
 
 // A store at host:port; the server (is_server) listens on `port` (0: any free port) and
 // expects `world_size` members in all, itself included (0: unknown). Operations wait at

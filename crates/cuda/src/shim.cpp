@@ -1,5 +1,6 @@
 // CUDA graphs and memory info for tch callers. Every function catches C++ exceptions and
 // returns non-zero with the message kept for manta_cuda_last_error().
+#include "guarded.hpp"
 #include <cstddef>
 #include <cstring>
 #include <optional>
@@ -30,20 +31,8 @@ cudaDeviceProp* getDeviceProperties(c10::DeviceIndex device);
 #endif
 
 namespace {
-thread_local std::string last_error;
-
-template <typename F>
-int guarded(F f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-  } catch (...) {
-    last_error = "unknown C++ exception";
-  }
-  return 1;
-}
+using manta::guarded;
+using manta::last_error;
 
 #ifdef MANTA_WITH_CUDA
 #define MANTA_SYM(lib, name)                                               \
@@ -195,7 +184,7 @@ struct Graph {
 
 extern "C" {
 
-const char* manta_cuda_last_error() { return last_error.c_str(); }
+const char* manta_cuda_last_error() { return last_error().c_str(); }
 
 int manta_cuda_built_with_cuda() {
 #ifdef MANTA_WITH_CUDA
@@ -211,7 +200,7 @@ int manta_cuda_total_memory(int device, size_t* total_bytes) {
     *total_bytes = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->totalGlobalMem;
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -220,7 +209,7 @@ int manta_cuda_empty_cache() {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] { c10::cuda::CUDACachingAllocator::emptyCache(); });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -233,7 +222,7 @@ int manta_cuda_current_stream(int device, void** stream) {
     *stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -244,7 +233,7 @@ int manta_cuda_set_device(int device) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] { c10::cuda::set_device(static_cast<c10::DeviceIndex>(device)); });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -261,7 +250,7 @@ int manta_cuda_peak_allocated(int device, int reset, size_t* bytes) {
     if (reset) c10::cuda::CUDACachingAllocator::resetPeakStats(index);
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -273,7 +262,7 @@ int manta_cuda_device_arch(int device, int* arch) {
     *arch = props->major * 10 + props->minor;
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -284,7 +273,7 @@ void* manta_graph_new() {
   if (guarded([&] { g = new Graph(); })) return nullptr;
   return g;
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return nullptr;
 #endif
 }
@@ -309,7 +298,7 @@ int manta_graph_capture_begin(void* g, int device, void* share_pool_with) {
     }
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -324,7 +313,7 @@ int manta_graph_capture_end(void* g) {
   }
   return rc;
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -333,7 +322,7 @@ int manta_graph_replay(void* g) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] { static_cast<Graph*>(g)->graph.replay(); });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -412,7 +401,7 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     }
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -468,7 +457,7 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
            static_cast<unsigned>((heads + 7) / 8), 1, 256, args);
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -503,7 +492,7 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
            static_cast<unsigned>(threads), args);
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -528,7 +517,7 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
     launch(kernel(source, define("I", i), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256, args);
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
@@ -548,7 +537,7 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
     compile_kernels(fused_source, define("I", intermediate), arch);
   });
 #else
-  last_error = "built without CUDA";
+  last_error() = "built without CUDA";
   return 1;
 #endif
 }
