@@ -36,6 +36,11 @@ const CONFIG: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "q
     "max_position_embeddings": 4096, "tie_word_embeddings": true,
     "initializer_range": 0.02, "eos_token_id": 151645}"#;
 
+/// `CONFIG` with larger random weights, so that next-token logits have clear winners.
+fn peaked_config() -> String {
+    CONFIG.replace("\"initializer_range\": 0.02", "\"initializer_range\": 0.1")
+}
+
 fn prompts(n: usize) -> Vec<Vec<u32>> {
     let mut rng = StdRng::seed_from_u64(3);
     (0..n)
@@ -49,7 +54,18 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
 /// The trainer's log-probs of each sequence's output tokens: all sequences packed into one
 /// row, bf16, the way `manta-trainer` scores a batch.
 fn trainer_logprobs(seqs: &[(Vec<u32>, usize)], device: Device) -> Vec<Vec<f32>> {
-    let cfg = ModelConfig::from_json_str(CONFIG, "test config").expect("valid config");
+    trainer_scores(CONFIG, seqs, device).0
+}
+
+/// The trainer's log-probs of each sequence's output tokens and, per output token, the
+/// top two logits of its row (id of the best, best minus second).
+#[allow(clippy::type_complexity)]
+fn trainer_scores(
+    config: &str,
+    seqs: &[(Vec<u32>, usize)],
+    device: Device,
+) -> (Vec<Vec<f32>>, Vec<Vec<(i64, f32)>>) {
+    let cfg = ModelConfig::from_json_str(config, "test config").expect("valid config");
     tch::manual_seed(SEED as i64);
     let mut vs = nn::VarStore::new(device);
     let model = CausalLm::new(&vs.root(), &cfg);
@@ -82,18 +98,100 @@ fn trainer_logprobs(seqs: &[(Vec<u32>, usize)], device: Device) -> Vec<Vec<f32>>
         }
         let rows = Tensor::from_slice(&rows).to(device);
         let targets = Tensor::from_slice(&targets).to(device);
-        let (logp, _) = token_logprobs(&model, &hidden.index_select(0, &rows), &targets, 1.0, 4096);
+        let scored = hidden.index_select(0, &rows);
+        let (logp, _) = token_logprobs(&model, &scored, &targets, 1.0, 4096);
         let flat =
             Vec::<f32>::try_from(logp.to_kind(Kind::Float).to(Device::Cpu)).expect("f32 log-probs");
-        let mut out = Vec::new();
+        let (top, top_ids) = model.logits_f32(&scored).topk(2, -1, true, true);
+        let top = Vec::<f32>::try_from(top.to(Device::Cpu).view([-1])).expect("f32 top logits");
+        let top_ids = Vec::<i64>::try_from(top_ids.to(Device::Cpu).view([-1])).expect("ids");
+        let (mut out, mut best) = (Vec::new(), Vec::new());
         let mut at = 0;
         for (t, prompt_len) in seqs {
             let n = t.len() - prompt_len;
             out.push(flat[at..at + n].to_vec());
+            best.push(
+                (at..at + n)
+                    .map(|r| (top_ids[2 * r], top[2 * r] - top[2 * r + 1]))
+                    .collect(),
+            );
             at += n;
         }
-        out
+        (out, best)
     })
+}
+
+/// Greedy decoding through the engine's CUDA path (decode steps as CUDA graphs, the paged
+/// kernels, the sampling kernel) picks what the trainer's forward ranks first, wherever the
+/// first two candidates are apart by more than bf16 noise; its log-probs stay within the
+/// bf16 gap measured for sampling (a wrong gather, slot or sampled row is far outside).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_cuda_decoding_follows_the_trainer_forward() {
+    if !Cuda::is_available() {
+        eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
+        return;
+    }
+    let device = Device::Cuda(0);
+    let config = peaked_config();
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("config.json"), &config).expect("write config");
+    let mut opts = NativeEngineOptions::new(dir.path(), device);
+    opts.seed = SEED;
+    opts.mem_fraction_static = 0.3;
+    let engine: Arc<NativeEngine> = NativeEngine::start(opts).expect("engine starts");
+    let ps = prompts(24);
+    let outs = join_all(ps.iter().map(|p| {
+        engine.generate(GenerateRequest {
+            input_ids: p.clone(),
+            params: SamplingParams {
+                max_new_tokens: 48,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..SamplingParams::default()
+            },
+            rid: None,
+        })
+    }))
+    .await;
+    let mut seqs = Vec::new();
+    let mut engine_lp = Vec::new();
+    for (p, out) in ps.iter().zip(outs) {
+        let out = out.expect("generation succeeds");
+        assert_eq!(out.output_ids.len(), 48);
+        let mut t = p.clone();
+        t.extend(&out.output_ids);
+        seqs.push((t, p.len()));
+        engine_lp.push(out.logprobs);
+    }
+    drop(engine);
+    let (trainer_lp, best) = trainer_scores(&config, &seqs, device);
+    let (mut clear, mut agree, mut diff_sum, mut n) = (0usize, 0usize, 0f64, 0usize);
+    for (((seq, prompt_len), e), (t, b)) in seqs
+        .iter()
+        .zip(&engine_lp)
+        .zip(trainer_lp.iter().zip(&best))
+    {
+        for (k, &token) in seq[*prompt_len..].iter().enumerate() {
+            diff_sum += (e[k] as f64 - t[k] as f64).abs();
+            n += 1;
+            let (id, margin) = b[k];
+            if margin > 0.25 {
+                clear += 1;
+                agree += usize::from(id == token as i64);
+            }
+        }
+    }
+    let mean = diff_sum / n as f64;
+    eprintln!("greedy: {agree} of {clear} clear-margin tokens agree ({n} tokens); mean |Δ log-prob| {mean:.3e}");
+    assert!(
+        clear >= n / 4,
+        "too few clear-margin tokens ({clear} of {n}) for the check to mean anything"
+    );
+    assert!(
+        agree * 100 >= clear * 99,
+        "only {agree} of {clear} clear-margin tokens agree"
+    );
+    assert!(mean < 3e-2, "log-probs differ by {mean:.3e} on average");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,7 @@
 pub mod adamw;
 pub mod ipc;
 pub mod rendezvous;
+pub mod sampling;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 

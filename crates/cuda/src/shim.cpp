@@ -522,6 +522,50 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 #endif
 }
 
+// Next-token choice for each row of fp32 `logits` [rows, vocab] (sampling.cu.inc):
+// `params` [2, rows] fp32 (temperature, 0 = greedy; uniform draw), `out` [2, rows] f64
+// (token id, log-prob).
+int manta_sample_rows(const char* source, void* logits_, void* params_, void* out_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& logits = tensor(logits_);
+    const at::Tensor& params = tensor(params_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+                "logits must be a contiguous float32 CUDA tensor [rows, vocab]");
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "vocab must be in 1..2^31");
+    TORCH_CHECK(params.device() == logits.device() && params.scalar_type() == at::kFloat && params.is_contiguous() &&
+                    params.numel() == 2 * rows,
+                "params must be float32 [2, rows] on the logits' device");
+    TORCH_CHECK(out.device() == logits.device() && out.scalar_type() == at::kDouble && out.is_contiguous() &&
+                    out.numel() == 2 * rows,
+                "out must be float64 [2, rows] on the logits' device");
+    if (rows == 0) return;
+    const int device = logits.get_device();
+    const void* lp = logits.data_ptr();
+    const void* pp = params.data_ptr();
+    void* op = out.data_ptr();
+    int rows_i = static_cast<int>(rows), vocab_i = static_cast<int>(vocab);
+    void* args[] = {&lp, &pp, &op, &rows_i, &vocab_i};
+    launch(kernel(source, "", "sample_rows", device), device, static_cast<unsigned>(rows), 1, 1, 1024, args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles the sampling kernel for sm_<arch> without a GPU.
+int manta_sampling_compile_check(const char* source, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { compile_kernels(source, "", arch); });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
 // Compiles every decode kernel for one model shape and sm_<arch> without a GPU (NVRTC
 // needs none), with the defines a launch would use, so CPU test machines catch what would
 // fail on the device.

@@ -10,6 +10,8 @@ use manta_model::{CausalLm, PagedBatch, PagedKvCache};
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, warn};
 
+use super::worker::{cache_block, cache_slot};
+
 /// The fixed input buffers a captured step reads.
 enum Inputs {
     /// Padded slot matrix [B, W] and mask [B, 1, 1, W], gathered by index_select.
@@ -31,11 +33,18 @@ struct Captured {
     hidden: Tensor,
 }
 
-/// One decode row: its next token, position, new slot and context slots (new one included).
+/// One decode row: its next token, its position (the context is positions 0..=position)
+/// and the pool blocks holding that context (see [`cache_slot`] for their slots).
 pub struct DecodeRow<'a> {
     pub token: i64,
     pub position: i64,
-    pub slots: &'a [i64],
+    pub blocks: &'a [u32],
+}
+
+impl DecodeRow<'_> {
+    fn context_len(&self) -> usize {
+        self.position as usize + 1
+    }
 }
 
 pub struct DecodeGraphs {
@@ -102,7 +111,7 @@ impl DecodeGraphs {
         if self.disabled || rows.is_empty() || rows.len() > self.max_batch {
             return None;
         }
-        let longest = rows.iter().map(|r| r.slots.len()).max().unwrap_or(1);
+        let longest = rows.iter().map(|r| r.context_len()).max().unwrap_or(1);
         let key = (
             bucket(rows.len(), 1),
             bucket(longest, 256).min(self.max_width),
@@ -139,13 +148,14 @@ impl DecodeGraphs {
                 v[2 * b..3 * b].fill(self.scratch_slot);
                 v[3 * b..4 * b].fill(1);
                 for (i, r) in rows.iter().enumerate() {
+                    let len = r.context_len();
                     v[i] = r.token;
                     v[b + i] = r.position;
-                    v[2 * b + i] = *r.slots.last().unwrap_or(&self.scratch_slot);
-                    v[3 * b + i] = r.slots.len() as i64;
-                    // A block's slots are consecutive: its id is any of its slots / block_size.
-                    for (j, chunk) in r.slots.chunks(block_size).enumerate() {
-                        v[4 * b + i * mb + j] = chunk[0] / block_size as i64;
+                    v[2 * b + i] = cache_slot(r.blocks, len - 1, block_size);
+                    v[3 * b + i] = len as i64;
+                    // The kernel's block ids are cache blocks (slot = id × block_size + offset).
+                    for (j, &block) in r.blocks[..len.div_ceil(block_size)].iter().enumerate() {
+                        v[4 * b + i * mb + j] = cache_block(block);
                     }
                 }
                 packed.copy_(&Tensor::from_slice(&v));
@@ -163,11 +173,14 @@ impl DecodeGraphs {
                 let mut slots = vec![self.scratch_slot; b * w];
                 let mut keep = vec![false; b * w];
                 for (i, r) in rows.iter().enumerate() {
+                    let len = r.context_len();
                     ids[i] = r.token;
                     pos[i] = r.position;
-                    mapping[i] = *r.slots.last().unwrap_or(&self.scratch_slot);
-                    slots[i * w..i * w + r.slots.len()].copy_from_slice(r.slots);
-                    keep[i * w..i * w + r.slots.len()].fill(true);
+                    mapping[i] = cache_slot(r.blocks, len - 1, block_size);
+                    for (p, slot) in slots[i * w..i * w + len].iter_mut().enumerate() {
+                        *slot = cache_slot(r.blocks, p, block_size);
+                    }
+                    keep[i * w..i * w + len].fill(true);
                 }
                 for i in rows.len()..b {
                     keep[i * w] = true;

@@ -6,6 +6,8 @@
 //! token under `log_softmax(logits / temperature)` — the distribution the trainer scores
 //! — whatever top-k / top-p / min-p filtering chose it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tch::{Device, Kind, Tensor};
 
 /// The per-row controls the sampler needs.
@@ -27,11 +29,20 @@ impl RowSampling {
     }
 }
 
+/// Set once the sampling kernel has failed (or `MANTA_SAMPLING_KERNEL=0`): tensor ops
+/// from then on.
+static KERNEL_OFF: AtomicBool = AtomicBool::new(false);
+
 /// Chooses one token per row of `logits` [S, V]; returns (token ids, log-probs).
 pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
     let device = logits.device();
     let vocab = logits.size()[1];
     let logits = logits.to_kind(Kind::Float);
+    if device.is_cuda() && !rows.iter().any(|r| r.filters(vocab)) {
+        if let Some(chosen) = sample_with_kernel(&logits, rows) {
+            return chosen;
+        }
+    }
     if rows.iter().all(|r| r.greedy) {
         // Greedy rows: the argmax and its log-prob at temperature 1, nothing else.
         let next = logits.argmax(-1, false);
@@ -93,6 +104,40 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
     };
     let next_logp = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
     to_host(&next, &next_logp)
+}
+
+/// Rows without top-k / top-p / min-p on CUDA: one kernel, one copy back
+/// (`manta_cuda::sampling`); `None` when the kernel is off or fails (logged once).
+fn sample_with_kernel(logits: &Tensor, rows: &[RowSampling]) -> Option<(Vec<i64>, Vec<f32>)> {
+    if KERNEL_OFF.load(Ordering::Relaxed) {
+        return None;
+    }
+    if std::env::var_os("MANTA_SAMPLING_KERNEL").is_some_and(|v| v == "0")
+        || !manta_cuda::built_with_cuda()
+    {
+        KERNEL_OFF.store(true, Ordering::Relaxed);
+        return None;
+    }
+    let mut params: Vec<f32> = rows
+        .iter()
+        .map(|r| if r.greedy { 0.0 } else { r.temperature as f32 })
+        .collect();
+    params.extend(rows.iter().map(|r| r.uniform as f32));
+    let n = rows.len() as i64;
+    let params = Tensor::from_slice(&params).to(logits.device());
+    let mut out = Tensor::empty([2, n], (Kind::Double, logits.device()));
+    let logits = logits.contiguous();
+    if let Err(e) = manta_cuda::sampling::sample_rows(&logits, &params, &mut out) {
+        tracing::warn!(error = %e, "sampling kernel failed; sampling with tensor ops from now on");
+        KERNEL_OFF.store(true, Ordering::Relaxed);
+        return None;
+    }
+    let both = Vec::<f64>::try_from(&out.to(Device::Cpu).view([-1])).expect("sampled ids to host");
+    let (ids, lps) = both.split_at(rows.len());
+    Some((
+        ids.iter().map(|&t| t as i64).collect(),
+        lps.iter().map(|&l| l as f32).collect(),
+    ))
 }
 
 /// Token ids and log-probs to the host in one copy (one synchronisation per step).

@@ -387,7 +387,6 @@ impl Worker {
         let bs = self.sched.block_size;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
-        let mut seqs = Vec::with_capacity(plan.len());
         let mut sample_rows = Vec::new();
         for p in plan {
             let seq = &self.sched.running[p.index];
@@ -395,14 +394,6 @@ impl Worker {
             let end = start + p.q_len;
             ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
             positions.extend((start..end).map(|p| p as i64));
-            // Block b's slots start at (b + 1) * bs: the first block is the scratch block.
-            let slots = (0..end)
-                .map(|pos| ((seq.blocks[pos / bs] as usize + 1) * bs + pos % bs) as i64)
-                .collect();
-            seqs.push(PagedSeq {
-                q_len: p.q_len,
-                slots,
-            });
             if end == seq.tokens.len() {
                 sample_rows.push((ids.len() - 1) as i64);
             }
@@ -412,13 +403,14 @@ impl Worker {
         }
         let graphed = match self.graphs.as_mut() {
             Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
-                let rows: Vec<DecodeRow> = seqs
+                let running = &self.sched.running;
+                let rows: Vec<DecodeRow> = plan
                     .iter()
                     .zip(ids.iter().zip(&positions))
-                    .map(|(s, (&token, &position))| DecodeRow {
+                    .map(|(p, (&token, &position))| DecodeRow {
                         token,
                         position,
-                        slots: &s.slots,
+                        blocks: &running[p.index].blocks,
                     })
                     .collect();
                 graphs.run(&self.model, &self.kv, &rows)
@@ -428,6 +420,19 @@ impl Worker {
         let hidden = match graphed {
             Some(hidden) => hidden,
             None => {
+                let seqs: Vec<PagedSeq> = plan
+                    .iter()
+                    .map(|p| {
+                        let seq = &self.sched.running[p.index];
+                        let end = seq.num_computed + p.q_len;
+                        PagedSeq {
+                            q_len: p.q_len,
+                            slots: (0..end)
+                                .map(|pos| cache_slot(&seq.blocks, pos, bs))
+                                .collect(),
+                        }
+                    })
+                    .collect();
                 let batch = if self.model.decode_kernels_enabled() {
                     PagedBatch::new_paged(&seqs, self.device, bs)
                 } else {
@@ -454,8 +459,14 @@ impl Worker {
             }
         }
         if !rows.is_empty() {
-            let idx = Tensor::from_slice(&sample_rows).to(self.device);
-            let logits = self.model.logits_f32(&hidden.index_select(0, &idx));
+            // Decode steps sample every row, in order: no gather needed.
+            let every_row = sample_rows.len() == ids.len();
+            let sampled_hidden = if every_row {
+                hidden
+            } else {
+                hidden.index_select(0, &Tensor::from_slice(&sample_rows).to(self.device))
+            };
+            let logits = self.model.logits_f32(&sampled_hidden);
             let (next, logprobs) = sample(&logits, &rows);
             for ((&index, tok), lp) in sampled_seqs.iter().zip(next).zip(logprobs) {
                 let seq = &mut self.sched.running[index];
@@ -485,6 +496,17 @@ impl Worker {
             seq.finish(reason, matched);
         }
     }
+}
+
+/// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache
+/// block 0 is the scratch block that padding rows write to).
+pub(super) fn cache_block(block: u32) -> i64 {
+    block as i64 + 1
+}
+
+/// The KV-cache slot of position `pos` of a sequence holding pool `blocks`.
+pub(super) fn cache_slot(blocks: &[u32], pos: usize, block_size: usize) -> i64 {
+    cache_block(blocks[pos / block_size]) * block_size as i64 + (pos % block_size) as i64
 }
 
 /// Where a step's time goes: host-side preparation, the model, sampling.
