@@ -9,6 +9,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ipc.cpp");
     println!("cargo:rerun-if-changed=src/adamw.cpp");
     println!("cargo:rerun-if-changed=src/rendezvous.cpp");
+    println!("cargo:rerun-if-changed=src/process_group.cpp");
     println!("cargo:rerun-if-changed=src/guarded.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
@@ -53,10 +54,12 @@ fn main() {
         .file("src/ipc.cpp")
         .file("src/adamw.cpp")
         .file("src/rendezvous.cpp")
+        .file("src/process_group.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
+        .flag_if_supported("-Wno-interference-size")
         .include(&include)
         .include(include.join("torch/csrc/api/include"));
     if let (true, Some(cuda)) = (with_cuda, &cuda_include) {
@@ -64,6 +67,26 @@ fn main() {
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        // ProcessGroupNCCL.hpp needs nccl.h (the nvidia-nccl wheel) and, through
+        // cuda_fp16.h, CCCL's nv/target (the nvidia-cuda-cccl wheel).
+        let nccl = torch
+            .parent()
+            .map(|site| site.join("nvidia/nccl/include"))
+            .filter(|p| p.join("nccl.h").is_file());
+        let cccl = cuda.join("nv/target").is_file();
+        match (nccl, cccl) {
+            (Some(nccl), true) => {
+                build.define("MANTA_WITH_NCCL", None).include(nccl);
+            }
+            (nccl, _) => println!(
+                "cargo:warning=manta-cuda: no NCCL process group in this build: {}",
+                if nccl.is_none() {
+                    "nccl.h not found (site-packages/nvidia/nccl/include)"
+                } else {
+                    "CCCL's nv/target not found beside the CUDA headers (pip nvidia-cuda-cccl)"
+                }
+            ),
+        }
     }
     build.compile("manta_cuda_shim");
 }
