@@ -7,7 +7,9 @@
 //!
 //! - [`wire`]: the request and answer JSON.
 //! - [`routes`]: the HTTP routes.
+//! - [`distributed`]: SGLang's NCCL weight-update routes.
 
+pub mod distributed;
 pub mod routes;
 pub mod wire;
 
@@ -350,6 +352,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "engine": "manta-native",
         "version": env!("CARGO_PKG_VERSION"),
     });
+    let groups = Arc::new(distributed::WeightGroups::new(engine.clone(), device));
     let state = Arc::new(routes::AppState::new(
         engine,
         tokenizer,
@@ -372,7 +375,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     println!("driver serve: ready on http://{local}");
 
     let shutdown_state = state.clone();
-    let app = routes::router(state);
+    let app = routes::router(state).merge(distributed::router(groups));
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown_signal().await;

@@ -273,6 +273,26 @@ impl NativeEngine {
         &self.stats
     }
 
+    /// Every parameter's name, shape and dtype, sorted by name: what a weight update must
+    /// match, known without copying any weights.
+    pub async fn weight_shapes(&self) -> Result<Vec<(String, Vec<i64>, Kind)>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::WeightShapes(tx))?;
+        answer(rx).await
+    }
+
+    /// Like [`Engine::update_weights`] for some of the parameters (SGLang updates weights
+    /// in buckets): the others keep their values; the version becomes `version`.
+    pub async fn update_some_weights(
+        &self,
+        weights: NamedTensors,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::UpdateSomeWeights(weights, version, tx))?;
+        answer(rx).await?
+    }
+
     fn send(&self, cmd: Command) -> Result<(), EngineError> {
         self.commands
             .send(cmd)

@@ -23,6 +23,10 @@ use crate::engine::{EngineError, FinishReason, NamedTensors, PauseMode};
 pub enum Command {
     Generate(Box<Sequence>),
     UpdateWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
+    /// Some of the parameters (SGLang's bucketed `/update_weights_from_distributed`).
+    UpdateSomeWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
+    /// Every parameter's name, shape and dtype, sorted by name (no copies).
+    WeightShapes(oneshot::Sender<Vec<(String, Vec<i64>, tch::Kind)>>),
     LoadFromDisk(PathBuf, u64, oneshot::Sender<Result<(), EngineError>>),
     Abort(Option<String>, oneshot::Sender<()>),
     Pause(PauseMode, oneshot::Sender<()>),
@@ -41,6 +45,7 @@ type UpdateReply = oneshot::Sender<Result<(), EngineError>>;
 /// A weight change waiting for the requests that arrived before it to finish.
 enum Update {
     Tensors(NamedTensors),
+    Some(NamedTensors),
     Disk(PathBuf),
 }
 
@@ -159,6 +164,20 @@ impl Worker {
             Command::UpdateWeights(w, v, reply) => {
                 self.updates
                     .push_back((self.next_id, Update::Tensors(w), v, reply))
+            }
+            Command::UpdateSomeWeights(w, v, reply) => {
+                self.updates
+                    .push_back((self.next_id, Update::Some(w), v, reply))
+            }
+            Command::WeightShapes(reply) => {
+                let mut shapes: Vec<_> = self
+                    .vs
+                    .variables()
+                    .into_iter()
+                    .map(|(k, t)| (k, t.size(), t.kind()))
+                    .collect();
+                shapes.sort_by(|a, b| a.0.cmp(&b.0));
+                let _ = reply.send(shapes);
             }
             Command::LoadFromDisk(dir, v, reply) => {
                 self.updates
@@ -291,7 +310,8 @@ impl Worker {
                 return;
             };
             let result = match update {
-                Update::Tensors(w) => self.load_tensors(w),
+                Update::Tensors(w) => self.load_tensors(w, true),
+                Update::Some(w) => self.load_tensors(w, false),
                 Update::Disk(dir) => {
                     manta_model::load_weights(&mut self.vs, &dir).map_err(EngineError::from)
                 }
@@ -306,9 +326,10 @@ impl Worker {
         }
     }
 
-    fn load_tensors(&mut self, weights: NamedTensors) -> Result<(), EngineError> {
+    /// Copies `weights` into the parameters; `whole`: they must be all of them.
+    fn load_tensors(&mut self, weights: NamedTensors, whole: bool) -> Result<(), EngineError> {
         let mut vars = self.vs.variables();
-        if weights.len() != vars.len() {
+        if whole && weights.len() != vars.len() {
             return Err(EngineError::Weights(format!(
                 "got {} tensors, the engine's model has {}",
                 weights.len(),

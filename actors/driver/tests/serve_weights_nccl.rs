@@ -1,0 +1,434 @@
+//! `driver serve`'s NCCL weight-update routes (SGLang's `/init_weights_update_group`,
+//! `/update_weights_from_distributed`, `/destroy_weights_update_group`), over HTTP against
+//! the real binary.
+//!
+//! On the CPU (every machine): bad requests are 400 with a message naming the field
+//! (missing fields, backend, ranks, unknown tensor names, shape and dtype mismatches, no
+//! group), a valid init says NCCL needs a CUDA device, and the server keeps serving with
+//! its weights untouched.
+//!
+//! With two GPUs (the device machine): a Manta trainer in this test process hosts the
+//! group as rank 0 on cuda:0 (`manta_cuda::process_group`), the server on cuda:1 joins as
+//! rank 1, receives random weights by broadcast, and then generates exactly what it
+//! generates after loading the same weights from disk.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use manta_model::{CausalLm, ModelConfig};
+use serde_json::{json, Value};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+fn tiny_assets() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
+}
+
+fn model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny_assets().join(f), dir.path().join(f)).expect("copy tiny asset");
+    }
+    dir
+}
+
+/// A running `driver serve`; killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Server {
+    fn start(model: &Path, device: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
+            .args(["serve", "--model-path"])
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", "0", "--random-seed", "1"])
+            .args(device)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start driver serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let base = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(url) = line.strip_prefix("driver serve: ready on ") {
+                        break url.trim().to_string();
+                    }
+                }
+                _ => {
+                    let status = child.wait().expect("wait");
+                    panic!("driver serve exited before it was ready: {status}");
+                }
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Server {
+            child,
+            base,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("POST");
+        let status = r.status().as_u16();
+        let text = r.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .expect("GET")
+            .json()
+            .await
+            .expect("JSON")
+    }
+
+    /// Greedy tokens and their log-probs for a fixed prompt.
+    async fn greedy(&self) -> (Vec<i64>, Vec<f64>) {
+        let (status, out) = self
+            .post(
+                "/generate",
+                json!({"input_ids": [1, 2, 3, 4, 5], "return_logprob": true,
+                       "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": true}}),
+            )
+            .await;
+        assert_eq!(status, 200, "{out}");
+        let tokens = out["output_ids"]
+            .as_array()
+            .expect("output_ids")
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        let logprobs = out["meta_info"]["output_token_logprobs"]
+            .as_array()
+            .expect("output_token_logprobs")
+            .iter()
+            .map(|e| e[0].as_f64().unwrap())
+            .collect();
+        (tokens, logprobs)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Asserts a refused call: 400, `success: false`, and a message containing `want`.
+fn refused(call: &str, (status, body): (u16, Value), want: &str) {
+    assert_eq!(status, 400, "{call}: {body}");
+    assert_eq!(body["success"], json!(false), "{call}: {body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(want),
+        "{call}: {want:?} not in {message:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_weight_update_requests_are_refused_by_field_and_the_server_keeps_serving() {
+    let model = model_dir();
+    let server = Server::start(model.path(), &["--device", "cpu"]);
+    let version = server.get("/get_weight_version").await;
+    let before = server.greedy().await;
+    let init = json!({"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1,
+                      "world_size": 2, "group_name": "g", "backend": "nccl"});
+    let with = |key: &str, value: Value| {
+        let mut v = init.clone();
+        v[key] = value;
+        v
+    };
+    let without = |key: &str| {
+        let mut v = init.clone();
+        v.as_object_mut().unwrap().remove(key);
+        v
+    };
+
+    // /init_weights_update_group
+    for field in ["master_address", "master_port", "rank_offset", "world_size"] {
+        refused(
+            &format!("init without {field}"),
+            server
+                .post("/init_weights_update_group", without(field))
+                .await,
+            field,
+        );
+    }
+    refused(
+        "init gloo",
+        server
+            .post("/init_weights_update_group", with("backend", json!("gloo")))
+            .await,
+        "backend",
+    );
+    refused(
+        "init rank 0",
+        server
+            .post("/init_weights_update_group", with("rank_offset", json!(0)))
+            .await,
+        "rank_offset",
+    );
+    refused(
+        "init rank beyond the world",
+        server
+            .post("/init_weights_update_group", with("rank_offset", json!(2)))
+            .await,
+        "world_size 2",
+    );
+    refused(
+        "init world 0",
+        server
+            .post("/init_weights_update_group", with("world_size", json!(0)))
+            .await,
+        "world_size 0",
+    );
+    refused(
+        "init port out of range",
+        server
+            .post(
+                "/init_weights_update_group",
+                with("master_port", json!(70000)),
+            )
+            .await,
+        "master_port",
+    );
+    refused(
+        "init on a CPU server",
+        server
+            .post("/init_weights_update_group", init.clone())
+            .await,
+        "NCCL needs a CUDA device",
+    );
+
+    // /update_weights_from_distributed: every check before the group's.
+    let update = json!({"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]],
+                        "group_name": "g"});
+    let upd = |key: &str, value: Value| {
+        let mut v = update.clone();
+        v[key] = value;
+        v
+    };
+    for field in ["names", "dtypes", "shapes"] {
+        let mut v = update.clone();
+        v.as_object_mut().unwrap().remove(field);
+        refused(
+            &format!("update without {field}"),
+            server.post("/update_weights_from_distributed", v).await,
+            field,
+        );
+    }
+    refused(
+        "update unknown tensor",
+        server
+            .post(
+                "/update_weights_from_distributed",
+                upd("names", json!(["model.no_such.weight"])),
+            )
+            .await,
+        "names[0]: unknown tensor \"model.no_such.weight\"",
+    );
+    refused(
+        "update wrong shape",
+        server
+            .post(
+                "/update_weights_from_distributed",
+                upd("shapes", json!([[65]])),
+            )
+            .await,
+        "shapes[0]",
+    );
+    refused(
+        "update unknown dtype",
+        server
+            .post(
+                "/update_weights_from_distributed",
+                upd("dtypes", json!(["quaternion"])),
+            )
+            .await,
+        "dtypes[0]",
+    );
+    refused(
+        "update lists of different lengths",
+        server
+            .post(
+                "/update_weights_from_distributed",
+                upd("dtypes", json!(["bfloat16", "bfloat16"])),
+            )
+            .await,
+        "dtypes",
+    );
+    refused(
+        "update bad version",
+        server
+            .post(
+                "/update_weights_from_distributed",
+                upd("weight_version", json!("v7")),
+            )
+            .await,
+        "weight_version",
+    );
+    refused(
+        "update without a group",
+        server
+            .post("/update_weights_from_distributed", update.clone())
+            .await,
+        "group_name: no weight update group \"g\"",
+    );
+
+    // /destroy_weights_update_group
+    refused(
+        "destroy without a group",
+        server
+            .post("/destroy_weights_update_group", json!({"group_name": "g"}))
+            .await,
+        "group_name",
+    );
+
+    // Still serving, weights and version untouched.
+    assert_eq!(server.get("/get_weight_version").await, version);
+    assert_eq!(server.greedy().await, before);
+}
+
+/// Random weights for the tiny model on the CPU, named as the engine names its
+/// parameters, scaled up (so outputs differ from the server's init) and exact in bf16 (so
+/// the broadcast bf16 tensors and the fp32 files load to the same values).
+fn random_weights(seed: i64) -> (VarStore, ModelConfig) {
+    let cfg = ModelConfig::from_file(&tiny_assets().join("config.json")).expect("tiny config");
+    tch::manual_seed(seed);
+    let vs = VarStore::new(Device::Cpu);
+    let _model = CausalLm::new(&vs.root(), &cfg);
+    tch::no_grad(|| {
+        for (_, mut var) in vs.variables() {
+            let scaled = (&var * 20.0).to_kind(Kind::BFloat16).to_kind(Kind::Float);
+            var.copy_(&scaled);
+        }
+    });
+    (vs, cfg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
+    use manta_cuda::process_group::{GroupSpec, ProcessGroup};
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
+        return;
+    }
+    let model = model_dir();
+    let server = Server::start(
+        model.path(),
+        &[
+            "--device",
+            "cuda",
+            "--base-gpu-id",
+            "1",
+            "--dtype",
+            "bfloat16",
+        ],
+    );
+    let untouched = server.greedy().await;
+    // The trainer: rank 0 on cuda:0, hosting the store on a free port.
+    let group = ProcessGroup::join(GroupSpec {
+        master_address: "127.0.0.1".into(),
+        master_port: 0,
+        rank: 0,
+        world_size: 2,
+        group_name: "manta_test_group".into(),
+        device: 0,
+        timeout: Duration::from_secs(120),
+    })
+    .expect("trainer joins as rank 0");
+    let port = group.store_port();
+    let (status, body) = server
+        .post(
+            "/init_weights_update_group",
+            json!({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                   "world_size": 2, "group_name": "manta_test_group", "backend": "nccl"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    let (vs, cfg) = random_weights(5);
+    let mut named: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| {
+            let t = t.to_device(Device::Cuda(0)).to_kind(Kind::BFloat16);
+            (n, t.contiguous())
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    // Two buckets, as SGLang callers send them; the version goes with the last.
+    let half = named.len() / 2;
+    let mut group = group;
+    for (i, bucket) in [&named[..half], &named[half..]].into_iter().enumerate() {
+        let body = json!({
+            "names": bucket.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+            "dtypes": bucket.iter().map(|_| "bfloat16").collect::<Vec<_>>(),
+            "shapes": bucket.iter().map(|(_, t)| t.size()).collect::<Vec<_>>(),
+            "group_name": "manta_test_group",
+            "weight_version": if i == 1 { "7" } else { "6" },
+        });
+        let post = server.post("/update_weights_from_distributed", body);
+        let tensors: Vec<(String, Tensor)> = bucket
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let send = tokio::task::spawn_blocking(move || {
+            let r = group.broadcast(&tensors, 0);
+            (group, r)
+        });
+        let ((status, answer), sent) = tokio::join!(post, send);
+        let (g, sent) = sent.expect("broadcast thread");
+        group = g;
+        sent.expect("trainer broadcast");
+        assert_eq!(status, 200, "{answer}");
+    }
+    assert_eq!(
+        server.get("/get_weight_version").await["weight_version"],
+        json!("7")
+    );
+    let broadcast = server.greedy().await;
+    assert_ne!(broadcast, untouched, "the weights changed");
+
+    // The same weights from disk give the same tokens and log-probs, bit for bit.
+    let dir = model_dir();
+    manta_model::save_pretrained(&vs, &cfg, dir.path()).expect("save weights");
+    let (status, body) = server
+        .post(
+            "/update_weights_from_disk",
+            json!({"model_path": dir.path().display().to_string()}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.greedy().await, broadcast);
+
+    let (status, body) = server
+        .post(
+            "/destroy_weights_update_group",
+            json!({"group_name": "manta_test_group"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    drop(group);
+}
