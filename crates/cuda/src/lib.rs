@@ -7,6 +7,7 @@
 //! linked libtorch.
 
 pub mod adamw;
+pub mod gemv;
 pub mod ipc;
 pub mod process_group;
 pub mod rendezvous;

@@ -1,4 +1,4 @@
-//! Next-token choice on the GPU in one kernel per step (sampling.cu.inc): greedy argmax
+//! Next-token choice on the GPU in two kernels per step (sampling.cu.inc): greedy argmax
 //! or inverse-CDF sampling over `softmax(logits / T)`, with the chosen token's log-prob.
 //! A decode step's sampling is otherwise a dozen small tensor ops, each a launch from the
 //! host; at small batches their launch cost rivals the model's forward.
@@ -75,7 +75,13 @@ mod tests {
             return;
         }
         tch::manual_seed(7);
-        let (rows, vocab) = (48i64, 151_936i64);
+        // One chunk, a few chunks, and Qwen's vocabulary (75 chunks).
+        for vocab in [1000i64, 5000, 151_936] {
+            check_against_float64(48, vocab);
+        }
+    }
+
+    fn check_against_float64(rows: i64, vocab: i64) {
         let logits = Tensor::randn([rows, vocab], (Kind::Float, Device::Cpu)) * 3.0;
         let temps: Vec<f32> = (0..rows)
             .map(|r| match r % 4 {
@@ -122,7 +128,7 @@ mod tests {
             let slack = 1e-5 * total;
             assert!(
                 before <= target + slack && through > target - slack,
-                "row {r}: token {token} covers [{before}, {through}), target {target}"
+                "vocab {vocab} row {r}: token {token} covers [{before}, {through}), target {target}"
             );
         }
     }

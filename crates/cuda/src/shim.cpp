@@ -522,6 +522,93 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 #endif
 }
 
+// Defines of the small-batch GEMV (gemv.cu.inc) for inner size k, up to `rows` input rows
+// and n outputs.
+int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
+int64_t gemv_rows_per_warp(int64_t n, bool silu) { return !silu && n >= 4096 ? 2 : 1; }
+std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm) {
+  return define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
+         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0);
+}
+// NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
+bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
+
+// y = x · wᵀ (or silu(gate) × up with `silu`, w = [gate | up] rows) for at most 8 rows of x.
+// With `norm_w_`, x is a residual and the product's input is rms_norm(x (+ delta)) × norm_w;
+// with `delta_` too, x + delta is stored to `x_out_`.
+int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* x_out_, void* w_, void* y_, int silu,
+               float eps) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& x = tensor(x_);
+    const at::Tensor& w = tensor(w_);
+    at::Tensor& y = *static_cast<at::Tensor*>(y_);
+    check_bf16(x, "x");
+    check_bf16(w, "w");
+    check_bf16(y, "y");
+    TORCH_CHECK(w.dim() == 2, "w must be [out, in]");
+    const int64_t k = w.size(1);
+    TORCH_CHECK(k % 256 == 0, "the inner size must be a multiple of 256, got ", k);
+    TORCH_CHECK(x.size(-1) == k, "x's last size ", x.size(-1), " must be w's inner size ", k);
+    const int64_t rows = x.numel() / k, n = y.size(-1);
+    TORCH_CHECK(rows <= 8, "at most 8 rows, got ", rows);
+    TORCH_CHECK(y.numel() == rows * n, "y must be [rows, out]");
+    TORCH_CHECK(w.size(0) == (silu ? 2 * n : n), "w has ", w.size(0), " rows for ", n, silu ? " silu outputs" : " outputs");
+    const bool norm = norm_w_ != nullptr;
+    const void* dp = nullptr;
+    const void* nwp = nullptr;
+    void* xop = nullptr;
+    if (norm) {
+      TORCH_CHECK(gemv_norm_fits(k, rows), "a fused norm over ", rows, " rows of ", k, " does not fit shared memory");
+      check_bf16(tensor(norm_w_), "norm weight");
+      TORCH_CHECK(tensor(norm_w_).numel() == k, "norm weight must have ", k, " elements");
+      nwp = tensor(norm_w_).data_ptr();
+      if (delta_ != nullptr) {
+        TORCH_CHECK(x_out_ != nullptr, "a delta needs x_out for residual + delta");
+        check_bf16(tensor(delta_), "delta");
+        check_bf16(tensor(x_out_), "x_out");
+        TORCH_CHECK(tensor(delta_).sizes() == x.sizes() && tensor(x_out_).sizes() == x.sizes(),
+                    "delta and x_out must be like x");
+        TORCH_CHECK(tensor(x_out_).data_ptr() != x.data_ptr(), "x_out must not alias x (other CTAs still read x)");
+        dp = tensor(delta_).data_ptr();
+        xop = tensor(x_out_).data_ptr();
+      }
+    } else {
+      TORCH_CHECK(delta_ == nullptr, "a delta needs a norm weight");
+    }
+    if (rows == 0 || n == 0) return;
+    const int device = x.get_device();
+    const void* xp = x.data_ptr();
+    const void* wp = w.data_ptr();
+    void* yp = y.data_ptr();
+    int m_i = static_cast<int>(rows), n_i = static_cast<int>(n);
+    void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
+    const int64_t per_cta = 4 * gemv_rows_per_warp(n, silu != 0);
+    launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm), "gemv", device), device,
+           static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, 128, args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles the GEMV for inner size k, n outputs, every row count (with and without the
+// fused norm where it fits), without a GPU.
+int manta_gemv_compile_check(const char* source, int k, int n, int silu, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    for (int64_t rows : {1, 2, 4, 8}) {
+      compile_kernels(source, gemv_defines(k, rows, n, silu != 0, false), arch);
+      if (gemv_norm_fits(k, rows)) compile_kernels(source, gemv_defines(k, rows, n, silu != 0, true), arch);
+    }
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
 // Next-token choice for each row of fp32 `logits` [rows, vocab] (sampling.cu.inc):
 // `params` [2, rows] fp32 (temperature, 0 = greedy; uniform draw), `out` [2, rows] f64
 // (token id, log-prob).
@@ -543,12 +630,22 @@ int manta_sample_rows(const char* source, void* logits_, void* params_, void* ou
                 "out must be float64 [2, rows] on the logits' device");
     if (rows == 0) return;
     const int device = logits.get_device();
+    // Chunks of ~2k logits spread a row over many SMs; the second kernel merges them.
+    const int64_t chunks = std::min<int64_t>(256, std::max<int64_t>(1, (vocab + 2047) / 2048));
+    const int64_t chunk = (vocab + chunks - 1) / chunks;
+    at::Tensor parts = at::empty({rows, chunks, 4}, logits.options());
     const void* lp = logits.data_ptr();
     const void* pp = params.data_ptr();
+    void* partp = parts.data_ptr();
+    const void* partc = partp;
     void* op = out.data_ptr();
     int rows_i = static_cast<int>(rows), vocab_i = static_cast<int>(vocab);
-    void* args[] = {&lp, &pp, &op, &rows_i, &vocab_i};
-    launch(kernel(source, "", "sample_rows", device), device, static_cast<unsigned>(rows), 1, 1, 1024, args);
+    int chunk_i = static_cast<int>(chunk), chunks_i = static_cast<int>(chunks);
+    void* chunk_args[] = {&lp, &pp, &partp, &vocab_i, &chunk_i};
+    launch(kernel(source, "", "sample_chunks", device), device, static_cast<unsigned>(rows),
+           static_cast<unsigned>(chunks), 1, 256, chunk_args);
+    void* pick_args[] = {&lp, &pp, &partc, &op, &rows_i, &vocab_i, &chunk_i, &chunks_i};
+    launch(kernel(source, "", "sample_pick", device), device, static_cast<unsigned>(rows), 1, 1, 256, pick_args);
   });
 #else
   last_error() = "built without CUDA";

@@ -5,7 +5,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{repeat_kv, CausalLm, SelfAttention};
+use super::{repeat_kv, CausalLm, RmsNorm, SelfAttention};
 use crate::config::ModelConfig;
 
 /// Keys and values of every layer in one pool of `num_blocks × block_size` slots, allocated
@@ -255,24 +255,27 @@ impl SelfAttention {
             .linear(&self.o_proj, None::<Tensor>)
     }
 
-    /// The kernel path: x [N, H] (bf16, CUDA) through the fused q/k/v projection, one
-    /// kernel for head norms, rotary embedding and the cache store, then attention.
+    /// The kernel path from the fused q/k/v projection `qkv` [N, (heads + 2 kv_heads) × hd]
+    /// (bf16, CUDA): one kernel for head norms, rotary embedding and the cache store, then
+    /// attention and the output projection.
     fn forward_paged_kernels(
         &self,
-        x: &Tensor,
+        qkv: &Tensor,
         fused: &FusedLayer,
         positions: &Tensor,
         inv_freq: &Tensor,
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
     ) -> Tensor {
-        let n = x.size()[0];
-        let qkv = x.linear(&fused.qkv, fused.qkv_bias.as_ref());
-        let mut q = Tensor::empty([n, self.num_heads, self.head_dim], (x.kind(), x.device()));
+        let n = qkv.size()[0];
+        let mut q = Tensor::empty(
+            [n, self.num_heads, self.head_dim],
+            (qkv.kind(), qkv.device()),
+        );
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
         let eps = norms.map_or(1e-6, |(qn, _)| qn.eps);
         if let Err(e) = manta_cuda::qk_norm_rope_store(
-            &qkv,
+            qkv,
             norms.map(|(qn, kn)| (&qn.weight, &kn.weight)),
             positions,
             inv_freq,
@@ -284,8 +287,12 @@ impl SelfAttention {
         ) {
             panic!("q/k norm + rotary + cache store kernel: {e}");
         }
-        self.attend(&q, pools, batch)
-            .linear(&self.o_proj, None::<Tensor>)
+        project(
+            &self.attend(&q, pools, batch),
+            &self.o_proj,
+            None,
+            fused.gemv,
+        )
     }
 
     /// Attention of the flat queries q [N, heads, hd] over their sequences' cached keys
@@ -461,6 +468,37 @@ pub(super) struct FusedLayer {
     qkv: Tensor,
     qkv_bias: Option<Tensor>,
     gate_up: Tensor,
+    /// Projections of at most `manta_cuda::gemv::FASTER_UP_TO_ROWS` rows run the GEMV kernel.
+    gemv: bool,
+}
+
+/// `x · wᵀ` (+ bias) for the kernel path: the small-batch GEMV at a few rows (`gemv`),
+/// cuBLAS otherwise.
+fn project(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, gemv: bool) -> Tensor {
+    let rows = x.size()[0];
+    if !(gemv && bias.is_none() && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS) {
+        return x.linear(w, bias);
+    }
+    let mut y = Tensor::empty([rows, w.size()[0]], (x.kind(), x.device()));
+    if let Err(e) = manta_cuda::gemv::gemv(&x.contiguous(), w, &mut y, false) {
+        panic!("gemv kernel: {e}");
+    }
+    y
+}
+
+/// silu(x · gateᵀ) × (x · upᵀ) for `gate_up` = [gate | up] rows, [N, inter].
+fn gate_up_silu(x: &Tensor, gate_up: &Tensor, inter: i64, gemv: bool) -> Tensor {
+    let rows = x.size()[0];
+    let mut act = Tensor::empty([rows, inter], (x.kind(), x.device()));
+    let done = if gemv && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS {
+        manta_cuda::gemv::gemv(&x.contiguous(), gate_up, &mut act, true)
+    } else {
+        manta_cuda::silu_mul(&x.linear(gate_up, None::<Tensor>), &mut act)
+    };
+    if let Err(e) = done {
+        panic!("silu x up kernel: {e}");
+    }
+    act
 }
 
 /// Concatenates `parts` along dim 0 and re-points each to its view of the result.
@@ -473,6 +511,78 @@ fn fuse_rows(parts: &mut [&mut Tensor]) -> Tensor {
         start += rows;
     }
     fused
+}
+
+/// `x += delta` (when given), then the projection of `rms_norm(x) × norm.weight` by
+/// `w` (+ bias) — or, with `silu_width`, silu × up of the [gate | up] projection. `fuse`
+/// = (GEMV usable, norm fused into it): one kernel at a few rows, else the add + norm
+/// kernel and then the projection.
+fn normed_projection(
+    x: &mut Tensor,
+    delta: Option<Tensor>,
+    norm: &RmsNorm,
+    (w, bias): (&Tensor, Option<&Tensor>),
+    silu_width: Option<i64>,
+    (gemv, fuse): (bool, bool),
+) -> Tensor {
+    if !(fuse && bias.is_none()) {
+        let mut normed = x.empty_like();
+        if let Err(e) =
+            manta_cuda::add_rms_norm(x, delta.as_ref(), &norm.weight, &mut normed, norm.eps)
+        {
+            panic!("residual + rms norm kernel: {e}");
+        }
+        return match silu_width {
+            Some(width) => gate_up_silu(&normed, w, width, gemv),
+            None => project(&normed, w, bias, gemv),
+        };
+    }
+    let rows = x.size()[0];
+    let width = silu_width.unwrap_or_else(|| w.size()[0]);
+    let mut y = Tensor::empty([rows, width], (x.kind(), x.device()));
+    let mut sum = delta.as_ref().map(|_| x.empty_like());
+    let input = manta_cuda::gemv::InputNorm {
+        delta: delta.as_ref().zip(sum.as_mut()),
+        weight: &norm.weight,
+        eps: norm.eps,
+    };
+    if let Err(e) = manta_cuda::gemv::gemv_norm(x, input, w, &mut y, silu_width.is_some()) {
+        panic!("rms norm + gemv kernel: {e}");
+    }
+    if let Some(sum) = sum {
+        *x = sum;
+    }
+    y
+}
+
+/// Whether decode steps of a few rows can run their projections through the GEMV kernel:
+/// every inner size a multiple of 256, the kernel compiles, and `MANTA_DECODE_GEMV` is not
+/// `0` (for A/B runs against cuBLAS).
+fn decode_gemv_usable(shape: &manta_cuda::KernelShape, arch: u32) -> bool {
+    if std::env::var_os("MANTA_DECODE_GEMV").is_some_and(|v| v == "0") {
+        return false;
+    }
+    let (h, inter) = (shape.hidden, shape.intermediate);
+    let (q, kv) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    let projections = [
+        (h, q + 2 * kv, false),
+        (q, h, false),
+        (h, inter, true),
+        (inter, h, false),
+    ];
+    for (k, n, silu) in projections {
+        if !manta_cuda::gemv::supports(k as i64) {
+            return false;
+        }
+        if let Err(e) = manta_cuda::gemv::gemv_compile(k, n, silu, arch) {
+            tracing::warn!(error = %e, "GEMV kernel unusable; decode projections stay on cuBLAS");
+            return false;
+        }
+    }
+    true
 }
 
 impl CausalLm {
@@ -508,6 +618,7 @@ impl CausalLm {
         };
         let arch = manta_cuda::device_arch(index).map_err(|e| e.to_string())?;
         manta_cuda::decode_kernels_compile(shape, arch).map_err(|e| e.to_string())?;
+        let gemv = decode_gemv_usable(&shape, arch);
         let _guard = tch::no_grad_guard();
         let mut fused = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
@@ -523,6 +634,7 @@ impl CausalLm {
                 qkv,
                 qkv_bias,
                 gate_up,
+                gemv,
             });
         }
         self.decode_kernels = Some(fused);
@@ -542,37 +654,51 @@ impl CausalLm {
         batch: &PagedBatch,
         cache: &PagedKvCache,
     ) -> Tensor {
-        let fail = |what: &str, e: manta_cuda::CudaError| -> ! { panic!("{what} kernel: {e}") };
         let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-        let (n, inter) = (x.size()[0], self.cfg.intermediate_size);
-        let mut normed = x.empty_like();
-        let first = &self.layers[0].input_layernorm;
-        manta_cuda::add_rms_norm(&mut x, None, &first.weight, &mut normed, first.eps)
-            .unwrap_or_else(|e| fail("rms norm", e));
+        let inter = self.cfg.intermediate_size;
+        // At a few rows, each residual add + norm goes into the GEMV after it.
+        let rows = x.size()[0];
+        let fuse_norms = fused.first().is_some_and(|f| f.gemv)
+            && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS
+            && manta_cuda::gemv::norm_fits(self.cfg.hidden_size, rows);
+        // The last block's output, not yet added to the residual stream `x`.
+        let mut delta: Option<Tensor> = None;
         for (i, (layer, f)) in self.layers.iter().zip(fused).enumerate() {
+            let qkv = normed_projection(
+                &mut x,
+                delta.take(),
+                &layer.input_layernorm,
+                (&f.qkv, f.qkv_bias.as_ref()),
+                None,
+                (f.gemv, fuse_norms),
+            );
             let attn = layer.self_attn.forward_paged_kernels(
-                &normed,
+                &qkv,
                 f,
                 positions,
                 &self.rotary.inv_freq,
                 cache.layer(i),
                 batch,
             );
-            let post = &layer.post_attention_layernorm;
-            let mut h = x.empty_like();
-            manta_cuda::add_rms_norm(&mut x, Some(&attn), &post.weight, &mut h, post.eps)
-                .unwrap_or_else(|e| fail("residual + rms norm", e));
-            let gate_up = h.linear(&f.gate_up, None::<Tensor>);
-            let mut act = Tensor::empty([n, inter], (x.kind(), x.device()));
-            manta_cuda::silu_mul(&gate_up, &mut act).unwrap_or_else(|e| fail("silu x up", e));
-            let mlp = act.linear(&layer.mlp.down, None::<Tensor>);
-            let next = self
-                .layers
-                .get(i + 1)
-                .map_or(&self.norm, |l| &l.input_layernorm);
-            normed = x.empty_like();
-            manta_cuda::add_rms_norm(&mut x, Some(&mlp), &next.weight, &mut normed, next.eps)
-                .unwrap_or_else(|e| fail("residual + rms norm", e));
+            let act = normed_projection(
+                &mut x,
+                Some(attn),
+                &layer.post_attention_layernorm,
+                (&f.gate_up, None),
+                Some(inter),
+                (f.gemv, fuse_norms),
+            );
+            delta = Some(project(&act, &layer.mlp.down, None, f.gemv));
+        }
+        let mut normed = x.empty_like();
+        if let Err(e) = manta_cuda::add_rms_norm(
+            &mut x,
+            delta.as_ref(),
+            &self.norm.weight,
+            &mut normed,
+            self.norm.eps,
+        ) {
+            panic!("residual + rms norm kernel: {e}");
         }
         normed
     }

@@ -1,0 +1,270 @@
+//! Projections of decode steps with at most [`MAX_ROWS`] rows (gemv.cu.inc): at a few rows
+//! a projection is a stream of weight bytes, which cuBLAS's GEMM tiles read at a fraction of
+//! the memory bandwidth. The same kernel folds in what surrounds a projection in a decoder
+//! layer — the residual add and RMS norm before it, Qwen's SiLU × up after the gate/up
+//! projection — since at a few rows each separate kernel costs as much as its work.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use tch::Tensor;
+
+use crate::{check, CudaError};
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn manta_gemv(
+        source: *const c_char,
+        x: *mut c_void,
+        delta: *mut c_void,
+        norm_w: *mut c_void,
+        x_out: *mut c_void,
+        w: *mut c_void,
+        y: *mut c_void,
+        silu: c_int,
+        eps: f32,
+    ) -> c_int;
+    fn manta_gemv_compile_check(
+        source: *const c_char,
+        k: c_int,
+        n: c_int,
+        silu: c_int,
+        arch: c_int,
+    ) -> c_int;
+}
+
+/// The most rows of `x` the GEMV takes.
+pub const MAX_ROWS: i64 = 8;
+
+/// Up to how many rows decode steps should use the GEMV: on an H100 it beats cuBLAS at one
+/// row (0.6B decode 776 vs 675 tokens/s with the fused norms), ties at two, and loses from
+/// four on (0.6B 1,822 vs 2,471 tokens/s at four rows; bench/run_engine_decode.sh,
+/// 2026-11-23).
+pub const FASTER_UP_TO_ROWS: i64 = 2;
+
+/// The GEMV's CUDA source, NUL-terminated for NVRTC.
+const GEMV_SOURCE: &str = concat!(
+    include_str!("bf16.cu.inc"),
+    include_str!("gemv.cu.inc"),
+    "\0"
+);
+
+/// Whether [`gemv`] takes a weight of inner size `k` (a multiple of 256).
+pub fn supports(k: i64) -> bool {
+    k > 0 && k % 256 == 0
+}
+
+/// `y = x · wᵀ` for `x` [rows ≤ 8, K], `w` [n, K], `y` [rows, n] (bf16, CUDA, contiguous);
+/// with `silu`, `w` is [gate | up] ([2n, K]) and `y = silu(x · gateᵀ) × (x · upᵀ)`.
+pub fn gemv(x: &Tensor, w: &Tensor, y: &mut Tensor, silu: bool) -> Result<(), CudaError> {
+    launch(x, None, w, y, silu)
+}
+
+/// The RMS norm a [`gemv_norm`] applies to its input first.
+pub struct InputNorm<'a> {
+    /// Added to the residual first (rounded to bf16); the sum is stored to `residual_out`.
+    pub delta: Option<(&'a Tensor, &'a mut Tensor)>,
+    /// The norm's weight [K].
+    pub weight: &'a Tensor,
+    pub eps: f64,
+}
+
+/// Like [`gemv`], with the input `rms_norm(residual (+ delta)) × weight` made inside the
+/// kernel (rounded as `add_rms_norm` rounds). Only where [`norm_fits`].
+pub fn gemv_norm(
+    residual: &Tensor,
+    norm: InputNorm,
+    w: &Tensor,
+    y: &mut Tensor,
+    silu: bool,
+) -> Result<(), CudaError> {
+    launch(residual, Some(norm), w, y, silu)
+}
+
+/// Whether [`gemv_norm`] takes `rows` rows of inner size `k` (they sit in shared memory).
+pub fn norm_fits(k: i64, rows: i64) -> bool {
+    let rows = match rows {
+        ..=1 => 1,
+        2 => 2,
+        3..=4 => 4,
+        _ => 8,
+    };
+    rows * k <= 16384
+}
+
+fn launch(
+    x: &Tensor,
+    norm: Option<InputNorm>,
+    w: &Tensor,
+    y: &mut Tensor,
+    silu: bool,
+) -> Result<(), CudaError> {
+    let null = std::ptr::null_mut();
+    let (delta, norm_w, x_out, eps) = match &norm {
+        None => (null, null, null, 0.0),
+        Some(n) => {
+            let (delta, out) = match &n.delta {
+                Some((d, o)) => (d.as_ptr() as *mut c_void, o.as_ptr() as *mut c_void),
+                None => (null, null),
+            };
+            (delta, n.weight.as_ptr() as *mut c_void, out, n.eps as f32)
+        }
+    };
+    // SAFETY: live tensor handles for the call (x_out is written through its handle, held
+    // mutably by `norm`); the shim checks shapes, dtypes, devices and aliasing.
+    check(unsafe {
+        manta_gemv(
+            GEMV_SOURCE.as_ptr() as *const c_char,
+            x.as_ptr() as *mut c_void,
+            delta,
+            norm_w,
+            x_out,
+            w.as_ptr() as *mut c_void,
+            y.as_mut_ptr() as *mut c_void,
+            silu as c_int,
+            eps,
+        )
+    })
+}
+
+/// Compiles the GEMV for inner size `k` and `n` outputs, every row count, for `sm_<arch>`
+/// (NVRTC needs no GPU).
+pub fn gemv_compile(k: usize, n: usize, silu: bool, arch: u32) -> Result<(), CudaError> {
+    // SAFETY: the source is a NUL-terminated static.
+    check(unsafe {
+        manta_gemv_compile_check(
+            GEMV_SOURCE.as_ptr() as *const c_char,
+            k as c_int,
+            n as c_int,
+            silu as c_int,
+            arch as c_int,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    use super::*;
+    use crate::built_with_cuda;
+
+    #[test]
+    fn gemv_compiles_for_hopper() {
+        if !built_with_cuda() {
+            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
+            return;
+        }
+        for (k, n, silu) in [
+            (1024, 4096, false),
+            (2048, 1024, false),
+            (1024, 3072, true),
+            (3072, 1024, false),
+            (4096, 12288, true),
+            (12288, 4096, false),
+        ] {
+            if let Err(e) = gemv_compile(k, n, silu, 90) {
+                panic!("k {k}, n {n}, silu {silu}: {e}");
+            }
+        }
+    }
+
+    /// Against cuBLAS through `linear` (and silu × up over its bf16 output): fp32 sums in
+    /// another order, so within a bf16 rounding step of the result.
+    #[test]
+    fn gemv_matches_linear() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        tch::manual_seed(3);
+        for (k, n) in [(1024i64, 4096i64), (2048, 1024), (3072, 1024), (4096, 6144)] {
+            for rows in [1i64, 2, 3, 8] {
+                let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+                let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+                let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
+                let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
+                gemv(&x, &w, &mut y, false).expect("gemv runs");
+                let err = (y.to_kind(Kind::Float) - &want)
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                let scale = want.abs().max().double_value(&[]);
+                assert!(
+                    err <= scale * 8e-3,
+                    "k {k} n {n} rows {rows}: {err} of {scale}"
+                );
+                // silu × up over [gate | up] = w split in halves.
+                let half = n / 2;
+                let gate_up = x.linear(&w, None::<Tensor>);
+                let (g, u) = (gate_up.narrow(1, 0, half), gate_up.narrow(1, half, half));
+                let want = (g
+                    .to_kind(Kind::Float)
+                    .silu()
+                    .to_kind(Kind::BFloat16)
+                    .to_kind(Kind::Float)
+                    * u.to_kind(Kind::Float))
+                .to_kind(Kind::Float);
+                let mut act = Tensor::empty([rows, half], (Kind::BFloat16, dev));
+                gemv(&x, &w, &mut act, true).expect("silu gemv runs");
+                let err = (act.to_kind(Kind::Float) - &want)
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                let scale = want.abs().max().double_value(&[]);
+                assert!(
+                    err <= scale * 2e-2,
+                    "silu k {k} n {n} rows {rows}: {err} of {scale}"
+                );
+            }
+        }
+        // The fused norm against add_rms_norm, then the plain GEMV.
+        for (k, n, silu) in [
+            (1024i64, 4096i64, false),
+            (1024, 6144, true),
+            (4096, 4096, false),
+        ] {
+            for rows in [1i64, 3, 4] {
+                let residual = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+                let delta = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+                let weight = Tensor::rand([k], (Kind::BFloat16, dev)) + 0.5;
+                let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+                let mut want_residual = residual.copy();
+                let mut normed = residual.empty_like();
+                crate::add_rms_norm(&mut want_residual, Some(&delta), &weight, &mut normed, 1e-6)
+                    .expect("add_rms_norm");
+                let out_n = if silu { n / 2 } else { n };
+                let mut want = Tensor::empty([rows, out_n], (Kind::BFloat16, dev));
+                gemv(&normed, &w, &mut want, silu).expect("gemv");
+                let mut got = want.empty_like();
+                let mut residual_out = residual.empty_like();
+                let norm = InputNorm {
+                    delta: Some((&delta, &mut residual_out)),
+                    weight: &weight,
+                    eps: 1e-6,
+                };
+                gemv_norm(&residual, norm, &w, &mut got, silu).expect("gemv_norm");
+                assert!(
+                    residual_out.equal(&want_residual),
+                    "k {k} rows {rows}: residual + delta differs"
+                );
+                let want = want.to_kind(Kind::Float);
+                let err = (got.to_kind(Kind::Float) - &want)
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                let scale = want.abs().max().double_value(&[]);
+                assert!(
+                    err <= scale * 2e-2,
+                    "norm k {k} n {n} rows {rows}: {err} of {scale}"
+                );
+            }
+        }
+        // Bad shapes are errors that name the problem, not launches.
+        let x = Tensor::zeros([9, 1024], (Kind::BFloat16, dev));
+        let w = Tensor::zeros([256, 1024], (Kind::BFloat16, dev));
+        let mut y = Tensor::zeros([9, 256], (Kind::BFloat16, dev));
+        let e = gemv(&x, &w, &mut y, false).expect_err("9 rows");
+        assert!(e.to_string().contains("at most 8 rows"), "{e}");
+    }
+}
