@@ -13,7 +13,7 @@ use manta_cluster::OpenRewardAccess;
 use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_rollout::engine::{
-    Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions,
+    Engine, NativeEngine, NativeEngineOptions, NcclTarget, SglangEngine, SglangOptions,
 };
 use manta_rollout::ors::OrsClient;
 use manta_rollout::{RolloutMsg, Uploader};
@@ -26,6 +26,7 @@ use manta_trainer::schedule::{DecayStyle, LrSchedule};
 use manta_trainer::{
     AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerMsg, TrainerOptions,
 };
+use manta_weight_sync::route::{self, Endpoint, Mechanism};
 use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
 use tch::Device;
@@ -264,9 +265,14 @@ pub async fn start(
                     settings.seed,
                     logs.join(format!("{i}.log")),
                 );
-                SglangEngine::launch(opts).await.with_context(|| {
+                let engine = SglangEngine::launch(opts).await.with_context(|| {
                     format!("starting SGLang engine {i} (rollout.engine = \"sglang\")")
-                })?
+                })?;
+                let trainer_gpu = cluster.trainer.gpus.first().copied();
+                if let Some(device) = trainer_gpu.filter(|_| trainer.is_some()) {
+                    feed_sglang(&engine, i, device, &gpus).await?;
+                }
+                engine
             }
         };
         let clients = environment_clients(train, builtin_url.as_deref())?
@@ -310,6 +316,47 @@ pub async fn start(
         env_server,
         upload,
     })
+}
+
+/// Wires the weight-sync route placement picks for an SGLang engine (its server is its
+/// own process on `gpus`; the trainer is in this one on `trainer_gpu`): NCCL broadcast
+/// (`/update_weights_from_distributed`) when they are on different GPUs, else the
+/// safetensors file and `/update_weights_from_disk`.
+async fn feed_sglang(
+    engine: &SglangEngine,
+    index: usize,
+    trainer_gpu: u32,
+    gpus: &[u32],
+) -> anyhow::Result<()> {
+    let trainer_at = Endpoint::in_driver(Some(trainer_gpu));
+    let engine_at = Endpoint {
+        process: format!("sglang engine-{index}"),
+        host: trainer_at.host.clone(),
+        gpu: gpus.first().copied(),
+    };
+    if route::choose(&trainer_at, &engine_at) != Mechanism::Nccl {
+        info!(
+            engine = index,
+            "weight sync route: SGLang engine fed through /update_weights_from_disk"
+        );
+        return Ok(());
+    }
+    engine
+        .feed_over_nccl(NcclTarget {
+            device: trainer_gpu as usize,
+            master_address: "127.0.0.1".into(),
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "SGLang engine {index} on GPU {gpus:?}: joining the NCCL weight-update group with the trainer on GPU {trainer_gpu}"
+            )
+        })?;
+    info!(
+        engine = index,
+        trainer_gpu, "weight sync route: NCCL broadcast (/update_weights_from_distributed)"
+    );
+    Ok(())
 }
 
 /// Starts the in-process trainer: one actor when `devices` has one rank (`options.device`

@@ -432,3 +432,94 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
     assert_eq!(status, 200, "{body}");
     drop(group);
 }
+
+/// The trainer side for SGLang engines: `SglangEngine::feed_over_nccl` hosts the group as
+/// rank 0 on cuda:0 and has the server (here `driver serve` on cuda:1, launched exactly as
+/// `sglang.launch_server` would be) join; `update_weights` then goes over NCCL and the
+/// server generates what the same weights loaded from disk generate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
+    use manta_rollout::engine::sglang::LaunchSpec;
+    use manta_rollout::engine::{
+        Engine, GenerateRequest, NcclTarget, SamplingParams, SglangEngine, SglangOptions,
+    };
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
+        return;
+    }
+    let model = model_dir();
+    let logs = tempfile::tempdir().expect("log dir");
+    let argv: Vec<String> = [
+        env!("CARGO_BIN_EXE_driver"),
+        "serve",
+        "--model-path",
+        &model.path().display().to_string(),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cuda",
+        "--base-gpu-id",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--random-seed",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let engine = SglangEngine::launch(SglangOptions {
+        name: "engine-0".into(),
+        launch: LaunchSpec {
+            argv,
+            log: logs.path().join("engine-0.log"),
+            env: Vec::new(),
+        },
+        model_dir: model.path().to_path_buf(),
+        health_timeout: Duration::from_secs(300),
+        health_interval: Duration::from_millis(500),
+        max_restarts: 0,
+        request_timeout: Duration::from_secs(300),
+    })
+    .await
+    .expect("launch the server");
+    engine
+        .feed_over_nccl(NcclTarget {
+            device: 0,
+            master_address: "127.0.0.1".into(),
+        })
+        .await
+        .expect("join the weight-update group");
+    let greedy = || GenerateRequest {
+        input_ids: vec![1, 2, 3, 4, 5],
+        params: SamplingParams {
+            max_new_tokens: 8,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        rid: None,
+    };
+    let (vs, cfg) = random_weights(9);
+    let named: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(Device::Cuda(0))))
+        .collect();
+    engine
+        .update_weights(named, 3)
+        .await
+        .expect("update over NCCL");
+    assert_eq!(engine.weight_version(), 3);
+    let over_nccl = engine.generate(greedy()).await.expect("generate");
+    assert_eq!(over_nccl.weight_version, 3);
+
+    let dir = model_dir();
+    manta_model::save_pretrained(&vs, &cfg, dir.path()).expect("save weights");
+    engine
+        .update_weights_from_disk(dir.path().to_path_buf(), 4)
+        .await
+        .expect("update from disk");
+    let from_disk = engine.generate(greedy()).await.expect("generate");
+    assert_eq!(over_nccl.output_ids, from_disk.output_ids);
+    assert_eq!(over_nccl.logprobs, from_disk.logprobs);
+}

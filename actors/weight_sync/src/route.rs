@@ -105,7 +105,9 @@ pub fn available(mechanism: Mechanism) -> Result<(), Unavailable> {
         }),
         Mechanism::Nccl => Err(Unavailable {
             mechanism,
-            reason: "the NCCL sync group is not built yet (it needs two GPUs to test)",
+            reason: "NCCL feeds SGLang engines in local mode (manta_cuda::process_group, \
+                     /update_weights_from_distributed); engines on rollout workers do not \
+                     join a weight-update group yet",
         }),
     }
 }

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use tch::Tensor;
 
 pub use native::{NativeEngine, NativeEngineOptions};
-pub use sglang::{SglangEngine, SglangOptions};
+pub use sglang::{NcclTarget, SglangEngine, SglangOptions};
 
 /// Weights by HF name, as weight sync hands them over.
 pub type NamedTensors = Vec<(String, Tensor)>;

@@ -6,13 +6,15 @@
 //!
 //! - [`client`]: the request and answer JSON.
 //! - [`process`]: launch, `/health_generate`, process groups, log tails.
+//! - [`nccl`]: weights over NCCL (`/update_weights_from_distributed`), no disk.
 
 pub mod client;
+pub mod nccl;
 pub mod process;
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +24,7 @@ use serde_json::{json, Value};
 use tracing::{info, warn};
 
 use super::{Engine, EngineError, GenerateOutput, GenerateRequest, NamedTensors, PauseMode};
+pub use nccl::NcclTarget;
 pub use process::{log_tail, LaunchSpec};
 
 /// What goes wrong launching or talking to the server.
@@ -142,6 +145,12 @@ struct Inner {
     /// Set once restarts are exhausted.
     failed: Mutex<Option<String>>,
     wake: tokio::sync::Notify,
+    /// Where weights come from over NCCL; `None`: through the disk.
+    nccl_target: Mutex<Option<NcclTarget>>,
+    /// The weight-update group of the running server.
+    nccl_feed: Mutex<Option<nccl::Feed>>,
+    /// The server holds weights sent over NCCL (lost if it restarts).
+    nccl_fed: AtomicBool,
 }
 
 /// An SGLang-compatible server process behind [`Engine`].
@@ -175,6 +184,9 @@ impl SglangEngine {
             last_weights: Mutex::new(None),
             failed: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
+            nccl_target: Mutex::new(None),
+            nccl_feed: Mutex::new(None),
+            nccl_fed: AtomicBool::new(false),
             opts,
         });
         inner.start_once().await?;
@@ -185,6 +197,19 @@ impl SglangEngine {
     /// The pid of the server process running now.
     pub fn pid(&self) -> Option<u32> {
         self.inner.lock_running().child.as_ref().map(|c| c.id())
+    }
+
+    /// From now on weights reach this server over NCCL from `target` (this process is
+    /// rank 0; see [`nccl`]) instead of through a safetensors file; joins the group now so
+    /// a placement that cannot work fails at start.
+    pub async fn feed_over_nccl(&self, target: NcclTarget) -> Result<(), EngineError> {
+        self.inner.connect_nccl(&target).await?;
+        *self
+            .inner
+            .nccl_target
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(target);
+        Ok(())
     }
 }
 
@@ -298,6 +323,7 @@ impl Inner {
                 Err(e) => warn!(engine = %self.opts.name, error = %e, "engine restart failed"),
             }
         }
+        self.forget_nccl_weights();
         let last = self
             .last_weights
             .lock()
@@ -399,6 +425,7 @@ impl Inner {
         }
         *self.last_weights.lock().unwrap_or_else(|p| p.into_inner()) =
             Some((dir.to_path_buf(), version));
+        self.nccl_fed.store(false, Ordering::Relaxed);
         self.version.store(version, Ordering::Relaxed);
         Ok(())
     }
@@ -473,6 +500,15 @@ impl Engine for SglangEngine {
     /// Writes the tensors as a safetensors export next to the engine's log and has the
     /// server load it, so in-process and on-disk weight sync take one path.
     async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
+        let nccl = self
+            .inner
+            .nccl_target
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(target) = nccl {
+            return self.inner.update_over_nccl(&target, weights, version).await;
+        }
         let log = &self.inner.opts.launch.log;
         let dir = log.with_extension("weights");
         let io = |e: std::io::Error| EngineError::Weights(format!("{}: {e}", dir.display()));
