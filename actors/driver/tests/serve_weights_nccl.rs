@@ -22,8 +22,23 @@ use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+/// The tiny model's assets; from the repository root when the test binary runs on
+/// another machine (the device machine runs it from a copy of the tree).
 fn tiny_assets() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("assets/tiny-qwen3")
+    }
+}
+
+/// The `driver` binary: `MANTA_DRIVER_BIN` (e.g. `bin/driver` on the device machine),
+/// else the one cargo built with this test.
+fn driver_bin() -> PathBuf {
+    std::env::var_os("MANTA_DRIVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_driver")))
 }
 
 fn model_dir() -> tempfile::TempDir {
@@ -43,7 +58,7 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, device: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
+        let mut child = Command::new(driver_bin())
             .args(["serve", "--model-path"])
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", "0", "--random-seed", "1"])
@@ -449,8 +464,9 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     }
     let model = model_dir();
     let logs = tempfile::tempdir().expect("log dir");
+    let driver = driver_bin().display().to_string();
     let argv: Vec<String> = [
-        env!("CARGO_BIN_EXE_driver"),
+        driver.as_str(),
         "serve",
         "--model-path",
         &model.path().display().to_string(),

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool), two GPUs (nvidia-h200-x2): NCCL weight sync
+# between processes, the way SGLang engines receive weights. A Python torch.distributed
+# process joins exactly as SGLang's init_custom_process_group does (tcp:// rendezvous,
+# PrefixStore(group_name), ProcessGroupNCCL; rank 1 on cuda:1) and receives
+#   1. Manta's broadcast (bin/weight_sync_nccl: manta_cuda::process_group, rank 0 on cuda:0),
+#      checked bit for bit, then timed;
+#   2. torch.distributed's own broadcast of the same tensors (a Python rank 0 on cuda:0),
+#      timed the same way in the same run.
+# Qwen3-0.6B-shaped bf16 tensors (hash-generated bits; SHAPE=8b for Qwen3-8B), REPS timed
+# rounds each (median, timed on the receiver). Writes $OUT/weight_sync_nccl.json.
+# Binaries come from bin/ (weight_sync_nccl, built with
+# `cargo build --release -p manta-bench --bin weight_sync_nccl`).
+set -euo pipefail
+TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+GPUS=$(python3 -c 'import torch;print(torch.cuda.device_count())')
+if [ "$GPUS" -lt 2 ]; then
+  echo "skipped: needs two CUDA devices, this machine has $GPUS (run on nvidia-h200-x2)" >&2
+  echo "{\"skipped\": \"needs two CUDA devices, found $GPUS\"}" > "$OUT/weight_sync_nccl.json"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
+REPS=${REPS:-10}
+SHAPE=${SHAPE:-0.6b}
+PEER=bench/py/weight_sync_nccl_peer.py
+MANIFEST=$OUT/manifest.json
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+
+# 1. Manta rank 0 -> Python rank 1 (the SGLang side).
+rm -f "$MANIFEST"
+PORT=$(free_port)
+./bin/weight_sync_nccl send "$PORT" "$REPS" "$MANIFEST" manta_bench "$SHAPE" \
+  > "$OUT/manta_send.json" 2> "$OUT/manta_send.log" &
+SENDER=$!
+for _ in $(seq 600); do [ -f "$MANIFEST" ] && break; sleep 0.1; done
+[ -f "$MANIFEST" ] || { echo "weight_sync_nccl wrote no manifest:"; cat "$OUT/manta_send.log"; exit 1; }
+python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" manta_bench "$OUT/manta_recv.json" 2> "$OUT/manta_recv.log" \
+  || { echo "receiver failed:"; tail -30 "$OUT/manta_recv.log"; tail -30 "$OUT/manta_send.log"; exit 1; }
+wait "$SENDER" || { echo "Manta sender failed:"; tail -30 "$OUT/manta_send.log"; exit 1; }
+
+# 2. torch.distributed rank 0 -> the same receiver code.
+PORT=$(free_port)
+python3 "$PEER" send "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_send.json" 2> "$OUT/torch_send.log" &
+SENDER=$!
+python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_recv.json" 2> "$OUT/torch_recv.log" \
+  || { echo "receiver failed:"; tail -30 "$OUT/torch_recv.log"; exit 1; }
+wait "$SENDER" || { echo "torch sender failed:"; tail -30 "$OUT/torch_send.log"; exit 1; }
+
+python3 - "$OUT" "$SHAPE" "$REPS" <<'PY'
+import json, sys
+out, shape, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+load = lambda n: json.load(open(f"{out}/{n}.json"))
+manta, torch_ = load("manta_recv"), load("torch_recv")
+gbps = lambda r: r["bytes"] / r["median_s"] / 1e9
+report = {
+    "shape": shape,
+    "reps": reps,
+    "bytes": manta["bytes"],
+    "tensors": manta["tensors"],
+    "bit_exact": manta["bit_exact"] and torch_["bit_exact"],
+    "manta_to_python": {"median_s": manta["median_s"], "GB_per_s": gbps(manta),
+                        "bit_exact": manta["bit_exact"], "seconds": manta["seconds"]},
+    "torch_to_python": {"median_s": torch_["median_s"], "GB_per_s": gbps(torch_),
+                        "bit_exact": torch_["bit_exact"], "seconds": torch_["seconds"]},
+    "manta_send_side": load("manta_send"),
+    "bandwidth_ratio_manta_over_torch": gbps(manta) / gbps(torch_),
+}
+json.dump(report, open(f"{out}/weight_sync_nccl.json", "w"), indent=1)
+print(json.dumps({k: v for k, v in report.items()
+                  if k not in ("manta_send_side",)}, indent=1)[:3000])
+PY

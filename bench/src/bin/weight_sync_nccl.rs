@@ -1,0 +1,177 @@
+//! Manta's side of bench/run_weight_sync_nccl.sh: rank 0 of an NCCL weight-update group
+//! through `manta_cuda::process_group` (libtorch's ProcessGroupNCCL behind the shim) on
+//! cuda:0, broadcasting Qwen3-shaped bf16 tensors to a Python peer that joined as SGLang
+//! joins (bench/py/weight_sync_nccl_peer.py).
+//!
+//! - `weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE]`: writes MANIFEST (the JSON
+//!   list of [name, shape]), hosts the store on PORT, joins as rank 0, broadcasts every
+//!   tensor once (the peer checks the bytes), then REPS timed rounds, each after a
+//!   one-element broadcast; prints one JSON object (this side's times).
+//! - `weight_sync_nccl digest MANIFEST`: the pattern's per-tensor int16 sums on the CPU
+//!   (must equal the peer's `digest`: both sides generate the same bytes).
+//!
+//! Tensor contents are a deterministic integer hash of (tensor index, element index)
+//! reinterpreted as bf16 bits, so the peer knows the expected bytes without sharing a
+//! random generator.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use manta_cuda::process_group::{GroupSpec, ProcessGroup};
+use serde_json::json;
+use tch::{Device, Kind, Tensor};
+
+/// (name, shape) of every tensor of a Qwen3 model shape.
+fn qwen3_tensors(shape: &str) -> anyhow::Result<Vec<(String, Vec<i64>)>> {
+    let (v, h, i, layers, nh, nkv, hd, tied) = match shape {
+        "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true),
+        "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false),
+        other => bail!("unknown shape {other:?} (0.6b or 8b)"),
+    };
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..layers {
+        for (n, s) in [
+            ("self_attn.q_proj.weight", vec![nh * hd, h]),
+            ("self_attn.k_proj.weight", vec![nkv * hd, h]),
+            ("self_attn.v_proj.weight", vec![nkv * hd, h]),
+            ("self_attn.o_proj.weight", vec![h, nh * hd]),
+            ("self_attn.q_norm.weight", vec![hd]),
+            ("self_attn.k_norm.weight", vec![hd]),
+            ("mlp.gate_proj.weight", vec![i, h]),
+            ("mlp.up_proj.weight", vec![i, h]),
+            ("mlp.down_proj.weight", vec![h, i]),
+            ("input_layernorm.weight", vec![h]),
+            ("post_attention_layernorm.weight", vec![h]),
+        ] {
+            t.push((format!("model.layers.{l}.{n}"), s));
+        }
+    }
+    t.push(("model.norm.weight".into(), vec![h]));
+    if !tied {
+        t.push(("lm_head.weight".into(), vec![v, h]));
+    }
+    Ok(t)
+}
+
+/// The bf16 tensor whose int16 bits hash (index, element); the peer's `pattern` is the same.
+fn pattern(index: usize, shape: &[i64], device: Device) -> Tensor {
+    let n: i64 = shape.iter().product();
+    let a = Tensor::arange(n, (Kind::Int64, device)) + (index as i64 * 7919 + 1);
+    let x = a * 2_654_435_761i64;
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15));
+    let x = x.bitwise_and(0xFFF_FFFFi64) * 2_246_822_519i64;
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(13));
+    let bits = x.bitwise_and(0xFFFFi64) - 32768;
+    bits.to_kind(Kind::Int16)
+        .view_dtype(Kind::BFloat16)
+        .reshape(shape)
+}
+
+fn read_manifest(path: &str) -> anyhow::Result<Vec<(String, Vec<i64>)>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    serde_json::from_str(&text).with_context(|| format!("{path}: not a [[name, shape], ...] list"))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn send(args: &[String]) -> anyhow::Result<()> {
+    let [port, reps, manifest, group_name, rest @ ..] = args else {
+        bail!("usage: weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE]");
+    };
+    let port: u16 = port.parse().with_context(|| format!("PORT {port}"))?;
+    let reps: usize = reps.parse().with_context(|| format!("REPS {reps}"))?;
+    let shape = rest.first().map_or("0.6b", String::as_str);
+    let tensors = qwen3_tensors(shape)?;
+    let tmp = format!("{manifest}.tmp");
+    std::fs::write(&tmp, serde_json::to_string(&tensors)?)
+        .with_context(|| format!("writing {tmp}"))?;
+    std::fs::rename(&tmp, manifest).with_context(|| format!("writing {manifest}"))?;
+
+    if tch::Cuda::device_count() < 2 {
+        bail!(
+            "needs two CUDA devices (cuda:0 sends, the peer receives on cuda:1); this machine has {}",
+            tch::Cuda::device_count()
+        );
+    }
+    let dev = Device::Cuda(0);
+    let named: Vec<(String, Tensor)> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| (n.clone(), pattern(i, s, dev)))
+        .collect();
+    let bytes: i64 = named.iter().map(|(_, t)| t.numel() as i64 * 2).sum();
+    let mut group = ProcessGroup::join(GroupSpec {
+        master_address: "127.0.0.1".into(),
+        master_port: port,
+        rank: 0,
+        world_size: 2,
+        group_name: group_name.clone(),
+        device: 0,
+        timeout: Duration::from_secs(600),
+    })?;
+    let started = Instant::now();
+    group.broadcast(&named, 0).context("check round")?;
+    let first_s = started.elapsed().as_secs_f64();
+    let marker = vec![(
+        "marker".to_string(),
+        Tensor::zeros([1], (Kind::BFloat16, dev)),
+    )];
+    let mut seconds = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        group.broadcast(&marker, 0)?;
+        let t0 = Instant::now();
+        group.broadcast(&named, 0)?;
+        seconds.push(t0.elapsed().as_secs_f64());
+    }
+    drop(group);
+    let med = if seconds.is_empty() {
+        f64::NAN
+    } else {
+        median(seconds.clone())
+    };
+    println!(
+        "{}",
+        json!({
+            "role": "send",
+            "sender": "manta",
+            "shape": shape,
+            "tensors": named.len(),
+            "bytes": bytes,
+            "first_round_s": first_s,
+            "seconds": seconds,
+            "median_s": med,
+        })
+    );
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("send") => send(&args[1..]),
+        Some("digest") => {
+            let path = args
+                .get(1)
+                .context("usage: weight_sync_nccl digest MANIFEST")?;
+            let sums: Vec<i64> = read_manifest(path)?
+                .iter()
+                .enumerate()
+                .map(|(i, (_, s))| {
+                    pattern(i, s, Device::Cpu)
+                        .view_dtype(Kind::Int16)
+                        .to_kind(Kind::Int64)
+                        .sum(Kind::Int64)
+                        .int64_value(&[])
+                })
+                .collect();
+            println!("{}", serde_json::to_string(&sums)?);
+            Ok(())
+        }
+        _ => {
+            bail!("usage: weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE] | digest MANIFEST")
+        }
+    }
+}
