@@ -39,6 +39,7 @@ extern "C" {
         v_pool: *mut c_void,
         tables: *mut c_void,
         lens: *mut c_void,
+        counters: *mut c_void,
         out: *mut c_void,
         block_size: c_int,
         scale: f32,
@@ -210,8 +211,11 @@ pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
 /// `q` [B, heads, head_dim], pools [slots, kv_heads, head_dim] (bf16, contiguous),
 /// `tables` [B, max_blocks] i32 block ids (slot = id × block_size + offset), `lens` [B]
 /// i32 context lengths; writes `out` (like `q`). The context is split across CTAs when the
-/// batch alone would not fill the GPU. Compiled with NVRTC on first use per shape,
-/// launched on the current stream (so CUDA graphs capture it).
+/// batch alone would not fill the GPU; `counters` (≥ B × kv_heads i32 zeros, left zero
+/// after each call, so one buffer serves every layer and every CUDA graph replay) let the
+/// last CTA of each split group merge them in the same kernel, else a second kernel does.
+/// Compiled with NVRTC on first use per shape, launched on the current stream (so CUDA
+/// graphs capture it).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     q: &Tensor,
@@ -219,6 +223,7 @@ pub fn paged_decode_attention(
     v_pool: &Tensor,
     tables: &Tensor,
     lens: &Tensor,
+    counters: Option<&Tensor>,
     out: &mut Tensor,
     block_size: usize,
     scale: f64,
@@ -233,6 +238,7 @@ pub fn paged_decode_attention(
             v_pool.as_ptr() as *mut c_void,
             tables.as_ptr() as *mut c_void,
             lens.as_ptr() as *mut c_void,
+            opt_ptr(counters),
             out.as_mut_ptr() as *mut c_void,
             block_size as c_int,
             scale as f32,
@@ -448,10 +454,47 @@ mod tests {
                 .collect();
             let tables = Tensor::from_slice(&table_v).view([b, max_blocks]).to(dev);
             let lens = Tensor::from_slice(&lens_v).to(dev);
-            let mut out = q.zeros_like();
             let scale = 1.0 / (hd as f64).sqrt();
-            paged_decode_attention(&q, &kp, &vp, &tables, &lens, &mut out, bs as usize, scale)
+            let mut out = q.zeros_like();
+            paged_decode_attention(
+                &q,
+                &kp,
+                &vp,
+                &tables,
+                &lens,
+                None,
+                &mut out,
+                bs as usize,
+                scale,
+            )
+            .unwrap();
+            // Merged in the kernel: twice over one counter buffer, which must stay zero.
+            let counters = Tensor::zeros([b * nkv], (Kind::Int, dev));
+            for _ in 0..2 {
+                let mut merged = q.zeros_like();
+                let c = Some(&counters);
+                paged_decode_attention(
+                    &q,
+                    &kp,
+                    &vp,
+                    &tables,
+                    &lens,
+                    c,
+                    &mut merged,
+                    bs as usize,
+                    scale,
+                )
                 .unwrap();
+                assert!(
+                    merged.equal(&out),
+                    "in-kernel merge differs from the combine kernel"
+                );
+            }
+            assert_eq!(
+                counters.abs().sum(Kind::Int64).int64_value(&[]),
+                0,
+                "counters reset"
+            );
             for row in 0..b as usize {
                 let len = lens_v[row] as i64;
                 let slots: Vec<i64> = (0..len)

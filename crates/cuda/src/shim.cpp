@@ -335,10 +335,11 @@ void manta_graph_free(void* g) {
 
 
 // Paged decode attention (paged_attention.cu.inc, passed in as `source`). The context is
-// split so that small batches still fill the GPU; with more than one split a second kernel
-// merges the partial softmaxes. NVRTC and the driver are dlopen'ed: nothing links them.
+// split so that small batches still fill the GPU; with more than one split the last CTA of
+// each (sequence, kv head) merges the partial softmaxes when `counters_` (int32 zeros, reset
+// by the kernel) is given, else a second kernel does. NVRTC and the driver are dlopen'ed: nothing links them.
 int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* vp_, void* tables_, void* lens_,
-                                 void* out_, int block_size, float scale) {
+                                 void* counters_, void* out_, int block_size, float scale) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const at::Tensor& q = tensor(q_);
@@ -364,6 +365,14 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     TORCH_CHECK(nh % nkv == 0 && nh / nkv <= 8, "query heads per kv head must be at most 8");
     if (batch == 0) return;
     const int64_t rep = nh / nkv;
+    void* cp = nullptr;
+    if (counters_ != nullptr) {
+      const at::Tensor& counters = tensor(counters_);
+      TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.is_contiguous() &&
+                      counters.numel() >= batch * nkv,
+                  "counters must be contiguous int32 zeros, at least batch x kv_heads of them");
+      cp = counters.data_ptr();
+    }
     const int device = q.get_device();
     const std::string defines = paged_defines(hd, rep, nkv);
     int max_blocks = static_cast<int>(tables.size(1));
@@ -388,11 +397,11 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     void* op = out.data_ptr();
     void* pa = splits > 1 ? part_acc.data_ptr() : nullptr;
     void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
-    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &max_blocks, &block_size, &scale, &chunk, &splits_i};
+    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &block_size, &scale, &chunk, &splits_i};
     launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
            static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(paged_warps(hd, rep) * 32),
            args);
-    if (splits > 1) {
+    if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
       const void* pmc = pm;
       void* combine_args[] = {&pac, &pmc, &op, &splits_i};

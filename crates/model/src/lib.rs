@@ -7,7 +7,9 @@
 pub mod config;
 pub use config::{ModelConfig, ModelFamily, RopeScaling};
 pub mod transformer;
-pub use transformer::{Attention, CausalLm, KvCache, PagedBatch, PagedKvCache, PagedSeq};
+pub use transformer::{
+    decode_counters, Attention, CausalLm, KvCache, PagedBatch, PagedKvCache, PagedSeq,
+};
 pub mod checkpoint;
 pub use checkpoint::{load_weights, save_pretrained};
 pub mod logprobs;

@@ -14,7 +14,7 @@ use crate::config::{ModelConfig, ModelFamily, RopeScaling};
 use crate::recompute::{Recompute, RecomputeError};
 
 mod paged;
-pub use paged::{PagedBatch, PagedKvCache, PagedSeq};
+pub use paged::{decode_counters, PagedBatch, PagedKvCache, PagedSeq};
 
 /// How tokens of a batch may attend to each other.
 pub enum Attention<'a> {

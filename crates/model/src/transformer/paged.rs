@@ -77,12 +77,22 @@ enum DecodeAttention {
     /// Gathered into a padded batch: [Bd, W] i64 slots and a [Bd, 1, 1, W] bool mask.
     Gather { slots: Tensor, keep: Tensor },
     /// Read in place by the paged CUDA kernel: [Bd, max_blocks] i32 block tables (slot =
-    /// id × block_size + offset) and [Bd] i32 context lengths.
+    /// id × block_size + offset), [Bd] i32 context lengths, and the kernel's split counters
+    /// (i32 zeros, [Bd × KV_HEADS_MAX], left zero by every layer's call).
     Paged {
         tables: Tensor,
         lens: Tensor,
+        counters: Tensor,
         block_size: usize,
     },
+}
+
+/// Key/value heads the paged kernel's split counters are sized for, per decode row.
+pub const KV_HEADS_MAX: i64 = 256;
+
+/// Zeroed split counters for `rows` decode rows of the paged attention kernel.
+pub fn decode_counters(rows: i64, device: Device) -> Tensor {
+    Tensor::zeros([rows * KV_HEADS_MAX], (Kind::Int, device))
 }
 
 /// Tensors describing a flat batch, built once per forward and shared by all layers.
@@ -142,6 +152,7 @@ impl PagedBatch {
                             .view([rows, width as i64])
                             .to(device),
                         lens: Tensor::from_slice(&lens).to(device),
+                        counters: decode_counters(rows, device),
                         block_size,
                     },
                 );
@@ -202,11 +213,13 @@ impl PagedBatch {
     }
 
     /// Like [`PagedBatch::decode_only`], for the paged CUDA kernel (bf16 on CUDA only):
-    /// `tables` [B, max_blocks] i32 block ids, `lens` [B] i32 context lengths.
+    /// `tables` [B, max_blocks] i32 block ids, `lens` [B] i32 context lengths, `counters`
+    /// from [`decode_counters`] (kept by the caller, e.g. for a CUDA graph's replays).
     pub fn decode_paged(
         slot_mapping: &Tensor,
         tables: &Tensor,
         lens: &Tensor,
+        counters: &Tensor,
         block_size: usize,
     ) -> Self {
         let rows = tables.size()[0] as usize;
@@ -217,6 +230,7 @@ impl PagedBatch {
                 DecodeAttention::Paged {
                     tables: tables.shallow_clone(),
                     lens: lens.shallow_clone(),
+                    counters: counters.shallow_clone(),
                     block_size,
                 },
             )),
@@ -308,6 +322,7 @@ impl SelfAttention {
             DecodeAttention::Paged {
                 tables,
                 lens,
+                counters,
                 block_size,
             },
         )) = &batch.decode
@@ -321,6 +336,7 @@ impl SelfAttention {
                 &v_pool,
                 tables,
                 lens,
+                Some(counters),
                 &mut out,
                 *block_size,
                 scale,

@@ -23,8 +23,9 @@ enum Inputs {
         keep: Tensor,
     },
     /// For the paged kernel, everything in one i64 buffer (one host-to-device copy per
-    /// step): ids [B], positions [B], new slots [B], lengths [B], block tables [B × W / bs].
-    Paged { packed: Tensor },
+    /// step): ids [B], positions [B], new slots [B], lengths [B], block tables [B × W / bs];
+    /// and the kernel's split counters (zeroed once, left zero by every replay).
+    Paged { packed: Tensor, counters: Tensor },
 }
 
 struct Captured {
@@ -142,7 +143,7 @@ impl DecodeGraphs {
         let (b, w) = key;
         let block_size = self.block_size;
         match &mut c.inputs {
-            Inputs::Paged { packed } => {
+            Inputs::Paged { packed, .. } => {
                 let mb = w / block_size;
                 let mut v = vec![0i64; 4 * b + b * mb];
                 v[2 * b..3 * b].fill(self.scratch_slot);
@@ -215,7 +216,10 @@ impl DecodeGraphs {
             let packed = Tensor::zeros([4 * bi + bi * mb], (Kind::Int64, dev));
             let _ = packed.narrow(0, 2 * bi, bi).fill_(self.scratch_slot);
             let _ = packed.narrow(0, 3 * bi, bi).fill_(1);
-            Inputs::Paged { packed }
+            Inputs::Paged {
+                packed,
+                counters: manta_model::decode_counters(bi, dev),
+            }
         } else {
             let keep = Tensor::zeros([bi, 1, 1, wi], (Kind::Bool, dev));
             let _ = keep.narrow(3, 0, 1).fill_(1);
@@ -230,11 +234,17 @@ impl DecodeGraphs {
         // The step as captured: views of the input buffers (the paged kernel's int32
         // tables and lengths are converted inside the graph), then the forward.
         let step = || match &inputs {
-            Inputs::Paged { packed } => {
+            Inputs::Paged { packed, counters } => {
                 let view = |start: i64, len: i64| packed.narrow(0, start, len);
                 let lens = view(3 * bi, bi).to_kind(Kind::Int);
                 let tables = view(4 * bi, bi * mb).view([bi, mb]).to_kind(Kind::Int);
-                let batch = PagedBatch::decode_paged(&view(2 * bi, bi), &tables, &lens, block_size);
+                let batch = PagedBatch::decode_paged(
+                    &view(2 * bi, bi),
+                    &tables,
+                    &lens,
+                    counters,
+                    block_size,
+                );
                 model.forward_paged(&view(0, bi), &view(bi, bi), &batch, kv)
             }
             Inputs::Gather {
