@@ -539,3 +539,82 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     assert_eq!(over_nccl.output_ids, from_disk.output_ids);
     assert_eq!(over_nccl.logprobs, from_disk.logprobs);
 }
+
+/// Without a CUDA device the trainer side refuses the NCCL route at once with a named
+/// error, and the engine keeps its disk route: an update still lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_cuda_the_nccl_route_is_refused_and_the_disk_route_stays() {
+    use manta_rollout::engine::sglang::LaunchSpec;
+    use manta_rollout::engine::{
+        Engine, GenerateRequest, NcclTarget, SamplingParams, SglangEngine, SglangOptions,
+    };
+    if tch::Cuda::device_count() > 0 {
+        eprintln!("skipped: this machine has a CUDA device (the CPU machines run this)");
+        return;
+    }
+    let model = model_dir();
+    let logs = tempfile::tempdir().expect("log dir");
+    let driver = driver_bin().display().to_string();
+    let model_path = model.path().display().to_string();
+    let argv: Vec<String> = [
+        driver.as_str(),
+        "serve",
+        "--model-path",
+        model_path.as_str(),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--random-seed",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let engine = SglangEngine::launch(SglangOptions {
+        name: "engine-0".into(),
+        launch: LaunchSpec {
+            argv,
+            log: logs.path().join("engine-0.log"),
+            env: Vec::new(),
+        },
+        model_dir: model.path().to_path_buf(),
+        health_timeout: Duration::from_secs(120),
+        health_interval: Duration::from_millis(500),
+        max_restarts: 0,
+        request_timeout: Duration::from_secs(120),
+    })
+    .await
+    .expect("launch the server");
+    let err = engine
+        .feed_over_nccl(NcclTarget {
+            device: 0,
+            master_address: "127.0.0.1".into(),
+        })
+        .await
+        .expect_err("no CUDA device")
+        .to_string();
+    assert!(
+        err.contains("NCCL needs a CUDA device") || err.contains("no NCCL process group"),
+        "{err}"
+    );
+    let (vs, _) = random_weights(9);
+    let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    engine
+        .update_weights(named, 2)
+        .await
+        .expect("update through the disk");
+    assert_eq!(engine.weight_version(), 2);
+    let out = engine
+        .generate(GenerateRequest {
+            input_ids: vec![1, 2, 3],
+            params: SamplingParams {
+                max_new_tokens: 2,
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            rid: None,
+        })
+        .await
+        .expect("generate");
+    assert_eq!(out.weight_version, 2);
+}
