@@ -618,3 +618,98 @@ async fn without_cuda_the_nccl_route_is_refused_and_the_disk_route_stays() {
         .expect("generate");
     assert_eq!(out.weight_version, 2);
 }
+
+/// The repository root: where the test was built, else the working directory (the device
+/// machine runs the binary from a copy of the tree).
+fn workspace() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    if built.join("train_config.yaml").is_file() {
+        built
+    } else {
+        PathBuf::from(".")
+    }
+}
+
+/// Local mode as placement wires it: the trainer on GPU 0, one SGLang engine (`driver
+/// serve` launched as `sglang.launch_server` would be) on GPU 1, so the weight-sync route
+/// is NCCL; two steps train, every sync reaches the engine through
+/// `/update_weights_from_distributed` (its log says so), and the steps' weight versions
+/// are the engine's.
+#[test]
+fn local_mode_feeds_an_sglang_engine_on_another_gpu_over_nccl() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let model = tmp.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny_assets().join(f), model.join(f)).expect("copy tiny asset");
+    }
+    let root = workspace().canonicalize().expect("repository root");
+    let cluster = format!(
+        "[cluster]\nmode = \"local\"\ntrain_config = {:?}\n\n\
+         [trainer]\ngpus = [0]\n\n\
+         [rollout]\nengine = \"sglang\"\nengines = 1\ngpus_per_engine = 1\n\
+         command = [{:?}, \"serve\"]\nhealth_interval_ms = 500\nhealth_timeout_s = 300\n\n\
+         [train]\nseed = 1\nlr = 0.003\ncontext_len = 512\ntemperature = 1.0\n",
+        root.join("train_config.yaml").display().to_string(),
+        driver_bin()
+            .canonicalize()
+            .expect("driver binary")
+            .display()
+            .to_string(),
+    );
+    std::fs::write(tmp.path().join("cluster.toml"), cluster).unwrap();
+    let out = Command::new(driver_bin())
+        .current_dir(&root)
+        .args([
+            "--cluster",
+            tmp.path().join("cluster.toml").to_str().unwrap(),
+        ])
+        .args(["--model", model.to_str().unwrap()])
+        .args(["--runs-dir", tmp.path().join("runs").to_str().unwrap()])
+        .args(["--run-name", "t", "--save-interval", "0"])
+        .args(["--save", tmp.path().join("ckpt").to_str().unwrap()])
+        .args(["--rollout-batch-size", "4", "--n-samples", "4"])
+        .args(["--max-response-len", "32", "--num-rollout", "2"])
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run the driver");
+    // The driver's log lines, wherever its subscriber writes them.
+    let stderr = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tail: String = stderr
+        .lines()
+        .rev()
+        .take(40)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(out.status.success(), "driver failed:\n{tail}");
+    assert!(
+        stderr.contains("weight sync route: NCCL broadcast"),
+        "the route was not NCCL:\n{tail}"
+    );
+    let run = tmp.path().join("runs/t");
+    let log = std::fs::read_to_string(run.join("engines/0.log")).expect("engine log");
+    assert!(
+        log.matches("weights updated from distributed").count() >= 2,
+        "an NCCL update per step in the engine's log:\n{log}"
+    );
+    assert!(
+        !log.contains("weights updated from disk"),
+        "no disk update: {log}"
+    );
+    let rows = manta_telemetry::read_metrics(&run.join("metrics.jsonl")).expect("metrics");
+    assert_eq!(rows.len(), 2);
+    for (step, m) in &rows {
+        assert_eq!(m["weights/version"], *step as f64);
+    }
+}
