@@ -614,7 +614,8 @@ impl Trainer {
 
     /// [`Trainer::micro_step`], with libtorch's out-of-memory panics turned into
     /// [`TrainerError::OutOfMemory`]. `MANTA_INJECT_OOM_TOKENS=N` (tests) makes every
-    /// micro-batch whose laid-out size exceeds N tokens fail that way.
+    /// micro-batch whose laid-out size exceeds N tokens fail that way, from inside a
+    /// no-grad region as a real one can.
     fn try_micro_step(
         &mut self,
         samples: &[Sample],
@@ -624,17 +625,25 @@ impl Trainer {
         global_tokens: usize,
         acc: &mut Accumulator,
     ) -> Result<(), TrainerError> {
-        if let Some(limit) = self.inject_oom_tokens {
+        let inject = self.inject_oom_tokens.and_then(|limit| {
             let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
             let laid_out = self.opts.layout.cost(&lengths);
-            if laid_out > limit {
-                return Err(TrainerError::OutOfMemory(format!(
-                    "injected: {laid_out} laid-out tokens > MANTA_INJECT_OOM_TOKENS={limit}"
-                )));
-            }
-        }
+            (laid_out > limit).then(|| {
+                format!("CUDA out of memory (injected: {laid_out} laid-out tokens > MANTA_INJECT_OOM_TOKENS={limit})")
+            })
+        });
+        // tch::no_grad is not unwind-safe: a panic inside one (an out-of-memory error in a
+        // log-prob pass) leaves autograd off for this thread, and the retry would build no
+        // graph. The guard puts the mode back as it was on entry whatever happens inside;
+        // the step itself runs with autograd on.
+        let _restore_grad_mode = tch::no_grad_guard();
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.micro_step(samples, advantages, old, global_samples, global_tokens, acc)
+            tch::with_grad(|| {
+                if let Some(msg) = &inject {
+                    tch::no_grad(|| panic!("{msg}"));
+                }
+                self.micro_step(samples, advantages, old, global_samples, global_tokens, acc)
+            })
         }));
         match run {
             Ok(result) => result,
