@@ -2,10 +2,11 @@
 
 usage: e2e_report.py OUT MODE [MODE...]
 
-Reads OUT/runs/MODE/metrics.jsonl, writes OUT/e2e_MODE.json (medians over the steps
-after the first, whose time includes CUDA start-up): step_s = rollout_s + train_s +
-sync_s + other_s, where rollout_s is the time the step waited for its rollouts
-(perf/rollout_time), and prints a table of all modes last.
+Reads OUT/runs/MODE/metrics.jsonl, writes OUT/e2e_MODE.json over the steps after the
+first (whose time includes CUDA start-up): the split of the median step, step_s =
+rollout_s + train_s + sync_s + other_s, where rollout_s is the time the step waited for
+its rollouts (perf/rollout_time) — one step's parts, so they add up, where medians taken
+column by column need not — and medians of the rates; prints a table of all modes last.
 """
 import datetime
 import json
@@ -23,15 +24,19 @@ def summarise(out, mode, device):
     path = os.path.join(out, "runs", mode, "metrics.jsonl")
     rows = [json.loads(l) for l in open(path) if l.strip()]
     steady = rows[1:] if len(rows) > 1 else rows
-    step = median(steady, "perf/step_time")
-    rollout = median(steady, "perf/rollout_time")
-    train = median(steady, "perf/train_time") or 0.0
-    sync = median(steady, "perf/update_weights_time") or 0.0
+    timed = sorted((r for r in steady if r.get("perf/step_time") is not None),
+                   key=lambda r: r["perf/step_time"])
+    mid = timed[(len(timed) - 1) // 2]
+    step = mid["perf/step_time"]
+    rollout = mid.get("perf/rollout_time") or 0.0
+    train = mid.get("perf/train_time") or 0.0
+    sync = mid.get("perf/update_weights_time") or 0.0
     res = {
         "device": device,
         "date": datetime.date.today().isoformat(),
         "mode": mode,
         "steps": len(rows),
+        "median_step": mid.get("step"),
         "step_s": step,
         "rollout_s": rollout,
         "train_s": train,
