@@ -2,6 +2,8 @@
 // returns non-zero with the message kept for manta_cuda_last_error().
 #include "guarded.hpp"
 #include <cstddef>
+#include <cstdlib>
+#include <initializer_list>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -157,11 +159,31 @@ void check_bf16(const at::Tensor& t, const char* what) {
 // Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows.
 int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; }
 
+// Tuning knobs of the paged kernel for A/B runs (bench/run_engine_decode.sh): tokens per
+// warp step (MANTA_PAGED_TT: 1, 2, 4 or 8; default 4) and CTAs per SM the context is split
+// to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read once.
+int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64_t> allowed) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  const int64_t n = std::atoll(v);
+  for (int64_t a : allowed)
+    if (a == n) return n;
+  return fallback;
+}
+int64_t paged_tokens_per_step() {
+  static const int64_t tt = env_knob("MANTA_PAGED_TT", 4, {1, 2, 4, 8});
+  return tt;
+}
+int64_t paged_ctas_per_sm() {
+  static const int64_t c = env_knob("MANTA_PAGED_CTAS_PER_SM", 4, {1, 2, 3, 4, 6, 8, 12, 16});
+  return c;
+}
+
 // Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
 // compile check compiles (one definition for both).
 std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv) {
   return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", paged_warps(hd, rep)) +
-         define("TT", 4);
+         define("TT", paged_tokens_per_step());
 }
 
 std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
@@ -381,7 +403,8 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     // SM), each split at least 32 tokens long.
     const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
     const int64_t ctas = nkv * batch;
-    int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * sms + ctas - 1) / ctas, (max_ctx + 31) / 32));
+    const int64_t target = paged_ctas_per_sm() * sms;
+    int64_t splits = std::max<int64_t>(1, std::min<int64_t>((target + ctas - 1) / ctas, (max_ctx + 31) / 32));
     int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
     int splits_i = static_cast<int>(splits);
     at::Tensor part_acc, part_ml;
