@@ -2,9 +2,8 @@
 //! the CPU, spoken to over HTTP the way slime/Miles' rollout and the OpenReward cookbook
 //! speak to SGLang.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use manta_model::{CausalLm, ModelConfig};
@@ -12,6 +11,9 @@ use manta_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::Device;
+
+mod common;
+use common::serve::Server;
 
 fn tiny_assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
@@ -45,137 +47,28 @@ fn model_dir_with_weights(seed: i64) -> tempfile::TempDir {
     dir
 }
 
-/// A running `driver serve`; killed on drop.
-struct Server {
-    child: Child,
-    base: String,
-    http: reqwest::Client,
+/// `driver serve` on the CPU with `extra` flags.
+fn start(model: &Path, extra: &[&str]) -> Server {
+    let args = [&["--device", "cpu"][..], extra].concat();
+    Server::start(env!("CARGO_BIN_EXE_driver"), model, &args)
 }
 
-impl Server {
-    /// Starts the binary and waits for its `ready` line (after its warm-up generate).
-    fn start(model: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
-            .args(["serve", "--model-path"])
-            .arg(model)
-            .args(["--host", "127.0.0.1", "--port", "0", "--device", "cpu"])
-            .args(["--random-seed", "1"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start driver serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let base = loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    if let Some(url) = line.strip_prefix("driver serve: ready on ") {
-                        break url.trim().to_string();
-                    }
-                }
-                _ => {
-                    let status = child.wait().expect("wait");
-                    panic!("driver serve exited before it was ready: {status}");
-                }
-            }
-        };
-        // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Server {
-            child,
-            base,
-            http: reqwest::Client::new(),
-        }
-    }
-
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .expect("POST");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .header("content-type", "application/json")
-            .body(body.to_string())
-            .send()
-            .await
-            .expect("POST");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        let r = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .expect("GET");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    async fn generate(&self, body: Value) -> Value {
-        let (status, v) = self.post("/generate", body.clone()).await;
-        assert_eq!(status, 200, "generate {body} answered {v}");
-        v
-    }
-
-    async fn weight_version(&self) -> String {
-        let (status, v) = self.get("/get_weight_version").await;
-        assert_eq!(status, 200);
-        v["weight_version"]
-            .as_str()
-            .unwrap_or_else(|| panic!("weight_version is not a string: {v}"))
-            .to_string()
-    }
-
-    /// Requests the engine holds (`/v1/loads`, what slime polls after an abort).
-    async fn in_flight(&self) -> u64 {
-        let (status, v) = self.get("/v1/loads").await;
-        assert_eq!(status, 200);
-        v["loads"][0]["num_reqs"].as_u64().expect("num_reqs")
-    }
-
-    /// Waits until the engine holds `n` requests. The deadline only stops a hung test.
-    async fn wait_in_flight(&self, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while self.in_flight().await != n {
-            assert!(
-                Instant::now() < deadline,
-                "the server never held {n} requests"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
+/// Requests the engine holds (`/v1/loads`, what slime polls after an abort).
+async fn in_flight(server: &Server) -> u64 {
+    let (status, v) = server.get("/v1/loads").await;
+    assert_eq!(status, 200);
+    v["loads"][0]["num_reqs"].as_u64().expect("num_reqs")
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// Waits until the engine holds `n` requests. The deadline only stops a hung test.
+async fn wait_in_flight(server: &Server, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while in_flight(server).await != n {
+        assert!(
+            Instant::now() < deadline,
+            "the server never held {n} requests"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -239,7 +132,7 @@ fn check_answer(v: &Value, prompt_tokens: usize, with_logprobs: bool) -> (Vec<u6
 #[tokio::test]
 async fn sglang_request_shapes() {
     let dir = model_dir();
-    let server = Server::start(dir.path(), &["--tp-size", "1", "--trust-remote-code"]);
+    let server = start(dir.path(), &["--tp-size", "1", "--trust-remote-code"]);
     let tok = Tokenizer::from_dir(dir.path()).expect("tiny tokenizer");
     let (status, _) = server.get("/health").await;
     assert_eq!(status, 200);
@@ -398,7 +291,7 @@ async fn sglang_request_shapes() {
 #[tokio::test]
 async fn bad_requests_get_400_naming_the_field() {
     let dir = model_dir();
-    let server = Server::start(dir.path(), &[]);
+    let server = start(dir.path(), &[]);
     let cases: Vec<(&str, &str)> = vec![
         (r#"{"input_ids": [1, 2"#, "JSON"),
         (r#"{"input_ids": [1, 265]}"#, "input_ids[1]"),
@@ -502,7 +395,7 @@ fn assert_close(a: &[f64], b: &[f64]) {
 async fn update_weights_from_disk_switches_weights_and_version() {
     let random = model_dir();
     let trained = model_dir_with_weights(1234);
-    let server = Server::start(random.path(), &[]);
+    let server = start(random.path(), &[]);
     assert_eq!(server.weight_version().await, "0");
     let (before_ids, before_lps, version) = greedy(&server).await;
     assert_eq!(version, "0");
@@ -525,7 +418,7 @@ async fn update_weights_from_disk_switches_weights_and_version() {
     assert_eq!(info["model_path"], path);
 
     // The same answer as a server started on those weights.
-    let fresh = Server::start(trained.path(), &[]);
+    let fresh = start(trained.path(), &[]);
     let (fresh_ids, fresh_lps, _) = greedy(&fresh).await;
     drop(fresh);
     assert_eq!(after_ids, fresh_ids);
@@ -596,12 +489,12 @@ async fn tokens_sampled(server: &Server) -> u64 {
 #[tokio::test]
 async fn abort_pause_continue_and_flush() {
     let dir = model_dir();
-    let server = std::sync::Arc::new(Server::start(dir.path(), &[]));
+    let server = std::sync::Arc::new(start(dir.path(), &[]));
 
     // Abort one request by rid: it answers with what it had, finish_reason abort.
     let s = server.clone();
     let long = tokio::spawn(async move { s.generate(long_request("long-1")).await });
-    server.wait_in_flight(1).await;
+    wait_in_flight(&server, 1).await;
     let (status, _) = server
         .post("/abort_request", json!({"rid": "long-1"}))
         .await;
@@ -616,7 +509,7 @@ async fn abort_pause_continue_and_flush() {
     let sampled_before = tokens_sampled(&server).await;
     let s = server.clone();
     let gone = tokio::spawn(async move { s.generate(long_request("gone-1")).await });
-    server.wait_in_flight(1).await;
+    wait_in_flight(&server, 1).await;
     gone.abort();
     assert!(gone.await.is_err(), "the caller was cancelled");
     // flush_cache succeeds only once the engine has nothing running or waiting.
@@ -635,7 +528,7 @@ async fn abort_pause_continue_and_flush() {
     let (s1, s2) = (server.clone(), server.clone());
     let a = tokio::spawn(async move { s1.generate(long_request("all-1")).await });
     let b = tokio::spawn(async move { s2.generate(long_request("all-2")).await });
-    server.wait_in_flight(2).await;
+    wait_in_flight(&server, 2).await;
     let (status, _) = server
         .post("/abort_request", json!({"abort_all": true}))
         .await;
@@ -648,7 +541,7 @@ async fn abort_pause_continue_and_flush() {
     // pause_generation(abort) aborts what runs and holds new requests until continue.
     let s = server.clone();
     let long = tokio::spawn(async move { s.generate(long_request("paused-1")).await });
-    server.wait_in_flight(1).await;
+    wait_in_flight(&server, 1).await;
     let (status, v) = server
         .post("/pause_generation", json!({"mode": "abort"}))
         .await;
@@ -660,7 +553,7 @@ async fn abort_pause_continue_and_flush() {
         s.generate(json!({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}}))
             .await
     });
-    server.wait_in_flight(1).await;
+    wait_in_flight(&server, 1).await;
     // A held request keeps the cache busy: flush_cache refuses (SGLang: 400) ...
     let (status, _) = server.get("/flush_cache").await;
     assert_eq!(status, 400);
@@ -670,7 +563,7 @@ async fn abort_pause_continue_and_flush() {
     assert_eq!(v["meta_info"]["finish_reason"]["type"], "length", "{v}");
     assert_eq!(v["output_ids"].as_array().unwrap().len(), 3);
     // ... and flushes once idle, on GET and POST.
-    server.wait_in_flight(0).await;
+    wait_in_flight(&server, 0).await;
     let (status, _) = server.get("/flush_cache").await;
     assert_eq!(status, 200);
     let (status, _) = server.post("/flush_cache", json!({})).await;
@@ -686,7 +579,7 @@ async fn abort_pause_continue_and_flush() {
         s.generate(json!({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": true}}))
             .await
     });
-    server.wait_in_flight(1).await;
+    wait_in_flight(&server, 1).await;
     let (status, _) = server.post("/continue_generation", json!({})).await;
     assert_eq!(status, 200);
     let v = held.await.expect("task");

@@ -12,15 +12,17 @@
 //! rank 1, receives random weights by broadcast, and then generates exactly what it
 //! generates after loading the same weights from disk.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use manta_model::{CausalLm, ModelConfig};
 use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
+
+mod common;
+use common::serve::Server;
 
 /// The tiny model's assets; from the repository root when the test binary runs on
 /// another machine (the device machine runs it from a copy of the tree).
@@ -49,105 +51,34 @@ fn model_dir() -> tempfile::TempDir {
     dir
 }
 
-/// A running `driver serve`; killed on drop.
-struct Server {
-    child: Child,
-    base: String,
-    http: reqwest::Client,
+/// `driver serve` with `device` flags, from [`driver_bin`].
+fn start(model: &Path, device: &[&str]) -> Server {
+    Server::start(driver_bin(), model, device)
 }
 
-impl Server {
-    fn start(model: &Path, device: &[&str]) -> Server {
-        let mut child = Command::new(driver_bin())
-            .args(["serve", "--model-path"])
-            .arg(model)
-            .args(["--host", "127.0.0.1", "--port", "0", "--random-seed", "1"])
-            .args(device)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start driver serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let base = loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    if let Some(url) = line.strip_prefix("driver serve: ready on ") {
-                        break url.trim().to_string();
-                    }
-                }
-                _ => {
-                    let status = child.wait().expect("wait");
-                    panic!("driver serve exited before it was ready: {status}");
-                }
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
-        Server {
-            child,
-            base,
-            http: reqwest::Client::new(),
-        }
-    }
-
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .expect("POST");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+/// Greedy tokens and their log-probs for a fixed prompt.
+async fn greedy(server: &Server) -> (Vec<i64>, Vec<f64>) {
+    let (status, out) = server
+        .post(
+            "/generate",
+            json!({"input_ids": [1, 2, 3, 4, 5], "return_logprob": true,
+                   "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": true}}),
         )
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        self.http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .expect("GET")
-            .json()
-            .await
-            .expect("JSON")
-    }
-
-    /// Greedy tokens and their log-probs for a fixed prompt.
-    async fn greedy(&self) -> (Vec<i64>, Vec<f64>) {
-        let (status, out) = self
-            .post(
-                "/generate",
-                json!({"input_ids": [1, 2, 3, 4, 5], "return_logprob": true,
-                       "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": true}}),
-            )
-            .await;
-        assert_eq!(status, 200, "{out}");
-        let tokens = out["output_ids"]
-            .as_array()
-            .expect("output_ids")
-            .iter()
-            .map(|t| t.as_i64().unwrap())
-            .collect();
-        let logprobs = out["meta_info"]["output_token_logprobs"]
-            .as_array()
-            .expect("output_token_logprobs")
-            .iter()
-            .map(|e| e[0].as_f64().unwrap())
-            .collect();
-        (tokens, logprobs)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+        .await;
+    assert_eq!(status, 200, "{out}");
+    let tokens = out["output_ids"]
+        .as_array()
+        .expect("output_ids")
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect();
+    let logprobs = out["meta_info"]["output_token_logprobs"]
+        .as_array()
+        .expect("output_token_logprobs")
+        .iter()
+        .map(|e| e[0].as_f64().unwrap())
+        .collect();
+    (tokens, logprobs)
 }
 
 /// Asserts a refused call: 400, `success: false`, and a message containing `want`.
@@ -164,9 +95,9 @@ fn refused(call: &str, (status, body): (u16, Value), want: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_weight_update_requests_are_refused_by_field_and_the_server_keeps_serving() {
     let model = model_dir();
-    let server = Server::start(model.path(), &["--device", "cpu"]);
-    let version = server.get("/get_weight_version").await;
-    let before = server.greedy().await;
+    let server = start(model.path(), &["--device", "cpu"]);
+    let version = server.get("/get_weight_version").await.1;
+    let before = greedy(&server).await;
     let init = json!({"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1,
                       "world_size": 2, "group_name": "g", "backend": "nccl"});
     let with = |key: &str, value: Value| {
@@ -321,8 +252,8 @@ async fn bad_weight_update_requests_are_refused_by_field_and_the_server_keeps_se
     );
 
     // Still serving, weights and version untouched.
-    assert_eq!(server.get("/get_weight_version").await, version);
-    assert_eq!(server.greedy().await, before);
+    assert_eq!(server.get("/get_weight_version").await.1, version);
+    assert_eq!(greedy(&server).await, before);
 }
 
 /// Random weights for the tiny model on the CPU, named as the engine names its
@@ -350,7 +281,7 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
         return;
     }
     let model = model_dir();
-    let server = Server::start(
+    let server = start(
         model.path(),
         &[
             "--device",
@@ -361,7 +292,7 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
             "bfloat16",
         ],
     );
-    let untouched = server.greedy().await;
+    let untouched = greedy(&server).await;
     // The trainer: rank 0 on cuda:0, hosting the store on a free port.
     let group = ProcessGroup::join(GroupSpec {
         master_address: "127.0.0.1".into(),
@@ -420,10 +351,10 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
         assert_eq!(status, 200, "{answer}");
     }
     assert_eq!(
-        server.get("/get_weight_version").await["weight_version"],
+        server.get("/get_weight_version").await.1["weight_version"],
         json!("7")
     );
-    let broadcast = server.greedy().await;
+    let broadcast = greedy(&server).await;
     assert_ne!(broadcast, untouched, "the weights changed");
 
     // The same weights from disk give the same tokens and log-probs, bit for bit.
@@ -436,7 +367,7 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(server.greedy().await, broadcast);
+    assert_eq!(greedy(&server).await, broadcast);
 
     let (status, body) = server
         .post(

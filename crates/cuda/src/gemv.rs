@@ -168,6 +168,15 @@ mod tests {
         }
     }
 
+    /// Largest |got − want| and largest |want| (for a tolerance relative to the output's size).
+    fn max_err(got: &Tensor, want: &Tensor) -> (f64, f64) {
+        let err = (got.to_kind(Kind::Float) - want)
+            .abs()
+            .max()
+            .double_value(&[]);
+        (err, want.abs().max().double_value(&[]))
+    }
+
     /// Against cuBLAS through `linear` (and silu × up over its bf16 output): fp32 sums in
     /// another order, so within a bf16 rounding step of the result.
     #[test]
@@ -185,11 +194,7 @@ mod tests {
                 let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
                 let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
                 gemv(&x, &w, &mut y, false).expect("gemv runs");
-                let err = (y.to_kind(Kind::Float) - &want)
-                    .abs()
-                    .max()
-                    .double_value(&[]);
-                let scale = want.abs().max().double_value(&[]);
+                let (err, scale) = max_err(&y, &want);
                 assert!(
                     err <= scale * 8e-3,
                     "k {k} n {n} rows {rows}: {err} of {scale}"
@@ -207,11 +212,7 @@ mod tests {
                 .to_kind(Kind::Float);
                 let mut act = Tensor::empty([rows, half], (Kind::BFloat16, dev));
                 gemv(&x, &w, &mut act, true).expect("silu gemv runs");
-                let err = (act.to_kind(Kind::Float) - &want)
-                    .abs()
-                    .max()
-                    .double_value(&[]);
-                let scale = want.abs().max().double_value(&[]);
+                let (err, scale) = max_err(&act, &want);
                 assert!(
                     err <= scale * 2e-2,
                     "silu k {k} n {n} rows {rows}: {err} of {scale}"
@@ -249,11 +250,7 @@ mod tests {
                     "k {k} rows {rows}: residual + delta differs"
                 );
                 let want = want.to_kind(Kind::Float);
-                let err = (got.to_kind(Kind::Float) - &want)
-                    .abs()
-                    .max()
-                    .double_value(&[]);
-                let scale = want.abs().max().double_value(&[]);
+                let (err, scale) = max_err(&got, &want);
                 assert!(
                     err <= scale * 2e-2,
                     "norm k {k} n {n} rows {rows}: {err} of {scale}"

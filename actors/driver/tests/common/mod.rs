@@ -2,6 +2,8 @@
 //! `driver` binary from it, so `cluster.toml` and `assets/` resolve), and a checked run.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod serve;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
