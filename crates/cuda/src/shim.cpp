@@ -558,9 +558,20 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 // and n outputs.
 int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
 int64_t gemv_rows_per_warp(int64_t n, bool silu) { return !silu && n >= 4096 ? 2 : 1; }
+// Warps sharing a row: with few outputs (a 0.6B model's o and down projections) one warp
+// per row leaves too few loads in flight. MANTA_GEMV_KSPLIT (1, 2 or 4) overrides, for A/B.
+int64_t gemv_k_split(int64_t k, int64_t n) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("MANTA_GEMV_KSPLIT");
+    const int64_t f = v == nullptr ? 0 : std::atoll(v);
+    return f == 1 || f == 2 || f == 4 ? f : 0;
+  }();
+  const int64_t split = forced != 0 ? forced : (n <= 2048 ? 4 : 1);
+  return k % (256 * split) == 0 ? split : 1;
+}
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm) {
   return define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
-         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0);
+         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) + define("KSPLIT", gemv_k_split(k, n));
 }
 // NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
 bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
@@ -615,7 +626,7 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     void* yp = y.data_ptr();
     int m_i = static_cast<int>(rows), n_i = static_cast<int>(n);
     void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
-    const int64_t per_cta = 4 * gemv_rows_per_warp(n, silu != 0);
+    const int64_t per_cta = 4 / gemv_k_split(k, n) * gemv_rows_per_warp(n, silu != 0);
     launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm), "gemv", device), device,
            static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, 128, args);
   });
