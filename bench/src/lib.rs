@@ -1,6 +1,7 @@
 //! What Manta's benchmark binaries share: the Qwen3 model shapes they measure, as HF
 //! `config.json` text (random weights are made from them in each run; nothing is
-//! downloaded), and the random GRPO batch the trainer benchmarks step on.
+//! downloaded) and as the list of a checkpoint's tensors, and the random GRPO batch the
+//! trainer benchmarks step on.
 
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use manta_trainer::TrainBatch;
@@ -38,6 +39,42 @@ pub const QWEN3_8B: &str = r#"{
 
 /// Trained tokens of a benchmark sample of `seq` tokens: a quarter prompt, the rest the
 /// response.
+/// (name, shape) of each tensor of a checkpoint.
+pub type TensorShapes = Vec<(String, Vec<i64>)>;
+
+/// (name, shape) of every tensor of a Qwen3 checkpoint of `shape` ("0.6b" or "8b"), in
+/// the order transformers lists them, with its `config.json` text.
+pub fn qwen3_tensor_shapes(shape: &str) -> anyhow::Result<(TensorShapes, &'static str)> {
+    let (v, h, i, layers, nh, nkv, hd, tied, config) = match shape {
+        "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true, QWEN3_0_6B),
+        "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false, QWEN3_8B),
+        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+    };
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..layers {
+        for (n, s) in [
+            ("self_attn.q_proj.weight", vec![nh * hd, h]),
+            ("self_attn.k_proj.weight", vec![nkv * hd, h]),
+            ("self_attn.v_proj.weight", vec![nkv * hd, h]),
+            ("self_attn.o_proj.weight", vec![h, nh * hd]),
+            ("self_attn.q_norm.weight", vec![hd]),
+            ("self_attn.k_norm.weight", vec![hd]),
+            ("mlp.gate_proj.weight", vec![i, h]),
+            ("mlp.up_proj.weight", vec![i, h]),
+            ("mlp.down_proj.weight", vec![h, i]),
+            ("input_layernorm.weight", vec![h]),
+            ("post_attention_layernorm.weight", vec![h]),
+        ] {
+            t.push((format!("model.layers.{l}.{n}"), s));
+        }
+    }
+    t.push(("model.norm.weight".into(), vec![h]));
+    if !tied {
+        t.push(("lm_head.weight".into(), vec![v, h]));
+    }
+    Ok((t, config))
+}
+
 pub fn response_len(seq: usize) -> usize {
     seq - seq / 4
 }

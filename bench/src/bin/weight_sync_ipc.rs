@@ -19,49 +19,13 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
-use manta_bench::{QWEN3_0_6B, QWEN3_8B};
 use manta_cuda::ipc::{export_handle, IpcHandle, IpcMapping, HANDLE_BYTES};
 use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions, PauseMode};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
-/// (name, shape) of each tensor.
-type TensorShapes = Vec<(String, Vec<i64>)>;
 /// Opened allocations and, per tensor, (allocation index, byte offset).
 type Mapped = (Vec<IpcMapping>, Vec<(usize, u64)>);
-
-/// (name, shape) of every tensor of a Qwen3 model shape.
-fn qwen3_tensors(shape: &str) -> anyhow::Result<(TensorShapes, &'static str)> {
-    let (v, h, i, layers, nh, nkv, hd, tied, config) = match shape {
-        "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true, QWEN3_0_6B),
-        "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false, QWEN3_8B),
-        other => bail!("unknown shape {other:?} (0.6b or 8b)"),
-    };
-    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        for (n, s) in [
-            ("self_attn.q_proj.weight", vec![nh * hd, h]),
-            ("self_attn.k_proj.weight", vec![nkv * hd, h]),
-            ("self_attn.v_proj.weight", vec![nkv * hd, h]),
-            ("self_attn.o_proj.weight", vec![h, nh * hd]),
-            ("self_attn.q_norm.weight", vec![hd]),
-            ("self_attn.k_norm.weight", vec![hd]),
-            ("mlp.gate_proj.weight", vec![i, h]),
-            ("mlp.up_proj.weight", vec![i, h]),
-            ("mlp.down_proj.weight", vec![h, i]),
-            ("input_layernorm.weight", vec![h]),
-            ("post_attention_layernorm.weight", vec![h]),
-        ] {
-            t.push((format!("{p}.{n}"), s));
-        }
-    }
-    t.push(("model.norm.weight".into(), vec![h]));
-    if !tied {
-        t.push(("lm_head.weight".into(), vec![v, h]));
-    }
-    Ok((t, config))
-}
 
 const DEV: Device = Device::Cuda(0);
 
@@ -176,7 +140,7 @@ impl Child {
 }
 
 fn ipc(shape: &str, reps: usize) -> anyhow::Result<Value> {
-    let (spec, _) = qwen3_tensors(shape)?;
+    let (spec, _) = manta_bench::qwen3_tensor_shapes(shape)?;
     tch::manual_seed(1);
     let src: Vec<Tensor> = spec
         .iter()
@@ -312,7 +276,7 @@ fn child() -> anyhow::Result<()> {
 
 /// The native engine taking new weights in-process through the version protocol.
 async fn engine(shape: &str, reps: usize) -> anyhow::Result<Value> {
-    let (_, config) = qwen3_tensors(shape)?;
+    let (_, config) = manta_bench::qwen3_tensor_shapes(shape)?;
     let dir = std::env::temp_dir().join(format!("manta-weight-sync-{shape}"));
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("config.json"), config)?;

@@ -21,38 +21,6 @@ use manta_cuda::process_group::{GroupSpec, ProcessGroup};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-/// (name, shape) of every tensor of a Qwen3 model shape.
-fn qwen3_tensors(shape: &str) -> anyhow::Result<Vec<(String, Vec<i64>)>> {
-    let (v, h, i, layers, nh, nkv, hd, tied) = match shape {
-        "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true),
-        "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false),
-        other => bail!("unknown shape {other:?} (0.6b or 8b)"),
-    };
-    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..layers {
-        for (n, s) in [
-            ("self_attn.q_proj.weight", vec![nh * hd, h]),
-            ("self_attn.k_proj.weight", vec![nkv * hd, h]),
-            ("self_attn.v_proj.weight", vec![nkv * hd, h]),
-            ("self_attn.o_proj.weight", vec![h, nh * hd]),
-            ("self_attn.q_norm.weight", vec![hd]),
-            ("self_attn.k_norm.weight", vec![hd]),
-            ("mlp.gate_proj.weight", vec![i, h]),
-            ("mlp.up_proj.weight", vec![i, h]),
-            ("mlp.down_proj.weight", vec![h, i]),
-            ("input_layernorm.weight", vec![h]),
-            ("post_attention_layernorm.weight", vec![h]),
-        ] {
-            t.push((format!("model.layers.{l}.{n}"), s));
-        }
-    }
-    t.push(("model.norm.weight".into(), vec![h]));
-    if !tied {
-        t.push(("lm_head.weight".into(), vec![v, h]));
-    }
-    Ok(t)
-}
-
 /// The bf16 tensor whose int16 bits hash (index, element); the peer's `pattern` is the same.
 fn pattern(index: usize, shape: &[i64], device: Device) -> Tensor {
     let n: i64 = shape.iter().product();
@@ -84,7 +52,7 @@ fn send(args: &[String]) -> anyhow::Result<()> {
     let port: u16 = port.parse().with_context(|| format!("PORT {port}"))?;
     let reps: usize = reps.parse().with_context(|| format!("REPS {reps}"))?;
     let shape = rest.first().map_or("0.6b", String::as_str);
-    let tensors = qwen3_tensors(shape)?;
+    let (tensors, _) = manta_bench::qwen3_tensor_shapes(shape)?;
     let tmp = format!("{manifest}.tmp");
     std::fs::write(&tmp, serde_json::to_string(&tensors)?)
         .with_context(|| format!("writing {tmp}"))?;
