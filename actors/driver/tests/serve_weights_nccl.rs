@@ -121,44 +121,30 @@ async fn bad_weight_update_requests_are_refused_by_field_and_the_server_keeps_se
             field,
         );
     }
-    refused(
-        "init gloo",
-        server
-            .post("/init_weights_update_group", with("backend", json!("gloo")))
-            .await,
-        "backend",
-    );
-    refused(
-        "init rank 0",
-        server
-            .post("/init_weights_update_group", with("rank_offset", json!(0)))
-            .await,
-        "rank_offset",
-    );
-    refused(
-        "init rank beyond the world",
-        server
-            .post("/init_weights_update_group", with("rank_offset", json!(2)))
-            .await,
-        "world_size 2",
-    );
-    refused(
-        "init world 0",
-        server
-            .post("/init_weights_update_group", with("world_size", json!(0)))
-            .await,
-        "world_size 0",
-    );
-    refused(
-        "init port out of range",
-        server
-            .post(
-                "/init_weights_update_group",
-                with("master_port", json!(70000)),
-            )
-            .await,
-        "master_port",
-    );
+    // (case, field, bad value, what the message must name)
+    let bad_init = [
+        ("init gloo", "backend", json!("gloo"), "backend"),
+        ("init rank 0", "rank_offset", json!(0), "rank_offset"),
+        (
+            "init rank beyond the world",
+            "rank_offset",
+            json!(2),
+            "world_size 2",
+        ),
+        ("init world 0", "world_size", json!(0), "world_size 0"),
+        (
+            "init port out of range",
+            "master_port",
+            json!(70000),
+            "master_port",
+        ),
+    ];
+    for (case, key, value, want) in bad_init {
+        let answer = server
+            .post("/init_weights_update_group", with(key, value))
+            .await;
+        refused(case, answer, want);
+    }
     refused(
         "init on a CPU server",
         server
@@ -184,56 +170,39 @@ async fn bad_weight_update_requests_are_refused_by_field_and_the_server_keeps_se
             field,
         );
     }
-    refused(
-        "update unknown tensor",
-        server
-            .post(
-                "/update_weights_from_distributed",
-                upd("names", json!(["model.no_such.weight"])),
-            )
-            .await,
-        "names[0]: unknown tensor \"model.no_such.weight\"",
-    );
-    refused(
-        "update wrong shape",
-        server
-            .post(
-                "/update_weights_from_distributed",
-                upd("shapes", json!([[65]])),
-            )
-            .await,
-        "shapes[0]",
-    );
-    refused(
-        "update unknown dtype",
-        server
-            .post(
-                "/update_weights_from_distributed",
-                upd("dtypes", json!(["quaternion"])),
-            )
-            .await,
-        "dtypes[0]",
-    );
-    refused(
-        "update lists of different lengths",
-        server
-            .post(
-                "/update_weights_from_distributed",
-                upd("dtypes", json!(["bfloat16", "bfloat16"])),
-            )
-            .await,
-        "dtypes",
-    );
-    refused(
-        "update bad version",
-        server
-            .post(
-                "/update_weights_from_distributed",
-                upd("weight_version", json!("v7")),
-            )
-            .await,
-        "weight_version",
-    );
+    let bad_update = [
+        (
+            "update unknown tensor",
+            "names",
+            json!(["model.no_such.weight"]),
+            "names[0]: unknown tensor \"model.no_such.weight\"",
+        ),
+        ("update wrong shape", "shapes", json!([[65]]), "shapes[0]"),
+        (
+            "update unknown dtype",
+            "dtypes",
+            json!(["quaternion"]),
+            "dtypes[0]",
+        ),
+        (
+            "update lists of different lengths",
+            "dtypes",
+            json!(["bfloat16", "bfloat16"]),
+            "dtypes",
+        ),
+        (
+            "update bad version",
+            "weight_version",
+            json!("v7"),
+            "weight_version",
+        ),
+    ];
+    for (case, key, value, want) in bad_update {
+        let answer = server
+            .post("/update_weights_from_distributed", upd(key, value))
+            .await;
+        refused(case, answer, want);
+    }
     refused(
         "update without a group",
         server

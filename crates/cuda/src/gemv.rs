@@ -28,6 +28,7 @@ extern "C" {
         k: c_int,
         n: c_int,
         silu: c_int,
+        max_rows: c_int,
         arch: c_int,
     ) -> c_int;
 }
@@ -126,9 +127,15 @@ fn launch(
     })
 }
 
-/// Compiles the GEMV for inner size `k` and `n` outputs, every row count, for `sm_<arch>`
-/// (NVRTC needs no GPU).
-pub fn gemv_compile(k: usize, n: usize, silu: bool, arch: u32) -> Result<(), CudaError> {
+/// Compiles the GEMV for inner size `k` and `n` outputs, the variants for up to
+/// `max_rows` rows, for `sm_<arch>` (NVRTC needs no GPU).
+pub fn gemv_compile(
+    k: usize,
+    n: usize,
+    silu: bool,
+    max_rows: i64,
+    arch: u32,
+) -> Result<(), CudaError> {
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
         manta_gemv_compile_check(
@@ -136,6 +143,7 @@ pub fn gemv_compile(k: usize, n: usize, silu: bool, arch: u32) -> Result<(), Cud
             k as c_int,
             n as c_int,
             silu as c_int,
+            max_rows as c_int,
             arch as c_int,
         )
     })
@@ -162,7 +170,7 @@ mod tests {
             (4096, 12288, true),
             (12288, 4096, false),
         ] {
-            if let Err(e) = gemv_compile(k, n, silu, 90) {
+            if let Err(e) = gemv_compile(k, n, silu, MAX_ROWS, 90) {
                 panic!("k {k}, n {n}, silu {silu}: {e}");
             }
         }

@@ -636,12 +636,13 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
 #endif
 }
 
-// Compiles the GEMV for inner size k, n outputs, every row count (with and without the
-// fused norm where it fits), without a GPU.
-int manta_gemv_compile_check(const char* source, int k, int n, int silu, int arch) {
+// Compiles the GEMV for inner size k, n outputs, each row-count variant up to `max_rows`
+// (with and without the fused norm where it fits), without a GPU.
+int manta_gemv_compile_check(const char* source, int k, int n, int silu, int max_rows, int arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     for (int64_t rows : {1, 2, 4, 8}) {
+      if (rows > gemv_max_rows(max_rows)) break;
       compile_kernels(source, gemv_defines(k, rows, n, silu != 0, false), arch);
       if (gemv_norm_fits(k, rows)) compile_kernels(source, gemv_defines(k, rows, n, silu != 0, true), arch);
     }

@@ -593,7 +593,8 @@ fn decode_gemv_usable(shape: &manta_cuda::KernelShape, arch: u32) -> bool {
         if !manta_cuda::gemv::supports(k as i64) {
             return false;
         }
-        if let Err(e) = manta_cuda::gemv::gemv_compile(k, n, silu, arch) {
+        let rows = manta_cuda::gemv::FASTER_UP_TO_ROWS;
+        if let Err(e) = manta_cuda::gemv::gemv_compile(k, n, silu, rows, arch) {
             tracing::warn!(error = %e, "GEMV kernel unusable; decode projections stay on cuBLAS");
             return false;
         }

@@ -7,6 +7,7 @@
 //! — whatever top-k / top-p / min-p filtering chose it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use tch::{Device, Kind, Tensor};
 
@@ -29,9 +30,17 @@ impl RowSampling {
     }
 }
 
-/// Set once the sampling kernel has failed (or `MANTA_SAMPLING_KERNEL=0`): tensor ops
-/// from then on.
-static KERNEL_OFF: AtomicBool = AtomicBool::new(false);
+/// Set once the sampling kernel has failed: tensor ops from then on.
+static KERNEL_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this build and `MANTA_SAMPLING_KERNEL` (not `0`) allow the kernel; read once.
+fn kernel_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        manta_cuda::built_with_cuda()
+            && std::env::var_os("MANTA_SAMPLING_KERNEL").is_none_or(|v| v != "0")
+    })
+}
 
 /// Chooses one token per row of `logits` [S, V]; returns (token ids, log-probs).
 pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
@@ -109,13 +118,7 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
 /// Rows without top-k / top-p / min-p on CUDA: one kernel, one copy back
 /// (`manta_cuda::sampling`); `None` when the kernel is off or fails (logged once).
 fn sample_with_kernel(logits: &Tensor, rows: &[RowSampling]) -> Option<(Vec<i64>, Vec<f32>)> {
-    if KERNEL_OFF.load(Ordering::Relaxed) {
-        return None;
-    }
-    if std::env::var_os("MANTA_SAMPLING_KERNEL").is_some_and(|v| v == "0")
-        || !manta_cuda::built_with_cuda()
-    {
-        KERNEL_OFF.store(true, Ordering::Relaxed);
+    if !kernel_allowed() || KERNEL_FAILED.load(Ordering::Relaxed) {
         return None;
     }
     let mut params: Vec<f32> = rows
@@ -129,7 +132,7 @@ fn sample_with_kernel(logits: &Tensor, rows: &[RowSampling]) -> Option<(Vec<i64>
     let logits = logits.contiguous();
     if let Err(e) = manta_cuda::sampling::sample_rows(&logits, &params, &mut out) {
         tracing::warn!(error = %e, "sampling kernel failed; sampling with tensor ops from now on");
-        KERNEL_OFF.store(true, Ordering::Relaxed);
+        KERNEL_FAILED.store(true, Ordering::Relaxed);
         return None;
     }
     let both = Vec::<f64>::try_from(&out.to(Device::Cpu).view([-1])).expect("sampled ids to host");
