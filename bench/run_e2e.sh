@@ -5,6 +5,7 @@
 #   disagg-sync   configs/gpu-disagg.toml: trainer GPU 0, native engine GPU 1
 #   disagg-async  the same with --max-weight-staleness 1 --partial-rollout
 #   colocated     configs/gpu-colocated.toml: trainer and engine share GPU 0
+#   colocated-on-policy  the same with --true-on-policy-mode (one attention kernel both sides)
 # Writes under $OUT: runs/MODE/ (metrics.jsonl, trained_ids.jsonl, TensorBoard events),
 # MODE/traces.jsonl (every span, through bin/otlp_sink), MODE/progress.txt (the step
 # lines), MODE/driver.log, e2e_MODE.json (step_s = rollout_s + train_s + sync_s + other_s)
@@ -35,7 +36,8 @@ for mode in "${MODES[@]}"; do
     disagg-sync)  cluster=configs/gpu-disagg.toml; extra=() ;;
     disagg-async) cluster=configs/gpu-disagg.toml; extra=(--max-weight-staleness 1 --partial-rollout) ;;
     colocated)    cluster=configs/gpu-colocated.toml; extra=() ;;
-    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated)" >&2; exit 2 ;;
+    colocated-on-policy) cluster=configs/gpu-colocated.toml; extra=(--true-on-policy-mode) ;;
+    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy)" >&2; exit 2 ;;
   esac
   mkdir -p "$OUT/$mode"
   port=$((port + 1))

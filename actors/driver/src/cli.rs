@@ -221,6 +221,11 @@ pub struct TrainArgs {
     /// π_old is the engine's log-probs instead of the trainer's.
     #[arg(long)]
     pub use_rollout_logprobs: bool,
+    /// True on-policy (Miles' flag): the native engine and the trainer compute attention
+    /// with one batch-invariant kernel and the engine keeps projections on cuBLAS, so
+    /// train/train_rollout_logprob_abs_diff drops to ~0. CUDA bf16 only; decoding is slower.
+    #[arg(long)]
+    pub true_on_policy_mode: bool,
     /// Truncated importance sampling of the loss by exp(train − rollout log-prob).
     #[arg(long)]
     pub use_tis: bool,
@@ -326,6 +331,7 @@ impl TrainArgs {
             disable_grpo_std_normalization: flag(self.disable_grpo_std_normalization),
             normalize_advantages: flag(self.normalize_advantages),
             use_rollout_logprobs: flag(self.use_rollout_logprobs),
+            true_on_policy_mode: flag(self.true_on_policy_mode),
             use_tis: flag(self.use_tis),
             tis_clip: self.tis_clip,
             tis_clip_low: self.tis_clip_low,

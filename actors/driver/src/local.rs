@@ -195,6 +195,7 @@ pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
         lr_schedule,
         num_steps_per_rollout: steps,
         ref_load: a.ref_load.clone(),
+        true_on_policy: a.true_on_policy_mode,
     }
 }
 
@@ -250,6 +251,7 @@ pub async fn start(
                         &cluster.rollout,
                         defaults.mem_fraction_static,
                     ),
+                    true_on_policy: settings.algo.true_on_policy_mode,
                     ..defaults
                 })
                 .context("starting the native engine")?

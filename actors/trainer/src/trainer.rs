@@ -28,6 +28,8 @@ pub enum TrainerError {
     Model(#[from] ModelError),
     #[error("invalid training batch: {0}")]
     Batch(String),
+    #[error("trainer configuration: {0}")]
+    Config(String),
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
     #[error("libtorch: {0}")]
@@ -84,6 +86,11 @@ pub struct AlgoOptions {
     pub num_steps_per_rollout: usize,
     /// Frozen KL reference (`--ref-load`); `None`: the initial weights.
     pub ref_load: Option<PathBuf>,
+    /// Miles' `--true-on-policy-mode`: the forward's attention through the batch-invariant
+    /// kernel the engine also runs in this mode, so the trainer's log-probs equal the
+    /// rollout's (`train/train_rollout_logprob_abs_diff` ~0). CUDA bf16 only.
+    #[serde(default)]
+    pub true_on_policy: bool,
 }
 
 /// One step's data for this rank.
@@ -281,6 +288,12 @@ impl Trainer {
             vs.bfloat16();
         }
         info!(bf16, device = ?opts.device, "trainer precision");
+        if opts.algo.true_on_policy {
+            model.set_invariant_attention(true).map_err(|e| {
+                TrainerError::Config(format!("true on-policy mode (--true-on-policy-mode): {e}"))
+            })?;
+            info!("true on-policy mode: attention through the batch-invariant kernel");
+        }
         // Before the reference copy: data parallel starts every rank from rank 0's weights.
         let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let optimizer = match group {

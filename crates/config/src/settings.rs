@@ -57,6 +57,9 @@ pub struct TrainOverrides {
     pub disable_grpo_std_normalization: Option<bool>,
     pub normalize_advantages: Option<bool>,
     pub use_rollout_logprobs: Option<bool>,
+    /// Miles' `--true-on-policy-mode`: engine and trainer attention through one
+    /// batch-invariant kernel (CUDA bf16), so their log-probs agree.
+    pub true_on_policy_mode: Option<bool>,
     pub use_tis: Option<bool>,
     pub tis_clip: Option<f64>,
     pub tis_clip_low: Option<f64>,
@@ -192,6 +195,8 @@ pub struct AlgoSettings {
     pub disable_grpo_std_normalization: bool,
     pub normalize_advantages: bool,
     pub use_rollout_logprobs: bool,
+    /// Engine and trainer attention through one batch-invariant kernel (CUDA bf16 only).
+    pub true_on_policy_mode: bool,
     pub use_tis: bool,
     pub tis_clip: f64,
     pub tis_clip_low: f64,
@@ -274,6 +279,7 @@ impl TrainOverrides {
             disable_grpo_std_normalization,
             normalize_advantages,
             use_rollout_logprobs,
+            true_on_policy_mode,
             use_tis,
             tis_clip,
             tis_clip_low,
@@ -608,6 +614,7 @@ impl TrainOverrides {
                     .unwrap_or(false),
                 normalize_advantages: self.normalize_advantages.unwrap_or(false),
                 use_rollout_logprobs: self.use_rollout_logprobs.unwrap_or(false),
+                true_on_policy_mode: self.true_on_policy_mode.unwrap_or(false),
                 use_tis: self.use_tis.unwrap_or(false),
                 tis_clip: self.tis_clip.unwrap_or(2.0),
                 tis_clip_low: self.tis_clip_low.unwrap_or(0.0),

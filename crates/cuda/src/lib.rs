@@ -8,6 +8,7 @@
 
 pub mod adamw;
 pub mod gemv;
+pub mod invariant_attention;
 pub mod ipc;
 pub mod process_group;
 pub mod rendezvous;

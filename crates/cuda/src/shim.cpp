@@ -196,6 +196,18 @@ std::string rms_norm_defines(int64_t hidden) {
   return define("H", hidden) + define("THREADS", rms_norm_threads(hidden));
 }
 
+// Batch-invariant causal attention: one CTA per (query row, kv head), each row's keys in
+// one fixed order (invariant_attention.cu.inc).
+std::string invariant_defines(int64_t hd, int64_t rep, int64_t nkv) {
+  return define("HD", hd) + define("REP", rep) + define("NKV", nkv);
+}
+
+void check_invariant_shape(int64_t hd, int64_t rep) {
+  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "head_dim must be 64, 128 or 256");
+  TORCH_CHECK(rep >= 1 && rep * hd / 2 <= 1024 && rep * hd / 2 >= 32,
+              "query heads per kv head x head_dim / 2 must be 32..1024 (threads per CTA)");
+}
+
 struct Graph {
   at::cuda::CUDAGraph graph;
   // The stream that was current before capture, restored after it.
@@ -431,6 +443,83 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
       launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
              static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args);
     }
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Batch-invariant causal attention (invariant_attention.cu.inc).
+int manta_invariant_attention(const char* source, void* q_, void* k_, void* v_, void* tables_, void* row_ref_,
+                              void* row_len_, void* out_, int block_size, float scale) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& q = tensor(q_);
+    const at::Tensor& k = tensor(k_);
+    const at::Tensor& v = tensor(v_);
+    const at::Tensor& row_len = tensor(row_len_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    check_bf16(q, "q");
+    check_bf16(k, "keys");
+    check_bf16(v, "values");
+    check_bf16(out, "out");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                "q must be [R, heads, head_dim], keys and values [slots, kv_heads, head_dim]");
+    TORCH_CHECK(out.sizes() == q.sizes(), "out must be like q");
+    const int64_t rows = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1);
+    TORCH_CHECK(k.size(2) == hd && nkv > 0 && nh % nkv == 0, "heads must be a multiple of kv_heads, head_dim equal");
+    check_invariant_shape(hd, nh / nkv);
+    auto check_rows = [&](const at::Tensor& t, const char* what) {
+      TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.dim() == 1 &&
+                      t.size(0) == rows,
+                  what, " must be a contiguous int32 CUDA tensor [rows]");
+    };
+    check_rows(row_len, "row lengths");
+    int table_width = 0;
+    const void* tp = nullptr;
+    const void* rp = nullptr;
+    if (tables_ != nullptr) {
+      const at::Tensor& tables = tensor(tables_);
+      TORCH_CHECK(tables.is_cuda() && tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.dim() == 2,
+                  "block tables must be contiguous int32 [S, max_blocks]");
+      TORCH_CHECK(block_size > 0, "block_size must be positive");
+      if (row_ref_ != nullptr) {
+        check_rows(tensor(row_ref_), "row tables");
+      } else {
+        TORCH_CHECK(tables.size(0) == rows, "without row tables there must be one block table per row");
+      }
+      table_width = static_cast<int>(tables.size(1));
+      tp = tables.data_ptr();
+    } else {
+      TORCH_CHECK(row_ref_ != nullptr, "contiguous keys need each row's first slot");
+      check_rows(tensor(row_ref_), "first slots");
+    }
+    if (row_ref_ != nullptr) rp = tensor(row_ref_).data_ptr();
+    if (rows == 0) return;
+    const int device = q.get_device();
+    const void* qp = q.data_ptr();
+    const void* kp = k.data_ptr();
+    const void* vp = v.data_ptr();
+    const void* lp = row_len.data_ptr();
+    void* op = out.data_ptr();
+    void* args[] = {&qp, &kp, &vp, &tp, &rp, &lp, &op, &table_width, &block_size, &scale};
+    launch(kernel(source, invariant_defines(hd, nh / nkv, nkv), "invariant_attention", device), device,
+           static_cast<unsigned>(rows), static_cast<unsigned>(nkv), 1, static_cast<unsigned>(nh / nkv * hd / 2),
+           args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+int manta_invariant_attention_compile_check(const char* source, int heads, int kv_heads, int head_dim, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    check_invariant_shape(head_dim, heads / kv_heads);
+    compile_kernels(source, invariant_defines(head_dim, heads / kv_heads, kv_heads), arch);
   });
 #else
   last_error() = "built without CUDA";

@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
 use crate::recompute::{Recompute, RecomputeError};
 
+mod invariant;
 mod paged;
 pub use paged::{decode_counters, PagedBatch, PagedKvCache, PagedSeq};
 
@@ -174,6 +175,8 @@ struct Ctx {
     is_causal: bool,
     /// `Attention::Segments`: runs of equal-length sequences as (start, count, length).
     segments: Option<Vec<(i64, i64, i64)>>,
+    /// Each packed token's keys for the batch-invariant kernel, when it is on.
+    invariant: Option<invariant::PackedRows>,
 }
 
 struct SelfAttention {
@@ -279,8 +282,11 @@ impl SelfAttention {
         let (bsz, t) = (x.size()[0], x.size()[1]);
         let (q, mut k, mut v) = self.qkv(x, &ctx.cos, &ctx.sin);
         if let Some(runs) = &ctx.segments {
-            return self
-                .segmented(&q, &k, &v, runs)
+            let out = match &ctx.invariant {
+                Some(rows) => self.segmented_invariant(&q, &k, &v, runs, rows),
+                None => self.segmented(&q, &k, &v, runs),
+            };
+            return out
                 .view([bsz, t, self.num_heads * self.head_dim])
                 .linear(&self.o_proj, None::<Tensor>);
         }
@@ -443,6 +449,8 @@ pub struct CausalLm {
     /// Fused projections for the CUDA decode kernels, when an engine enabled them
     /// ([`CausalLm::enable_decode_kernels`]).
     decode_kernels: Option<Vec<paged::FusedLayer>>,
+    /// Attention through the batch-invariant kernel ([`CausalLm::set_invariant_attention`]).
+    invariant_attention: bool,
 }
 
 impl CausalLm {
@@ -503,6 +511,7 @@ impl CausalLm {
             rotary: Rotary::new(cfg, vs.device()),
             recompute: None,
             decode_kernels: None,
+            invariant_attention: false,
         }
     }
 
@@ -534,6 +543,7 @@ impl CausalLm {
         let q_pos = Tensor::arange_start(past_len, s, (Kind::Int64, device)).unsqueeze(1);
         let k_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0);
         let mut segments = None;
+        let mut invariant = None;
         let (mask, is_causal) = match attn {
             Attention::Causal { key_mask: None } => {
                 if t == 1 {
@@ -582,6 +592,9 @@ impl CausalLm {
                     "segment lengths must add up to the row's length"
                 );
                 segments = Some(equal_length_runs(lengths));
+                if self.invariant_attention {
+                    invariant = Some(invariant::PackedRows::new(lengths, device));
+                }
                 (None, false)
             }
         };
@@ -593,6 +606,7 @@ impl CausalLm {
                 mask,
                 is_causal,
                 segments,
+                invariant,
             },
         )
     }

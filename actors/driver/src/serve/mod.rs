@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// Weights and KV dtype: auto (bf16 on CUDA, fp32 on CPU), bfloat16 or float32.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Batch-invariant results: each request's tokens and log-probs do not depend on what
+    /// else is batched with it (attention through one fixed-order kernel, projections on
+    /// cuBLAS), and equal a Manta trainer's in --true-on-policy-mode. CUDA bf16 only;
+    /// decoding is slower.
+    #[arg(long)]
+    pub enable_deterministic_inference: bool,
     /// Model name reported by /get_model_info and /get_server_info [--model-path].
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -289,6 +295,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     if let Some(n) = args.context_length {
         opts.context_length = Some(n);
     }
+    opts.true_on_policy = args.enable_deterministic_inference;
     for (name, value) in [
         ("--max-running-requests", opts.max_running_requests),
         ("--chunked-prefill-size", opts.chunked_prefill_size),

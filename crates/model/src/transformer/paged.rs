@@ -5,6 +5,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::invariant::{PagedKeys, PagedRows};
 use super::{repeat_kv, CausalLm, RmsNorm, SelfAttention};
 use crate::config::ModelConfig;
 
@@ -103,6 +104,8 @@ pub struct PagedBatch {
     decode: Option<(usize, DecodeAttention)>,
     /// The remaining sequences: (flat start, q_len, [ctx] i64 slots).
     prefill: Vec<(usize, usize, Tensor)>,
+    /// Every row's keys for the batch-invariant kernel ([`PagedBatch::new_invariant`]).
+    invariant: Option<PagedRows>,
 }
 
 impl PagedBatch {
@@ -117,6 +120,15 @@ impl PagedBatch {
     /// blocks of `block_size` consecutive slots.
     pub fn new_paged(seqs: &[PagedSeq], device: Device, block_size: usize) -> Self {
         Self::layout(seqs, device, Some(block_size))
+    }
+
+    /// Like [`PagedBatch::new_paged`], for models with
+    /// [`CausalLm::set_invariant_attention`]: every row, prefill or decode, goes to the
+    /// batch-invariant kernel through its sequence's block table.
+    pub fn new_invariant(seqs: &[PagedSeq], device: Device, block_size: usize) -> Self {
+        let mut batch = Self::layout(seqs, device, Some(block_size));
+        batch.invariant = Some(PagedRows::new(seqs, block_size, device));
+        batch
     }
 
     fn layout(seqs: &[PagedSeq], device: Device, paged: Option<usize>) -> Self {
@@ -189,6 +201,7 @@ impl PagedBatch {
             slot_mapping: Tensor::from_slice(&slot_mapping).to(device),
             decode,
             prefill,
+            invariant: None,
         }
     }
 }
@@ -209,6 +222,7 @@ impl PagedBatch {
                 },
             )),
             prefill: Vec::new(),
+            invariant: None,
         }
     }
 
@@ -235,6 +249,7 @@ impl PagedBatch {
                 },
             )),
             prefill: Vec::new(),
+            invariant: None,
         }
     }
 }
@@ -249,6 +264,7 @@ impl SelfAttention {
         sin: &Tensor,
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
+        invariant: bool,
     ) -> Tensor {
         let (q, k, v) = self.qkv(x, cos, sin);
         // [1, heads, N, hd] -> [N, heads, hd]
@@ -264,7 +280,7 @@ impl SelfAttention {
             &batch.slot_mapping,
             &v.squeeze_dim(0).transpose(0, 1),
         );
-        self.attend(&q, pools, batch)
+        self.attend(&q, pools, batch, invariant)
             .unsqueeze(0)
             .linear(&self.o_proj, None::<Tensor>)
     }
@@ -280,6 +296,7 @@ impl SelfAttention {
         inv_freq: &Tensor,
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
+        invariant: bool,
     ) -> Tensor {
         let n = qkv.size()[0];
         let mut q = Tensor::empty(
@@ -302,16 +319,49 @@ impl SelfAttention {
             panic!("q/k norm + rotary + cache store kernel: {e}");
         }
         project(
-            &self.attend(&q, pools, batch),
+            &self.attend(&q, pools, batch, invariant),
             &self.o_proj,
             None,
-            fused.gemv,
+            fused.gemv && !invariant,
         )
     }
 
     /// Attention of the flat queries q [N, heads, hd] over their sequences' cached keys
-    /// and values (this call's included); [N, heads × hd].
-    fn attend(&self, q: &Tensor, pools: (&Tensor, &Tensor), batch: &PagedBatch) -> Tensor {
+    /// and values (this call's included); [N, heads × hd]. With `invariant`, through the
+    /// batch-invariant kernel.
+    fn attend(
+        &self,
+        q: &Tensor,
+        pools: (&Tensor, &Tensor),
+        batch: &PagedBatch,
+        invariant: bool,
+    ) -> Tensor {
+        if invariant {
+            let keys = match (&batch.invariant, &batch.decode) {
+                (Some(rows), _) => PagedKeys::Rows(rows),
+                (
+                    None,
+                    Some((
+                        _,
+                        DecodeAttention::Paged {
+                            tables,
+                            lens,
+                            block_size,
+                            ..
+                        },
+                    )),
+                ) if batch.prefill.is_empty() => PagedKeys::Decode {
+                    tables,
+                    lens,
+                    block_size: *block_size,
+                },
+                _ => panic!(
+                    "batch-invariant attention needs a batch from PagedBatch::new_invariant or \
+                     PagedBatch::decode_paged"
+                ),
+            };
+            return self.paged_invariant(q, pools, keys);
+        }
         let n = q.size()[0];
         let (k_pool, v_pool) = (pools.0.shallow_clone(), pools.1.shallow_clone());
         let rep = self.num_heads / self.num_kv_heads;
@@ -467,6 +517,7 @@ impl CausalLm {
                     &sin,
                     cache.layer(i),
                     batch,
+                    self.invariant_attention,
                 );
             x = &h
                 + layer
@@ -673,9 +724,11 @@ impl CausalLm {
     ) -> Tensor {
         let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let inter = self.cfg.intermediate_size;
+        // True on-policy runs keep cuBLAS, which rounds as the trainer's GEMMs do.
+        let gemv = fused.first().is_some_and(|f| f.gemv) && !self.invariant_attention;
         // At a few rows, each residual add + norm goes into the GEMV after it.
         let rows = x.size()[0];
-        let fuse_norms = fused.first().is_some_and(|f| f.gemv)
+        let fuse_norms = gemv
             && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS
             && manta_cuda::gemv::norm_fits(self.cfg.hidden_size, rows);
         // The last block's output, not yet added to the residual stream `x`.
@@ -687,7 +740,7 @@ impl CausalLm {
                 &layer.input_layernorm,
                 (&f.qkv, f.qkv_bias.as_ref()),
                 None,
-                (f.gemv, fuse_norms),
+                (gemv, fuse_norms),
             );
             let attn = layer.self_attn.forward_paged_kernels(
                 &qkv,
@@ -696,6 +749,7 @@ impl CausalLm {
                 &self.rotary.inv_freq,
                 cache.layer(i),
                 batch,
+                self.invariant_attention,
             );
             let act = normed_projection(
                 &mut x,
@@ -703,9 +757,9 @@ impl CausalLm {
                 &layer.post_attention_layernorm,
                 (&f.gate_up, None),
                 Some(inter),
-                (f.gemv, fuse_norms),
+                (gemv, fuse_norms),
             );
-            delta = Some(project(&act, &layer.mlp.down, None, f.gemv));
+            delta = Some(project(&act, &layer.mlp.down, None, gemv));
         }
         let mut normed = x.empty_like();
         if let Err(e) = manta_cuda::add_rms_norm(

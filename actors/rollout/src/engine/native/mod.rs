@@ -59,6 +59,10 @@ pub struct NativeEngineOptions {
     pub chunked_prefill_size: usize,
     /// Longest sequence (prompt + output); default the model's `max_position_embeddings`.
     pub context_length: Option<usize>,
+    /// True on-policy mode (Miles' `--true-on-policy-mode`): attention through the
+    /// batch-invariant kernel and projections through cuBLAS, so log-probs equal a trainer
+    /// in the same mode. CUDA bf16 only; slower decoding.
+    pub true_on_policy: bool,
 }
 
 impl NativeEngineOptions {
@@ -74,6 +78,7 @@ impl NativeEngineOptions {
             block_size: 16,
             chunked_prefill_size: if device.is_cuda() { 8192 } else { 2048 },
             context_length: None,
+            true_on_policy: false,
         }
     }
 }
@@ -207,6 +212,9 @@ impl NativeEngine {
                     vs.set_kind(kind);
                     vs.freeze();
                     enable_decode_kernels(&mut model, thread_opts.device, kind);
+                    if thread_opts.true_on_policy {
+                        enable_true_on_policy(&mut model)?;
+                    }
                     // One extra block: the scratch block padding rows of CUDA graphs use.
                     let kv = PagedKvCache::new(
                         &cfg,
@@ -427,6 +435,22 @@ impl Engine for NativeEngine {
         self.send(Command::ReadWeights(tx))?;
         answer(rx).await
     }
+}
+
+/// Batch-invariant attention on top of the decode kernels (whose paged batches it reads).
+fn enable_true_on_policy(model: &mut CausalLm) -> Result<(), EngineError> {
+    if !model.decode_kernels_enabled() {
+        return Err(EngineError::Unsupported(
+            "true on-policy mode needs the CUDA decode kernels (a bf16 model on a GPU, \
+             MANTA_DECODE_KERNELS not 0)"
+                .into(),
+        ));
+    }
+    model
+        .set_invariant_attention(true)
+        .map_err(|e| EngineError::Unsupported(format!("true on-policy mode: {e}")))?;
+    tracing::info!("true on-policy mode: batch-invariant attention, projections on cuBLAS");
+    Ok(())
 }
 
 /// The CUDA decode kernels for bf16 models on a GPU, unless `MANTA_DECODE_KERNELS=0`; the

@@ -454,7 +454,9 @@ impl Worker {
                         }
                     })
                     .collect();
-                let batch = if self.model.decode_kernels_enabled() {
+                let batch = if self.model.invariant_attention_enabled() {
+                    PagedBatch::new_invariant(&seqs, self.device, bs)
+                } else if self.model.decode_kernels_enabled() {
                     PagedBatch::new_paged(&seqs, self.device, bs)
                 } else {
                     PagedBatch::new(&seqs, self.device)
