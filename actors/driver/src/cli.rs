@@ -221,8 +221,8 @@ pub struct TrainArgs {
     /// π_old is the engine's log-probs instead of the trainer's.
     #[arg(long)]
     pub use_rollout_logprobs: bool,
-    /// True on-policy (Miles' flag): the native engine and the trainer compute attention
-    /// with one batch-invariant kernel and the engine keeps projections on cuBLAS, so
+    /// True on-policy (Miles' flag): the native engine runs the trainer's layer ops and both
+    /// compute attention with one batch-invariant kernel, so
     /// train/train_rollout_logprob_abs_diff drops to ~0. CUDA bf16 only; decoding is slower.
     #[arg(long)]
     pub true_on_policy_mode: bool,

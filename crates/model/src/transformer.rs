@@ -192,6 +192,8 @@ struct SelfAttention {
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
+    /// Projections run on at least this many rows (true on-policy mode; 0 otherwise).
+    min_rows: i64,
 }
 
 fn matrix(p: &Path, name: &str, out_dim: i64, in_dim: i64, std: f64) -> Tensor {
@@ -203,6 +205,38 @@ fn matrix(p: &Path, name: &str, out_dim: i64, in_dim: i64, std: f64) -> Tensor {
             stdev: std,
         },
     )
+}
+
+/// `x [.., K] · wᵀ (+ bias)` computed on at least `min_rows` rows (zero rows appended, then
+/// dropped). cuBLAS picks its kernel by the row count — split-K below ~128 rows for some
+/// shapes — so a row's bits depend on how many rows share the call; from a fixed minimum on
+/// they do not, which true on-policy mode needs (a decode step's few rows must round as
+/// the trainer's thousands).
+fn linear_rows(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, min_rows: i64) -> Tensor {
+    let width = x.size().last().copied().unwrap_or(0);
+    let rows = if width > 0 {
+        x.numel() as i64 / width
+    } else {
+        0
+    };
+    if rows >= min_rows || rows == 0 {
+        return x.linear(w, bias);
+    }
+    let flat = x.reshape([rows, width]);
+    let padded = Tensor::cat(
+        &[
+            flat,
+            x.new_zeros([min_rows - rows, width], (x.kind(), x.device())),
+        ],
+        0,
+    );
+    let mut shape = x.size();
+    shape.pop();
+    shape.push(w.size()[0]);
+    padded
+        .linear(w, bias)
+        .narrow(0, 0, rows)
+        .reshape(shape.as_slice())
 }
 
 impl SelfAttention {
@@ -238,6 +272,7 @@ impl SelfAttention {
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
+            min_rows: 0,
         }
     }
 
@@ -251,7 +286,7 @@ impl SelfAttention {
         norm: &Option<RmsNorm>,
     ) -> Tensor {
         let (bsz, t) = (x.size()[0], x.size()[1]);
-        let y = x.linear(w, b.as_ref()).view([bsz, t, n, self.head_dim]);
+        let y = linear_rows(x, w, b.as_ref(), self.min_rows).view([bsz, t, n, self.head_dim]);
         let y = match norm {
             Some(norm) => norm.forward(&y),
             None => y,
@@ -286,9 +321,8 @@ impl SelfAttention {
                 Some(rows) => self.segmented_invariant(&q, &k, &v, runs, rows),
                 None => self.segmented(&q, &k, &v, runs),
             };
-            return out
-                .view([bsz, t, self.num_heads * self.head_dim])
-                .linear(&self.o_proj, None::<Tensor>);
+            let out = out.view([bsz, t, self.num_heads * self.head_dim]);
+            return linear_rows(&out, &self.o_proj, None, self.min_rows);
         }
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
@@ -316,9 +350,10 @@ impl SelfAttention {
             None,
             native_gqa,
         );
-        out.transpose(1, 2)
-            .reshape([bsz, t, self.num_heads * self.head_dim])
-            .linear(&self.o_proj, None::<Tensor>)
+        let out = out
+            .transpose(1, 2)
+            .reshape([bsz, t, self.num_heads * self.head_dim]);
+        linear_rows(&out, &self.o_proj, None, self.min_rows)
     }
 }
 
@@ -391,6 +426,8 @@ struct Mlp {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
+    /// Projections run on at least this many rows (true on-policy mode; 0 otherwise).
+    min_rows: i64,
 }
 
 impl Mlp {
@@ -404,13 +441,16 @@ impl Mlp {
             gate: matrix(&(&p / "gate_proj"), "weight", i, h, std),
             up: matrix(&(&p / "up_proj"), "weight", i, h, std),
             down: matrix(&(&p / "down_proj"), "weight", h, i, std),
+            min_rows: 0,
         }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        let none = None::<Tensor>;
-        (x.linear(&self.gate, none.as_ref()).silu() * x.linear(&self.up, none.as_ref()))
-            .linear(&self.down, none.as_ref())
+        let proj = |x: &Tensor, w: &Tensor| linear_rows(x, w, None, self.min_rows);
+        proj(
+            &(proj(x, &self.gate).silu() * proj(x, &self.up)),
+            &self.down,
+        )
     }
 }
 

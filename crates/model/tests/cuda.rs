@@ -7,8 +7,8 @@ mod common;
 
 use common::{causal, ids, max_abs_diff, model, positions};
 use manta_model::{
-    load_weights, save_pretrained, token_logprobs, Attention, CausalLm, KvCache, ModelConfig,
-    PagedBatch, PagedKvCache, PagedSeq,
+    decode_counters, load_weights, save_pretrained, token_logprobs, Attention, CausalLm, KvCache,
+    ModelConfig, PagedBatch, PagedKvCache, PagedSeq,
 };
 use tch::nn::VarStore;
 use tch::{Cuda, Device, Kind, Tensor};
@@ -367,7 +367,10 @@ fn invariant_attention_keeps_its_bits_under_autograd() {
     m.set_invariant_attention(true).expect("kernel builds");
     let no_grad = tch::no_grad(|| m.forward_hidden(&x, &pos, &attn, None));
     let with_grad = m.forward_hidden(&x, &pos, &attn, None);
-    assert!(with_grad.requires_grad(), "autograd reaches the hidden states");
+    assert!(
+        with_grad.requires_grad(),
+        "autograd reaches the hidden states"
+    );
     assert!(
         with_grad.detach().equal(&no_grad),
         "under autograd the forward value is not the kernel's"
@@ -377,6 +380,134 @@ fn invariant_attention_keeps_its_bits_under_autograd() {
         let scale = a.abs().max().double_value(&[]);
         assert!(scale > 0.0, "{name}: no gradient");
         let d = (a - b).abs().max().double_value(&[]) / scale;
-        assert!(d <= 5e-2, "{name}: true on-policy gradient differs by {d:e}");
+        assert!(
+            d <= 5e-2,
+            "{name}: true on-policy gradient differs by {d:e}"
+        );
+    }
+}
+
+/// True on-policy mode: the engine's paged forward (prompts in prefill chunks beside other
+/// sequences, then decode steps of two rows, as a CUDA graph replays them) gives every token
+/// the same bits as the trainer's packed forward of the whole sequences. Qwen3-0.6B's
+/// layer shapes, four layers.
+#[test]
+fn invariant_paged_forward_equals_the_packed_forward() {
+    if !Cuda::is_available() {
+        eprintln!("no CUDA device: nothing to check here");
+        return;
+    }
+    let gpu = Device::Cuda(0);
+    let cfg = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 2000, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "max_position_embeddings": 1024,
+        "initializer_range": 0.02}"#,
+        "0.6B layers",
+    )
+    .expect("valid config");
+    tch::manual_seed(8);
+    let mut vs = VarStore::new(gpu);
+    let mut m = CausalLm::new(&vs.root(), &cfg);
+    vs.bfloat16();
+    m.set_invariant_attention(true).expect("kernel builds");
+    let lens = [300usize, 150];
+    let tokens: Vec<Vec<i64>> = lens
+        .iter()
+        .enumerate()
+        .map(|(s, &l)| {
+            (0..l as i64)
+                .map(|i| (i * 37 + 11 * s as i64 + 5) % 2000)
+                .collect()
+        })
+        .collect();
+    let packed = tch::no_grad(|| {
+        let flat: Vec<i64> = tokens.concat();
+        let pos: Vec<i64> = lens.iter().flat_map(|&l| 0..l as i64).collect();
+        let lengths: Vec<i64> = lens.iter().map(|&l| l as i64).collect();
+        m.forward_hidden(
+            &Tensor::from_slice(&flat).view([1, -1]).to(gpu),
+            &Tensor::from_slice(&pos).view([1, -1]).to(gpu),
+            &Attention::Segments { lengths: &lengths },
+            None,
+        )
+        .squeeze_dim(0)
+    });
+    let reference = |s: usize, from: usize, n: usize| {
+        let start = if s == 0 { 0 } else { lens[0] } + from;
+        packed.narrow(0, start as i64, n as i64)
+    };
+    let bs = 16usize;
+    let kv = PagedKvCache::new(&cfg, 40, bs, Kind::BFloat16, gpu);
+    // Sequence s owns blocks 20s.. in reverse order.
+    let slot = |s: usize, pos: usize| ((20 * s + 19 - pos / bs) * bs + pos % bs) as i64;
+    let seq = |s: usize, ctx: usize, q_len: usize| PagedSeq {
+        q_len,
+        slots: (0..ctx).map(|p| slot(s, p)).collect(),
+    };
+    let run = |parts: &[(usize, usize, usize)], batch: &PagedBatch| {
+        let ids: Vec<i64> = parts
+            .iter()
+            .flat_map(|&(s, from, n)| tokens[s][from..from + n].to_vec())
+            .collect();
+        let pos: Vec<i64> = parts
+            .iter()
+            .flat_map(|&(_, from, n)| (from as i64)..(from + n) as i64)
+            .collect();
+        tch::no_grad(|| {
+            m.forward_paged(
+                &Tensor::from_slice(&ids).to(gpu),
+                &Tensor::from_slice(&pos).to(gpu),
+                batch,
+                &kv,
+            )
+        })
+    };
+    let check = |what: &str, got: &Tensor, parts: &[(usize, usize, usize)]| {
+        let want = Tensor::cat(
+            &parts
+                .iter()
+                .map(|&(s, from, n)| reference(s, from, n))
+                .collect::<Vec<_>>(),
+            0,
+        );
+        let differ = got.ne_tensor(&want).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(
+            differ, 0,
+            "{what}: {differ} elements differ from the packed forward"
+        );
+    };
+    // Two prompts' first chunks together, then their second chunks over the cached prefix.
+    for parts in [[(0, 0, 200), (1, 0, 140)], [(0, 200, 90), (1, 140, 5)]] {
+        let seqs: Vec<PagedSeq> = parts
+            .iter()
+            .map(|&(s, from, n)| seq(s, from + n, n))
+            .collect();
+        let got = run(&parts, &PagedBatch::new_invariant(&seqs, gpu, bs));
+        check(&format!("prefill {parts:?}"), &got, &parts);
+    }
+    // Decode steps of both rows, laid out as the engine's CUDA graphs lay them out.
+    let counters = decode_counters(2, gpu);
+    for step in 0..5usize {
+        let parts = [(0usize, 290 + step, 1usize), (1, 145 + step, 1)];
+        let width = 19i64;
+        let mut tables = vec![0i32; 2 * width as usize];
+        for (row, &(s, from, _)) in parts.iter().enumerate() {
+            for b in 0..(from + 1).div_ceil(bs) {
+                tables[row * width as usize + b] = (slot(s, b * bs) / bs as i64) as i32;
+            }
+        }
+        let lens_v: Vec<i32> = parts.iter().map(|&(_, from, _)| from as i32 + 1).collect();
+        let mapping: Vec<i64> = parts.iter().map(|&(s, from, _)| slot(s, from)).collect();
+        let batch = PagedBatch::decode_paged(
+            &Tensor::from_slice(&mapping).to(gpu),
+            &Tensor::from_slice(&tables).view([2, width]).to(gpu),
+            &Tensor::from_slice(&lens_v).to(gpu),
+            &counters,
+            bs,
+        );
+        let got = run(&parts, &batch);
+        check(&format!("decode step {step}"), &got, &parts);
     }
 }

@@ -69,8 +69,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Batch-invariant results: each request's tokens and log-probs do not depend on what
-    /// else is batched with it (attention through one fixed-order kernel, projections on
-    /// cuBLAS), and equal a Manta trainer's in --true-on-policy-mode. CUDA bf16 only;
+    /// else is batched with it (attention through one fixed-order kernel, the trainer's
+    /// layer ops), and equal a Manta trainer's in --true-on-policy-mode. CUDA bf16 only;
     /// decoding is slower.
     #[arg(long)]
     pub enable_deterministic_inference: bool,

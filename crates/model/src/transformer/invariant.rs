@@ -13,6 +13,11 @@ use tch::{Device, Kind, Tensor};
 use super::paged::PagedSeq;
 use super::{CausalLm, SelfAttention};
 
+/// Rows every projection runs on in true on-policy mode: from about 128 rows on, cuBLAS
+/// gives a row the bits it gets among thousands (H100, Qwen3-0.6B's shapes,
+/// bench/py/row_invariance.py); below, some shapes switch to split-K kernels.
+pub const INVARIANT_MIN_ROWS: i64 = 256;
+
 /// Where each token of one packed row finds its keys: its sequence's first slot and how
 /// many keys it sees (itself included), [T] i32 each.
 pub(super) struct PackedRows {
@@ -178,8 +183,8 @@ impl CausalLm {
     /// Runs attention through the batch-invariant kernel (true on-policy mode): in the
     /// packed forward (`Attention::Segments`, the trainer's) and in paged forwards (the
     /// engine's, whose batches must then come from [`super::PagedBatch::new_invariant`] or
-    /// `decode_paged`), and keeps the GEMV off so projections round as the trainer's
-    /// cuBLAS GEMMs do. CUDA and bf16 only; the kernel is compiled here, so a problem is
+    /// `decode_paged`); projections run on at least [`INVARIANT_MIN_ROWS`] rows and never
+    /// through the GEMV, so they round as the trainer's cuBLAS GEMMs do. CUDA and bf16 only; the kernel is compiled here, so a problem is
     /// reported now and the model stays as it was.
     pub fn set_invariant_attention(&mut self, on: bool) -> Result<(), String> {
         if on {
@@ -208,6 +213,11 @@ impl CausalLm {
             .map_err(|e| e.to_string())?;
         }
         self.invariant_attention = on;
+        let min_rows = if on { INVARIANT_MIN_ROWS } else { 0 };
+        for layer in &mut self.layers {
+            layer.self_attn.min_rows = min_rows;
+            layer.mlp.min_rows = min_rows;
+        }
         Ok(())
     }
 

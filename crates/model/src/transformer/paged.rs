@@ -6,7 +6,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::invariant::{PagedKeys, PagedRows};
-use super::{repeat_kv, CausalLm, RmsNorm, SelfAttention};
+use super::{linear_rows, repeat_kv, CausalLm, RmsNorm, SelfAttention};
 use crate::config::ModelConfig;
 
 /// Keys and values of every layer in one pool of `num_blocks × block_size` slots, allocated
@@ -280,9 +280,12 @@ impl SelfAttention {
             &batch.slot_mapping,
             &v.squeeze_dim(0).transpose(0, 1),
         );
-        self.attend(&q, pools, batch, invariant)
-            .unsqueeze(0)
-            .linear(&self.o_proj, None::<Tensor>)
+        linear_rows(
+            &self.attend(&q, pools, batch, invariant).unsqueeze(0),
+            &self.o_proj,
+            None,
+            self.min_rows,
+        )
     }
 
     /// The kernel path from the fused q/k/v projection `qkv` [N, (heads + 2 kv_heads) × hd]

@@ -59,9 +59,9 @@ pub struct NativeEngineOptions {
     pub chunked_prefill_size: usize,
     /// Longest sequence (prompt + output); default the model's `max_position_embeddings`.
     pub context_length: Option<usize>,
-    /// True on-policy mode (Miles' `--true-on-policy-mode`): attention through the
-    /// batch-invariant kernel and projections through cuBLAS, so log-probs equal a trainer
-    /// in the same mode. CUDA bf16 only; slower decoding.
+    /// True on-policy mode (Miles' `--true-on-policy-mode`): the trainer's layer ops with
+    /// attention through the batch-invariant kernel, so log-probs equal a trainer in the
+    /// same mode. CUDA bf16 only; decoding is slower (no fused decode kernels).
     pub true_on_policy: bool,
 }
 
@@ -211,9 +211,10 @@ impl NativeEngine {
                     }
                     vs.set_kind(kind);
                     vs.freeze();
-                    enable_decode_kernels(&mut model, thread_opts.device, kind);
                     if thread_opts.true_on_policy {
                         enable_true_on_policy(&mut model)?;
+                    } else {
+                        enable_decode_kernels(&mut model, thread_opts.device, kind);
                     }
                     // One extra block: the scratch block padding rows of CUDA graphs use.
                     let kv = PagedKvCache::new(
@@ -437,19 +438,15 @@ impl Engine for NativeEngine {
     }
 }
 
-/// Batch-invariant attention on top of the decode kernels (whose paged batches it reads).
+/// True on-policy mode: the trainer's own layer code (separate projections on cuBLAS,
+/// libtorch's norms and rotary) with attention through the batch-invariant kernel, so
+/// every op rounds as in the trainer's forward. Instead of the decode kernels, whose fused
+/// norms and projections round differently.
 fn enable_true_on_policy(model: &mut CausalLm) -> Result<(), EngineError> {
-    if !model.decode_kernels_enabled() {
-        return Err(EngineError::Unsupported(
-            "true on-policy mode needs the CUDA decode kernels (a bf16 model on a GPU, \
-             MANTA_DECODE_KERNELS not 0)"
-                .into(),
-        ));
-    }
     model
         .set_invariant_attention(true)
         .map_err(|e| EngineError::Unsupported(format!("true on-policy mode: {e}")))?;
-    tracing::info!("true on-policy mode: batch-invariant attention, projections on cuBLAS");
+    tracing::info!("true on-policy mode: the trainer's layer ops, batch-invariant attention");
     Ok(())
 }
 

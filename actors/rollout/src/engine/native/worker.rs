@@ -87,9 +87,11 @@ impl Worker {
     ) -> Self {
         // A sequence alone must always fit the pool, so preemption can always make progress.
         let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
+        // Decode steps read the pool in place (block tables) for the kernels, and for
+        // batch-invariant attention.
         let graphs = DecodeGraphs::new(
             device,
-            model.decode_kernels_enabled(),
+            model.decode_kernels_enabled() || model.invariant_attention_enabled(),
             sched.max_running,
             context_length,
             sched.block_size,
