@@ -400,6 +400,17 @@ mod tests {
     }
 
     #[test]
+    fn true_on_policy_mode_reaches_the_trainer_and_engine_settings() {
+        let cli = Cli::try_parse_from(["driver", "--true-on-policy-mode"]).unwrap();
+        let s = cli.train.overrides().resolve();
+        assert!(s.algo.true_on_policy_mode);
+        assert!(crate::local::algo_options(&s).true_on_policy);
+        let off = Cli::try_parse_from(["driver"]).unwrap();
+        let s = off.train.overrides().resolve();
+        assert!(!crate::local::algo_options(&s).true_on_policy);
+    }
+
+    #[test]
     fn megatron_recompute_and_bf16_flags_parse() {
         let cli = Cli::try_parse_from([
             "driver",

@@ -595,3 +595,25 @@ async fn released_kv_memory_holds_requests_until_resumed() {
         "the prefix cache went with the memory"
     );
 }
+
+/// True on-policy mode needs the GPU kernel: on the CPU the engine refuses to start and
+/// says why, instead of silently running the default numerics.
+#[test]
+fn true_on_policy_mode_on_the_cpu_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        root().join("assets/tiny-qwen3/config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let mut opts = NativeEngineOptions::new(dir.path(), Device::Cpu);
+    opts.true_on_policy = true;
+    let err = NativeEngine::start(opts)
+        .err()
+        .expect("true on-policy mode on the CPU must fail")
+        .to_string();
+    assert!(
+        err.contains("true on-policy mode") && err.contains("CUDA"),
+        "{err}"
+    );
+}
