@@ -44,8 +44,12 @@ def main() -> None:
     for k, b in enumerate(batches):
         run(b, 500 + k, 8)  # warm-up at this batch size, as the Manta run does
         wall, tokens = run(b, k)
-        rows.append({"batch": b, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall})
-        print(f"hf {shape} batch {b:>4}: {tokens / wall:.0f} tokens/s", file=sys.stderr)
+        # Prefill and first token alone, so the decode phase can be reported apart.
+        prefill, _ = run(b, 700 + k, 1)
+        decode = b * (new - 1) / (wall - prefill)
+        rows.append({"batch": b, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                     "prefill_s": prefill, "decode_tokens_per_s": decode})
+        print(f"hf {shape} batch {b:>4}: {tokens / wall:.0f} tokens/s, decode {decode:.0f}", file=sys.stderr)
     print(json.dumps({"shape": shape, "impl": f"transformers {__import__('transformers').__version__} generate (sdpa)",
                       "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": rows}))
 

@@ -611,3 +611,28 @@ fn tensor_parallel_is_refused_clearly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--tp-size 2"), "{stderr}");
 }
+
+/// `--enable-deterministic-inference` needs the GPU kernel: on the CPU the server refuses
+/// to start and names the flag and the reason.
+#[test]
+fn deterministic_inference_on_the_cpu_is_refused_clearly() {
+    let dir = model_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(["serve", "--model-path"])
+        .arg(dir.path())
+        .args([
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--enable-deterministic-inference",
+        ])
+        .output()
+        .expect("run driver serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--enable-deterministic-inference") && stderr.contains("CUDA"),
+        "{stderr}"
+    );
+}

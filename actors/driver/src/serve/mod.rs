@@ -126,8 +126,6 @@ pub struct IgnoredSglangFlags {
     #[arg(long, hide = true)]
     pub disable_radix_cache: bool,
     #[arg(long, hide = true)]
-    pub enable_deterministic_inference: bool,
-    #[arg(long, hide = true)]
     pub disable_custom_all_reduce: bool,
     #[arg(long, hide = true)]
     pub nnodes: Option<usize>,
@@ -158,10 +156,6 @@ impl IgnoredSglangFlags {
         flag(self.watchdog_timeout.is_some(), "watchdog-timeout");
         flag(self.schedule_policy.is_some(), "schedule-policy");
         flag(self.disable_radix_cache, "disable-radix-cache");
-        flag(
-            self.enable_deterministic_inference,
-            "enable-deterministic-inference",
-        );
         flag(self.disable_custom_all_reduce, "disable-custom-all-reduce");
         flag(self.nnodes.is_some(), "nnodes");
         flag(self.node_rank.is_some(), "node-rank");
@@ -296,6 +290,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         opts.context_length = Some(n);
     }
     opts.true_on_policy = args.enable_deterministic_inference;
+    let deterministic = opts.true_on_policy;
     for (name, value) in [
         ("--max-running-requests", opts.max_running_requests),
         ("--chunked-prefill-size", opts.chunked_prefill_size),
@@ -314,7 +309,14 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let engine = tokio::task::spawn_blocking(move || NativeEngine::start(opts))
         .await
         .context("engine start-up panicked")?
-        .with_context(|| format!("cannot start the engine on {}", model_path.display()))?;
+        .with_context(|| {
+            let mode = if deterministic {
+                " with --enable-deterministic-inference"
+            } else {
+                ""
+            };
+            format!("cannot start the engine on {}{mode}", model_path.display())
+        })?;
 
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
