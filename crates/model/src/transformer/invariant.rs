@@ -183,11 +183,19 @@ impl CausalLm {
     /// Runs attention through the batch-invariant kernel (true on-policy mode): in the
     /// packed forward (`Attention::Segments`, the trainer's) and in paged forwards (the
     /// engine's, whose batches must then come from [`super::PagedBatch::new_invariant`] or
-    /// `decode_paged`); projections run on at least [`INVARIANT_MIN_ROWS`] rows and never
-    /// through the GEMV, so they round as the trainer's cuBLAS GEMMs do. CUDA and bf16 only; the kernel is compiled here, so a problem is
+    /// `decode_paged`); projections run on at least [`INVARIANT_MIN_ROWS`] rows, so they
+    /// round as the trainer's cuBLAS GEMMs do. Refused while the decode kernels are on
+    /// (their fused ops round differently), and they are refused while this is on. CUDA and bf16 only; the kernel is compiled here, so a problem is
     /// reported now and the model stays as it was.
     pub fn set_invariant_attention(&mut self, on: bool) -> Result<(), String> {
         if on {
+            if self.decode_kernels.is_some() {
+                return Err(
+                    "the decode kernels are on: they round differently from the trainer's ops, \
+                     so true on-policy mode needs a model without them"
+                        .into(),
+                );
+            }
             let Device::Cuda(index) = self.embed_tokens.device() else {
                 return Err("batch-invariant attention runs on CUDA only".into());
             };

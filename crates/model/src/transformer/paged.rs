@@ -299,7 +299,6 @@ impl SelfAttention {
         inv_freq: &Tensor,
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
-        invariant: bool,
     ) -> Tensor {
         let n = qkv.size()[0];
         let mut q = Tensor::empty(
@@ -322,10 +321,10 @@ impl SelfAttention {
             panic!("q/k norm + rotary + cache store kernel: {e}");
         }
         project(
-            &self.attend(&q, pools, batch, invariant),
+            &self.attend(&q, pools, batch, false),
             &self.o_proj,
             None,
-            fused.gemv && !invariant,
+            fused.gemv,
         )
     }
 
@@ -663,6 +662,13 @@ impl CausalLm {
     /// launches about 10 kernels per layer instead of about 30. The kernels are compiled
     /// here, so a build or driver problem is reported now and the model stays as it was.
     pub fn enable_decode_kernels(&mut self) -> Result<(), String> {
+        if self.invariant_attention {
+            return Err(
+                "the decode kernels round differently from the trainer's ops; true on-policy \
+                 mode (batch-invariant attention) runs without them"
+                    .into(),
+            );
+        }
         let Device::Cuda(index) = self.embed_tokens.device() else {
             return Err("the decode kernels run on CUDA only".into());
         };
@@ -727,8 +733,7 @@ impl CausalLm {
     ) -> Tensor {
         let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let inter = self.cfg.intermediate_size;
-        // True on-policy runs keep cuBLAS, which rounds as the trainer's GEMMs do.
-        let gemv = fused.first().is_some_and(|f| f.gemv) && !self.invariant_attention;
+        let gemv = fused.first().is_some_and(|f| f.gemv);
         // At a few rows, each residual add + norm goes into the GEMV after it.
         let rows = x.size()[0];
         let fuse_norms = gemv
@@ -752,7 +757,6 @@ impl CausalLm {
                 &self.rotary.inv_freq,
                 cache.layer(i),
                 batch,
-                self.invariant_attention,
             );
             let act = normed_projection(
                 &mut x,
