@@ -11,6 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
+def differing(op, x, ms):
+    """Share of each M-row prefix's outputs that differ from the same rows among all of x."""
+    full = op(x)
+    return " ".join(f"{m}:{(op(x[:m]) != full[:m]).float().mean().item() * 100:.1f}%" for m in ms)
+
+
 def main():
     torch.manual_seed(0)
     dev = "cuda"
@@ -22,38 +28,16 @@ def main():
     for name, (k, n) in shapes.items():
         x = torch.randn(rows, k, device=dev).bfloat16()
         w = (torch.randn(n, k, device=dev) * 0.02).bfloat16()
-        full = F.linear(x, w)
-        diffs = []
-        for m in ms:
-            part = F.linear(x[:m], w)
-            diffs.append(f"{m}:{(part != full[:m]).float().mean().item() * 100:.1f}%")
-        print(f"linear {name} [{k}->{n}]: " + " ".join(diffs))
-    # lm_head with fp32 output
+        print(f"linear {name} [{k}->{n}]: " + differing(lambda a: F.linear(a, w), x, ms))
     x = torch.randn(rows, 1024, device=dev).bfloat16()
     w = (torch.randn(151936, 1024, device=dev) * 0.02).bfloat16()
-    full = torch.mm(x, w.t(), out_dtype=torch.float32)
-    diffs = []
-    for m in ms:
-        part = torch.mm(x[:m], w.t(), out_dtype=torch.float32)
-        diffs.append(f"{m}:{(part != full[:m]).float().mean().item() * 100:.1f}%")
-    print("mm_dtype lm_head fp32 out: " + " ".join(diffs))
-    # rms_norm
-    x = torch.randn(rows, 1024, device=dev).bfloat16()
+    print("mm_dtype lm_head fp32 out: "
+          + differing(lambda a: torch.mm(a, w.t(), out_dtype=torch.float32), x, ms))
     wn = torch.rand(1024, device=dev).bfloat16() + 0.5
-    full = F.rms_norm(x, [1024], wn, 1e-6)
-    diffs = []
-    for m in ms:
-        part = F.rms_norm(x[:m], [1024], wn, 1e-6)
-        diffs.append(f"{m}:{(part != full[:m]).float().mean().item() * 100:.1f}%")
-    print("rms_norm 1024: " + " ".join(diffs))
+    print("rms_norm 1024: " + differing(lambda a: F.rms_norm(a, [1024], wn, 1e-6), x, ms))
     xh = torch.randn(rows, 16, 128, device=dev).bfloat16()
     wh = torch.rand(128, device=dev).bfloat16() + 0.5
-    full = F.rms_norm(xh, [128], wh, 1e-6)
-    diffs = []
-    for m in ms:
-        part = F.rms_norm(xh[:m], [128], wh, 1e-6)
-        diffs.append(f"{m}:{(part != full[:m]).float().mean().item() * 100:.1f}%")
-    print("rms_norm head 128: " + " ".join(diffs))
+    print("rms_norm head 128: " + differing(lambda a: F.rms_norm(a, [128], wh, 1e-6), xh, ms))
 
 
 if __name__ == "__main__":

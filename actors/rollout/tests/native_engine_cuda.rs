@@ -130,6 +130,19 @@ fn trainer_scores(
     })
 }
 
+/// The engine on GPU 0 over a random model of `config` (weights from `SEED`), 30 % of the
+/// GPU's memory; the temp dir must outlive it.
+fn start_engine(config: &str, true_on_policy: bool) -> (tempfile::TempDir, Arc<NativeEngine>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("config.json"), config).expect("write config");
+    let mut opts = NativeEngineOptions::new(dir.path(), Device::Cuda(0));
+    opts.seed = SEED;
+    opts.mem_fraction_static = 0.3;
+    opts.true_on_policy = true_on_policy;
+    let engine = NativeEngine::start(opts).expect("engine starts");
+    (dir, engine)
+}
+
 /// Greedy decoding through the engine's CUDA path (decode steps as CUDA graphs, the paged
 /// kernels, the small-batch GEMV with its fused norms, the sampling kernel) picks what the
 /// trainer's forward ranks first, wherever the first two candidates are apart by more than
@@ -146,12 +159,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     }
     let device = Device::Cuda(0);
     let config = peaked_config();
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("config.json"), &config).expect("write config");
-    let mut opts = NativeEngineOptions::new(dir.path(), device);
-    opts.seed = SEED;
-    opts.mem_fraction_static = 0.3;
-    let engine: Arc<NativeEngine> = NativeEngine::start(opts).expect("engine starts");
+    let (_dir, engine) = start_engine(&config, false);
     let ps = prompts(8);
     let greedy = |p: &Vec<u32>| {
         engine.generate(GenerateRequest {
@@ -214,14 +222,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
 /// sequence (tokens, prompt length) with the engine's log-probs of its output tokens, and
 /// the second turns' cached token counts.
 async fn sample_two_turns(true_on_policy: bool) -> (Vec<(Vec<u32>, usize)>, Vec<Vec<f32>>, usize) {
-    let device = Device::Cuda(0);
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("config.json"), CONFIG).expect("write config");
-    let mut opts = NativeEngineOptions::new(dir.path(), device);
-    opts.seed = SEED;
-    opts.mem_fraction_static = 0.3;
-    opts.true_on_policy = true_on_policy;
-    let engine: Arc<NativeEngine> = NativeEngine::start(opts).expect("engine starts");
+    let (_dir, engine) = start_engine(CONFIG, true_on_policy);
     let sample = |input_ids: Vec<u32>, max_new_tokens: usize, seed: u64| {
         engine.generate(GenerateRequest {
             input_ids,
@@ -334,14 +335,7 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
     }
-    let device = Device::Cuda(0);
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("config.json"), CONFIG).expect("write config");
-    let mut opts = NativeEngineOptions::new(dir.path(), device);
-    opts.seed = SEED;
-    opts.mem_fraction_static = 0.3;
-    opts.true_on_policy = true;
-    let engine: Arc<NativeEngine> = NativeEngine::start(opts).expect("engine starts");
+    let (_dir, engine) = start_engine(CONFIG, true);
     let ps = prompts(16);
     let sample = |p: &Vec<u32>, seed: u64| {
         engine.generate(GenerateRequest {

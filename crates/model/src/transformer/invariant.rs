@@ -8,7 +8,7 @@
 //! is the kernel's, the derivative flash attention's (the same function, rounded apart).
 
 use manta_cuda::invariant_attention::{self as kernel, KeyLayout};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use super::paged::PagedSeq;
 use super::{CausalLm, SelfAttention};
@@ -196,20 +196,7 @@ impl CausalLm {
                         .into(),
                 );
             }
-            let Device::Cuda(index) = self.embed_tokens.device() else {
-                return Err("batch-invariant attention runs on CUDA only".into());
-            };
-            if self.embed_tokens.kind() != Kind::BFloat16 {
-                return Err(format!(
-                    "batch-invariant attention needs bf16 weights, not {:?}",
-                    self.embed_tokens.kind()
-                ));
-            }
-            if !manta_cuda::built_with_cuda() {
-                return Err(
-                    "this build has no CUDA kernels (no CUDA headers at build time)".into(),
-                );
-            }
+            let index = self.kernel_device("batch-invariant attention kernels")?;
             let cfg = &self.cfg;
             let arch = manta_cuda::device_arch(index).map_err(|e| e.to_string())?;
             kernel::compile_check(

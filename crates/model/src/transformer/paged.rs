@@ -669,18 +669,7 @@ impl CausalLm {
                     .into(),
             );
         }
-        let Device::Cuda(index) = self.embed_tokens.device() else {
-            return Err("the decode kernels run on CUDA only".into());
-        };
-        if self.embed_tokens.kind() != Kind::BFloat16 {
-            return Err(format!(
-                "the decode kernels need bf16 weights, not {:?}",
-                self.embed_tokens.kind()
-            ));
-        }
-        if !manta_cuda::built_with_cuda() {
-            return Err("this build has no CUDA kernels (no CUDA headers at build time)".into());
-        }
+        let index = self.kernel_device("the decode kernels")?;
         let cfg = &self.cfg;
         let shape = manta_cuda::KernelShape {
             hidden: cfg.hidden_size as usize,
@@ -716,6 +705,24 @@ impl CausalLm {
         }
         self.decode_kernels = Some(fused);
         Ok(())
+    }
+
+    /// The CUDA device index of a bf16 model in a build with the CUDA kernels, or why
+    /// `what` cannot run here.
+    pub(super) fn kernel_device(&self, what: &str) -> Result<usize, String> {
+        let Device::Cuda(index) = self.embed_tokens.device() else {
+            return Err(format!("{what} run on CUDA only"));
+        };
+        if self.embed_tokens.kind() != Kind::BFloat16 {
+            return Err(format!(
+                "{what} need bf16 weights, not {:?}",
+                self.embed_tokens.kind()
+            ));
+        }
+        if !manta_cuda::built_with_cuda() {
+            return Err("this build has no CUDA kernels (no CUDA headers at build time)".into());
+        }
+        Ok(index)
     }
 
     /// Whether paged forwards run the CUDA decode kernels.
