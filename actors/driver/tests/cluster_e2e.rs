@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{free_port, workspace, Worker};
+use common::{free_port, free_ports, workspace, Worker};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -138,7 +138,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     // model takes a fraction of a second, a worker's start and first heartbeat longer.
     const STEPS: u64 = 12;
     let tmp = tempfile::tempdir().unwrap();
-    let ports = [free_port(), free_port()];
+    let ports = free_ports::<2>();
     let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
     let _w0 = start_worker(ports[0], &logs[0]);
     let mut w1 = Some(start_worker(ports[1], &logs[1]));
@@ -400,7 +400,7 @@ struct TrainerCluster {
 impl TrainerCluster {
     fn start(on_failure: &str) -> Self {
         let tmp = tempfile::tempdir().unwrap();
-        let ports = [free_port(), free_port()];
+        let ports = free_ports::<2>();
         let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
         let _w0 = start_worker(ports[0], &logs[0]);
         let w1 = Some(start_worker(ports[1], &logs[1]));

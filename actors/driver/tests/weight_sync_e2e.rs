@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{free_port, workspace, Worker};
+use common::{free_ports, workspace, Worker};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -208,7 +208,7 @@ fn driver(cluster: &Path, runs: &Path, save: &Path, samples: &Path, steps: u64) 
 fn remote_engines_get_the_trainers_weights_over_grpc_bit_for_bit() {
     const STEPS: u64 = 12;
     let tmp = tempfile::tempdir().unwrap();
-    let ports = [free_port(), free_port()];
+    let ports = free_ports::<2>();
     let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
     let _w0 = start_worker(ports[0], &tmp.path().join("w0"), &logs[0]);
     let mut w1 = Some(start_worker(ports[1], &tmp.path().join("w1"), &logs[1]));

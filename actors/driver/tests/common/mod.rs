@@ -85,6 +85,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `N` distinct free ports: the listeners are held until all are picked, so two calls of
+/// [`free_port`] in a row cannot hand out the same port twice.
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    std::array::from_fn(|i| listeners[i].local_addr().expect("its address").port())
+}
+
 /// A `worker` process, killed and reaped when the test lets go of it.
 pub struct Worker(pub std::process::Child);
 
