@@ -161,6 +161,32 @@ pub fn trainer_options(settings: &TrainSettings, device: Device) -> TrainerOptio
     }
 }
 
+/// True on-policy mode needs every engine to compute as the trainer does, which only the
+/// native engine in this process can (`remote`: engines placed on workers, which run on
+/// the CPU or SGLang). Refused by name otherwise, instead of a run whose log-probs differ.
+pub fn check_true_on_policy(
+    rollout: &manta_config::RolloutSection,
+    settings: &TrainSettings,
+    remote: bool,
+) -> anyhow::Result<()> {
+    if !settings.algo.true_on_policy_mode || rollout.engines == 0 {
+        return Ok(());
+    }
+    if remote {
+        anyhow::bail!(
+            "--true-on-policy-mode: the rollout engines would run on workers (on the CPU, or \
+             SGLang), which cannot compute as the trainer does; run it in local mode"
+        );
+    }
+    if matches!(rollout.engine, EngineKind::Sglang) {
+        anyhow::bail!(
+            "--true-on-policy-mode needs rollout.engine = \"native\": SGLang engines compute \
+             attention with their own kernels"
+        );
+    }
+    Ok(())
+}
+
 /// slime's loss and schedule flags for the trainer. The names were validated when the
 /// settings were resolved; an unknown one here falls back to slime's default.
 pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
@@ -207,6 +233,7 @@ pub async fn start(
     settings: &TrainSettings,
     host_trainer: bool,
 ) -> anyhow::Result<LocalWorker> {
+    check_true_on_policy(&cluster.rollout, settings, false)?;
     let model_dir = settings.model.as_path();
     check_model_dir(model_dir)?;
     let env_server = start_builtin_server(train).await?;
@@ -428,6 +455,36 @@ fn engine_mem_fraction(rollout: &manta_config::RolloutSection, default: f64) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn true_on_policy_mode_is_refused_where_engines_cannot_follow_the_trainer() {
+        let mut rollout = manta_config::RolloutSection {
+            engines: 1,
+            ..Default::default()
+        };
+        let mut settings = manta_config::TrainOverrides::default().resolve();
+        assert!(
+            check_true_on_policy(&rollout, &settings, true).is_ok(),
+            "mode off"
+        );
+        settings.algo.true_on_policy_mode = true;
+        assert!(check_true_on_policy(&rollout, &settings, false).is_ok());
+        let err = check_true_on_policy(&rollout, &settings, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--true-on-policy-mode") && err.contains("workers"),
+            "{err}"
+        );
+        rollout.engine = EngineKind::Sglang;
+        let err = check_true_on_policy(&rollout, &settings, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rollout.engine") && err.contains("SGLang"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn a_colocated_engine_takes_a_small_share_unless_told() {

@@ -41,6 +41,7 @@ pub async fn train_remote(
     mut settings: TrainSettings,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
+    local::check_true_on_policy(&cluster.rollout, &settings, true)?;
     let token = load_token().context("remote mode needs the cluster token")?;
     let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
     settings.run_name = Some(run_name.clone());

@@ -127,7 +127,6 @@ impl TrainerSpawnConfig {
             recompute: self.recompute.or(self
                 .gradient_checkpointing
                 .then_some(manta_trainer::Recompute::EVERY_LAYER)),
-            // Remote trainers do not receive slime's loss flags yet: plain GRPO.
             algo: self.algo,
         })
     }
