@@ -240,6 +240,11 @@ fn linear_rows(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, min_rows: i64) -> 
 }
 
 impl SelfAttention {
+    /// The softmax scale of scores, 1 / sqrt(head_dim) (SDPA's default).
+    fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
     fn new(p: Path, cfg: &ModelConfig) -> Self {
         let (h, nh, nkv, hd) = (
             cfg.hidden_size,

@@ -290,7 +290,6 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         opts.context_length = Some(n);
     }
     opts.true_on_policy = args.enable_deterministic_inference;
-    let deterministic = opts.true_on_policy;
     for (name, value) in [
         ("--max-running-requests", opts.max_running_requests),
         ("--chunked-prefill-size", opts.chunked_prefill_size),
@@ -310,7 +309,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .await
         .context("engine start-up panicked")?
         .with_context(|| {
-            let mode = if deterministic {
+            let mode = if args.enable_deterministic_inference {
                 " with --enable-deterministic-inference"
             } else {
                 ""

@@ -10,7 +10,7 @@
 use manta_cuda::invariant_attention::{self as kernel, KeyLayout};
 use tch::{Device, Tensor};
 
-use super::paged::PagedSeq;
+use super::paged::{block_tables, PagedSeq};
 use super::{CausalLm, SelfAttention};
 
 /// Rows every projection runs on in true on-policy mode: from about 128 rows on, cuBLAS
@@ -57,18 +57,8 @@ pub(super) struct PagedRows {
 impl PagedRows {
     /// `seqs` in flat order; their slots come in whole blocks of `block_size`.
     pub(super) fn new(seqs: &[PagedSeq], block_size: usize, device: Device) -> Self {
-        let width = seqs
-            .iter()
-            .map(|s| s.slots.len().div_ceil(block_size))
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let mut tables = vec![0i32; seqs.len() * width];
         let (mut row_table, mut row_len) = (Vec::new(), Vec::new());
         for (i, s) in seqs.iter().enumerate() {
-            for (j, block) in s.slots.chunks(block_size).enumerate() {
-                tables[i * width + j] = (block[0] / block_size as i64) as i32;
-            }
             let past = (s.slots.len() - s.q_len) as i32;
             for t in 0..s.q_len as i32 {
                 row_table.push(i as i32);
@@ -76,9 +66,7 @@ impl PagedRows {
             }
         }
         Self {
-            tables: Tensor::from_slice(&tables)
-                .view([seqs.len() as i64, width as i64])
-                .to(device),
+            tables: block_tables(seqs, block_size, device),
             row_table: Tensor::from_slice(&row_table).to(device),
             row_len: Tensor::from_slice(&row_len).to(device),
             block_size,
@@ -98,10 +86,6 @@ pub(super) enum PagedKeys<'a> {
 }
 
 impl SelfAttention {
-    fn scale(&self) -> f64 {
-        1.0 / (self.head_dim as f64).sqrt()
-    }
-
     /// The kernel over [R, heads, hd] queries; [R, heads × hd].
     fn run_invariant(
         &self,

@@ -126,43 +126,26 @@ impl PagedBatch {
     /// [`CausalLm::set_invariant_attention`]: every row, prefill or decode, goes to the
     /// batch-invariant kernel through its sequence's block table.
     pub fn new_invariant(seqs: &[PagedSeq], device: Device, block_size: usize) -> Self {
-        let mut batch = Self::layout(seqs, device, Some(block_size));
-        batch.invariant = Some(PagedRows::new(seqs, block_size, device));
-        batch
+        Self {
+            slot_mapping: Tensor::from_slice(&new_slots(seqs)).to(device),
+            decode: None,
+            prefill: Vec::new(),
+            invariant: Some(PagedRows::new(seqs, block_size, device)),
+        }
     }
 
     fn layout(seqs: &[PagedSeq], device: Device, paged: Option<usize>) -> Self {
-        let mut slot_mapping = Vec::new();
-        for s in seqs {
-            assert!(
-                s.q_len >= 1 && s.q_len <= s.slots.len(),
-                "each sequence needs 1..=context new tokens"
-            );
-            slot_mapping.extend_from_slice(&s.slots[s.slots.len() - s.q_len..]);
-        }
+        let slot_mapping = new_slots(seqs);
         let decode_count = seqs.iter().take_while(|s| s.q_len == 1).count();
         let decode = (decode_count > 0).then(|| {
             let group = &seqs[..decode_count];
             let rows = decode_count as i64;
             if let Some(block_size) = paged {
-                let width = group
-                    .iter()
-                    .map(|s| s.slots.len().div_ceil(block_size))
-                    .max()
-                    .unwrap_or(1);
-                let mut tables = vec![0i32; decode_count * width];
-                for (row, s) in group.iter().enumerate() {
-                    for (j, block) in s.slots.chunks(block_size).enumerate() {
-                        tables[row * width + j] = (block[0] / block_size as i64) as i32;
-                    }
-                }
                 let lens: Vec<i32> = group.iter().map(|s| s.slots.len() as i32).collect();
                 return (
                     decode_count,
                     DecodeAttention::Paged {
-                        tables: Tensor::from_slice(&tables)
-                            .view([rows, width as i64])
-                            .to(device),
+                        tables: block_tables(group, block_size, device),
                         lens: Tensor::from_slice(&lens).to(device),
                         counters: decode_counters(rows, device),
                         block_size,
@@ -204,6 +187,39 @@ impl PagedBatch {
             invariant: None,
         }
     }
+}
+
+/// The slots receiving each sequence's new keys and values, in flat order.
+fn new_slots(seqs: &[PagedSeq]) -> Vec<i64> {
+    let mut slots = Vec::new();
+    for s in seqs {
+        assert!(
+            s.q_len >= 1 && s.q_len <= s.slots.len(),
+            "each sequence needs 1..=context new tokens"
+        );
+        slots.extend_from_slice(&s.slots[s.slots.len() - s.q_len..]);
+    }
+    slots
+}
+
+/// One block table per sequence, [S, max blocks] i32 (block id = first slot / block_size;
+/// the slots come in whole blocks).
+pub(super) fn block_tables(seqs: &[PagedSeq], block_size: usize, device: Device) -> Tensor {
+    let width = seqs
+        .iter()
+        .map(|s| s.slots.len().div_ceil(block_size))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut tables = vec![0i32; seqs.len() * width];
+    for (row, s) in seqs.iter().enumerate() {
+        for (j, block) in s.slots.chunks(block_size).enumerate() {
+            tables[row * width + j] = (block[0] / block_size as i64) as i32;
+        }
+    }
+    Tensor::from_slice(&tables)
+        .view([seqs.len() as i64, width as i64])
+        .to(device)
 }
 
 impl PagedBatch {
@@ -364,6 +380,10 @@ impl SelfAttention {
             };
             return self.paged_invariant(q, pools, keys);
         }
+        assert!(
+            batch.invariant.is_none(),
+            "a batch from PagedBatch::new_invariant needs CausalLm::set_invariant_attention"
+        );
         let n = q.size()[0];
         let (k_pool, v_pool) = (pools.0.shallow_clone(), pools.1.shallow_clone());
         let rep = self.num_heads / self.num_kv_heads;
@@ -381,7 +401,7 @@ impl SelfAttention {
         {
             let qd = q.narrow(0, 0, *rows as i64).contiguous();
             let mut out = qd.empty_like();
-            let scale = 1.0 / (hd as f64).sqrt();
+            let scale = self.scale();
             if let Err(e) = manta_cuda::paged_decode_attention(
                 &qd,
                 &k_pool,
@@ -411,8 +431,7 @@ impl SelfAttention {
             // Rounded where flash attention (the trainer's SDPA, transformers') rounds:
             // scores and softmax in fp32, the unnormalised weights rounded to the model's
             // dtype for the product with the values, which is normalised in fp32 after.
-            let scores =
-                wide_matmul(&qd, &gather(&k_pool).transpose(2, 3)) * (1.0 / (hd as f64).sqrt());
+            let scores = wide_matmul(&qd, &gather(&k_pool).transpose(2, 3)) * self.scale();
             let scores = scores.masked_fill(&keep.logical_not(), f64::NEG_INFINITY);
             let weights = (&scores - scores.amax([-1], true)).exp();
             let sum = weights.sum_dim_intlist(-1, true, Kind::Float);
