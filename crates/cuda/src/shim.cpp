@@ -412,11 +412,11 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     int max_blocks = static_cast<int>(tables.size(1));
     const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
     // Enough CTAs to fill every SM about four times over (several CTAs stay resident per
-    // SM), each split at least 32 tokens long.
+    // SM), each split at least 32 tokens long, at most 64 splits (the merge's width).
     const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
     const int64_t ctas = nkv * batch;
     const int64_t target = paged_ctas_per_sm() * sms;
-    int64_t splits = std::max<int64_t>(1, std::min<int64_t>((target + ctas - 1) / ctas, (max_ctx + 31) / 32));
+    int64_t splits = std::max<int64_t>(1, std::min<int64_t>({(target + ctas - 1) / ctas, (max_ctx + 31) / 32, 64}));
     int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
     int splits_i = static_cast<int>(splits);
     at::Tensor part_acc, part_ml;
@@ -439,7 +439,7 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
       const void* pmc = pm;
-      void* combine_args[] = {&pac, &pmc, &op, &splits_i};
+      void* combine_args[] = {&pac, &pmc, &lp, &op, &chunk, &splits_i};
       launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
              static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args);
     }
