@@ -658,9 +658,21 @@ int64_t gemv_k_split(int64_t k, int64_t n) {
   const int64_t split = forced != 0 ? forced : (n <= 2048 ? 4 : 1);
   return k % (256 * split) == 0 ? split : 1;
 }
+// Warps per CTA. The variants with the fused norm take 8: every CTA computes the norm of
+// the whole input row before its products, so fewer, wider CTAs repeat it less (H100,
+// 2026-11-24: 8B batch 1 144 -> 152 decode tokens/s, 0.6B batch 1 ~3 % in noisy A/Bs; 2
+// warps were slower). MANTA_GEMV_WARPS (2, 4, 8) and MANTA_GEMV_NORM_WARPS (2, 4, 8, 16)
+// override, for A/B runs. Read once.
+int64_t gemv_warps(bool norm) {
+  static const int64_t plain = env_knob("MANTA_GEMV_WARPS", 4, {2, 4, 8});
+  static const int64_t normed = env_knob("MANTA_GEMV_NORM_WARPS", 8, {2, 4, 8, 16});
+  return norm ? normed : plain;
+}
+int64_t gemv_split(int64_t k, int64_t n, bool norm) { return std::min(gemv_k_split(k, n), gemv_warps(norm)); }
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm) {
   return define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
-         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) + define("KSPLIT", gemv_k_split(k, n));
+         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) + define("KSPLIT", gemv_split(k, n, norm)) +
+         define("GEMV_WARPS", gemv_warps(norm));
 }
 // NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
 bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
@@ -715,9 +727,10 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     void* yp = y.data_ptr();
     int m_i = static_cast<int>(rows), n_i = static_cast<int>(n);
     void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
-    const int64_t per_cta = 4 / gemv_k_split(k, n) * gemv_rows_per_warp(n, silu != 0);
+    const int64_t warps = gemv_warps(norm);
+    const int64_t per_cta = warps / gemv_split(k, n, norm) * gemv_rows_per_warp(n, silu != 0);
     launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm), "gemv", device), device,
-           static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, 128, args);
+           static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args);
   });
 #else
   last_error() = "built without CUDA";
