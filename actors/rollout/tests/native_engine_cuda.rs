@@ -27,6 +27,11 @@ use tch::{nn, Cuda, Device, Kind, Tensor};
 
 const SEED: u64 = 5;
 
+/// One test at a time: each builds its random models from `SEED` through libtorch's global
+/// generator, so a test running beside another would get other weights than the trainer
+/// model it is compared with (every token then disagrees).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Qwen3-0.6B's shape (what bench/run_e2e.sh trains), random weights from `SEED`.
 const CONFIG: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
     "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
@@ -157,6 +162,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
     }
+    let _serial = SERIAL.lock().await;
     let device = Device::Cuda(0);
     let config = peaked_config();
     let (_dir, engine) = start_engine(&config, false);
@@ -309,6 +315,7 @@ async fn true_on_policy_engine_logprobs_match_the_trainer_forward() {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
     }
+    let _serial = SERIAL.lock().await;
     let device = Device::Cuda(0);
     for true_on_policy in [false, true] {
         let (seqs, engine_lp, cached) = sample_two_turns(true_on_policy).await;
@@ -338,6 +345,7 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
     }
+    let _serial = SERIAL.lock().await;
     let (_dir, engine) = start_engine(CONFIG, true);
     let ps = prompts(16);
     let sample = |p: &Vec<u32>, seed: u64| {

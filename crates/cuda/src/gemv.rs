@@ -29,6 +29,7 @@ extern "C" {
         n: c_int,
         silu: c_int,
         max_rows: c_int,
+        out_f32: c_int,
         arch: c_int,
     ) -> c_int;
 }
@@ -55,7 +56,8 @@ pub fn supports(k: i64) -> bool {
 }
 
 /// `y = x · wᵀ` for `x` [rows ≤ 8, K], `w` [n, K], `y` [rows, n] (bf16, CUDA, contiguous);
-/// with `silu`, `w` is [gate | up] ([2n, K]) and `y = silu(x · gateᵀ) × (x · upᵀ)`.
+/// with `silu`, `w` is [gate | up] ([2n, K]) and `y = silu(x · gateᵀ) × (x · upᵀ)`. A plain
+/// product may write an fp32 `y`: the fp32 sums unrounded (an LM head's logits).
 pub fn gemv(x: &Tensor, w: &Tensor, y: &mut Tensor, silu: bool) -> Result<(), CudaError> {
     launch(x, None, w, y, silu)
 }
@@ -144,6 +146,24 @@ pub fn gemv_compile(
             n as c_int,
             silu as c_int,
             max_rows as c_int,
+            0,
+            arch as c_int,
+        )
+    })
+}
+
+/// Compiles the fp32-output GEMV (logits) for inner size `k` and `n` outputs, the variants
+/// for up to `max_rows` rows, for `sm_<arch>`.
+pub fn logits_compile(k: usize, n: usize, max_rows: i64, arch: u32) -> Result<(), CudaError> {
+    // SAFETY: the source is a NUL-terminated static.
+    check(unsafe {
+        manta_gemv_compile_check(
+            GEMV_SOURCE.as_ptr() as *const c_char,
+            k as c_int,
+            n as c_int,
+            0,
+            max_rows as c_int,
+            1,
             arch as c_int,
         )
     })
@@ -174,6 +194,9 @@ mod tests {
                 panic!("k {k}, n {n}, silu {silu}: {e}");
             }
         }
+        if let Err(e) = logits_compile(1024, 151_936, MAX_ROWS, 90) {
+            panic!("logits: {e}");
+        }
     }
 
     /// Largest |got − want| and largest |want| (for a tolerance relative to the output's size).
@@ -194,6 +217,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         tch::manual_seed(3);
         for (k, n) in [(1024i64, 4096i64), (2048, 1024), (3072, 1024), (4096, 6144)] {
@@ -228,6 +252,29 @@ mod tests {
                 );
             }
         }
+        // fp32 logits against cuBLAS writing fp32 (mm_dtype): both sum in fp32, in other
+        // orders, and neither rounds the result.
+        for (k, n) in [(1024i64, 151_936i64), (4096, 8192)] {
+            for rows in [1i64, 2] {
+                let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+                let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+                let want = x.mm_dtype(&w.tr(), Kind::Float);
+                let mut y = Tensor::empty([rows, n], (Kind::Float, dev));
+                gemv(&x, &w, &mut y, false).expect("fp32 gemv runs");
+                let (err, scale) = max_err(&y, &want);
+                assert!(
+                    err <= scale * 1e-5,
+                    "fp32 k {k} n {n} rows {rows}: {err} of {scale}"
+                );
+                // Rounded to bf16, the error would be ~4e-3 of the scale: the test sees it.
+                let (rounded, _) = max_err(&want.to_kind(Kind::BFloat16), &want);
+                assert!(rounded > scale * 1e-4, "bf16 rounding went unseen: {rounded}");
+            }
+        }
+        let (x, w) = (Tensor::zeros([1, 1024], (Kind::BFloat16, dev)), Tensor::zeros([2048, 1024], (Kind::BFloat16, dev)));
+        let mut y = Tensor::zeros([1, 1024], (Kind::Float, dev));
+        let e = gemv(&x, &w, &mut y, true).expect_err("fp32 silu");
+        assert!(e.to_string().contains("plain product"), "{e}");
         // The fused norm against add_rms_norm, then the plain GEMV.
         for (k, n, silu) in [
             (1024i64, 4096i64, false),

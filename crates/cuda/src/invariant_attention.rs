@@ -148,6 +148,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         tch::manual_seed(11);
         for (nh, nkv, hd) in [(16i64, 8i64, 128i64), (32, 8, 128), (14, 2, 64)] {

@@ -373,6 +373,15 @@ impl Drop for CudaGraph {
     }
 }
 
+/// Serialises this crate's GPU tests: a CUDA graph capture in one test thread makes any
+/// other thread's use of the CUDA random generator fail ("Offset increment outside graph
+/// capture encountered unexpectedly").
+#[cfg(test)]
+pub(crate) fn gpu_test_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,6 +393,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         let x = Tensor::zeros([4], (Kind::Float, dev));
         let w = Tensor::ones([4], (Kind::Float, dev)) * 2.0;
@@ -432,6 +442,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         tch::manual_seed(3);
         // Four rows split the context across CTAs; forty rows fill the GPU unsplit.
@@ -539,6 +550,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         let bf = (Kind::BFloat16, dev);
         tch::manual_seed(5);

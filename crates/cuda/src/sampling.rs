@@ -74,6 +74,7 @@ mod tests {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
         }
+        let _serial = crate::gpu_test_lock();
         tch::manual_seed(7);
         // One chunk, a few chunks, and Qwen's vocabulary (75 chunks).
         for vocab in [1000i64, 5000, 151_936] {

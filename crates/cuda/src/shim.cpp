@@ -669,8 +669,8 @@ int64_t gemv_warps(bool norm) {
   return norm ? normed : plain;
 }
 int64_t gemv_split(int64_t k, int64_t n, bool norm) { return std::min(gemv_k_split(k, n), gemv_warps(norm)); }
-std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm) {
-  return define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
+std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {
+  return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
          define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) + define("KSPLIT", gemv_split(k, n, norm)) +
          define("GEMV_WARPS", gemv_warps(norm));
 }
@@ -679,7 +679,8 @@ bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <=
 
 // y = x · wᵀ (or silu(gate) × up with `silu`, w = [gate | up] rows) for at most 8 rows of x.
 // With `norm_w_`, x is a residual and the product's input is rms_norm(x (+ delta)) × norm_w;
-// with `delta_` too, x + delta is stored to `x_out_`.
+// with `delta_` too, x + delta is stored to `x_out_`. y is bf16, or fp32 (plain products
+// only: the LM head's unrounded logits).
 int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* x_out_, void* w_, void* y_, int silu,
                float eps) {
 #ifdef MANTA_WITH_CUDA
@@ -689,7 +690,14 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     at::Tensor& y = *static_cast<at::Tensor*>(y_);
     check_bf16(x, "x");
     check_bf16(w, "w");
-    check_bf16(y, "y");
+    const bool out_f32 = y.scalar_type() == at::kFloat;
+    if (out_f32) {
+      TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.get_device() == x.get_device(),
+                  "y must be contiguous on x's device");
+      TORCH_CHECK(silu == 0 && norm_w_ == nullptr, "an fp32 y takes a plain product (no silu, no fused norm)");
+    } else {
+      check_bf16(y, "y");
+    }
     TORCH_CHECK(w.dim() == 2, "w must be [out, in]");
     const int64_t k = w.size(1);
     TORCH_CHECK(k % 256 == 0, "the inner size must be a multiple of 256, got ", k);
@@ -729,7 +737,7 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
     const int64_t warps = gemv_warps(norm);
     const int64_t per_cta = warps / gemv_split(k, n, norm) * gemv_rows_per_warp(n, silu != 0);
-    launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm), "gemv", device), device,
+    launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm, out_f32), "gemv", device), device,
            static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args);
   });
 #else
@@ -740,12 +748,14 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
 
 // Compiles the GEMV for inner size k, n outputs, each row-count variant up to `max_rows`
 // (with and without the fused norm where it fits), without a GPU.
-int manta_gemv_compile_check(const char* source, int k, int n, int silu, int max_rows, int arch) {
+int manta_gemv_compile_check(const char* source, int k, int n, int silu, int max_rows, int out_f32, int arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
+    TORCH_CHECK(!(out_f32 && silu), "an fp32 output takes a plain product (no silu)");
     for (int64_t rows : {1, 2, 4, 8}) {
       if (rows > gemv_max_rows(max_rows)) break;
-      compile_kernels(source, gemv_defines(k, rows, n, silu != 0, false), arch);
+      compile_kernels(source, gemv_defines(k, rows, n, silu != 0, false, out_f32 != 0), arch);
+      if (out_f32) continue;
       if (gemv_norm_fits(k, rows)) compile_kernels(source, gemv_defines(k, rows, n, silu != 0, true), arch);
     }
   });

@@ -493,7 +493,7 @@ pub struct CausalLm {
     recompute: Option<Recompute>,
     /// Fused projections for the CUDA decode kernels, when an engine enabled them
     /// ([`CausalLm::enable_decode_kernels`]).
-    decode_kernels: Option<Vec<paged::FusedLayer>>,
+    decode_kernels: Option<paged::DecodeKernels>,
     /// Attention through the batch-invariant kernel ([`CausalLm::set_invariant_attention`]).
     invariant_attention: bool,
 }
@@ -707,6 +707,12 @@ impl CausalLm {
         let mut shape = hidden.size();
         let width = shape.pop().unwrap_or(1);
         let flat = hidden.reshape([-1, width]);
+        if !hidden.requires_grad() {
+            if let Some(logits) = self.logits_gemv(&flat) {
+                shape.push(logits.size()[1]);
+                return logits.view(shape.as_slice());
+            }
+        }
         let wide = tch::no_grad(|| flat.detach().mm_dtype(&self.lm_head.tr(), Kind::Float));
         shape.push(wide.size()[1]);
         let wide = wide.view(shape.as_slice());

@@ -287,6 +287,21 @@ fn paged_decode_kernels_match_the_tensor_ops() {
             }
         }
 
+        // fp32 logits: through the GEMV kernel at one or two rows (decode kernels on), through
+        // cuBLAS otherwise; both sum in fp32 and neither rounds to bf16.
+        for rows in [1i64, 2, 3] {
+            let h = Tensor::randn([rows, cfg.hidden_size], (Kind::BFloat16, gpu));
+            let (want, got) = tch::no_grad(|| (reference.logits_f32(&h), fused.logits_f32(&h)));
+            assert_eq!(got.kind(), Kind::Float);
+            let scale = want.abs().max().double_value(&[]);
+            let err = (&got - &want).abs().max().double_value(&[]);
+            assert!(
+                err <= scale * 1e-5,
+                "{} logits of {rows} rows differ by {err:e} of {scale:e}",
+                cfg.model_type
+            );
+        }
+
         // A weight update copied into the fused model's variables reaches the kernels.
         let (vs_new, _) = model(&cfg, 22);
         let dir_new = tempfile::tempdir().expect("tempdir");

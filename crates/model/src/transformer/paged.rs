@@ -524,8 +524,8 @@ impl CausalLm {
             self.layers.len(),
             "PagedKvCache was made for a different number of layers"
         );
-        if let Some(fused) = &self.decode_kernels {
-            return self.forward_paged_kernels(fused, input_ids, positions, batch, cache);
+        if let Some(kernels) = &self.decode_kernels {
+            return self.forward_paged_kernels(&kernels.layers, input_ids, positions, batch, cache);
         }
         let ids = input_ids.unsqueeze(0);
         let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
@@ -547,6 +547,15 @@ impl CausalLm {
         }
         self.norm.forward(&x).squeeze_dim(0)
     }
+}
+
+/// What [`CausalLm::enable_decode_kernels`] prepared.
+pub(super) struct DecodeKernels {
+    layers: Vec<FusedLayer>,
+    /// fp32 logits of a few rows through the GEMV kernel rather than cuBLAS, which reads
+    /// the LM head at about half the bandwidth at one row (H100, Qwen3-0.6B: ~230 of a
+    /// ~1,100 µs decode step; BENCHMARKS.md). `MANTA_LOGITS_GEMV=0` turns it off (A/B).
+    logits_gemv: bool,
 }
 
 /// One layer's projections laid out for the decode kernels: q/k/v in one matrix (one GEMM)
@@ -722,8 +731,47 @@ impl CausalLm {
                 gemv,
             });
         }
-        self.decode_kernels = Some(fused);
+        let logits_gemv = gemv
+            && std::env::var_os("MANTA_LOGITS_GEMV").is_none_or(|v| v != "0")
+            && manta_cuda::gemv::supports(cfg.hidden_size)
+            && match manta_cuda::gemv::logits_compile(
+                cfg.hidden_size as usize,
+                cfg.vocab_size as usize,
+                manta_cuda::gemv::FASTER_UP_TO_ROWS,
+                arch,
+            ) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "logits GEMV unusable; the LM head stays on cuBLAS");
+                    false
+                }
+            };
+        self.decode_kernels = Some(DecodeKernels {
+            layers: fused,
+            logits_gemv,
+        });
         Ok(())
+    }
+
+    /// fp32 logits of `hidden` [rows, H] through the GEMV kernel, where the decode kernels
+    /// chose it and the rows are few; `None` leaves them to cuBLAS.
+    pub(super) fn logits_gemv(&self, hidden: &Tensor) -> Option<Tensor> {
+        let rows = hidden.size()[0];
+        let usable = self.decode_kernels.as_ref().is_some_and(|k| k.logits_gemv)
+            && (1..=manta_cuda::gemv::FASTER_UP_TO_ROWS).contains(&rows)
+            && hidden.kind() == Kind::BFloat16
+            && hidden.device() == self.lm_head.device();
+        if !usable {
+            return None;
+        }
+        let vocab = self.lm_head.size()[0];
+        let mut logits = Tensor::empty([rows, vocab], (Kind::Float, hidden.device()));
+        if let Err(e) =
+            manta_cuda::gemv::gemv(&hidden.contiguous(), &self.lm_head, &mut logits, false)
+        {
+            panic!("logits gemv kernel: {e}");
+        }
+        Some(logits)
     }
 
     /// The CUDA device index of a bf16 model in a build with the CUDA kernels, or why

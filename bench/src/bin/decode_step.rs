@@ -1,0 +1,187 @@
+//! GPU time of one decode step of the native engine's model (the forward over a paged KV
+//! cache with the CUDA decode kernels, then the fp32 LM head), by CUDA-graph replay: no
+//! host scheduling, no sampling, so differences of a few microseconds between kernel
+//! variants show. Each variant is a copy of the model whose decode kernels were enabled
+//! under its own environment (knobs read at that point, such as MANTA_L2_PREFETCH); the
+//! variants replay in turn, several rounds, and the median per variant is reported.
+//!
+//! usage: decode_step SHAPE(0.6b|8b) BATCH CONTEXT [VARIANT ...]
+//! where VARIANT is NAME or NAME:KEY=VALUE,KEY=VALUE (default: the engine's settings).
+//! Example: decode_step 0.6b 1 640 default cold:MANTA_L2_PREFETCH=0
+
+use std::time::Instant;
+
+use manta_bench::{QWEN3_0_6B, QWEN3_8B};
+use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache};
+use manta_model::ModelConfig;
+use tch::{nn, Device, Kind, Tensor};
+
+const BLOCK_SIZE: usize = 16;
+const REPLAYS: usize = 200;
+const ROUNDS: usize = 5;
+
+struct Variant {
+    name: String,
+    graph: manta_cuda::CudaGraph,
+    // Kept alive while the graph may replay (it reads and writes their memory).
+    _model: (nn::VarStore, CausalLm),
+    _kv: PagedKvCache,
+    _inputs: Vec<Tensor>,
+    times_us: Vec<f64>,
+}
+
+/// Parses `NAME` or `NAME:KEY=VALUE,KEY=VALUE`.
+fn parse_variant(spec: &str) -> anyhow::Result<(String, Vec<(String, String)>)> {
+    let (name, env) = spec.split_once(':').unwrap_or((spec, ""));
+    let mut vars = Vec::new();
+    for pair in env.split(',').filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("variant {spec:?}: {pair:?} is not KEY=VALUE"))?;
+        vars.push((k.to_string(), v.to_string()));
+    }
+    Ok((name.to_string(), vars))
+}
+
+fn build(
+    cfg: &ModelConfig,
+    name: String,
+    env: &[(String, String)],
+    batch: i64,
+    context: i64,
+) -> anyhow::Result<Variant> {
+    let device = Device::Cuda(0);
+    tch::manual_seed(1);
+    let mut vs = nn::VarStore::new(device);
+    let mut model = CausalLm::new(&vs.root(), cfg);
+    vs.set_kind(Kind::BFloat16);
+    // The variant's environment holds while its kernels are enabled and its step is
+    // captured (knobs read at either point apply).
+    for (k, v) in env {
+        std::env::set_var(k, v);
+    }
+    let captured = capture(cfg, &mut model, batch, context);
+    for (k, _) in env {
+        std::env::remove_var(k);
+    }
+    let (graph, kv, inputs) = captured.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+    Ok(Variant {
+        name,
+        graph,
+        _model: (vs, model),
+        _kv: kv,
+        _inputs: inputs,
+        times_us: Vec::new(),
+    })
+}
+
+/// Enables the decode kernels and captures one step of `batch` rows of `context` tokens.
+fn capture(
+    cfg: &ModelConfig,
+    model: &mut CausalLm,
+    batch: i64,
+    context: i64,
+) -> anyhow::Result<(manta_cuda::CudaGraph, PagedKvCache, Vec<Tensor>)> {
+    let device = Device::Cuda(0);
+    model
+        .enable_decode_kernels()
+        .map_err(|e| anyhow::anyhow!("decode kernels: {e}"))?;
+
+    // Every row's context is `context` tokens (its new token's slot included), in its own
+    // blocks; the table is as wide as the engine's graph bucket for that context.
+    let width = (context as usize).next_power_of_two().max(256) as i64;
+    let per_row = width / BLOCK_SIZE as i64;
+    let kv = PagedKvCache::new(
+        cfg,
+        (batch * per_row) as usize,
+        BLOCK_SIZE,
+        Kind::BFloat16,
+        device,
+    );
+    kv_fill(&kv, cfg.num_hidden_layers as usize);
+    let table: Vec<i32> = (0..batch * per_row).map(|b| b as i32).collect();
+    let tables = Tensor::from_slice(&table)
+        .view([batch, per_row])
+        .to(device);
+    let lens = Tensor::full([batch], context, (Kind::Int, device));
+    let slots = (Tensor::arange(batch, (Kind::Int64, device)) * per_row * BLOCK_SIZE as i64)
+        + (context - 1);
+    let ids = (Tensor::arange(batch, (Kind::Int64, device)) * 7919 + 13).remainder(150_000);
+    let positions = Tensor::full([batch], context - 1, (Kind::Int64, device));
+    let counters = decode_counters(batch, device);
+    let step = || {
+        let b = PagedBatch::decode_paged(&slots, &tables, &lens, &counters, BLOCK_SIZE);
+        let hidden = model.forward_paged(&ids, &positions, &b, &kv);
+        model.logits_f32(&hidden)
+    };
+    let _guard = tch::no_grad_guard();
+    let _ = step(); // compiles the kernels, grows the allocator
+    let (graph, _logits) = manta_cuda::CudaGraph::capture(0, None, step)?;
+    Ok((graph, kv, vec![tables, lens, slots, ids, positions, counters]))
+}
+
+/// Random keys and values, so attention does real arithmetic.
+fn kv_fill(kv: &PagedKvCache, layers: usize) {
+    for i in 0..layers {
+        let (k, v) = kv.layer(i);
+        let _ = k.shallow_clone().normal_(0.0, 1.0);
+        let _ = v.shallow_clone().normal_(0.0, 1.0);
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let shape = args.get(1).map_or("0.6b", String::as_str);
+    let batch: i64 = args.get(2).map_or(Ok(1), |s| s.parse())?;
+    let context: i64 = args.get(3).map_or(Ok(640), |s| s.parse())?;
+    let specs: Vec<&str> = if args.len() > 4 {
+        args[4..].iter().map(String::as_str).collect()
+    } else {
+        vec!["default"]
+    };
+    let config = match shape {
+        "0.6b" => QWEN3_0_6B,
+        "8b" => QWEN3_8B,
+        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+    };
+    anyhow::ensure!(tch::Cuda::is_available(), "CUDA is not available to libtorch");
+    let cfg = ModelConfig::from_json_str(config, shape)?;
+    let mut variants = Vec::new();
+    for spec in specs {
+        let (name, env) = parse_variant(spec)?;
+        variants.push(build(&cfg, name, &env, batch, context)?);
+    }
+    for _ in 0..ROUNDS {
+        for v in &mut variants {
+            v.graph.replay()?;
+            tch::Cuda::synchronize(0);
+            let t = Instant::now();
+            for _ in 0..REPLAYS {
+                v.graph.replay()?;
+            }
+            tch::Cuda::synchronize(0);
+            v.times_us
+                .push(t.elapsed().as_secs_f64() * 1e6 / REPLAYS as f64);
+        }
+    }
+    let mut rows = Vec::new();
+    for v in &mut variants {
+        v.times_us.sort_by(f64::total_cmp);
+        let median = v.times_us[v.times_us.len() / 2];
+        eprintln!(
+            "{shape} batch {batch} context {context} {:>12}: {median:8.1} us/step = {:7.0} tokens/s (rounds {:?})",
+            v.name,
+            batch as f64 * 1e6 / median,
+            v.times_us.iter().map(|t| t.round()).collect::<Vec<_>>()
+        );
+        rows.push(serde_json::json!({
+            "variant": v.name, "median_us": median, "rounds_us": v.times_us,
+            "tokens_per_s": batch as f64 * 1e6 / median,
+        }));
+    }
+    println!(
+        "{}",
+        serde_json::json!({"shape": shape, "batch": batch, "context": context, "variants": rows})
+    );
+    Ok(())
+}
