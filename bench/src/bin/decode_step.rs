@@ -12,8 +12,8 @@
 use std::time::Instant;
 
 use manta_bench::{QWEN3_0_6B, QWEN3_8B};
-use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache};
 use manta_model::ModelConfig;
+use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache};
 use tch::{nn, Device, Kind, Tensor};
 
 const BLOCK_SIZE: usize = 16;
@@ -100,9 +100,7 @@ fn capture(
     );
     kv_fill(&kv, cfg.num_hidden_layers as usize);
     let table: Vec<i32> = (0..batch * per_row).map(|b| b as i32).collect();
-    let tables = Tensor::from_slice(&table)
-        .view([batch, per_row])
-        .to(device);
+    let tables = Tensor::from_slice(&table).view([batch, per_row]).to(device);
     let lens = Tensor::full([batch], context, (Kind::Int, device));
     let slots = (Tensor::arange(batch, (Kind::Int64, device)) * per_row * BLOCK_SIZE as i64)
         + (context - 1);
@@ -117,7 +115,11 @@ fn capture(
     let _guard = tch::no_grad_guard();
     let _ = step(); // compiles the kernels, grows the allocator
     let (graph, _logits) = manta_cuda::CudaGraph::capture(0, None, step)?;
-    Ok((graph, kv, vec![tables, lens, slots, ids, positions, counters]))
+    Ok((
+        graph,
+        kv,
+        vec![tables, lens, slots, ids, positions, counters],
+    ))
 }
 
 /// Random keys and values, so attention does real arithmetic.
@@ -144,7 +146,10 @@ fn main() -> anyhow::Result<()> {
         "8b" => QWEN3_8B,
         other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
     };
-    anyhow::ensure!(tch::Cuda::is_available(), "CUDA is not available to libtorch");
+    anyhow::ensure!(
+        tch::Cuda::is_available(),
+        "CUDA is not available to libtorch"
+    );
     let cfg = ModelConfig::from_json_str(config, shape)?;
     let mut variants = Vec::new();
     for spec in specs {

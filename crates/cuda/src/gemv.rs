@@ -268,10 +268,16 @@ mod tests {
                 );
                 // Rounded to bf16, the error would be ~4e-3 of the scale: the test sees it.
                 let (rounded, _) = max_err(&want.to_kind(Kind::BFloat16), &want);
-                assert!(rounded > scale * 1e-4, "bf16 rounding went unseen: {rounded}");
+                assert!(
+                    rounded > scale * 1e-4,
+                    "bf16 rounding went unseen: {rounded}"
+                );
             }
         }
-        let (x, w) = (Tensor::zeros([1, 1024], (Kind::BFloat16, dev)), Tensor::zeros([2048, 1024], (Kind::BFloat16, dev)));
+        let (x, w) = (
+            Tensor::zeros([1, 1024], (Kind::BFloat16, dev)),
+            Tensor::zeros([2048, 1024], (Kind::BFloat16, dev)),
+        );
         let mut y = Tensor::zeros([1, 1024], (Kind::Float, dev));
         let e = gemv(&x, &w, &mut y, true).expect_err("fp32 silu");
         assert!(e.to_string().contains("plain product"), "{e}");
