@@ -2,7 +2,8 @@
 # Runs on the GPU machine (device tool): the native engine's decode throughput and
 # transformers `generate` in the same run, Qwen3-0.6B and Qwen3-8B shapes (random bf16),
 # prompt 512, 256 new tokens; writes $OUT/engine_decode.json. Binaries come from bin/.
-# BATCHES_0_6B / BATCHES_8B / SKIP_HF override what runs.
+# BATCHES_0_6B / BATCHES_8B / SKIP_HF / MANTA_SHAPES (the Manta runs: "0.6b 8b") override
+# what runs, so a table can be split over calls of at most 10 minutes.
 set -euo pipefail
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
@@ -11,8 +12,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 B06=${BATCHES_0_6B:-1,16,64,256}
 B8=${BATCHES_8B:-1,16,64,256}
-./bin/engine_decode 0.6b "$B06" 2> >(tee "$OUT/manta_0_6b.log" >&2) > "$OUT/manta_0_6b.json"
-./bin/engine_decode 8b "$B8" 2> >(tee "$OUT/manta_8b.log" >&2) > "$OUT/manta_8b.json"
+SHAPES=${MANTA_SHAPES:-0.6b 8b}
+if [[ " $SHAPES " == *" 0.6b "* ]]; then
+  ./bin/engine_decode 0.6b "$B06" 2> >(tee "$OUT/manta_0_6b.log" >&2) > "$OUT/manta_0_6b.json"
+fi
+if [[ " $SHAPES " == *" 8b "* ]]; then
+  ./bin/engine_decode 8b "$B8" 2> >(tee "$OUT/manta_8b.log" >&2) > "$OUT/manta_8b.json"
+fi
 if [ -z "${SKIP_HF:-}" ]; then
   python3 bench/py/engine_decode_hf.py 0.6b "$B06" > "$OUT/hf_0_6b.json"
   python3 bench/py/engine_decode_hf.py 8b "${HF_BATCHES_8B:-$B8}" > "$OUT/hf_8b.json"
