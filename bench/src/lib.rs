@@ -37,10 +37,17 @@ pub const QWEN3_8B: &str = r#"{
   "initializer_range": 0.02, "eos_token_id": 151645
 }"#;
 
-/// Trained tokens of a benchmark sample of `seq` tokens: a quarter prompt, the rest the
-/// response.
 /// (name, shape) of each tensor of a checkpoint.
 pub type TensorShapes = Vec<(String, Vec<i64>)>;
+
+/// The `config.json` of the decode benchmarks' model shape `shape` ("0.6b" or "8b").
+pub fn decode_config(shape: &str) -> anyhow::Result<&'static str> {
+    match shape {
+        "0.6b" => Ok(QWEN3_0_6B),
+        "8b" => Ok(QWEN3_8B),
+        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+    }
+}
 
 /// (name, shape) of every tensor of a Qwen3 checkpoint of `shape` ("0.6b" or "8b"), in
 /// the order transformers lists them, with its `config.json` text.
@@ -75,6 +82,8 @@ pub fn qwen3_tensor_shapes(shape: &str) -> anyhow::Result<(TensorShapes, &'stati
     Ok((t, config))
 }
 
+/// Trained tokens of a benchmark sample of `seq` tokens: a quarter prompt, the rest the
+/// response.
 pub fn response_len(seq: usize) -> usize {
     seq - seq / 4
 }

@@ -11,7 +11,6 @@
 
 use std::time::Instant;
 
-use manta_bench::{QWEN3_0_6B, QWEN3_8B};
 use manta_model::ModelConfig;
 use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache};
 use tch::{nn, Device, Kind, Tensor};
@@ -141,11 +140,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         vec!["default"]
     };
-    let config = match shape {
-        "0.6b" => QWEN3_0_6B,
-        "8b" => QWEN3_8B,
-        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
-    };
+    let config = manta_bench::decode_config(shape)?;
     anyhow::ensure!(
         tch::Cuda::is_available(),
         "CUDA is not available to libtorch"
@@ -189,4 +184,30 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({"shape": shape, "batch": batch, "context": context, "variants": rows})
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_variant;
+
+    #[test]
+    fn variants_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            parse_variant("default").unwrap(),
+            ("default".into(), vec![])
+        );
+        let (name, env) = parse_variant("cold:MANTA_LOGITS_GEMV=0,X=a=b").unwrap();
+        assert_eq!(name, "cold");
+        assert_eq!(
+            env,
+            vec![
+                ("MANTA_LOGITS_GEMV".to_string(), "0".to_string()),
+                ("X".to_string(), "a=b".to_string())
+            ]
+        );
+        let e = parse_variant("cold:MANTA_LOGITS_GEMV")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"MANTA_LOGITS_GEMV\" is not KEY=VALUE"), "{e}");
+    }
 }

@@ -8,7 +8,6 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use manta_bench::{QWEN3_0_6B, QWEN3_8B};
 use manta_rollout::engine::{
     Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
 };
@@ -47,11 +46,7 @@ async fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let prompt_len: usize = args.get(3).map_or(Ok(512), |s| s.parse())?;
     let new_tokens: usize = args.get(4).map_or(Ok(256), |s| s.parse())?;
-    let config = match shape {
-        "0.6b" => QWEN3_0_6B,
-        "8b" => QWEN3_8B,
-        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
-    };
+    let config = manta_bench::decode_config(shape)?;
     anyhow::ensure!(
         tch::Cuda::is_available(),
         "CUDA is not available to libtorch"
