@@ -707,6 +707,8 @@ impl CausalLm {
         let mut shape = hidden.size();
         let width = shape.pop().unwrap_or(1);
         let flat = hidden.reshape([-1, width]);
+        // Models with the decode kernels on are for inference (engines): their GEMV has no
+        // backward, so logits of a few rows carry no gradient to the LM head there.
         if !hidden.requires_grad() {
             if let Some(logits) = self.logits_gemv(&flat) {
                 shape.push(logits.size()[1]);
