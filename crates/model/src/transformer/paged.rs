@@ -731,9 +731,9 @@ impl CausalLm {
                 gemv,
             });
         }
+        // (`gemv` already means the hidden size suits the kernel: it is the q/k/v's K.)
         let logits_gemv = gemv
             && std::env::var_os("MANTA_LOGITS_GEMV").is_none_or(|v| v != "0")
-            && manta_cuda::gemv::supports(cfg.hidden_size)
             && match manta_cuda::gemv::logits_compile(
                 cfg.hidden_size as usize,
                 cfg.vocab_size as usize,
