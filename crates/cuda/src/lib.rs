@@ -32,6 +32,7 @@ extern "C" {
     fn manta_graph_capture_end(g: *mut c_void) -> c_int;
     fn manta_graph_replay(g: *mut c_void) -> c_int;
     fn manta_graph_free(g: *mut c_void);
+    fn manta_copy_nonblocking(dst: *mut c_void, src: *mut c_void) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_paged_decode_attention(
         source: *const c_char,
@@ -269,6 +270,16 @@ fn check(rc: c_int) -> Result<(), CudaError> {
 pub fn built_with_cuda() -> bool {
     // SAFETY: no arguments, no state.
     unsafe { manta_cuda_built_with_cuda() != 0 }
+}
+
+/// `dst.copy_(src)` without waiting for the device: from pinned host memory to the GPU the
+/// host returns once the copy is queued. `src` must stay unchanged until the copy has run
+/// (a later synchronisation on the stream says so). tch's `copy_` always waits.
+pub fn copy_nonblocking(dst: &mut Tensor, src: &Tensor) -> Result<(), CudaError> {
+    // SAFETY: live tensor handles for the call; libtorch checks shapes and devices.
+    check(unsafe {
+        manta_copy_nonblocking(dst.as_mut_ptr() as *mut c_void, src.as_ptr() as *mut c_void)
+    })
 }
 
 /// Bytes of memory on CUDA device `device`.

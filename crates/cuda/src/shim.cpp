@@ -135,14 +135,40 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
   return fn;
 }
 
+// Whether the decode kernels launch with programmatic stream serialization (programmatic
+// dependent launch, sm_90+): each may start while the kernel before it finishes, overlapping
+// its launch and first weight loads with that kernel's tail (bf16.cu.inc says what the
+// kernels do for it). MANTA_PDL=0 turns it off, for A/B runs; read at every launch, so
+// one process can capture graphs both ways.
+bool pdl_enabled(int device) {
+  const char* v = std::getenv("MANTA_PDL");
+  if (v != nullptr && std::string(v) == "0") return false;
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->major >= 9;
+}
+
 // Launches on `device`'s current stream, so a CUDA graph capturing the step captures it.
-void launch(CUfunction fn, int device, unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** args) {
+// `pdl`: the kernel waits for its predecessor with pdl_wait() before touching its data, so
+// it may be launched as a programmatic dependent.
+void launch(CUfunction fn, int device, unsigned gx, unsigned gy, unsigned gz, unsigned threads, void** args,
+            bool pdl = false) {
   void* driver = load_driver();
-  MANTA_SYM(driver, cuLaunchKernel);
+  MANTA_SYM(driver, cuLaunchKernelEx);
   auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  CUresult launched =
-      cuLaunchKernel_fn(fn, gx, gy, gz, threads, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr);
-  TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernel failed with CUresult ", static_cast<int>(launched));
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = gx;
+  config.gridDimY = gy;
+  config.gridDimZ = gz;
+  config.blockDimX = threads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = reinterpret_cast<CUstream>(stream);
+  config.attrs = &attribute;
+  config.numAttrs = pdl && pdl_enabled(device) ? 1 : 0;
+  CUresult launched = cuLaunchKernelEx_fn(&config, fn, args, nullptr);
+  TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernelEx failed with CUresult ", static_cast<int>(launched));
 }
 
 std::string define(const char* name, int64_t value) {
@@ -361,6 +387,17 @@ int manta_graph_replay(void* g) {
 #endif
 }
 
+// dst.copy_(src) queued without waiting for the device (from pinned host memory, the
+// host returns at once). tch's copy_ always blocks.
+int manta_copy_nonblocking(void* dst_, void* src_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { static_cast<at::Tensor*>(dst_)->copy_(tensor(src_), /*non_blocking=*/true); });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
 void manta_graph_free(void* g) {
 #ifdef MANTA_WITH_CUDA
   guarded([&] { delete static_cast<Graph*>(g); });
@@ -435,13 +472,13 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &block_size, &scale, &chunk, &splits_i};
     launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
            static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(paged_warps(hd, rep) * 32),
-           args);
+           args, true);
     if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
       const void* pmc = pm;
       void* combine_args[] = {&pac, &pmc, &lp, &op, &chunk, &splits_i};
       launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
-             static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args);
+             static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args, true);
     }
   });
 #else
@@ -575,7 +612,7 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
     const int64_t heads = nh + 2 * nkv;
     launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
-           static_cast<unsigned>((heads + 7) / 8), 1, 256, args);
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -610,7 +647,7 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
     void* op = out.data_ptr();
     void* args[] = {&rp, &dp, &wp, &op, &eps};
     launch(kernel(source, defines, "add_rms_norm", device), device, static_cast<unsigned>(rows), 1, 1,
-           static_cast<unsigned>(threads), args);
+           static_cast<unsigned>(threads), args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -635,7 +672,7 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
     void* op = out.data_ptr();
     void* args[] = {&gp, &op, &total};
     const long long blocks = std::min<long long>((total + 255) / 256, 65535);
-    launch(kernel(source, define("I", i), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256, args);
+    launch(kernel(source, define("I", i), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -738,7 +775,7 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     const int64_t warps = gemv_warps(norm);
     const int64_t per_cta = warps / gemv_split(k, n, norm) * gemv_rows_per_warp(n, silu != 0);
     launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm, out_f32), "gemv", device), device,
-           static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args);
+           static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args, true);
   });
 #else
   last_error() = "built without CUDA";

@@ -526,3 +526,72 @@ fn invariant_paged_forward_equals_the_packed_forward() {
         check(&format!("decode step {step}"), &got, &parts);
     }
 }
+
+/// Programmatic dependent launch lets each decode kernel start before the one it follows
+/// has finished; a kernel that read its input (or wrote anything) before its wait would
+/// race. The kernels are deterministic, so a decode step replayed as a CUDA graph must give
+/// the same bits with PDL on and off (`MANTA_PDL=0`), replay after replay, at one and two
+/// rows (the GEMV path) and five (cuBLAS with the norm and SiLU kernels).
+#[test]
+fn programmatic_dependent_launch_changes_no_bits() {
+    if !Cuda::is_available() {
+        eprintln!("no CUDA device: nothing to check here");
+        return;
+    }
+    let gpu = Device::Cuda(0);
+    let cfg = ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "max_position_embeddings": 1024,
+        "initializer_range": 0.02}"#,
+        "0.6B layers",
+    )
+    .expect("valid config");
+    tch::manual_seed(9);
+    let mut vs = VarStore::new(gpu);
+    let mut m = CausalLm::new(&vs.root(), &cfg);
+    vs.bfloat16();
+    m.enable_decode_kernels().expect("kernels build");
+    let (bs, per_row, context) = (16i64, 32i64, 300i64);
+    for rows in [1i64, 2, 5] {
+        let kv = PagedKvCache::new(&cfg, (rows * per_row) as usize, 16, Kind::BFloat16, gpu);
+        for i in 0..cfg.num_hidden_layers as usize {
+            let (k, v) = kv.layer(i);
+            let _ = k.shallow_clone().normal_(0.0, 1.0);
+            let _ = v.shallow_clone().normal_(0.0, 1.0);
+        }
+        let tables = Tensor::arange(rows * per_row, (Kind::Int, gpu)).view([rows, per_row]);
+        let lens = Tensor::full([rows], context, (Kind::Int, gpu));
+        let slots = Tensor::arange(rows, (Kind::Int64, gpu)) * per_row * bs + (context - 1);
+        let ids = (Tensor::arange(rows, (Kind::Int64, gpu)) * 797 + 13).remainder(4096);
+        let positions = Tensor::full([rows], context - 1, (Kind::Int64, gpu));
+        let counters = decode_counters(rows, gpu);
+        let step = || {
+            let b = PagedBatch::decode_paged(&slots, &tables, &lens, &counters, bs as usize);
+            m.logits_f32(&m.forward_paged(&ids, &positions, &b, &kv))
+        };
+        let _guard = tch::no_grad_guard();
+        let _ = step();
+        let mut capture = |pdl: &str| {
+            std::env::set_var("MANTA_PDL", pdl);
+            let captured = manta_cuda::CudaGraph::capture(0, None, step).expect("capture");
+            std::env::remove_var("MANTA_PDL");
+            captured
+        };
+        let (serial, serial_out) = capture("0");
+        let (overlapped, overlapped_out) = capture("1");
+        serial.replay().expect("replay");
+        let want = serial_out.to_device(Device::Cpu);
+        for replay in 0..50 {
+            overlapped.replay().expect("replay");
+            let got = overlapped_out.to_device(Device::Cpu);
+            assert!(
+                got.equal(&want),
+                "{rows} rows, replay {replay}: logits with PDL differ from the serial step's by \
+                 {:e}",
+                max_abs_diff(&got, &want)
+            );
+        }
+    }
+}

@@ -2,6 +2,10 @@
 //! launches whose host-side cost dwarfs the GPU work; captured once per (batch bucket,
 //! context bucket), the whole step replays with one launch over fixed input buffers.
 //! Rows past the real batch point at a scratch slot that no sequence owns.
+//!
+//! A graph can end with the LM head and the sampling kernel too, so that a decode step is
+//! one input copy, one replay and one copy of the chosen tokens back: nothing between the
+//! forward and the sampler waits for the host.
 
 use std::collections::HashMap;
 
@@ -10,6 +14,7 @@ use manta_model::{CausalLm, PagedBatch, PagedKvCache};
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, warn};
 
+use super::sampler;
 use super::worker::{cache_block, cache_slot};
 
 /// The fixed input buffers a captured step reads.
@@ -21,17 +26,38 @@ enum Inputs {
         slot_mapping: Tensor,
         slots: Tensor,
         keep: Tensor,
+        /// The sampling kernel's [2, B] parameters.
+        params: Tensor,
     },
     /// For the paged kernel, everything in one i64 buffer (one host-to-device copy per
-    /// step): ids [B], positions [B], new slots [B], lengths [B], block tables [B × W / bs];
-    /// and the kernel's split counters (zeroed once, left zero by every replay).
-    Paged { packed: Tensor, counters: Tensor },
+    /// step): ids [B], positions [B], new slots [B], lengths [B], the sampling kernel's
+    /// [2, B] f32 parameters packed two to an i64 ([`pack_f32_pairs`]), block tables
+    /// [B × W / bs]; the pinned host buffer it is copied from without blocking (none if
+    /// pinning failed); and the kernel's split counters (zeroed once, left zero by every
+    /// replay).
+    Paged {
+        packed: Tensor,
+        staging: Option<Tensor>,
+        counters: Tensor,
+    },
 }
 
 struct Captured {
     graph: CudaGraph,
     inputs: Inputs,
     hidden: Tensor,
+    /// The sampling kernel's (token id, log-prob) [2, B], when the graph samples.
+    sampled: Option<Tensor>,
+}
+
+/// What a graphed decode step left on the device.
+pub struct DecodeOutput {
+    /// Final-normed hidden states of the real rows, [rows, H].
+    pub hidden: Tensor,
+    /// The sampling kernel's output [2, B] (B ≥ rows: the graph's batch bucket), when the
+    /// step was asked to sample and the kernel is usable; read it with
+    /// [`sampler::kernel_output_to_host`].
+    pub sampled: Option<Tensor>,
 }
 
 /// One decode row: its next token, its position (the context is positions 0..=position)
@@ -40,6 +66,9 @@ pub struct DecodeRow<'a> {
     pub token: i64,
     pub position: i64,
     pub blocks: &'a [u32],
+    /// The sampling kernel's parameters for this row: temperature (0: greedy) and the
+    /// uniform draw ([`sampler::kernel_params`]).
+    pub sample: [f32; 2],
 }
 
 impl DecodeRow<'_> {
@@ -54,7 +83,8 @@ pub struct DecodeGraphs {
     max_width: usize,
     /// Slot that padding rows read and write; owned by no sequence.
     scratch_slot: i64,
-    graphs: HashMap<(usize, usize), Captured>,
+    /// Keyed by (batch bucket, context bucket, samples).
+    graphs: HashMap<(usize, usize, bool), Captured>,
     /// Set after a capture fails: decode runs eagerly from then on.
     disabled: bool,
     /// Use the paged attention kernel (models with decode kernels; falls back to
@@ -101,14 +131,20 @@ impl DecodeGraphs {
         self.graphs.clear();
     }
 
-    /// Runs a decode-only step through a graph; `None` when this step cannot use one
-    /// (too many rows, or graphs disabled), and the caller runs it eagerly.
+    /// Runs a decode-only step through a graph, with the LM head and the sampling kernel
+    /// in it when `sample`; `None` when this step cannot use one (too many rows, or graphs
+    /// disabled), and the caller runs it eagerly.
+    ///
+    /// The caller must wait for the step's outputs (read them to the host) before the next
+    /// call, or synchronise the device if it cannot: the next call overwrites the pinned
+    /// buffer this step's input copy may still be reading.
     pub fn run(
         &mut self,
         model: &CausalLm,
         kv: &PagedKvCache,
         rows: &[DecodeRow],
-    ) -> Option<Tensor> {
+        sample: bool,
+    ) -> Option<DecodeOutput> {
         if self.disabled || rows.is_empty() || rows.len() > self.max_batch {
             return None;
         }
@@ -116,6 +152,7 @@ impl DecodeGraphs {
         let key = (
             bucket(rows.len(), 1),
             bucket(longest, 256).min(self.max_width),
+            sample,
         );
         if longest > key.1 {
             return None;
@@ -140,14 +177,23 @@ impl DecodeGraphs {
             }
         }
         let c = self.graphs.get_mut(&key)?;
-        let (b, w) = key;
+        let (b, w, _) = key;
         let block_size = self.block_size;
+        // Padding rows sample greedily (temperature 0) and are never read.
+        let mut params = vec![0f32; 2 * b];
+        for (i, r) in rows.iter().enumerate() {
+            params[i] = r.sample[0];
+            params[b + i] = r.sample[1];
+        }
         match &mut c.inputs {
-            Inputs::Paged { packed, .. } => {
+            Inputs::Paged {
+                packed, staging, ..
+            } => {
                 let mb = w / block_size;
-                let mut v = vec![0i64; 4 * b + b * mb];
+                let mut v = vec![0i64; 5 * b + b * mb];
                 v[2 * b..3 * b].fill(self.scratch_slot);
                 v[3 * b..4 * b].fill(1);
+                pack_f32_pairs(&params, &mut v[4 * b..5 * b]);
                 for (i, r) in rows.iter().enumerate() {
                     let len = r.context_len();
                     v[i] = r.token;
@@ -156,10 +202,20 @@ impl DecodeGraphs {
                     v[3 * b + i] = len as i64;
                     // The kernel's block ids are cache blocks (slot = id × block_size + offset).
                     for (j, &block) in r.blocks[..len.div_ceil(block_size)].iter().enumerate() {
-                        v[4 * b + i * mb + j] = cache_block(block);
+                        v[5 * b + i * mb + j] = cache_block(block);
                     }
                 }
-                packed.copy_(&Tensor::from_slice(&v));
+                let host = Tensor::from_slice(&v);
+                // From pinned memory the copy is queued without waiting for the device.
+                let queued = staging.as_mut().is_some_and(|staging| {
+                    staging.copy_(&host);
+                    manta_cuda::copy_nonblocking(packed, staging)
+                        .inspect_err(|e| debug!(error = %e, "non-blocking input copy failed"))
+                        .is_ok()
+                });
+                if !queued {
+                    packed.copy_(&host);
+                }
             }
             Inputs::Gather {
                 ids: ids_t,
@@ -167,6 +223,7 @@ impl DecodeGraphs {
                 slot_mapping: map_t,
                 slots: slots_t,
                 keep: keep_t,
+                params: params_t,
             } => {
                 let mut ids = vec![0i64; b];
                 let mut pos = vec![0i64; b];
@@ -191,6 +248,7 @@ impl DecodeGraphs {
                 map_t.copy_(&Tensor::from_slice(&mapping));
                 slots_t.copy_(&Tensor::from_slice(&slots).view([b as i64, w as i64]));
                 keep_t.copy_(&Tensor::from_slice(&keep).view([b as i64, 1, 1, w as i64]));
+                params_t.copy_(&Tensor::from_slice(&params).view([2, b as i64]));
             }
         }
         if let Err(e) = c.graph.replay() {
@@ -198,14 +256,17 @@ impl DecodeGraphs {
             self.disabled = true;
             return None;
         }
-        Some(c.hidden.narrow(0, 0, rows.len() as i64))
+        Some(DecodeOutput {
+            hidden: c.hidden.narrow(0, 0, rows.len() as i64),
+            sampled: c.sampled.as_ref().map(Tensor::shallow_clone),
+        })
     }
 
     fn capture(
         &self,
         model: &CausalLm,
         kv: &PagedKvCache,
-        (b, w): (usize, usize),
+        (b, w, sample): (usize, usize, bool),
         paged_kernel: bool,
     ) -> Result<Captured, String> {
         let dev = Device::Cuda(self.device);
@@ -213,11 +274,16 @@ impl DecodeGraphs {
         let block_size = self.block_size;
         let mb = (w / block_size) as i64;
         let inputs = if paged_kernel {
-            let packed = Tensor::zeros([4 * bi + bi * mb], (Kind::Int64, dev));
+            let packed = Tensor::zeros([5 * bi + bi * mb], (Kind::Int64, dev));
             let _ = packed.narrow(0, 2 * bi, bi).fill_(self.scratch_slot);
             let _ = packed.narrow(0, 3 * bi, bi).fill_(1);
+            let staging = Tensor::zeros([5 * bi + bi * mb], (Kind::Int64, Device::Cpu))
+                .f_pin_memory(dev)
+                .inspect_err(|e| debug!(error = %e, "no pinned input buffer; copies will wait"))
+                .ok();
             Inputs::Paged {
                 packed,
+                staging,
                 counters: manta_model::decode_counters(bi, dev),
             }
         } else {
@@ -229,15 +295,18 @@ impl DecodeGraphs {
                 slot_mapping: Tensor::full([bi], self.scratch_slot, (Kind::Int64, dev)),
                 slots: Tensor::full([bi, wi], self.scratch_slot, (Kind::Int64, dev)),
                 keep,
+                params: Tensor::zeros([2, bi], (Kind::Float, dev)),
             }
         };
         // The step as captured: views of the input buffers (the paged kernel's int32
         // tables and lengths are converted inside the graph), then the forward.
-        let step = || match &inputs {
-            Inputs::Paged { packed, counters } => {
+        let forward = || match &inputs {
+            Inputs::Paged {
+                packed, counters, ..
+            } => {
                 let view = |start: i64, len: i64| packed.narrow(0, start, len);
                 let lens = view(3 * bi, bi).to_kind(Kind::Int);
-                let tables = view(4 * bi, bi * mb).view([bi, mb]).to_kind(Kind::Int);
+                let tables = view(5 * bi, bi * mb).view([bi, mb]).to_kind(Kind::Int);
                 let batch = PagedBatch::decode_paged(
                     &view(2 * bi, bi),
                     &tables,
@@ -253,15 +322,27 @@ impl DecodeGraphs {
                 slot_mapping,
                 slots,
                 keep,
+                ..
             } => {
                 let batch = PagedBatch::decode_only(slot_mapping, slots, keep);
                 model.forward_paged(ids, positions, &batch, kv)
             }
         };
+        let params = match &inputs {
+            Inputs::Paged { packed, .. } => packed
+                .narrow(0, 4 * bi, bi)
+                .view_dtype(Kind::Float)
+                .view([2, bi]),
+            Inputs::Gather { params, .. } => params.shallow_clone(),
+        };
+        let sampled =
+            |hidden: &Tensor| sampler::sample_on_device(&model.logits_f32(hidden), &params);
         // Warm-up outside the capture: lazy initialisation (and the kernels' compilation),
-        // allocator growth; a failure here leaves no capture open.
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = step();
+        // allocator growth; a failure here leaves no capture open. A failing sampling
+        // kernel leaves the sampling to the caller.
+        let sample = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let hidden = forward();
+            sample && sampler::kernel_usable() && sampled(&hidden).is_some()
         }))
         .map_err(|p| {
             p.downcast_ref::<String>()
@@ -269,18 +350,54 @@ impl DecodeGraphs {
                 .unwrap_or_else(|| "decode step panicked".into())
         })?;
         let share = self.graphs.values().next().map(|c| &c.graph);
-        let (graph, hidden) =
-            CudaGraph::capture(self.device, share, step).map_err(|e| e.to_string())?;
+        let (graph, (hidden, sampled)) = CudaGraph::capture(self.device, share, || {
+            let hidden = forward();
+            let sampled = if sample { sampled(&hidden) } else { None };
+            (hidden, sampled)
+        })
+        .map_err(|e| e.to_string())?;
+        if sample && sampled.is_none() {
+            return Err("the sampling kernel failed during capture".into());
+        }
         debug!(
             batch = b,
             width = w,
             paged_kernel,
+            sample,
             "captured a decode CUDA graph"
         );
         Ok(Captured {
             graph,
             inputs,
             hidden,
+            sampled,
         })
+    }
+}
+
+/// Packs `values` (an even number of f32) two to an i64, first of each pair in the low
+/// half: on a little-endian machine the i64 buffer then reads as the same f32 sequence.
+fn pack_f32_pairs(values: &[f32], out: &mut [i64]) {
+    const _: () = assert!(
+        cfg!(target_endian = "little"),
+        "packed inputs assume little-endian"
+    );
+    for (slot, pair) in out.iter_mut().zip(values.chunks_exact(2)) {
+        *slot = (u64::from(pair[0].to_bits()) | (u64::from(pair[1].to_bits()) << 32)) as i64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pack_f32_pairs;
+    use tch::{Kind, Tensor};
+
+    #[test]
+    fn packed_f32_pairs_read_back_as_the_same_floats() {
+        let values = [0.0f32, 1.5, -2.25, 0.7, f32::MIN_POSITIVE, 3.0e38];
+        let mut packed = [0i64; 3];
+        pack_f32_pairs(&values, &mut packed);
+        let read = Tensor::from_slice(&packed).view_dtype(Kind::Float);
+        assert_eq!(Vec::<f32>::try_from(&read).unwrap(), values);
     }
 }

@@ -47,7 +47,7 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
     let device = logits.device();
     let vocab = logits.size()[1];
     let logits = logits.to_kind(Kind::Float);
-    if device.is_cuda() && !rows.iter().any(|r| r.filters(vocab)) {
+    if device.is_cuda() && kernel_handles(rows, vocab) {
         if let Some(chosen) = sample_with_kernel(&logits, rows) {
             return chosen;
         }
@@ -118,29 +118,66 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> (Vec<i64>, Vec<f32>) {
 /// Rows without top-k / top-p / min-p on CUDA: one kernel, one copy back
 /// (`manta_cuda::sampling`); `None` when the kernel is off or fails (logged once).
 fn sample_with_kernel(logits: &Tensor, rows: &[RowSampling]) -> Option<(Vec<i64>, Vec<f32>)> {
-    if !kernel_allowed() || KERNEL_FAILED.load(Ordering::Relaxed) {
+    if !kernel_usable() {
         return None;
     }
+    let params = Tensor::from_slice(&kernel_params(rows)).to(logits.device());
+    let out = sample_on_device(&logits.contiguous(), &params)?;
+    Some(kernel_output_to_host(&out, rows.len()))
+}
+
+/// Whether the sampling kernel may run: allowed by the build and `MANTA_SAMPLING_KERNEL`,
+/// and it has not failed.
+pub fn kernel_usable() -> bool {
+    kernel_allowed() && !KERNEL_FAILED.load(Ordering::Relaxed)
+}
+
+/// Whether every row can be sampled by the kernel (none filters by top-k, top-p or min-p).
+pub fn kernel_handles(rows: &[RowSampling], vocab: i64) -> bool {
+    !rows.iter().any(|r| r.filters(vocab))
+}
+
+/// The kernel's parameters for `rows`, as `[2, rows]` row-major: every row's temperature
+/// (0 for greedy rows), then every row's uniform draw.
+pub fn kernel_params(rows: &[RowSampling]) -> Vec<f32> {
     let mut params: Vec<f32> = rows
         .iter()
         .map(|r| if r.greedy { 0.0 } else { r.temperature as f32 })
         .collect();
     params.extend(rows.iter().map(|r| r.uniform as f32));
-    let n = rows.len() as i64;
-    let params = Tensor::from_slice(&params).to(logits.device());
-    let mut out = Tensor::empty([2, n], (Kind::Double, logits.device()));
-    let logits = logits.contiguous();
-    if let Err(e) = manta_cuda::sampling::sample_rows(&logits, &params, &mut out) {
-        tracing::warn!(error = %e, "sampling kernel failed; sampling with tensor ops from now on");
-        KERNEL_FAILED.store(true, Ordering::Relaxed);
-        return None;
+    params
+}
+
+/// Launches the sampling kernel over `logits` [B, V] fp32 with `params` [2, B] (see
+/// [`kernel_params`]) and returns its output [2, B] f64 (token ids, log-probs) without
+/// waiting for it, so a CUDA graph can capture it. `None` when the kernel fails (logged
+/// once; the tensor-op sampler is used from then on).
+pub fn sample_on_device(logits: &Tensor, params: &Tensor) -> Option<Tensor> {
+    let mut out = Tensor::empty([2, logits.size()[0]], (Kind::Double, logits.device()));
+    match manta_cuda::sampling::sample_rows(logits, params, &mut out) {
+        Ok(()) => Some(out),
+        Err(e) => {
+            tracing::warn!(error = %e, "sampling kernel failed; sampling with tensor ops from now on");
+            KERNEL_FAILED.store(true, Ordering::Relaxed);
+            None
+        }
     }
+}
+
+/// The first `rows` (token id, log-prob) pairs of a kernel output [2, B], in one copy to
+/// the host (which waits for the device).
+pub fn kernel_output_to_host(out: &Tensor, rows: usize) -> (Vec<i64>, Vec<f32>) {
+    // All of it (contiguous: one copy, no gather kernel). A failure here panics: the
+    // engine's step catches it and fails the batch's requests.
     let both = Vec::<f64>::try_from(&out.to(Device::Cpu).view([-1])).expect("sampled ids to host");
-    let (ids, lps) = both.split_at(rows.len());
-    Some((
-        ids.iter().map(|&t| t as i64).collect(),
-        lps.iter().map(|&l| l as f32).collect(),
-    ))
+    let width = both.len() / 2;
+    (
+        both[..rows].iter().map(|&t| t as i64).collect(),
+        both[width..width + rows]
+            .iter()
+            .map(|&l| l as f32)
+            .collect(),
+    )
 }
 
 /// Token ids and log-probs to the host in one copy (one synchronisation per step).

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::decode_graphs::{DecodeGraphs, DecodeRow};
-use super::sampler::{sample, RowSampling};
+use super::sampler::{self, sample, RowSampling};
 use super::scheduler::{Planned, Scheduler};
 use super::sequence::Sequence;
 use super::EngineStats;
@@ -396,6 +396,14 @@ impl Worker {
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "unknown panic".into());
                 warn!(error = %msg, "engine step failed; failing its requests");
+                // Work the failed step queued may still run (a graph's input copy reads a
+                // pinned buffer the next step rewrites): let it finish first.
+                if let Device::Cuda(index) = self.device {
+                    let synced = catch_unwind(|| tch::Cuda::synchronize(index as i64));
+                    if synced.is_err() {
+                        warn!("device synchronisation after the failed step failed too");
+                    }
+                }
                 let running = std::mem::take(&mut self.sched.running);
                 for seq in running {
                     let mut seq = self.sched.release(seq);
@@ -410,38 +418,52 @@ impl Worker {
         let bs = self.sched.block_size;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
+        // The rows whose last pending token runs now sample a next token: their flat row
+        // index, sequence index and controls (the draw is taken here, once per token).
         let mut sample_rows = Vec::new();
+        let mut sampled_seqs = Vec::new();
+        let mut rows: Vec<RowSampling> = Vec::new();
         for p in plan {
-            let seq = &self.sched.running[p.index];
+            let seq = &mut self.sched.running[p.index];
             let start = seq.num_computed;
             let end = start + p.q_len;
             ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
             positions.extend((start..end).map(|p| p as i64));
             if end == seq.tokens.len() {
                 sample_rows.push((ids.len() - 1) as i64);
+                sampled_seqs.push(p.index);
+                rows.push(seq.row_sampling());
             }
         }
         if let Some(p) = prof.as_mut() {
             p.lap(0);
         }
+        let vocab = self.model.lm_head_weight().size()[0];
         let graphed = match self.graphs.as_mut() {
             Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
                 let running = &self.sched.running;
-                let rows: Vec<DecodeRow> = plan
+                // Every row of a decode-only step samples; the graph does it too when the
+                // sampling kernel can take every row (`MANTA_GRAPH_SAMPLING=0`: never, for
+                // A/B runs).
+                let sample = graph_sampling_allowed() && sampler::kernel_handles(&rows, vocab);
+                let params = sampler::kernel_params(&rows);
+                let decode_rows: Vec<DecodeRow> = plan
                     .iter()
                     .zip(ids.iter().zip(&positions))
-                    .map(|(p, (&token, &position))| DecodeRow {
+                    .enumerate()
+                    .map(|(i, (p, (&token, &position)))| DecodeRow {
                         token,
                         position,
                         blocks: &running[p.index].blocks,
+                        sample: [params[i], params[rows.len() + i]],
                     })
                     .collect();
-                graphs.run(&self.model, &self.kv, &rows)
+                graphs.run(&self.model, &self.kv, &decode_rows, sample)
             }
             _ => None,
         };
-        let hidden = match graphed {
-            Some(hidden) => hidden,
+        let (hidden, sampled) = match graphed {
+            Some(out) => (out.hidden, out.sampled),
             None => {
                 let seqs: Vec<PagedSeq> = plan
                     .iter()
@@ -465,7 +487,10 @@ impl Worker {
                 };
                 let input = Tensor::from_slice(&ids).to(self.device);
                 let pos = Tensor::from_slice(&positions).to(self.device);
-                self.model.forward_paged(&input, &pos, &batch, &self.kv)
+                (
+                    self.model.forward_paged(&input, &pos, &batch, &self.kv),
+                    None,
+                )
             }
         };
         if let Some(p) = prof.as_mut() {
@@ -473,26 +498,23 @@ impl Worker {
         }
         self.stats.add_step(ids.len(), sample_rows.len());
         let mut finished = Vec::new();
-        let mut rows: Vec<RowSampling> = Vec::new();
-        let mut sampled_seqs = Vec::new();
         for p in plan {
             self.sched.computed(p.index, p.q_len);
-            let seq = &mut self.sched.running[p.index];
-            if seq.pending() == 0 {
-                rows.push(seq.row_sampling());
-                sampled_seqs.push(p.index);
-            }
         }
         if !rows.is_empty() {
-            // Decode steps sample every row, in order: no gather needed.
-            let every_row = sample_rows.len() == ids.len();
-            let sampled_hidden = if every_row {
-                hidden
-            } else {
-                hidden.index_select(0, &Tensor::from_slice(&sample_rows).to(self.device))
+            let (next, logprobs) = match sampled {
+                Some(sampled) => sampler::kernel_output_to_host(&sampled, rows.len()),
+                None => {
+                    // Decode steps sample every row, in order: no gather needed.
+                    let every_row = sample_rows.len() == ids.len();
+                    let sampled_hidden = if every_row {
+                        hidden
+                    } else {
+                        hidden.index_select(0, &Tensor::from_slice(&sample_rows).to(self.device))
+                    };
+                    sample(&self.model.logits_f32(&sampled_hidden), &rows)
+                }
             };
-            let logits = self.model.logits_f32(&sampled_hidden);
-            let (next, logprobs) = sample(&logits, &rows);
             for ((&index, tok), lp) in sampled_seqs.iter().zip(next).zip(logprobs) {
                 let seq = &mut self.sched.running[index];
                 seq.tokens.push(tok as u32);
@@ -521,6 +543,12 @@ impl Worker {
             seq.finish(reason, matched);
         }
     }
+}
+
+/// Whether decode graphs may end with the LM head and the sampler; read once.
+fn graph_sampling_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var_os("MANTA_GRAPH_SAMPLING").is_none_or(|v| v != "0"))
 }
 
 /// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache
