@@ -573,7 +573,7 @@ fn programmatic_dependent_launch_changes_no_bits() {
         };
         let _guard = tch::no_grad_guard();
         let _ = step();
-        let mut capture = |pdl: &str| {
+        let capture = |pdl: &str| {
             std::env::set_var("MANTA_PDL", pdl);
             let captured = manta_cuda::CudaGraph::capture(0, None, step).expect("capture");
             std::env::remove_var("MANTA_PDL");

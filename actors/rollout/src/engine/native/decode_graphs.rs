@@ -46,8 +46,10 @@ struct Captured {
     graph: CudaGraph,
     inputs: Inputs,
     hidden: Tensor,
-    /// The sampling kernel's (token id, log-prob) [2, B], when the graph samples.
+    /// The sampling kernel's (token id, log-prob) [2, B], when the graph samples, and a
+    /// pinned host buffer like it to copy it into (none if pinning failed).
     sampled: Option<Tensor>,
+    sampled_host: Option<Tensor>,
 }
 
 /// What a graphed decode step left on the device.
@@ -56,8 +58,9 @@ pub struct DecodeOutput {
     pub hidden: Tensor,
     /// The sampling kernel's output [2, B] (B ≥ rows: the graph's batch bucket), when the
     /// step was asked to sample and the kernel is usable; read it with
-    /// [`sampler::kernel_output_to_host`].
+    /// [`sampler::kernel_output_to_host`], through `sampled_host` (pinned) when there is one.
     pub sampled: Option<Tensor>,
+    pub sampled_host: Option<Tensor>,
 }
 
 /// One decode row: its next token, its position (the context is positions 0..=position)
@@ -259,6 +262,7 @@ impl DecodeGraphs {
         Some(DecodeOutput {
             hidden: c.hidden.narrow(0, 0, rows.len() as i64),
             sampled: c.sampled.as_ref().map(Tensor::shallow_clone),
+            sampled_host: c.sampled_host.as_ref().map(Tensor::shallow_clone),
         })
     }
 
@@ -366,11 +370,18 @@ impl DecodeGraphs {
             sample,
             "captured a decode CUDA graph"
         );
+        let sampled_host = sampled.as_ref().and_then(|s| {
+            Tensor::zeros(s.size(), (Kind::Double, Device::Cpu))
+                .f_pin_memory(dev)
+                .inspect_err(|e| debug!(error = %e, "no pinned output buffer; copies will stage"))
+                .ok()
+        });
         Ok(Captured {
             graph,
             inputs,
             hidden,
             sampled,
+            sampled_host,
         })
     }
 }

@@ -462,8 +462,8 @@ impl Worker {
             }
             _ => None,
         };
-        let (hidden, sampled) = match graphed {
-            Some(out) => (out.hidden, out.sampled),
+        let (hidden, sampled, mut sampled_host) = match graphed {
+            Some(out) => (out.hidden, out.sampled, out.sampled_host),
             None => {
                 let seqs: Vec<PagedSeq> = plan
                     .iter()
@@ -490,6 +490,7 @@ impl Worker {
                 (
                     self.model.forward_paged(&input, &pos, &batch, &self.kv),
                     None,
+                    None,
                 )
             }
         };
@@ -503,7 +504,9 @@ impl Worker {
         }
         if !rows.is_empty() {
             let (next, logprobs) = match sampled {
-                Some(sampled) => sampler::kernel_output_to_host(&sampled, rows.len()),
+                Some(sampled) => {
+                    sampler::kernel_output_to_host(&sampled, rows.len(), sampled_host.as_mut())
+                }
                 None => {
                     // Decode steps sample every row, in order: no gather needed.
                     let every_row = sample_rows.len() == ids.len();
