@@ -3,7 +3,10 @@
 //! host scheduling, no sampling, so differences of a few microseconds between kernel
 //! variants show. Each variant is a copy of the model whose decode kernels were enabled
 //! under its own environment (knobs read at that point, such as MANTA_L2_PREFETCH); the
-//! variants replay in turn, several rounds, and the median per variant is reported.
+//! variants replay in turn, several rounds, and the median per variant is reported. Each
+//! variant's logits are checked first against the same step through the model's tensor
+//! ops (gathered keys and values, cuBLAS), so a variant that skips work fails rather than
+//! looks fast.
 //!
 //! usage: decode_step SHAPE(0.6b|8b) BATCH CONTEXT [VARIANT ...]
 //! where VARIANT is NAME or NAME:KEY=VALUE,KEY=VALUE (default: the engine's settings).
@@ -12,7 +15,7 @@
 use std::time::Instant;
 
 use manta_model::ModelConfig;
-use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache};
+use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache, PagedSeq};
 use tch::{nn, Device, Kind, Tensor};
 
 const BLOCK_SIZE: usize = 16;
@@ -82,10 +85,6 @@ fn capture(
     context: i64,
 ) -> anyhow::Result<(manta_cuda::CudaGraph, PagedKvCache, Vec<Tensor>)> {
     let device = Device::Cuda(0);
-    model
-        .enable_decode_kernels()
-        .map_err(|e| anyhow::anyhow!("decode kernels: {e}"))?;
-
     // Every row's context is `context` tokens (its new token's slot included), in its own
     // blocks; the table is as wide as the engine's graph bucket for that context.
     let width = (context as usize).next_power_of_two().max(256) as i64;
@@ -106,14 +105,39 @@ fn capture(
     let ids = (Tensor::arange(batch, (Kind::Int64, device)) * 7919 + 13).remainder(150_000);
     let positions = Tensor::full([batch], context - 1, (Kind::Int64, device));
     let counters = decode_counters(batch, device);
+    let _guard = tch::no_grad_guard();
+    // The same step through the model's tensor ops (keys and values gathered, cuBLAS), to
+    // check the kernels' logits against: a kernel that skipped work would be fast here.
+    let reference = {
+        let seqs: Vec<PagedSeq> = (0..batch)
+            .map(|r| PagedSeq {
+                q_len: 1,
+                slots: (0..context)
+                    .map(|p| r * per_row * BLOCK_SIZE as i64 + p)
+                    .collect(),
+            })
+            .collect();
+        let b = PagedBatch::new(&seqs, device);
+        model.logits_f32(&model.forward_paged(&ids, &positions, &b, &kv))
+    };
+    model
+        .enable_decode_kernels()
+        .map_err(|e| anyhow::anyhow!("decode kernels: {e}"))?;
     let step = || {
         let b = PagedBatch::decode_paged(&slots, &tables, &lens, &counters, BLOCK_SIZE);
         let hidden = model.forward_paged(&ids, &positions, &b, &kv);
         model.logits_f32(&hidden)
     };
-    let _guard = tch::no_grad_guard();
     let _ = step(); // compiles the kernels, grows the allocator
-    let (graph, _logits) = manta_cuda::CudaGraph::capture(0, None, step)?;
+    let (graph, logits) = manta_cuda::CudaGraph::capture(0, None, step)?;
+    graph.replay()?;
+    let scale = reference.abs().max().double_value(&[]);
+    let error = (&logits - &reference).abs().max().double_value(&[]) / scale;
+    eprintln!("logits against the tensor-op step: max |difference| {error:.2e} of the largest");
+    anyhow::ensure!(
+        error < 5e-2,
+        "the kernels' logits differ from the tensor ops' by {error:.2e} of the largest"
+    );
     Ok((
         graph,
         kv,

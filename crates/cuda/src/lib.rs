@@ -33,6 +33,7 @@ extern "C" {
     fn manta_graph_replay(g: *mut c_void) -> c_int;
     fn manta_graph_free(g: *mut c_void);
     fn manta_copy_nonblocking(dst: *mut c_void, src: *mut c_void) -> c_int;
+    fn manta_pin_memory(src: *mut c_void, out: *mut *mut c_void) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_paged_decode_attention(
         source: *const c_char,
@@ -280,6 +281,16 @@ pub fn copy_nonblocking(dst: &mut Tensor, src: &Tensor) -> Result<(), CudaError>
     check(unsafe {
         manta_copy_nonblocking(dst.as_mut_ptr() as *mut c_void, src.as_ptr() as *mut c_void)
     })
+}
+
+/// A page-locked (pinned) copy of the CPU tensor `src`, which non-blocking copies to and
+/// from the GPU need.
+pub fn pin_memory(src: &Tensor) -> Result<Tensor, CudaError> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a live tensor handle; on success `out` is a new at::Tensor we now own.
+    check(unsafe { manta_pin_memory(src.as_ptr() as *mut c_void, &mut out) })?;
+    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
 /// Bytes of memory on CUDA device `device`.

@@ -187,7 +187,8 @@ int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; 
 
 // Tuning knobs of the paged kernel for A/B runs (bench/run_engine_decode.sh): tokens per
 // warp step (MANTA_PAGED_TT: 1, 2, 4 or 8; default 4) and CTAs per SM the context is split
-// to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read once.
+// to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read at every launch, so one process can
+// capture graphs with several settings (bench/decode_step).
 int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64_t> allowed) {
   const char* v = std::getenv(name);
   if (v == nullptr) return fallback;
@@ -196,14 +197,8 @@ int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64
     if (a == n) return n;
   return fallback;
 }
-int64_t paged_tokens_per_step() {
-  static const int64_t tt = env_knob("MANTA_PAGED_TT", 4, {1, 2, 4, 8});
-  return tt;
-}
-int64_t paged_ctas_per_sm() {
-  static const int64_t c = env_knob("MANTA_PAGED_CTAS_PER_SM", 4, {1, 2, 3, 4, 6, 8, 12, 16});
-  return c;
-}
+int64_t paged_tokens_per_step() { return env_knob("MANTA_PAGED_TT", 4, {1, 2, 4, 8}); }
+int64_t paged_ctas_per_sm() { return env_knob("MANTA_PAGED_CTAS_PER_SM", 4, {1, 2, 3, 4, 6, 8, 12, 16}); }
 
 // Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
 // compile check compiles (one definition for both).
@@ -392,6 +387,17 @@ int manta_graph_replay(void* g) {
 int manta_copy_nonblocking(void* dst_, void* src_) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] { static_cast<at::Tensor*>(dst_)->copy_(tensor(src_), /*non_blocking=*/true); });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// A page-locked copy of the CPU tensor `src` in *out (a new at::Tensor the caller owns).
+// tch's pin_memory always names a device, which libtorch warns is deprecated.
+int manta_pin_memory(void* src_, void** out) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { *out = new at::Tensor(tensor(src_).pin_memory()); });
 #else
   last_error() = "built without CUDA";
   return 1;

@@ -281,10 +281,12 @@ impl DecodeGraphs {
             let packed = Tensor::zeros([5 * bi + bi * mb], (Kind::Int64, dev));
             let _ = packed.narrow(0, 2 * bi, bi).fill_(self.scratch_slot);
             let _ = packed.narrow(0, 3 * bi, bi).fill_(1);
-            let staging = Tensor::zeros([5 * bi + bi * mb], (Kind::Int64, Device::Cpu))
-                .f_pin_memory(dev)
-                .inspect_err(|e| debug!(error = %e, "no pinned input buffer; copies will wait"))
-                .ok();
+            let staging = manta_cuda::pin_memory(&Tensor::zeros(
+                [5 * bi + bi * mb],
+                (Kind::Int64, Device::Cpu),
+            ))
+            .inspect_err(|e| debug!(error = %e, "no pinned input buffer; copies will wait"))
+            .ok();
             Inputs::Paged {
                 packed,
                 staging,
@@ -371,8 +373,7 @@ impl DecodeGraphs {
             "captured a decode CUDA graph"
         );
         let sampled_host = sampled.as_ref().and_then(|s| {
-            Tensor::zeros(s.size(), (Kind::Double, Device::Cpu))
-                .f_pin_memory(dev)
+            manta_cuda::pin_memory(&Tensor::zeros(s.size(), (Kind::Double, Device::Cpu)))
                 .inspect_err(|e| debug!(error = %e, "no pinned output buffer; copies will stage"))
                 .ok()
         });

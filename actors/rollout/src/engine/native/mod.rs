@@ -27,7 +27,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tch::{nn, Device, Kind};
 use tokio::sync::oneshot;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{
     Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, NamedTensors, PauseMode,
@@ -106,6 +106,9 @@ impl EngineStats {
 /// Handle to the engine thread; cheap to share.
 pub struct NativeEngine {
     commands: mpsc::Sender<Command>,
+    /// Joined on drop, so the engine's CUDA memory (pinned host buffers included) is freed
+    /// before the process can exit: freeing it during CUDA's own shutdown aborts.
+    thread: Option<std::thread::JoinHandle<()>>,
     version: Arc<AtomicU64>,
     stats: Arc<EngineStats>,
     info: EngineInfo,
@@ -196,7 +199,7 @@ impl NativeEngine {
         let (thread_version, thread_stats) = (version.clone(), stats.clone());
         let thread_tokenizer = tokenizer.clone();
         let thread_opts = opts.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("manta-native-engine".into())
             .spawn(move || {
                 let built = (|| -> Result<Worker, EngineError> {
@@ -264,6 +267,7 @@ impl NativeEngine {
         );
         Ok(Arc::new(Self {
             commands: tx,
+            thread: Some(thread),
             version,
             stats,
             info,
@@ -333,6 +337,21 @@ impl NativeEngine {
 async fn answer<T>(rx: oneshot::Receiver<T>) -> Result<T, EngineError> {
     rx.await
         .map_err(|_| EngineError::Stopped("engine thread dropped the request".into()))
+}
+
+impl Drop for NativeEngine {
+    /// Aborts what is still running, closes the command channel and waits for the engine
+    /// thread to free the model, the KV cache and its CUDA graphs.
+    fn drop(&mut self) {
+        let (reply, _) = oneshot::channel();
+        let _ = self.commands.send(Command::Abort(None, reply));
+        drop(std::mem::replace(&mut self.commands, mpsc::channel().0));
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                warn!("the native engine thread panicked");
+            }
+        }
+    }
 }
 
 #[async_trait]
