@@ -182,12 +182,10 @@ void check_bf16(const at::Tensor& t, const char* what) {
               " must be a contiguous bf16 CUDA tensor");
 }
 
-// Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows.
-int64_t paged_warps(int64_t hd, int64_t rep) { return hd * rep <= 1024 ? 8 : 4; }
 
-// Tuning knobs of the paged kernel for A/B runs (bench/run_engine_decode.sh): tokens per
-// warp step (MANTA_PAGED_TT: 1, 2, 4 or 8; default 4) and CTAs per SM the context is split
-// to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read at every launch, so one process can
+// Tuning knobs of the paged kernel for A/B runs (bench/decode_step): lanes per token
+// (MANTA_PAGED_LANES), tokens per step (MANTA_PAGED_TT) and CTAs per SM the context is
+// split to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read at every launch, so one process can
 // capture graphs with several settings (bench/decode_step).
 int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64_t> allowed) {
   const char* v = std::getenv(name);
@@ -197,14 +195,30 @@ int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64
     if (a == n) return n;
   return fallback;
 }
-int64_t paged_tokens_per_step() { return env_knob("MANTA_PAGED_TT", 4, {1, 2, 4, 8}); }
 int64_t paged_ctas_per_sm() { return env_knob("MANTA_PAGED_CTAS_PER_SM", 4, {1, 2, 3, 4, 6, 8, 12, 16}); }
+// Lanes per token in the paged kernel: enough for 8 elements of the head each (fewer
+// shuffle rounds per score than a whole warp per token), or MANTA_PAGED_LANES (8, 16 or
+// 32, where each lane then holds 2, 4 or 8 elements), for A/B runs.
+int64_t paged_lanes(int64_t hd) {
+  const int64_t lanes = env_knob("MANTA_PAGED_LANES", std::min<int64_t>(32, hd / 8), {8, 16, 32});
+  const int64_t per_lane = hd / lanes;
+  return per_lane == 2 || per_lane == 4 || per_lane == 8 ? lanes : std::min<int64_t>(32, hd / 8);
+}
+// Tokens per lane group per step (MANTA_PAGED_TT: 1, 2, 4 or 8; default 4 for a whole warp
+// per token, 2 for narrower groups, so a warp has ~4-8 tokens in flight either way).
+int64_t paged_tokens_per_step(int64_t lanes) { return env_knob("MANTA_PAGED_TT", lanes == 32 ? 4 : 2, {1, 2, 4, 8}); }
+// Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows, with one
+// (max, sum, accumulator) per lane group.
+int64_t paged_warps(int64_t hd, int64_t rep, int64_t lanes) {
+  const int64_t per_warp = (32 / lanes) * hd * rep;
+  return per_warp <= 1024 ? 8 : per_warp <= 2048 ? 4 : 2;
+}
 
 // Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
 // compile check compiles (one definition for both).
-std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv) {
-  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", paged_warps(hd, rep)) +
-         define("TT", paged_tokens_per_step());
+std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes) {
+  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", paged_warps(hd, rep, lanes)) +
+         define("G", lanes) + define("TT", paged_tokens_per_step(lanes));
 }
 
 std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
@@ -451,7 +465,7 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
       cp = counters.data_ptr();
     }
     const int device = q.get_device();
-    const std::string defines = paged_defines(hd, rep, nkv);
+    const std::string defines = paged_defines(hd, rep, nkv, paged_lanes(hd));
     int max_blocks = static_cast<int>(tables.size(1));
     const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
     // Enough CTAs to fill every SM about four times over (several CTAs stay resident per
@@ -477,7 +491,8 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
     void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &block_size, &scale, &chunk, &splits_i};
     launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
-           static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(paged_warps(hd, rep) * 32),
+           static_cast<unsigned>(batch), static_cast<unsigned>(splits),
+           static_cast<unsigned>(paged_warps(hd, rep, paged_lanes(hd)) * 32),
            args, true);
     if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
@@ -871,7 +886,9 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-    compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads), arch);
+    // The default lanes per token, and a whole warp per token (MANTA_PAGED_LANES=32).
+    for (int64_t lanes : {paged_lanes(head_dim), int64_t{32}})
+      compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes), arch);
     compile_kernels(fused_source, qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0), arch);
     compile_kernels(fused_source, rms_norm_defines(hidden), arch);
     compile_kernels(fused_source, define("I", intermediate), arch);
