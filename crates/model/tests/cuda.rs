@@ -26,6 +26,21 @@ fn gpu_config() -> ModelConfig {
     .expect("valid config")
 }
 
+/// Qwen3-0.6B's layer shapes, four layers, a small vocabulary.
+fn four_layers_of_0_6b(vocab: i64) -> ModelConfig {
+    ModelConfig::from_json_str(
+        &format!(
+            r#"{{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+            "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": {vocab}, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "tie_word_embeddings": true,
+            "max_position_embeddings": 1024, "initializer_range": 0.02}}"#
+        ),
+        "0.6B layers",
+    )
+    .expect("valid config")
+}
+
 fn rel(a: &Tensor, reference: &Tensor) -> f64 {
     let a = a.to_device(Device::Cpu).to_kind(Kind::Float);
     max_abs_diff(&a, reference) / reference.abs().max().double_value(&[])
@@ -413,15 +428,7 @@ fn invariant_paged_forward_equals_the_packed_forward() {
         return;
     }
     let gpu = Device::Cuda(0);
-    let cfg = ModelConfig::from_json_str(
-        r#"{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 2000, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": true, "max_position_embeddings": 1024,
-        "initializer_range": 0.02}"#,
-        "0.6B layers",
-    )
-    .expect("valid config");
+    let cfg = four_layers_of_0_6b(2000);
     tch::manual_seed(8);
     let mut vs = VarStore::new(gpu);
     let mut m = CausalLm::new(&vs.root(), &cfg);
@@ -539,15 +546,7 @@ fn programmatic_dependent_launch_changes_no_bits() {
         return;
     }
     let gpu = Device::Cuda(0);
-    let cfg = ModelConfig::from_json_str(
-        r#"{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": true, "max_position_embeddings": 1024,
-        "initializer_range": 0.02}"#,
-        "0.6B layers",
-    )
-    .expect("valid config");
+    let cfg = four_layers_of_0_6b(4096);
     tch::manual_seed(9);
     let mut vs = VarStore::new(gpu);
     let mut m = CausalLm::new(&vs.root(), &cfg);

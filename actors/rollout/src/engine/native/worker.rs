@@ -442,10 +442,7 @@ impl Worker {
         let graphed = match self.graphs.as_mut() {
             Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
                 let running = &self.sched.running;
-                // Every row of a decode-only step samples; the graph does it too when the
-                // sampling kernel can take every row (`MANTA_GRAPH_SAMPLING=0`: never, for
-                // A/B runs).
-                let sample = graph_sampling_allowed() && sampler::kernel_handles(&rows, vocab);
+                let sample = graph_samples(&rows, plan.len(), vocab);
                 let params = sampler::kernel_params(&rows);
                 let decode_rows: Vec<DecodeRow> = plan
                     .iter()
@@ -455,7 +452,11 @@ impl Worker {
                         token,
                         position,
                         blocks: &running[p.index].blocks,
-                        sample: [params[i], params[rows.len() + i]],
+                        sample: if sample {
+                            [params[i], params[rows.len() + i]]
+                        } else {
+                            [0.0; 2]
+                        },
                     })
                     .collect();
                 graphs.run(&self.model, &self.kv, &decode_rows, sample)
@@ -548,10 +549,15 @@ impl Worker {
     }
 }
 
-/// Whether decode graphs may end with the LM head and the sampler; read once.
-fn graph_sampling_allowed() -> bool {
+/// Whether a decode-only step of `steps` rows, of which `rows` sample, samples inside its
+/// graph: when every row samples (a one-token prefill chunk with more to come does not),
+/// the sampling kernel can take every row, and `MANTA_GRAPH_SAMPLING` is not `0` (A/B runs;
+/// read once).
+fn graph_samples(rows: &[RowSampling], steps: usize, vocab: i64) -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var_os("MANTA_GRAPH_SAMPLING").is_none_or(|v| v != "0"))
+    let allowed =
+        *ALLOWED.get_or_init(|| std::env::var_os("MANTA_GRAPH_SAMPLING").is_none_or(|v| v != "0"));
+    allowed && rows.len() == steps && sampler::kernel_handles(rows, vocab)
 }
 
 /// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache
@@ -599,5 +605,31 @@ impl StepProfile {
                 self.phases[0], self.phases[1], self.phases[2]
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(top_p: f64) -> RowSampling {
+        RowSampling {
+            greedy: false,
+            temperature: 1.0,
+            top_k: -1,
+            top_p,
+            min_p: 0.0,
+            uniform: 0.5,
+        }
+    }
+
+    #[test]
+    fn graphs_sample_only_when_every_row_samples_with_the_kernel() {
+        assert!(graph_samples(&[row(1.0), row(1.0)], 2, 1000));
+        // A row still prefilling (one-token chunk, more to come) samples nothing: its
+        // step's sampled rows are not the graph's first rows.
+        assert!(!graph_samples(&[row(1.0)], 2, 1000));
+        // top-p needs the tensor-op sampler.
+        assert!(!graph_samples(&[row(1.0), row(0.9)], 2, 1000));
     }
 }
