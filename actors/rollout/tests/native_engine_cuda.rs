@@ -225,6 +225,73 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     assert!(mean < 0.3, "log-probs differ by {mean:.3e} on average");
 }
 
+/// A decode-only step can hold a row that samples nothing. With a step budget of two tokens,
+/// the second request's prompt prefills one token per step beside the first request's
+/// decodes, so each such step is two one-token rows of which only the decode samples; its
+/// CUDA graph must leave the sampling to the step (the graph's sampled rows are its first
+/// ones). Both requests' greedy tokens follow the trainer's forward, as in
+/// `greedy_cuda_decoding_follows_the_trainer_forward`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
+    if !Cuda::is_available() {
+        eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let device = Device::Cuda(0);
+    let config = peaked_config();
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("config.json"), &config).expect("write config");
+    let mut opts = NativeEngineOptions::new(dir.path(), device);
+    opts.seed = SEED;
+    opts.mem_fraction_static = 0.3;
+    opts.chunked_prefill_size = 2;
+    let engine = NativeEngine::start(opts).expect("engine starts");
+    let ps = prompts(2);
+    let greedy = |p: &Vec<u32>, max_new_tokens: usize| {
+        engine.generate(GenerateRequest {
+            input_ids: p.clone(),
+            params: SamplingParams {
+                max_new_tokens,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..SamplingParams::default()
+            },
+            rid: None,
+        })
+    };
+    let (first, second) = tokio::join!(greedy(&ps[0], 48), greedy(&ps[1], 16));
+    let mut seqs = Vec::new();
+    for (p, out, n) in [(&ps[0], first, 48), (&ps[1], second, 16)] {
+        let out = out.expect("generation succeeds");
+        assert_eq!(out.output_ids.len(), n);
+        let mut t = p.clone();
+        t.extend(&out.output_ids);
+        seqs.push((t, p.len()));
+    }
+    drop(engine);
+    let (_, best) = trainer_scores(&config, &seqs, device, false);
+    let (mut clear, mut agree) = (0usize, 0usize);
+    for ((seq, prompt_len), b) in seqs.iter().zip(&best) {
+        for (k, &token) in seq[*prompt_len..].iter().enumerate() {
+            let (id, margin) = b[k];
+            if margin > 0.25 {
+                clear += 1;
+                agree += usize::from(id == token as i64);
+            }
+        }
+    }
+    eprintln!("one-token chunks: {agree} of {clear} clear-margin tokens agree (64 tokens)");
+    assert!(
+        clear >= 16,
+        "too few clear-margin tokens ({clear}) to mean anything"
+    );
+    assert!(
+        agree * 100 >= clear * 98,
+        "only {agree} of {clear} clear-margin tokens agree"
+    );
+}
+
 /// Sampled tokens and their log-probs from the engine: 32 prompts of 100–500 tokens with 64
 /// new tokens each, all at once; then a second turn for 8 of them (their prompt and output
 /// plus 40 new prompt tokens, prefilled over the cached prefix) with 32 more. Returns each
