@@ -1,6 +1,7 @@
 //! CUDA graphs for decode steps. A decode step of a small model is hundreds of tiny kernel
 //! launches whose host-side cost dwarfs the GPU work; captured once per (batch bucket,
-//! context bucket), the whole step replays with one launch over fixed input buffers.
+//! context bucket, whether it samples), the whole step replays with one launch over fixed
+//! input buffers.
 //! Rows past the real batch point at a scratch slot that no sequence owns.
 //!
 //! A graph can end with the LM head and the sampling kernel too, so that a decode step is
