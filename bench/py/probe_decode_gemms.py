@@ -6,7 +6,7 @@ as CUDA-graph replays over four copies of each weight (so L2 cannot hold it). Pr
 one's time and read bandwidth, and the sum over the model's layers: what a decode step
 spends in cuBLAS, to set against bench/decode_step's whole-step time.
 
-usage: python3 bench/probe_decode_gemms.py SHAPE(0.6b|8b) ROWS [ROWS ...]
+usage: python3 bench/py/probe_decode_gemms.py SHAPE(0.6b|8b) ROWS [ROWS ...]
 """
 import json
 import sys
