@@ -138,14 +138,52 @@ fn trainer_scores(
 /// The engine on GPU 0 over a random model of `config` (weights from `SEED`), 30 % of the
 /// GPU's memory; the temp dir must outlive it.
 fn start_engine(config: &str, true_on_policy: bool) -> (tempfile::TempDir, Arc<NativeEngine>) {
+    start_engine_with(config, |opts| opts.true_on_policy = true_on_policy)
+}
+
+/// An engine on cuda:0 with random weights from `SEED`, its options adjusted by `configure`.
+fn start_engine_with(
+    config: &str,
+    configure: impl FnOnce(&mut NativeEngineOptions),
+) -> (tempfile::TempDir, Arc<NativeEngine>) {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(dir.path().join("config.json"), config).expect("write config");
     let mut opts = NativeEngineOptions::new(dir.path(), Device::Cuda(0));
     opts.seed = SEED;
     opts.mem_fraction_static = 0.3;
-    opts.true_on_policy = true_on_policy;
+    configure(&mut opts);
     let engine = NativeEngine::start(opts).expect("engine starts");
     (dir, engine)
+}
+
+/// A greedy request for `max_new_tokens` tokens after `prompt`, EOS ignored.
+fn greedy_request(prompt: &[u32], max_new_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        input_ids: prompt.to_vec(),
+        params: SamplingParams {
+            max_new_tokens,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        rid: None,
+    }
+}
+
+/// Of the output tokens whose trainer-forward top two candidates are apart by more than
+/// bf16 noise (`best` from [`trainer_scores`]), how many the engine chose: (agree, clear).
+fn clear_margin_agreement(seqs: &[(Vec<u32>, usize)], best: &[Vec<(i64, f32)>]) -> (usize, usize) {
+    let (mut agree, mut clear) = (0usize, 0usize);
+    for ((seq, prompt_len), b) in seqs.iter().zip(best) {
+        for (k, &token) in seq[*prompt_len..].iter().enumerate() {
+            let (id, margin) = b[k];
+            if margin > 0.25 {
+                clear += 1;
+                agree += usize::from(id == token as i64);
+            }
+        }
+    }
+    (agree, clear)
 }
 
 /// Greedy decoding through the engine's CUDA path (decode steps as CUDA graphs, the paged
@@ -167,18 +205,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     let config = peaked_config();
     let (_dir, engine) = start_engine(&config, false);
     let ps = prompts(8);
-    let greedy = |p: &Vec<u32>| {
-        engine.generate(GenerateRequest {
-            input_ids: p.clone(),
-            params: SamplingParams {
-                max_new_tokens: 64,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..SamplingParams::default()
-            },
-            rid: None,
-        })
-    };
+    let greedy = |p: &Vec<u32>| engine.generate(greedy_request(p, 64));
     let mut outs = vec![greedy(&ps[0]).await, greedy(&ps[1]).await];
     outs.extend(join_all(ps[2..].iter().map(greedy)).await);
     let mut seqs = Vec::new();
@@ -193,23 +220,8 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     }
     drop(engine);
     let (trainer_lp, best) = trainer_scores(&config, &seqs, device, false);
-    let (mut clear, mut agree, mut diff_sum, mut n) = (0usize, 0usize, 0f64, 0usize);
-    for (((seq, prompt_len), e), (t, b)) in seqs
-        .iter()
-        .zip(&engine_lp)
-        .zip(trainer_lp.iter().zip(&best))
-    {
-        for (k, &token) in seq[*prompt_len..].iter().enumerate() {
-            diff_sum += (e[k] as f64 - t[k] as f64).abs();
-            n += 1;
-            let (id, margin) = b[k];
-            if margin > 0.25 {
-                clear += 1;
-                agree += usize::from(id == token as i64);
-            }
-        }
-    }
-    let mean = diff_sum / n as f64;
+    let (agree, clear) = clear_margin_agreement(&seqs, &best);
+    let (mean, _, n) = logprob_gap(&engine_lp, &trainer_lp);
     eprintln!("greedy: {agree} of {clear} clear-margin tokens agree ({n} tokens); mean |Δ log-prob| {mean:.3e}");
     assert!(
         clear >= n / 4,
@@ -240,27 +252,12 @@ async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
     let _serial = SERIAL.lock().await;
     let device = Device::Cuda(0);
     let config = peaked_config();
-    let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(dir.path().join("config.json"), &config).expect("write config");
-    let mut opts = NativeEngineOptions::new(dir.path(), device);
-    opts.seed = SEED;
-    opts.mem_fraction_static = 0.3;
-    opts.chunked_prefill_size = 2;
-    let engine = NativeEngine::start(opts).expect("engine starts");
+    let (_dir, engine) = start_engine_with(&config, |opts| opts.chunked_prefill_size = 2);
     let ps = prompts(2);
-    let greedy = |p: &Vec<u32>, max_new_tokens: usize| {
-        engine.generate(GenerateRequest {
-            input_ids: p.clone(),
-            params: SamplingParams {
-                max_new_tokens,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..SamplingParams::default()
-            },
-            rid: None,
-        })
-    };
-    let (first, second) = tokio::join!(greedy(&ps[0], 48), greedy(&ps[1], 16));
+    let (first, second) = tokio::join!(
+        engine.generate(greedy_request(&ps[0], 48)),
+        engine.generate(greedy_request(&ps[1], 16))
+    );
     let mut seqs = Vec::new();
     for (p, out, n) in [(&ps[0], first, 48), (&ps[1], second, 16)] {
         let out = out.expect("generation succeeds");
@@ -271,16 +268,7 @@ async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
     }
     drop(engine);
     let (_, best) = trainer_scores(&config, &seqs, device, false);
-    let (mut clear, mut agree) = (0usize, 0usize);
-    for ((seq, prompt_len), b) in seqs.iter().zip(&best) {
-        for (k, &token) in seq[*prompt_len..].iter().enumerate() {
-            let (id, margin) = b[k];
-            if margin > 0.25 {
-                clear += 1;
-                agree += usize::from(id == token as i64);
-            }
-        }
-    }
+    let (agree, clear) = clear_margin_agreement(&seqs, &best);
     eprintln!("one-token chunks: {agree} of {clear} clear-margin tokens agree (64 tokens)");
     assert!(
         clear >= 16,

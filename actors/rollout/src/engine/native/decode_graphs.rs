@@ -71,7 +71,7 @@ pub struct DecodeRow<'a> {
     pub position: i64,
     pub blocks: &'a [u32],
     /// The sampling kernel's parameters for this row: temperature (0: greedy) and the
-    /// uniform draw ([`sampler::kernel_params`]).
+    /// uniform draw ([`RowSampling::kernel_pair`](super::sampler::RowSampling::kernel_pair)).
     pub sample: [f32; 2],
 }
 

@@ -24,6 +24,17 @@ pub struct RowSampling {
 }
 
 impl RowSampling {
+    /// This row's two parameters for the sampling kernel: the temperature (0 for greedy
+    /// rows) and the uniform draw.
+    pub fn kernel_pair(&self) -> [f32; 2] {
+        let temperature = if self.greedy {
+            0.0
+        } else {
+            self.temperature as f32
+        };
+        [temperature, self.uniform as f32]
+    }
+
     fn filters(&self, vocab: i64) -> bool {
         !self.greedy
             && ((self.top_k > 0 && self.top_k < vocab) || self.top_p < 1.0 || self.min_p > 0.0)
@@ -140,12 +151,12 @@ pub fn kernel_handles(rows: &[RowSampling], vocab: i64) -> bool {
 /// The kernel's parameters for `rows`, as `[2, rows]` row-major: every row's temperature
 /// (0 for greedy rows), then every row's uniform draw.
 pub fn kernel_params(rows: &[RowSampling]) -> Vec<f32> {
-    let mut params: Vec<f32> = rows
+    let pairs: Vec<[f32; 2]> = rows.iter().map(RowSampling::kernel_pair).collect();
+    pairs
         .iter()
-        .map(|r| if r.greedy { 0.0 } else { r.temperature as f32 })
-        .collect();
-    params.extend(rows.iter().map(|r| r.uniform as f32));
-    params
+        .map(|p| p[0])
+        .chain(pairs.iter().map(|p| p[1]))
+        .collect()
 }
 
 /// Launches the sampling kernel over `logits` [B, V] fp32 with `params` [2, B] (see
@@ -224,6 +235,20 @@ mod tests {
             min_p: 0.0,
             uniform,
         }
+    }
+
+    #[test]
+    fn kernel_params_are_temperatures_then_draws_with_greedy_as_zero() {
+        let greedy = RowSampling {
+            greedy: true,
+            ..row(0.25)
+        };
+        let hot = RowSampling {
+            temperature: 0.7,
+            ..row(0.5)
+        };
+        assert_eq!(greedy.kernel_pair(), [0.0, 0.25]);
+        assert_eq!(kernel_params(&[greedy, hot]), vec![0.0, 0.7, 0.25, 0.5]);
     }
 
     #[test]

@@ -443,7 +443,7 @@ impl Worker {
             Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
                 let running = &self.sched.running;
                 let sample = graph_samples(&rows, plan.len(), vocab);
-                let params = sampler::kernel_params(&rows);
+                // When the graph samples, every plan row samples: rows[i] is plan[i]'s.
                 let decode_rows: Vec<DecodeRow> = plan
                     .iter()
                     .zip(ids.iter().zip(&positions))
@@ -453,7 +453,7 @@ impl Worker {
                         position,
                         blocks: &running[p.index].blocks,
                         sample: if sample {
-                            [params[i], params[rows.len() + i]]
+                            rows[i].kernel_pair()
                         } else {
                             [0.0; 2]
                         },
