@@ -168,7 +168,8 @@ void launch(CUfunction fn, int device, unsigned gx, unsigned gy, unsigned gz, un
   config.attrs = &attribute;
   config.numAttrs = pdl && pdl_enabled(device) ? 1 : 0;
   CUresult launched = cuLaunchKernelEx_fn(&config, fn, args, nullptr);
-  TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernelEx failed with CUresult ", static_cast<int>(launched));
+  TORCH_CHECK(launched == CUDA_SUCCESS, "cuLaunchKernelEx failed with CUresult ", static_cast<int>(launched), " (grid ",
+              gx, "x", gy, "x", gz, ", ", threads, " threads)");
 }
 
 std::string define(const char* name, int64_t value) {
@@ -195,7 +196,13 @@ int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64
     if (a == n) return n;
   return fallback;
 }
-int64_t paged_ctas_per_sm() { return env_knob("MANTA_PAGED_CTAS_PER_SM", 4, {1, 2, 3, 4, 6, 8, 12, 16}); }
+// The context is split only while the batch's own CTAs (kv heads × sequences) are fewer
+// than two per SM: past that, splitting adds short CTAs and merges without adding
+// parallelism (H100, per decode step unsplit: 8B batch 64 10,262 -> 9,770 us, 0.6B batch
+// 64 3,535 -> 3,264 us). MANTA_PAGED_CTAS_PER_SM overrides (A/B runs; 4 = the old rule).
+int64_t paged_ctas_per_sm(int64_t ctas, int64_t sms) {
+  return env_knob("MANTA_PAGED_CTAS_PER_SM", ctas >= 2 * sms ? 2 : 4, {1, 2, 3, 4, 6, 8, 12, 16});
+}
 // Lanes per token in the paged kernel: enough for 8 elements of the head each (fewer
 // shuffle rounds per score than a whole warp per token), or MANTA_PAGED_LANES (8, 16 or
 // 32, where each lane then holds 2, 4 or 8 elements), for A/B runs.
@@ -216,9 +223,9 @@ int64_t paged_warps(int64_t hd, int64_t rep, int64_t lanes) {
 
 // Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
 // compile check compiles (one definition for both).
-std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes) {
+std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes, int64_t block_size) {
   return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", paged_warps(hd, rep, lanes)) +
-         define("G", lanes) + define("TT", paged_tokens_per_step(lanes));
+         define("G", lanes) + define("TT", paged_tokens_per_step(lanes)) + define("BLOCK", block_size);
 }
 
 std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
@@ -465,14 +472,17 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
       cp = counters.data_ptr();
     }
     const int device = q.get_device();
-    const std::string defines = paged_defines(hd, rep, nkv, paged_lanes(hd));
+    const int64_t lanes = paged_lanes(hd);
+    TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+    const std::string defines = paged_defines(hd, rep, nkv, lanes, block_size);
     int max_blocks = static_cast<int>(tables.size(1));
     const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
-    // Enough CTAs to fill every SM about four times over (several CTAs stay resident per
-    // SM), each split at least 32 tokens long, at most 64 splits (the merge's width).
+    // Small batches: enough CTAs to fill every SM about four times over (several CTAs stay
+    // resident per SM), each split at least 32 tokens long, at most 64 splits (the merge's
+    // width). Batches of two or more CTAs per SM alone: no split.
     const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
     const int64_t ctas = nkv * batch;
-    const int64_t target = paged_ctas_per_sm() * sms;
+    const int64_t target = paged_ctas_per_sm(ctas, sms) * sms;
     int64_t splits = std::max<int64_t>(1, std::min<int64_t>({(target + ctas - 1) / ctas, (max_ctx + 31) / 32, 64}));
     int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
     int splits_i = static_cast<int>(splits);
@@ -489,11 +499,10 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     void* op = out.data_ptr();
     void* pa = splits > 1 ? part_acc.data_ptr() : nullptr;
     void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
-    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &block_size, &scale, &chunk, &splits_i};
+    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &scale, &chunk, &splits_i};
     launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
            static_cast<unsigned>(batch), static_cast<unsigned>(splits),
-           static_cast<unsigned>(paged_warps(hd, rep, paged_lanes(hd)) * 32),
-           args, true);
+           static_cast<unsigned>(paged_warps(hd, rep, lanes) * 32), args, true);
     if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
       const void* pmc = pm;
@@ -886,9 +895,10 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-    // The default lanes per token, and a whole warp per token (MANTA_PAGED_LANES=32).
+    // The default lanes per token, and a whole warp per token (MANTA_PAGED_LANES=32), at
+    // the engine's default block size.
     for (int64_t lanes : {paged_lanes(head_dim), int64_t{32}})
-      compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes), arch);
+      compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes, 16), arch);
     compile_kernels(fused_source, qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0), arch);
     compile_kernels(fused_source, rms_norm_defines(hidden), arch);
     compile_kernels(fused_source, define("I", intermediate), arch);
