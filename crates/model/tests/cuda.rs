@@ -538,7 +538,8 @@ fn invariant_paged_forward_equals_the_packed_forward() {
 /// has finished; a kernel that read its input (or wrote anything) before its wait would
 /// race. The kernels are deterministic, so a decode step replayed as a CUDA graph must give
 /// the same bits with PDL on and off (`MANTA_PDL=0`), replay after replay, at one and two
-/// rows (the GEMV path) and five (cuBLAS with the norm and SiLU kernels).
+/// rows (the GEMV path), five (cuBLAS with the norm and SiLU kernels) and forty (enough
+/// sequences that attention runs unsplit, one CTA per sequence and kv head).
 #[test]
 fn programmatic_dependent_launch_changes_no_bits() {
     if !Cuda::is_available() {
@@ -553,7 +554,7 @@ fn programmatic_dependent_launch_changes_no_bits() {
     vs.bfloat16();
     m.enable_decode_kernels().expect("kernels build");
     let (bs, per_row, context) = (16i64, 32i64, 300i64);
-    for rows in [1i64, 2, 5] {
+    for rows in [1i64, 2, 5, 40] {
         let kv = PagedKvCache::new(&cfg, (rows * per_row) as usize, 16, Kind::BFloat16, gpu);
         for i in 0..cfg.num_hidden_layers as usize {
             let (k, v) = kv.layer(i);
