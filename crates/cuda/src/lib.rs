@@ -214,9 +214,10 @@ pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
 /// `q` [B, heads, head_dim], pools [slots, kv_heads, head_dim] (bf16, contiguous),
 /// `tables` [B, max_blocks] i32 block ids (slot = id × block_size + offset), `lens` [B]
 /// i32 context lengths; writes `out` (like `q`). The context is split across CTAs when the
-/// batch alone would not fill the GPU (under two CTAs per SM); `counters` (≥ B × kv_heads i32 zeros, left zero
-/// after each call, so one buffer serves every layer and every CUDA graph replay) let the
-/// last CTA of each split group merge them in the same kernel, else a second kernel does.
+/// batch alone would not fill the GPU (under two CTAs per SM); `counters` (≥ B × kv_heads
+/// i32 zeros, left zero after each call, so one buffer serves every layer and every CUDA
+/// graph replay) let the last CTA of each split group merge them in the same kernel, else a
+/// second kernel does.
 /// Compiled with NVRTC on first use per shape, launched on the current stream (so CUDA
 /// graphs capture it).
 #[allow(clippy::too_many_arguments)]

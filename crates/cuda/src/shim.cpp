@@ -215,8 +215,8 @@ int64_t paged_lanes(int64_t hd) {
 // per token, 2 for narrower groups, so a warp has ~4-8 tokens in flight either way).
 int64_t paged_tokens_per_step(int64_t lanes) { return env_knob("MANTA_PAGED_TT", lanes == 32 ? 4 : 2, {1, 2, 4, 8}); }
 // Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows, with one
-// (max, sum, accumulator) per lane group.
-// MANTA_PAGED_WARPS (2, 4 or 8) asks for fewer, for A/B runs.
+// (max, sum, accumulator) per lane group; MANTA_PAGED_WARPS (2, 4 or 8) asks for fewer,
+// for A/B runs (four were measured: BENCHMARKS.md).
 int64_t paged_warps(int64_t hd, int64_t rep, int64_t lanes) {
   const int64_t per_warp = (32 / lanes) * hd * rep;
   const int64_t fits = per_warp <= 1024 ? 8 : per_warp <= 2048 ? 4 : 2;
