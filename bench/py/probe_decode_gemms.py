@@ -7,8 +7,10 @@ one's time and read bandwidth, and the sum over the model's layers: what a decod
 spends in cuBLAS, to set against bench/decode_step's whole-step time.
 
 usage: python3 bench/py/probe_decode_gemms.py SHAPE(0.6b|8b) ROWS [ROWS ...]
+MANTA_PROBE_BLAS=cublaslt times torch's cuBLASLt path instead of its cuBLAS default.
 """
 import json
+import os
 import sys
 
 import torch
@@ -50,6 +52,8 @@ def main():
         "down": (h, i),
     }
     dev = torch.device("cuda")
+    if os.environ.get("MANTA_PROBE_BLAS"):
+        torch.backends.cuda.preferred_blas_library(os.environ["MANTA_PROBE_BLAS"])
     results = []
     for rows in [int(r) for r in sys.argv[2:]]:
         total = 0.0

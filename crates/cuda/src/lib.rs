@@ -468,7 +468,8 @@ mod tests {
         let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(0);
         tch::manual_seed(3);
-        // Four rows split the context across CTAs; forty rows fill the GPU unsplit.
+        // Four rows split the context across CTAs (the lane-group kernel); forty rows fill
+        // the GPU unsplit (the tensor-core kernel, MANTA_PAGED_MMA).
         let few = vec![1i32, 17, 200, 333];
         let many: Vec<i32> = (0..40).map(|i| 1 + (i * 97) % 384).collect();
         let shapes = [(16i64, 8i64, 128i64), (32, 8, 128), (8, 8, 64)];

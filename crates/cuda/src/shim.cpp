@@ -230,6 +230,27 @@ std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes, i
          define("G", lanes) + define("TT", paged_tokens_per_step(lanes)) + define("BLOCK", block_size);
 }
 
+// The tensor-core variant of the paged kernel (MMA in paged_attention.cu.inc): two warps
+// per CTA, each with its own double-buffered 16-token tiles (32 KiB of static shared
+// memory at head_dim 128). It runs where the batch's CTAs alone fill the GPU (no context
+// split) and head_dim ≤ 128; MANTA_PAGED_MMA=0 keeps the lane-group kernel (A/B runs).
+constexpr int64_t kPagedMmaWarps = 2;
+bool paged_mma(int64_t hd, int64_t splits) {
+  return splits == 1 && (hd == 64 || hd == 128) && env_knob("MANTA_PAGED_MMA", 1, {0, 1}) == 1;
+}
+// Whether the paged kernel launches as a programmatic dependent of the kernel before it.
+// The tensor-core kernel does not: measured on an H100, it is faster without (bench
+// paged_attention 64 640: 62.1 against 64.5 µs; decode_step 8B batch 64: 9,362 against
+// 9,497 µs per step, 0.6B batch 64 3,295 against 3,384). A likely cause, not verified:
+// launched early, its single wave of equal CTAs takes SM slots while the kernel before
+// still runs, spreads unevenly, and ends with the most-loaded SM. The lane-group kernel
+// keeps PDL (it gains: 9,606 against 9,666 µs). MANTA_PAGED_PDL=0/1 overrides (A/B runs).
+bool paged_pdl(bool mma) { return env_knob("MANTA_PAGED_PDL", mma ? 0 : 1, {0, 1}) == 1; }
+std::string paged_mma_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t block_size) {
+  return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", kPagedMmaWarps) +
+         define("MMA", 1) + define("BLOCK", block_size);
+}
+
 std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
   return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0);
 }
@@ -476,7 +497,6 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     const int device = q.get_device();
     const int64_t lanes = paged_lanes(hd);
     TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
-    const std::string defines = paged_defines(hd, rep, nkv, lanes, block_size);
     int max_blocks = static_cast<int>(tables.size(1));
     const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
     // Small batches: enough CTAs to fill every SM about four times over (several CTAs stay
@@ -488,6 +508,10 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     int64_t splits = std::max<int64_t>(1, std::min<int64_t>({(target + ctas - 1) / ctas, (max_ctx + 31) / 32, 64}));
     int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
     int splits_i = static_cast<int>(splits);
+    const bool mma = paged_mma(hd, splits);
+    const std::string defines =
+        mma ? paged_mma_defines(hd, rep, nkv, block_size) : paged_defines(hd, rep, nkv, lanes, block_size);
+    const int64_t warps = mma ? kPagedMmaWarps : paged_warps(hd, rep, lanes);
     at::Tensor part_acc, part_ml;
     if (splits > 1) {
       part_acc = at::empty({batch, nh, splits, hd}, q.options().dtype(at::kFloat));
@@ -504,7 +528,7 @@ int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* 
     void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &scale, &chunk, &splits_i};
     launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
            static_cast<unsigned>(batch), static_cast<unsigned>(splits),
-           static_cast<unsigned>(paged_warps(hd, rep, lanes) * 32), args, true);
+           static_cast<unsigned>(warps * 32), args, paged_pdl(mma));
     if (splits > 1 && cp == nullptr) {
       const void* pac = pa;
       const void* pmc = pm;
@@ -901,6 +925,8 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
     // the engine's default block size.
     for (int64_t lanes : {paged_lanes(head_dim), int64_t{32}})
       compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes, 16), arch);
+    if (head_dim == 64 || head_dim == 128)
+      compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
     compile_kernels(fused_source, qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0), arch);
     compile_kernels(fused_source, rms_norm_defines(hidden), arch);
     compile_kernels(fused_source, define("I", intermediate), arch);
