@@ -227,11 +227,13 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
         clear >= n / 4,
         "too few clear-margin tokens ({clear} of {n}) for the check to mean anything"
     );
-    // 346 of 349 agreed on an H100 on 2026-11-23, 359 of 364 once the paged attention's
-    // split merge rounded differently (2026-11-24): with log-probs this noisy, a margin just
-    // over 0.25 can flip; a wrong slot, gather or row flips most of them.
+    // With log-probs this noisy a margin just over 0.25 can flip; a wrong slot, gather or
+    // row flips most of them. Rounding alone moves the count within 97.8–100 %: on an H100
+    // on 2026-11-25, 357 of 365 with the small kernels' wide accesses, 358 of 362 without,
+    // 364 of 371 with cuBLAS for one-row steps, 356 of 356 with a whole warp per token in
+    // attention, and 368 of 373 with no custom kernel at all (the tensor ops).
     assert!(
-        agree * 100 >= clear * 98,
+        agree * 100 >= clear * 96,
         "only {agree} of {clear} clear-margin tokens agree"
     );
     assert!(mean < 0.3, "log-probs differ by {mean:.3e} on average");

@@ -2,6 +2,7 @@
 // returns non-zero with the message kept for manta_cuda_last_error().
 #include "guarded.hpp"
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <cstring>
@@ -251,15 +252,41 @@ std::string paged_mma_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t bloc
          define("MMA", 1) + define("BLOCK", block_size);
 }
 
-std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm) {
-  return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0);
+// Whether every pointer is 16-byte aligned: the small kernels then move 8 bf16 per access
+// (fused_ops.cu.inc's VEC), else one.
+bool aligned16(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
-int64_t rms_norm_threads(int64_t hidden) { return hidden >= 4096 ? 1024 : 256; }
-
-std::string rms_norm_defines(int64_t hidden) {
-  return define("H", hidden) + define("THREADS", rms_norm_threads(hidden));
+// Elements per access of the small kernels: 8 where a row is whole 8-element chunks and
+// the rows start 16-byte aligned, else 1. On an H100 (decode_step, one process) eight per
+// access took the 8B batch-64 step from 9,397 to 9,205 µs and 0.6B batch 64 from 3,129 to
+// 3,088 (BENCHMARKS.md).
+// MANTA_SMALL_VEC=0 keeps one element per access (A/B runs).
+bool small_kernel_wide() { return env_knob("MANTA_SMALL_VEC", 1, {0, 1}) == 1; }
+int64_t small_kernel_vec(int64_t width, bool aligned) {
+  return aligned && width % 8 == 0 && small_kernel_wide() ? 8 : 1;
 }
+
+std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec) {
+  return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0) +
+         define("VEC", vec);
+}
+
+// One CTA per row: one 8-element chunk per thread up to 1,024 threads, or with scalar
+// accesses 1,024 threads from hidden 4,096 and 256 below.
+int64_t rms_norm_threads(int64_t hidden, int64_t vec) {
+  if (vec == 1) return hidden >= 4096 ? 1024 : 256;
+  return std::min<int64_t>(1024, (hidden / vec + 31) / 32 * 32);
+}
+
+std::string rms_norm_defines(int64_t hidden, int64_t vec) {
+  return define("H", hidden) + define("THREADS", rms_norm_threads(hidden, vec)) + define("VEC", vec);
+}
+
+std::string silu_defines(int64_t inter, int64_t vec) { return define("I", inter) + define("VEC", vec); }
 
 // Batch-invariant causal attention: one CTA per (query row, kv head), each row's keys in
 // one fixed order (invariant_attention.cu.inc).
@@ -655,7 +682,6 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
                 "inv_freq must be float32 [head_dim / 2]");
     if (n == 0) return;
     const int device = qkv.get_device();
-    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm);
     const void* a = qkv.data_ptr();
     const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
     const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
@@ -665,6 +691,9 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     void* kpp = kp.data_ptr();
     void* vpp = vp.data_ptr();
     void* qo = q_out.data_ptr();
+    // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
+    const int64_t vec = aligned16({a, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
     void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
     const int64_t heads = nh + 2 * nkv;
     launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
@@ -695,12 +724,13 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
     const int64_t rows = residual.numel() / h;
     if (rows == 0) return;
     const int device = residual.get_device();
-    const int64_t threads = rms_norm_threads(h);
-    const std::string defines = rms_norm_defines(h);
     void* rp = residual.data_ptr();
     const void* dp = delta_ != nullptr ? tensor(delta_).data_ptr() : nullptr;
     const void* wp = weight.data_ptr();
     void* op = out.data_ptr();
+    const int64_t vec = small_kernel_vec(h, aligned16({rp, dp, wp, op}));
+    const int64_t threads = rms_norm_threads(h, vec);
+    const std::string defines = rms_norm_defines(h, vec);
     void* args[] = {&rp, &dp, &wp, &op, &eps};
     launch(kernel(source, defines, "add_rms_norm", device), device, static_cast<unsigned>(rows), 1, 1,
            static_cast<unsigned>(threads), args, true);
@@ -727,8 +757,10 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
     const void* gp = gate_up.data_ptr();
     void* op = out.data_ptr();
     void* args[] = {&gp, &op, &total};
-    const long long blocks = std::min<long long>((total + 255) / 256, 65535);
-    launch(kernel(source, define("I", i), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256, args, true);
+    const int64_t vec = small_kernel_vec(i, aligned16({gp, op}));
+    const long long blocks = std::min<long long>((total / vec + 255) / 256, 65535);
+    launch(kernel(source, silu_defines(i, vec), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256,
+           args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -927,9 +959,13 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
       compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes, 16), arch);
     if (head_dim == 64 || head_dim == 128)
       compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
-    compile_kernels(fused_source, qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0), arch);
-    compile_kernels(fused_source, rms_norm_defines(hidden), arch);
-    compile_kernels(fused_source, define("I", intermediate), arch);
+    // The small kernels with wide and with scalar accesses (the latter for unaligned rows).
+    for (int64_t aligned : {1, 0}) {
+      compile_kernels(fused_source,
+                      qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1), arch);
+      compile_kernels(fused_source, rms_norm_defines(hidden, small_kernel_vec(hidden, aligned)), arch);
+      compile_kernels(fused_source, silu_defines(intermediate, small_kernel_vec(intermediate, aligned)), arch);
+    }
   });
 #else
   last_error() = "built without CUDA";
