@@ -85,6 +85,7 @@ extern "C" {
         eps: f32,
     ) -> c_int;
     fn manta_silu_mul(source: *const c_char, gate_up: *mut c_void, out: *mut c_void) -> c_int;
+    fn manta_lt_linear(x: *mut c_void, w: *mut c_void, y: *mut c_void) -> c_int;
 }
 
 /// The paged attention kernels' CUDA source, NUL-terminated for NVRTC.
@@ -207,6 +208,15 @@ pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
             ptr(out),
         )
     })
+}
+
+/// `y = x · wᵀ` for bf16 CUDA tensors (x [.., in], w [out, in], y [.., out]) through
+/// cuBLASLt's heuristic choice, which reads a decode step's weights faster than the cuBLAS
+/// GEMM of `Tensor::linear` (BENCHMARKS.md); at::mm where cuBLASLt offers no algorithm, or
+/// with `MANTA_DECODE_LT=0`. Launched on the current stream (CUDA graphs capture it).
+pub fn linear(x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<(), CudaError> {
+    // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
+    check(unsafe { manta_lt_linear(ptr(x), ptr(w), ptr(y)) })
 }
 
 /// Decode attention straight over a paged KV cache, one query token per sequence.
@@ -573,6 +583,51 @@ mod tests {
     }
 
     /// The fused decode ops against the tensor ops they replace (bf16 on the GPU).
+    #[test]
+    fn lt_linear_matches_the_fp32_product() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        }
+        let _serial = crate::gpu_test_lock();
+        let bf = (Kind::BFloat16, Device::Cuda(0));
+        tch::manual_seed(9);
+        // Decode-sized rows, a projection's shape and an odd one, and an x that starts 2
+        // bytes into its buffer (cuBLASLt must pick a kernel for that alignment).
+        for (rows, n, k, offset) in [
+            (1i64, 4096i64, 1024i64, 0i64),
+            (3, 1000, 72, 0),
+            (64, 6144, 1024, 0),
+            (130, 1024, 3072, 0),
+            (64, 512, 256, 1),
+        ] {
+            let buf = Tensor::randn([rows * k + offset], bf);
+            let x = buf.narrow(0, offset, rows * k).view([rows, k]);
+            let w = Tensor::randn([n, k], bf) * 0.05;
+            let mut y = Tensor::empty([rows, n], bf);
+            linear(&x, &w, &mut y).unwrap();
+            let want = x
+                .to_kind(Kind::Float)
+                .matmul(&w.to_kind(Kind::Float).transpose(0, 1));
+            let scale = want.abs().max().double_value(&[]);
+            let d = (y.to_kind(Kind::Float) - &want)
+                .abs()
+                .max()
+                .double_value(&[]);
+            // bf16 output: within one ulp (≤ 2⁻⁷ of the largest value; a wrong layout or
+            // operand is off by the values themselves).
+            assert!(
+                d <= 8e-3 * scale,
+                "{rows}x{k} by {n}x{k} (offset {offset}): max diff {d} of {scale}"
+            );
+        }
+        let x = Tensor::randn([4, 64], bf);
+        let w = Tensor::randn([32, 64], bf);
+        let mut wrong = Tensor::empty([4, 31], bf);
+        let e = linear(&x, &w, &mut wrong).unwrap_err().to_string();
+        assert!(e.contains("y must be [4, 32]"), "{e}");
+    }
+
     #[test]
     fn fused_ops_match_the_tensor_ops_they_replace() {
         if !tch::Cuda::is_available() {

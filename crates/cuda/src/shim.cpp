@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ATen.h>
+#include <cublasLt.h>
 #include <cuda.h>
 #include <dlfcn.h>
 #include <nvrtc.h>
@@ -30,6 +31,9 @@
 // pip wheels ship.
 namespace at::cuda {
 cudaDeviceProp* getDeviceProperties(c10::DeviceIndex device);
+cublasLtHandle_t getCurrentCUDABlasLtHandle();
+void* getCUDABlasLtWorkspace();
+size_t getCUDABlasLtWorkspaceSize();
 }
 #endif
 
@@ -300,6 +304,102 @@ void check_invariant_shape(int64_t hd, int64_t rep) {
               "query heads per kv head x head_dim / 2 must be 32..1024 (threads per CTA)");
 }
 
+// cuBLASLt for the decode step's projections (manta_lt_linear). Its heuristic's first
+// choice reads 64-row bf16 weights faster than the cuBLAS GEMM that at::linear takes
+// (H100, TORCH_BLAS_PREFER_CUBLASLT=1: 8B batch-64 step 9,205 -> 9,107 µs; BENCHMARKS.md),
+// without switching the whole process (the trainer's GEMMs) to it. The entry points come
+// from the libcublasLt that libtorch_cuda loaded.
+struct LtApi {
+  decltype(&cublasLtMatmulDescCreate) desc_create;
+  decltype(&cublasLtMatmulDescSetAttribute) desc_set;
+  decltype(&cublasLtMatrixLayoutCreate) layout_create;
+  decltype(&cublasLtMatmulPreferenceCreate) pref_create;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
+  decltype(&cublasLtMatmul) matmul;
+};
+
+const LtApi& lt_api() {
+  static const LtApi api = [] {
+    void* lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(lib != nullptr, "cannot load libcublasLt.so.13: ", dlerror());
+    MANTA_SYM(lib, cublasLtMatmulDescCreate);
+    MANTA_SYM(lib, cublasLtMatmulDescSetAttribute);
+    MANTA_SYM(lib, cublasLtMatrixLayoutCreate);
+    MANTA_SYM(lib, cublasLtMatmulPreferenceCreate);
+    MANTA_SYM(lib, cublasLtMatmulPreferenceSetAttribute);
+    MANTA_SYM(lib, cublasLtMatmulPreferenceDestroy);
+    MANTA_SYM(lib, cublasLtMatmulAlgoGetHeuristic);
+    MANTA_SYM(lib, cublasLtMatmul);
+    return LtApi{cublasLtMatmulDescCreate_fn,      cublasLtMatmulDescSetAttribute_fn,
+                 cublasLtMatrixLayoutCreate_fn,    cublasLtMatmulPreferenceCreate_fn,
+                 cublasLtMatmulPreferenceSetAttribute_fn, cublasLtMatmulPreferenceDestroy_fn,
+                 cublasLtMatmulAlgoGetHeuristic_fn, cublasLtMatmul_fn};
+  }();
+  return api;
+}
+
+// Largest power of two up to 16 that divides the address: cuBLASLt picks kernels by it.
+uint32_t alignment(const void* p) {
+  uint32_t a = 16;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+// One shape's descriptors and chosen algorithm, made once and kept for the process (they
+// are read-only to cublasLtMatmul, so threads and CUDA graphs share them). `ok` is false
+// where the heuristic offered nothing; the caller then takes at::mm.
+struct LtPlan {
+  bool ok = false;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+const LtPlan& lt_plan(int device, int64_t m, int64_t n, int64_t k, uint32_t aw, uint32_t ax, uint32_t ay,
+                      size_t workspace) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, size_t>, LtPlan> plans;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(device, m, n, k, aw, ax, ay, workspace);
+  auto found = plans.find(key);
+  if (found != plans.end()) return found->second;
+  const LtApi& lt = lt_api();
+  LtPlan plan;
+  auto ok = [](cublasStatus_t s, const char* what) {
+    TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, what, " failed with cuBLAS status ", static_cast<int>(s));
+  };
+  // Column-major view of y[m, n] = x[m, k] · w[n, k]ᵀ: yᵀ (n × m) = op(w) (n × k) · xᵀ (k × m),
+  // w stored k × n and transposed, x stored k × m.
+  ok(lt.desc_create(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+  ok(lt.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose), "set TRANSA");
+  ok(lt.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep), "set TRANSB");
+  ok(lt.layout_create(&plan.w, CUDA_R_16BF, k, n, k), "cublasLtMatrixLayoutCreate (w)");
+  ok(lt.layout_create(&plan.x, CUDA_R_16BF, k, m, k), "cublasLtMatrixLayoutCreate (x)");
+  ok(lt.layout_create(&plan.y, CUDA_R_16BF, n, m, n), "cublasLtMatrixLayoutCreate (y)");
+  cublasLtMatmulPreference_t pref;
+  ok(lt.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace), "set workspace");
+  ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof aw), "set A alignment");
+  ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof ax), "set B alignment");
+  ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof ay), "set C alignment");
+  ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof ay), "set D alignment");
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  const cublasStatus_t found_algo = lt.heuristic(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, plan.w, plan.x,
+                                                 plan.y, plan.y, pref, 1, &result, &returned);
+  lt.pref_destroy(pref);
+  plan.ok = found_algo == CUBLAS_STATUS_SUCCESS && returned > 0;
+  if (plan.ok) plan.algo = result.algo;
+  return plans.emplace(key, plan).first->second;
+}
+
+// cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
+bool decode_lt() { return env_knob("MANTA_DECODE_LT", 1, {0, 1}) == 1; }
+
 struct Graph {
   at::cuda::CUDAGraph graph;
   // The stream that was current before capture, restored after it.
@@ -307,6 +407,7 @@ struct Graph {
 };
 #endif
 }  // namespace
+
 
 extern "C" {
 
@@ -734,6 +835,49 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
     void* args[] = {&rp, &dp, &wp, &op, &eps};
     launch(kernel(source, defines, "add_rms_norm", device), device, static_cast<unsigned>(rows), 1, 1,
            static_cast<unsigned>(threads), args, true);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// y[m, n] = x[m, k] · w[n, k]ᵀ, bf16, fp32 accumulation, through cuBLASLt (lt_plan).
+int manta_lt_linear(void* x_, void* w_, void* y_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& x = tensor(x_);
+    const at::Tensor& w = tensor(w_);
+    at::Tensor& y = *static_cast<at::Tensor*>(y_);
+    check_bf16(x, "x");
+    check_bf16(w, "w");
+    check_bf16(y, "y");
+    TORCH_CHECK(w.dim() == 2, "w must be [out, in]");
+    const int64_t n = w.size(0), k = w.size(1);
+    TORCH_CHECK(x.size(-1) == k, "x's last size must be w's in size (", k, "), got ", x.size(-1));
+    const int64_t m = x.numel() / k;
+    TORCH_CHECK(y.numel() == m * n && y.size(-1) == n, "y must be [", m, ", ", n, "]");
+    TORCH_CHECK(x.get_device() == w.get_device() && y.get_device() == w.get_device(), "x, w and y must share a device");
+    if (m == 0) return;
+    const at::Tensor x2 = x.view({m, k});
+    at::Tensor y2 = y.view({m, n});
+    const int device = w.get_device();
+    const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
+    const LtPlan& plan = decode_lt() ? lt_plan(device, m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()),
+                                               alignment(y.data_ptr()), workspace)
+                                     : LtPlan{};
+    if (!plan.ok) {
+      at::mm_out(y2, x2, w.t());
+      return;
+    }
+    const float alpha = 1.f, beta = 0.f;
+    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    const cublasStatus_t done =
+        lt_api().matmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, &alpha, w.data_ptr(), plan.w, x.data_ptr(),
+                        plan.x, &beta, y.data_ptr(), plan.y, y.data_ptr(), plan.y, &plan.algo,
+                        at::cuda::getCUDABlasLtWorkspace(), workspace, stream);
+    TORCH_CHECK(done == CUBLAS_STATUS_SUCCESS, "cublasLtMatmul failed with cuBLAS status ", static_cast<int>(done),
+                " (", m, " x ", k, " by ", n, " x ", k, ")");
   });
 #else
   last_error() = "built without CUDA";

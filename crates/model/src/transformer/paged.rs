@@ -570,15 +570,32 @@ pub(super) struct FusedLayer {
 }
 
 /// `x · wᵀ` (+ bias) for the kernel path: the small-batch GEMV at a few rows (`gemv`),
-/// cuBLAS otherwise.
+/// cuBLASLt otherwise (cuBLAS with a bias).
 fn project(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, gemv: bool) -> Tensor {
     let rows = x.size()[0];
-    if !(gemv && bias.is_none() && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS) {
+    if bias.is_some() {
         return x.linear(w, bias);
+    }
+    if !(gemv && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS) {
+        return lt_linear(x, w);
     }
     let mut y = Tensor::empty([rows, w.size()[0]], (x.kind(), x.device()));
     if let Err(e) = manta_cuda::gemv::gemv(&x.contiguous(), w, &mut y, false) {
         panic!("gemv kernel: {e}");
+    }
+    y
+}
+
+/// `x · wᵀ` through cuBLASLt (`manta_cuda::linear`), [.., out].
+fn lt_linear(x: &Tensor, w: &Tensor) -> Tensor {
+    let x = x.contiguous();
+    let mut shape = x.size();
+    if let Some(last) = shape.last_mut() {
+        *last = w.size()[0];
+    }
+    let mut y = Tensor::empty(shape.as_slice(), (x.kind(), x.device()));
+    if let Err(e) = manta_cuda::linear(&x, w, &mut y) {
+        panic!("cuBLASLt projection: {e}");
     }
     y
 }
@@ -590,7 +607,7 @@ fn gate_up_silu(x: &Tensor, gate_up: &Tensor, inter: i64, gemv: bool) -> Tensor 
     let done = if gemv && rows <= manta_cuda::gemv::FASTER_UP_TO_ROWS {
         manta_cuda::gemv::gemv(&x.contiguous(), gate_up, &mut act, true)
     } else {
-        manta_cuda::silu_mul(&x.linear(gate_up, None::<Tensor>), &mut act)
+        manta_cuda::silu_mul(&lt_linear(x, gate_up), &mut act)
     };
     if let Err(e) = done {
         panic!("silu x up kernel: {e}");
