@@ -129,3 +129,43 @@ pub fn grpo_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
         global_samples: samples,
     }
 }
+
+/// Parses a bench variant, `NAME` or `NAME:KEY=VALUE,KEY=VALUE` (the environment a
+/// variant runs under: decode_step, paged_attention).
+pub fn parse_variant(spec: &str) -> anyhow::Result<(String, Vec<(String, String)>)> {
+    let (name, env) = spec.split_once(':').unwrap_or((spec, ""));
+    let mut vars = Vec::new();
+    for pair in env.split(',').filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("variant {spec:?}: {pair:?} is not KEY=VALUE"))?;
+        vars.push((k.to_string(), v.to_string()));
+    }
+    Ok((name.to_string(), vars))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_variant;
+
+    #[test]
+    fn variants_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            parse_variant("default").unwrap(),
+            ("default".into(), vec![])
+        );
+        let (name, env) = parse_variant("cold:MANTA_LOGITS_GEMV=0,X=a=b").unwrap();
+        assert_eq!(name, "cold");
+        assert_eq!(
+            env,
+            vec![
+                ("MANTA_LOGITS_GEMV".to_string(), "0".to_string()),
+                ("X".to_string(), "a=b".to_string())
+            ]
+        );
+        let e = parse_variant("cold:MANTA_LOGITS_GEMV")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"MANTA_LOGITS_GEMV\" is not KEY=VALUE"), "{e}");
+    }
+}

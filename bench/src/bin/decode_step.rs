@@ -14,6 +14,7 @@
 
 use std::time::Instant;
 
+use manta_bench::parse_variant;
 use manta_model::ModelConfig;
 use manta_model::{decode_counters, CausalLm, PagedBatch, PagedKvCache, PagedSeq};
 use tch::{nn, Device, Kind, Tensor};
@@ -30,19 +31,6 @@ struct Variant {
     _kv: PagedKvCache,
     _inputs: Vec<Tensor>,
     times_us: Vec<f64>,
-}
-
-/// Parses `NAME` or `NAME:KEY=VALUE,KEY=VALUE`.
-fn parse_variant(spec: &str) -> anyhow::Result<(String, Vec<(String, String)>)> {
-    let (name, env) = spec.split_once(':').unwrap_or((spec, ""));
-    let mut vars = Vec::new();
-    for pair in env.split(',').filter(|p| !p.is_empty()) {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| anyhow::anyhow!("variant {spec:?}: {pair:?} is not KEY=VALUE"))?;
-        vars.push((k.to_string(), v.to_string()));
-    }
-    Ok((name.to_string(), vars))
 }
 
 fn build(
@@ -209,30 +197,4 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({"shape": shape, "batch": batch, "context": context, "variants": rows})
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_variant;
-
-    #[test]
-    fn variants_parse_and_bad_ones_are_named() {
-        assert_eq!(
-            parse_variant("default").unwrap(),
-            ("default".into(), vec![])
-        );
-        let (name, env) = parse_variant("cold:MANTA_LOGITS_GEMV=0,X=a=b").unwrap();
-        assert_eq!(name, "cold");
-        assert_eq!(
-            env,
-            vec![
-                ("MANTA_LOGITS_GEMV".to_string(), "0".to_string()),
-                ("X".to_string(), "a=b".to_string())
-            ]
-        );
-        let e = parse_variant("cold:MANTA_LOGITS_GEMV")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("\"MANTA_LOGITS_GEMV\" is not KEY=VALUE"), "{e}");
-    }
 }

@@ -12,6 +12,7 @@
 
 use std::time::Instant;
 
+use manta_bench::parse_variant;
 use tch::{Device, Kind, Tensor};
 
 const BLOCK_SIZE: i64 = 16;
@@ -58,14 +59,9 @@ fn main() -> anyhow::Result<()> {
     let bytes = (2 * batch * context * KV_HEADS * HEAD_DIM * 2) as f64;
     let mut rows = Vec::new();
     for spec in &specs {
-        let (name, env) = spec.split_once(':').unwrap_or((spec, ""));
-        let mut set = Vec::new();
-        for pair in env.split(',').filter(|p| !p.is_empty()) {
-            let (k, v) = pair
-                .split_once('=')
-                .ok_or_else(|| anyhow::anyhow!("variant {spec:?}: {pair:?} is not KEY=VALUE"))?;
+        let (name, env) = parse_variant(spec)?;
+        for (k, v) in &env {
             std::env::set_var(k, v);
-            set.push(k.to_string());
         }
         let launch = |out: &mut Tensor| -> anyhow::Result<()> {
             for (k, v) in &pools {
@@ -86,7 +82,7 @@ fn main() -> anyhow::Result<()> {
         launch(&mut out)?; // compiles this variant's kernel
         let (graph, captured) = manta_cuda::CudaGraph::capture(0, None, || launch(&mut out))?;
         captured?;
-        for k in set {
+        for (k, _) in &env {
             std::env::remove_var(k);
         }
         let mut times = Vec::new();
