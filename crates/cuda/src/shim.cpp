@@ -305,10 +305,11 @@ void check_invariant_shape(int64_t hd, int64_t rep) {
 }
 
 // cuBLASLt for the decode step's projections (manta_lt_linear). Its heuristic's first
-// choice reads 64-row bf16 weights faster than the cuBLAS GEMM that at::linear takes
-// (H100, TORCH_BLAS_PREFER_CUBLASLT=1: 8B batch-64 step 9,205 -> 9,107 µs; BENCHMARKS.md),
-// without switching the whole process (the trainer's GEMMs) to it. The entry points come
-// from the libcublasLt that libtorch_cuda loaded.
+// choice reads 64-row bf16 weights faster than the cuBLAS GEMM that at::linear takes (H100,
+// decode_step: 8B batch 64 8,913 -> 8,833 µs, 0.6B batch 64 3,033 -> 3,010; BENCHMARKS.md),
+// without switching the whole process (the trainer's GEMMs) to it as
+// TORCH_BLAS_PREFER_CUBLASLT would. The entry points come from the libcublasLt that
+// libtorch_cuda loaded.
 struct LtApi {
   decltype(&cublasLtMatmulDescCreate) desc_create;
   decltype(&cublasLtMatmulDescSetAttribute) desc_set;
@@ -407,7 +408,6 @@ struct Graph {
 };
 #endif
 }  // namespace
-
 
 extern "C" {
 
@@ -863,9 +863,10 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
     at::Tensor y2 = y.view({m, n});
     const int device = w.get_device();
     const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
+    static const LtPlan cublas;  // not ok: at::mm below
     const LtPlan& plan = decode_lt() ? lt_plan(device, m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()),
                                                alignment(y.data_ptr()), workspace)
-                                     : LtPlan{};
+                                     : cublas;
     if (!plan.ok) {
       at::mm_out(y2, x2, w.t());
       return;
