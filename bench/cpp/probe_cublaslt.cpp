@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -41,8 +40,6 @@ struct Proj {
   const char* name;
   int n, k;
 };
-
-
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -94,7 +91,7 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMalloc(&y, (size_t)m * p.n * 2));
       float alpha = 1.f, beta = 0.f;
 
-      // Column-major view: yᵀ[n,m] = Wᵀᵀ... A = W (k×n col-major, transposed), B = x (k×m).
+      // Column-major view: yᵀ (n × m) = op(A) · B with A = W stored k × n (transposed), B = x stored k × m.
       cublasLtMatmulDesc_t op;
       CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
       cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
