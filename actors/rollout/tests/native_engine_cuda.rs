@@ -14,12 +14,13 @@
 //! turns that into ~6e-3 after 28 layers. In true on-policy mode both run one
 //! batch-invariant attention kernel and the engine keeps projections on cuBLAS.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures::future::join_all;
 use manta_model::{token_logprobs, Attention, CausalLm, ModelConfig};
 use manta_rollout::engine::{
-    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
+    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, PauseMode, SamplingParams,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -451,4 +452,98 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
         alone.logprobs, batched.logprobs,
         "log-probs depend on the batch"
     );
+}
+
+/// Overlapped decode steps (the next step launched before the host reads the tokens of
+/// the one before, its input ids fed on the device) give the tokens and log-probs of
+/// synchronous steps, bit for bit, and honour stop ids although the step after a stop
+/// is already running. Seven requests (greedy and seeded sampling) start together; two
+/// stop on a token of their reference output. The batch stays within one graph bucket
+/// (5–8 rows) while the stops shrink it, so rows see the same kernels either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapped_decode_steps_match_synchronous_ones() {
+    if !Cuda::is_available() {
+        eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let config = peaked_config();
+    let ps = prompts(7);
+    let request = |i: usize, stop: Vec<u32>| GenerateRequest {
+        input_ids: ps[i].clone(),
+        params: SamplingParams {
+            max_new_tokens: 40 + 4 * i,
+            temperature: if i % 2 == 0 { 0.0 } else { 1.0 },
+            seed: Some(i as u64),
+            ignore_eos: true,
+            stop_token_ids: stop,
+            ..SamplingParams::default()
+        },
+        rid: None,
+    };
+    // All requests queue while the engine is paused, so the first step admits them all
+    // in both runs.
+    let run = |overlap: bool, stops: Vec<Vec<u32>>| {
+        let config = config.clone();
+        let reqs: Vec<GenerateRequest> = stops
+            .into_iter()
+            .enumerate()
+            .map(|(i, stop)| request(i, stop))
+            .collect();
+        async move {
+            let (_dir, engine) = start_engine_with(&config, |opts| {
+                opts.disable_overlap_schedule = !overlap;
+            });
+            engine.pause(PauseMode::InPlace).await.expect("pause");
+            let (outs, ()) = tokio::join!(
+                join_all(reqs.into_iter().map(|r| engine.generate(r))),
+                async {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    engine.resume().await.expect("resume");
+                }
+            );
+            let ahead = engine.stats().steps_ahead.load(Ordering::Relaxed);
+            let outs: Vec<(Vec<u32>, Vec<f32>)> = outs
+                .into_iter()
+                .map(|o| o.expect("generation succeeds"))
+                .map(|o| (o.output_ids, o.logprobs))
+                .collect();
+            (outs, ahead)
+        }
+    };
+    let (reference, ahead) = run(false, vec![Vec::new(); 7]).await;
+    assert_eq!(ahead, 0, "synchronous steps launched {ahead} steps ahead");
+    // Stop ids: request 0's output token 9 and request 1's token 17, each the first
+    // occurrence of its id in that output.
+    let stop_at = |i: usize, k: usize| {
+        let out = &reference[i].0;
+        let k = (k..out.len())
+            .find(|&k| !out[..k].contains(&out[k]))
+            .expect("a token not seen earlier in the output");
+        (out[k], k)
+    };
+    let (stop0, k0) = stop_at(0, 9);
+    let (stop1, k1) = stop_at(1, 17);
+    let mut stops = vec![Vec::new(); 7];
+    stops[0] = vec![stop0];
+    stops[1] = vec![stop1];
+    let (sync, ahead_sync) = run(false, stops.clone()).await;
+    let (overlapped, ahead_overlapped) = run(true, stops).await;
+    eprintln!("overlap: {ahead_overlapped} steps launched ahead");
+    assert_eq!(ahead_sync, 0);
+    // 63 decode steps; one per length or stop finish (9) and the first are not ahead.
+    assert!(
+        ahead_overlapped >= 40,
+        "only {ahead_overlapped} of 63 decode steps were launched ahead"
+    );
+    for (i, ((s, o), r)) in sync.iter().zip(&overlapped).zip(&reference).enumerate() {
+        let expected_len = match i {
+            0 => k0 + 1,
+            1 => k1 + 1,
+            _ => r.0.len(),
+        };
+        assert_eq!(s.0, r.0[..expected_len], "request {i}: synchronous tokens");
+        assert_eq!(o.0, s.0, "request {i}: overlapped tokens differ");
+        assert_eq!(o.1, s.1, "request {i}: overlapped log-probs differ");
+    }
 }

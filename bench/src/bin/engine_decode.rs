@@ -4,6 +4,8 @@
 //! JSON object; bench/py/engine_decode_hf.py is the transformers baseline.
 //!
 //! usage: engine_decode SHAPE(0.6b|8b) BATCHES(1,16,64) [PROMPT] [NEW]
+//! `MANTA_DISABLE_OVERLAP_SCHEDULE=1` runs every decode step after the host has read the
+//! one before (the engine's `disable_overlap_schedule`), for A/B runs.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -66,6 +68,8 @@ async fn main() -> anyhow::Result<()> {
         max_running_requests: max_batch,
         max_total_tokens: Some(max_batch * (ctx + 16) + 1024),
         context_length: Some(ctx + 16),
+        disable_overlap_schedule: std::env::var_os("MANTA_DISABLE_OVERLAP_SCHEDULE")
+            .is_some_and(|v| v != "0"),
         ..NativeEngineOptions::new(&dir, device)
     })?;
     let load_s = t_load.elapsed().as_secs_f64();
@@ -126,25 +130,34 @@ async fn main() -> anyhow::Result<()> {
         // captured by a short untimed run first (the transformers baseline warms up too).
         run(b, 500 + k as u64, 8).await;
         let steps0 = engine.stats().steps.load(Ordering::Relaxed);
+        let ahead0 = engine.stats().steps_ahead.load(Ordering::Relaxed);
         let (wall, tokens) = run(b, k as u64, new_tokens).await;
         let steps = engine.stats().steps.load(Ordering::Relaxed) - steps0;
+        let steps_ahead = engine.stats().steps_ahead.load(Ordering::Relaxed) - ahead0;
         // The same batch's prefill and first token alone (other prompts: no prefix-cache
         // hits), so the decode phase's throughput is what the per-step bound describes
-        // (as SGLang's bench_one_batch reports prefill and decode apart).
-        let (prefill_s, _) = run(b, 700 + k as u64, 1).await;
+        // (as SGLang's bench_one_batch reports prefill and decode apart). The median of
+        // three: one reading is a large share of the wall time at small shapes.
+        let mut prefills = Vec::new();
+        for r in 0..3u64 {
+            prefills.push(run(b, 700 + 10 * k as u64 + r, 1).await.0);
+        }
+        prefills.sort_by(f64::total_cmp);
+        let prefill_s = prefills[1];
         let decode_tps = (b * (new_tokens - 1)) as f64 / (wall - prefill_s);
         let avg_ctx = prompt_len as f64 + new_tokens as f64 / 2.0;
         let bytes_per_step = weight_bytes + b as f64 * avg_ctx * kv_bytes_per_token;
         let bound = b as f64 / (bytes_per_step / bandwidth);
         let tps = tokens as f64 / wall;
         eprintln!(
-            "{shape} batch {b:>4}: {tokens} tokens in {wall:.3}s = {tps:.0} tokens/s ({steps} steps); bound {bound:.0} -> {:.1}%; prefill {prefill_s:.3}s, decode {decode_tps:.0} tokens/s -> {:.1}%",
+            "{shape} batch {b:>4}: {tokens} tokens in {wall:.3}s = {tps:.0} tokens/s ({steps} steps, {steps_ahead} ahead); bound {bound:.0} -> {:.1}%; prefill {prefill_s:.3}s, decode {decode_tps:.0} tokens/s -> {:.1}%",
             100.0 * tps / bound,
             100.0 * decode_tps / bound
         );
         rows.push(json!({
             "batch": b, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
-            "steps": steps, "bound_tokens_per_s": bound, "bandwidth_fraction": tps / bound,
+            "steps": steps, "steps_ahead": steps_ahead, "prefill_runs_s": prefills,
+            "bound_tokens_per_s": bound, "bandwidth_fraction": tps / bound,
             "prefill_s": prefill_s, "decode_tokens_per_s": decode_tps,
             "decode_bandwidth_fraction": decode_tps / bound,
         }));

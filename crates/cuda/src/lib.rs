@@ -34,6 +34,9 @@ extern "C" {
     fn manta_graph_free(g: *mut c_void);
     fn manta_copy_nonblocking(dst: *mut c_void, src: *mut c_void) -> c_int;
     fn manta_pin_memory(src: *mut c_void, out: *mut *mut c_void) -> c_int;
+    fn manta_event_record(device: c_int, out: *mut *mut c_void) -> c_int;
+    fn manta_event_synchronize(event: *mut c_void) -> c_int;
+    fn manta_event_free(event: *mut c_void);
     #[allow(clippy::too_many_arguments)]
     fn manta_paged_decode_attention(
         source: *const c_char,
@@ -406,6 +409,39 @@ impl Drop for CudaGraph {
     }
 }
 
+/// A point in a device's current stream: the host can wait for the work queued before it
+/// while the work queued after it goes on (an engine reads one step's tokens while the
+/// next step runs).
+pub struct CudaEvent {
+    ptr: *mut c_void,
+}
+
+// SAFETY: a CUDA event may be recorded, waited on and destroyed from any thread.
+unsafe impl Send for CudaEvent {}
+
+impl CudaEvent {
+    /// Records an event on `device`'s current stream.
+    pub fn record(device: usize) -> Result<Self, CudaError> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the pointer is valid for writes; on success it holds a new event we own.
+        check(unsafe { manta_event_record(device as c_int, &mut ptr) })?;
+        Ok(Self { ptr })
+    }
+
+    /// Blocks until the work queued before the event has run.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        // SAFETY: ptr is a live event.
+        check(unsafe { manta_event_synchronize(self.ptr) })
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from manta_event_record and is freed once.
+        unsafe { manta_event_free(self.ptr) }
+    }
+}
+
 /// Serialises this crate's GPU tests: a CUDA graph capture in one test thread makes any
 /// other thread's use of the CUDA random generator fail ("Offset increment outside graph
 /// capture encountered unexpectedly").
@@ -437,6 +473,30 @@ mod tests {
         graph.replay().unwrap();
         assert_eq!(y.double_value(&[]), 24.0);
         assert!(total_memory(0).unwrap() > 0);
+    }
+
+    /// Waiting on an event sees the copy queued before it, while later work is still queued.
+    #[test]
+    fn an_event_waits_for_the_work_queued_before_it() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        }
+        let _serial = crate::gpu_test_lock();
+        let dev = Device::Cuda(0);
+        let a = Tensor::randn([2048, 2048], (Kind::Float, dev));
+        let x = (a.matmul(&a).sum(Kind::Float) * 0.0 + 7.0).reshape([1]);
+        let mut host = pin_memory(&Tensor::zeros([1], (Kind::Float, Device::Cpu))).unwrap();
+        copy_nonblocking(&mut host, &x).unwrap();
+        let event = CudaEvent::record(0).unwrap();
+        // Work queued after the event, which the wait below need not cover.
+        let mut later = a.shallow_clone();
+        for _ in 0..8 {
+            later = later.matmul(&a);
+        }
+        event.synchronize().unwrap();
+        assert_eq!(host.double_value(&[0]), 7.0);
+        drop(later);
     }
 
     /// NVRTC compiles every decode kernel for the shapes the engine uses (Qwen3-0.6B,

@@ -576,6 +576,57 @@ int manta_pin_memory(void* src_, void** out) {
 #endif
 }
 
+// A CUDA event recorded on `device`'s current stream, in *out (free it with
+// manta_event_free): the host can wait for the work queued so far while later work runs.
+// Through the driver API, as every other CUDA call here (no link to libcudart).
+int manta_event_record(int device, void** out) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    static auto create = reinterpret_cast<decltype(&cuEventCreate)>(dlsym(load_driver(), "cuEventCreate"));
+    static auto record = reinterpret_cast<decltype(&cuEventRecord)>(dlsym(load_driver(), "cuEventRecord"));
+    static auto destroy = reinterpret_cast<decltype(&cuEventDestroy)>(dlsym(load_driver(), "cuEventDestroy_v2"));
+    TORCH_CHECK(create != nullptr && record != nullptr && destroy != nullptr, "libcuda lacks the event functions");
+    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    CUevent event = nullptr;
+    CUresult created = create(&event, CU_EVENT_DISABLE_TIMING);
+    TORCH_CHECK(created == CUDA_SUCCESS, "cuEventCreate failed with CUresult ", static_cast<int>(created));
+    CUresult recorded = record(event, reinterpret_cast<CUstream>(stream));
+    if (recorded != CUDA_SUCCESS) {
+      destroy(event);
+      TORCH_CHECK(false, "cuEventRecord failed with CUresult ", static_cast<int>(recorded));
+    }
+    *out = event;
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Waits until the work queued before `event` was recorded has run.
+int manta_event_synchronize(void* event) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    static auto sync = reinterpret_cast<decltype(&cuEventSynchronize)>(dlsym(load_driver(), "cuEventSynchronize"));
+    TORCH_CHECK(sync != nullptr, "libcuda lacks cuEventSynchronize");
+    CUresult done = sync(static_cast<CUevent>(event));
+    TORCH_CHECK(done == CUDA_SUCCESS, "cuEventSynchronize failed with CUresult ", static_cast<int>(done));
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+void manta_event_free(void* event) {
+#ifdef MANTA_WITH_CUDA
+  guarded([&] {
+    static auto destroy = reinterpret_cast<decltype(&cuEventDestroy)>(dlsym(load_driver(), "cuEventDestroy_v2"));
+    if (destroy != nullptr) destroy(static_cast<CUevent>(event));
+  });
+#endif
+}
+
 void manta_graph_free(void* g) {
 #ifdef MANTA_WITH_CUDA
   guarded([&] { delete static_cast<Graph*>(g); });

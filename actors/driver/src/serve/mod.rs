@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// decoding is slower.
     #[arg(long)]
     pub enable_deterministic_inference: bool,
+    /// Run each decode step only after the host has read the previous step's tokens
+    /// (by default the next step is launched first, hiding the host's turn).
+    #[arg(long)]
+    pub disable_overlap_schedule: bool,
     /// Model name reported by /get_model_info and /get_server_info [--model-path].
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -290,6 +294,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         opts.context_length = Some(n);
     }
     opts.true_on_policy = args.enable_deterministic_inference;
+    opts.disable_overlap_schedule = args.disable_overlap_schedule;
     for (name, value) in [
         ("--max-running-requests", opts.max_running_requests),
         ("--chunked-prefill-size", opts.chunked_prefill_size),

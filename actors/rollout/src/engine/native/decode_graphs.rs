@@ -6,7 +6,10 @@
 //!
 //! A graph can end with the LM head and the sampling kernel too, so that a decode step is
 //! one input copy, one replay and one copy of the chosen tokens back: nothing between the
-//! forward and the sampler waits for the host.
+//! forward and the sampler waits for the host. Such a graph also writes the chosen tokens
+//! into its own input ids, so its next replay can start before the host has read them
+//! (`feed`, the engine's overlapped steps); pinned buffers alternate between calls, so one
+//! step's copies never touch the buffers the step before it is still using.
 
 use std::collections::HashMap;
 
@@ -33,12 +36,12 @@ enum Inputs {
     /// For the paged kernel, everything in one i64 buffer (one host-to-device copy per
     /// step): ids [B], positions [B], new slots [B], lengths [B], the sampling kernel's
     /// [2, B] f32 parameters packed two to an i64 ([`pack_f32_pairs`]), block tables
-    /// [B × W / bs]; the pinned host buffer it is copied from without blocking (none if
-    /// pinning failed); and the kernel's split counters (zeroed once, left zero by every
-    /// replay).
+    /// [B × W / bs]; two pinned host buffers it is copied from without blocking, one per
+    /// call parity (none if pinning failed); and the kernel's split counters (zeroed once,
+    /// left zero by every replay).
     Paged {
         packed: Tensor,
-        staging: Option<Tensor>,
+        staging: [Option<Tensor>; 2],
         counters: Tensor,
     },
 }
@@ -47,10 +50,11 @@ struct Captured {
     graph: CudaGraph,
     inputs: Inputs,
     hidden: Tensor,
-    /// The sampling kernel's (token id, log-prob) [2, B], when the graph samples, and a
-    /// pinned host buffer like it to copy it into (none if pinning failed).
+    /// The sampling kernel's (token id, log-prob) [2, B], when the graph samples, and two
+    /// pinned host buffers like it to copy it into, one per call parity (none if pinning
+    /// failed).
     sampled: Option<Tensor>,
-    sampled_host: Option<Tensor>,
+    sampled_host: [Option<Tensor>; 2],
 }
 
 /// What a graphed decode step left on the device.
@@ -58,10 +62,13 @@ pub struct DecodeOutput {
     /// Final-normed hidden states of the real rows, [rows, H].
     pub hidden: Tensor,
     /// The sampling kernel's output [2, B] (B ≥ rows: the graph's batch bucket), when the
-    /// step was asked to sample and the kernel is usable; read it with
-    /// [`sampler::kernel_output_to_host`], through `sampled_host` (pinned) when there is one.
+    /// step was asked to sample and the kernel is usable.
     pub sampled: Option<Tensor>,
-    pub sampled_host: Option<Tensor>,
+    /// Where that output is being copied to the host (a pinned [2, B] f64 buffer) and the
+    /// event after the copy: wait for it, then read the buffer with
+    /// [`sampler::read_kernel_output`]. `None` when no copy could be queued; the caller
+    /// then reads `sampled` itself.
+    pub to_host: Option<(Tensor, manta_cuda::CudaEvent)>,
 }
 
 /// One decode row: its next token, its position (the context is positions 0..=position)
@@ -95,6 +102,11 @@ pub struct DecodeGraphs {
     /// gathering if a capture with it fails).
     paged_kernel: bool,
     block_size: usize,
+    /// Which of each graph's two pinned buffers this call uses (flips every call).
+    parity: usize,
+    /// The graph the last call replayed, if it sampled: its next replay may take its ids
+    /// from the device ([`DecodeGraphs::can_feed`]).
+    last_sampling_key: Option<(usize, usize, bool)>,
 }
 
 fn bucket(n: usize, min: usize) -> usize {
@@ -126,6 +138,8 @@ impl DecodeGraphs {
             disabled: false,
             paged_kernel,
             block_size,
+            parity: 0,
+            last_sampling_key: None,
         })
     }
 
@@ -133,32 +147,53 @@ impl DecodeGraphs {
     /// next steps capture again.
     pub fn clear(&mut self) {
         self.graphs.clear();
+        self.last_sampling_key = None;
+    }
+
+    /// The graph a step of `rows` rows whose longest context is `longest` tokens replays.
+    fn key(&self, rows: usize, longest: usize, sample: bool) -> (usize, usize, bool) {
+        (
+            bucket(rows, 1),
+            bucket(longest, 256).min(self.max_width),
+            sample,
+        )
+    }
+
+    /// Whether a sampling step of `rows` rows, the longest `longest` tokens, can take its
+    /// input ids from the step just launched (`run` with `feed`): it replays the same graph,
+    /// which wrote its sampled tokens into its ids. The caller must also keep the rows in
+    /// the same order.
+    pub fn can_feed(&self, rows: usize, longest: usize) -> bool {
+        !self.disabled
+            && longest <= self.max_width
+            && self.last_sampling_key == Some(self.key(rows, longest, true))
     }
 
     /// Runs a decode-only step through a graph, with the LM head and the sampling kernel
     /// in it when `sample`; `None` when this step cannot use one (too many rows, or graphs
     /// disabled), and the caller runs it eagerly.
     ///
-    /// The caller must wait for the step's outputs (read them to the host) before the next
-    /// call, or synchronise the device if it cannot: the next call overwrites the pinned
-    /// buffer this step's input copy may still be reading.
+    /// `feed`: the rows' tokens are the ones the previous call sampled, in the same rows,
+    /// and stay on the device (only valid where [`DecodeGraphs::can_feed`] said so; the
+    /// rows' `token` is ignored).
+    ///
+    /// The caller must wait for a step's outputs (its `to_host` event) before the call after
+    /// next, or synchronise the device if it cannot: that call reuses the pinned buffers
+    /// this step's copies may still be using.
     pub fn run(
         &mut self,
         model: &CausalLm,
         kv: &PagedKvCache,
         rows: &[DecodeRow],
         sample: bool,
+        feed: bool,
     ) -> Option<DecodeOutput> {
         if self.disabled || rows.is_empty() || rows.len() > self.max_batch {
             return None;
         }
         let longest = rows.iter().map(|r| r.context_len()).max().unwrap_or(1);
-        let key = (
-            bucket(rows.len(), 1),
-            bucket(longest, 256).min(self.max_width),
-            sample,
-        );
-        if longest > key.1 {
+        let key = self.key(rows.len(), longest, sample);
+        if longest > key.1 || (feed && !self.can_feed(rows.len(), longest)) {
             return None;
         }
         if !self.graphs.contains_key(&key) {
@@ -180,6 +215,9 @@ impl DecodeGraphs {
                 }
             }
         }
+        let parity = self.parity;
+        self.parity ^= 1;
+        self.last_sampling_key = None;
         let c = self.graphs.get_mut(&key)?;
         let (b, w, _) = key;
         let block_size = self.block_size;
@@ -210,15 +248,19 @@ impl DecodeGraphs {
                     }
                 }
                 let host = Tensor::from_slice(&v);
+                // Fed ids are already on the device: everything after them is copied.
+                let skip = if feed { b as i64 } else { 0 };
+                let len = v.len() as i64 - skip;
+                let mut dst = packed.narrow(0, skip, len);
                 // From pinned memory the copy is queued without waiting for the device.
-                let queued = staging.as_mut().is_some_and(|staging| {
+                let queued = staging[parity].as_mut().is_some_and(|staging| {
                     staging.copy_(&host);
-                    manta_cuda::copy_nonblocking(packed, staging)
+                    manta_cuda::copy_nonblocking(&mut dst, &staging.narrow(0, skip, len))
                         .inspect_err(|e| debug!(error = %e, "non-blocking input copy failed"))
                         .is_ok()
                 });
                 if !queued {
-                    packed.copy_(&host);
+                    dst.copy_(&host.narrow(0, skip, len));
                 }
             }
             Inputs::Gather {
@@ -247,7 +289,9 @@ impl DecodeGraphs {
                 for i in rows.len()..b {
                     keep[i * w] = true;
                 }
-                ids_t.copy_(&Tensor::from_slice(&ids));
+                if !feed {
+                    ids_t.copy_(&Tensor::from_slice(&ids));
+                }
                 pos_t.copy_(&Tensor::from_slice(&pos));
                 map_t.copy_(&Tensor::from_slice(&mapping));
                 slots_t.copy_(&Tensor::from_slice(&slots).view([b as i64, w as i64]));
@@ -260,10 +304,23 @@ impl DecodeGraphs {
             self.disabled = true;
             return None;
         }
+        // The tokens' copy to the host is queued now, before any later step can overwrite
+        // the graph's output, with an event after it.
+        let to_host = match (&c.sampled, &mut c.sampled_host[parity]) {
+            (Some(sampled), Some(host)) => manta_cuda::copy_nonblocking(host, sampled)
+                .and_then(|()| manta_cuda::CudaEvent::record(self.device))
+                .inspect_err(|e| debug!(error = %e, "could not queue the sampled tokens' copy"))
+                .ok()
+                .map(|event| (host.shallow_clone(), event)),
+            _ => None,
+        };
+        if c.sampled.is_some() {
+            self.last_sampling_key = Some(key);
+        }
         Some(DecodeOutput {
             hidden: c.hidden.narrow(0, 0, rows.len() as i64),
             sampled: c.sampled.as_ref().map(Tensor::shallow_clone),
-            sampled_host: c.sampled_host.as_ref().map(Tensor::shallow_clone),
+            to_host,
         })
     }
 
@@ -282,12 +339,14 @@ impl DecodeGraphs {
             let packed = Tensor::zeros([5 * bi + bi * mb], (Kind::Int64, dev));
             let _ = packed.narrow(0, 2 * bi, bi).fill_(self.scratch_slot);
             let _ = packed.narrow(0, 3 * bi, bi).fill_(1);
-            let staging = manta_cuda::pin_memory(&Tensor::zeros(
-                [5 * bi + bi * mb],
-                (Kind::Int64, Device::Cpu),
-            ))
-            .inspect_err(|e| debug!(error = %e, "no pinned input buffer; copies will wait"))
-            .ok();
+            let staging = [(); 2].map(|()| {
+                manta_cuda::pin_memory(&Tensor::zeros(
+                    [5 * bi + bi * mb],
+                    (Kind::Int64, Device::Cpu),
+                ))
+                .inspect_err(|e| debug!(error = %e, "no pinned input buffer; copies will wait"))
+                .ok()
+            });
             Inputs::Paged {
                 packed,
                 staging,
@@ -344,6 +403,11 @@ impl DecodeGraphs {
         };
         let sampled =
             |hidden: &Tensor| sampler::sample_on_device(&model.logits_f32(hidden), &params);
+        // The sampled tokens become the graph's next input ids (see `feed`).
+        let ids = match &inputs {
+            Inputs::Paged { packed, .. } => packed.narrow(0, 0, bi),
+            Inputs::Gather { ids, .. } => ids.shallow_clone(),
+        };
         // Warm-up outside the capture: lazy initialisation (and the kernels' compilation),
         // allocator growth; a failure here leaves no capture open. A failing sampling
         // kernel leaves the sampling to the caller.
@@ -360,6 +424,9 @@ impl DecodeGraphs {
         let (graph, (hidden, sampled)) = CudaGraph::capture(self.device, share, || {
             let hidden = forward();
             let sampled = if sample { sampled(&hidden) } else { None };
+            if let Some(s) = &sampled {
+                ids.shallow_clone().copy_(&s.get(0));
+            }
             (hidden, sampled)
         })
         .map_err(|e| e.to_string())?;
@@ -373,10 +440,14 @@ impl DecodeGraphs {
             sample,
             "captured a decode CUDA graph"
         );
-        let sampled_host = sampled.as_ref().and_then(|s| {
-            manta_cuda::pin_memory(&Tensor::zeros(s.size(), (Kind::Double, Device::Cpu)))
-                .inspect_err(|e| debug!(error = %e, "no pinned output buffer; copies will stage"))
-                .ok()
+        let sampled_host = [(); 2].map(|()| {
+            sampled.as_ref().and_then(|s| {
+                manta_cuda::pin_memory(&Tensor::zeros(s.size(), (Kind::Double, Device::Cpu)))
+                    .inspect_err(
+                        |e| debug!(error = %e, "no pinned output buffer; copies will stage"),
+                    )
+                    .ok()
+            })
         });
         Ok(Captured {
             graph,

@@ -63,6 +63,10 @@ pub struct NativeEngineOptions {
     /// attention through the batch-invariant kernel, so log-probs equal a trainer in the
     /// same mode. CUDA bf16 only; decoding is slower (no fused decode kernels).
     pub true_on_policy: bool,
+    /// Turn off overlapped decode steps (SGLang's `--disable-overlap-schedule`). By default
+    /// a CUDA decode step is launched before the host has read the step before it, so the
+    /// host's turn (reading tokens, stop checks, the next step's inputs) overlaps the GPU's.
+    pub disable_overlap_schedule: bool,
 }
 
 impl NativeEngineOptions {
@@ -79,6 +83,7 @@ impl NativeEngineOptions {
             chunked_prefill_size: if device.is_cuda() { 8192 } else { 2048 },
             context_length: None,
             true_on_policy: false,
+            disable_overlap_schedule: false,
         }
     }
 }
@@ -91,6 +96,9 @@ pub struct EngineStats {
     pub tokens_sampled: AtomicU64,
     /// Running requests sent back to the queue to free KV blocks (recomputed later).
     pub preemptions: AtomicU64,
+    /// Decode steps launched before the host had read the step before them (overlap
+    /// scheduling; see `NativeEngineOptions::disable_overlap_schedule`).
+    pub steps_ahead: AtomicU64,
 }
 
 impl EngineStats {
@@ -243,7 +251,8 @@ impl NativeEngine {
                         context_length,
                         thread_version,
                         thread_stats,
-                    ))
+                    )
+                    .overlap_schedule(!thread_opts.disable_overlap_schedule))
                 })();
                 match built {
                     Ok(worker) => {

@@ -134,7 +134,7 @@ fn sample_with_kernel(logits: &Tensor, rows: &[RowSampling]) -> Option<(Vec<i64>
     }
     let params = Tensor::from_slice(&kernel_params(rows)).to(logits.device());
     let out = sample_on_device(&logits.contiguous(), &params)?;
-    Some(kernel_output_to_host(&out, rows.len(), None))
+    Some(kernel_output_to_host(&out, rows.len()))
 }
 
 /// Whether the sampling kernel may run: allowed by the build and `MANTA_SAMPLING_KERNEL`,
@@ -176,25 +176,16 @@ pub fn sample_on_device(logits: &Tensor, params: &Tensor) -> Option<Tensor> {
 }
 
 /// The first `rows` (token id, log-prob) pairs of a kernel output [2, B], in one copy to
-/// the host (which waits for the device): into `pinned` (a page-locked [2, B] f64 host
-/// buffer) when given, which skips the driver's staging copy.
-pub fn kernel_output_to_host(
-    out: &Tensor,
-    rows: usize,
-    pinned: Option<&mut Tensor>,
-) -> (Vec<i64>, Vec<f32>) {
-    let copied = match (pinned, out.device()) {
-        (Some(pinned), Device::Cuda(index)) => {
-            manta_cuda::copy_nonblocking(pinned, out).ok().map(|()| {
-                tch::Cuda::synchronize(index as i64);
-                pinned.shallow_clone()
-            })
-        }
-        _ => None,
-    };
-    let host = copied.unwrap_or_else(|| out.to(Device::Cpu));
-    // All of it (contiguous: one copy, no gather kernel). A failure here panics: the
-    // engine's step catches it and fails the batch's requests.
+/// the host (which waits for the device).
+pub fn kernel_output_to_host(out: &Tensor, rows: usize) -> (Vec<i64>, Vec<f32>) {
+    read_kernel_output(&out.to(Device::Cpu), rows)
+}
+
+/// The first `rows` (token id, log-prob) pairs of a kernel output [2, B] already on the
+/// host. A failure here panics: the engine's step catches it and fails the batch's
+/// requests.
+pub fn read_kernel_output(host: &Tensor, rows: usize) -> (Vec<i64>, Vec<f32>) {
+    // All of it (contiguous: one copy, no gather kernel).
     let both = Vec::<f64>::try_from(&host.view([-1])).expect("sampled ids to host");
     let width = both.len() / 2;
     (

@@ -199,6 +199,26 @@ impl Scheduler {
         (plan, rejected)
     }
 
+    /// Gives every running sequence the KV blocks for one position past its tokens: the
+    /// step launched ahead computes the token still being sampled (see the engine's
+    /// overlapped steps). Evicts cached prefixes if needed but never preempts: `false`
+    /// when the pool cannot spare the blocks (the engine then waits instead).
+    pub fn reserve_ahead(&mut self) -> bool {
+        let need = self
+            .running
+            .iter()
+            .filter(|s| self.blocks_for(s.tokens.len() + 1) > s.blocks.len())
+            .count();
+        if !self.ensure_free(need) {
+            return false;
+        }
+        for i in 0..self.running.len() {
+            let upto = self.running[i].tokens.len() + 1;
+            self.grow(i, upto);
+        }
+        true
+    }
+
     /// Records that `running[index]` computed `q_len` more tokens, and offers its newly
     /// full blocks to the prefix cache.
     pub fn computed(&mut self, index: usize, q_len: usize) {

@@ -1,7 +1,7 @@
 //! The engine thread: owns the model, the paged KV cache and the scheduler, takes
 //! commands between steps, and runs one batched model step at a time.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,6 +70,11 @@ pub struct Worker {
     next_id: u64,
     /// Blocks (scratch block included) of the KV pool while it is released.
     released_blocks: Option<usize>,
+    /// Launch decode steps ahead of reading the previous one ([`Worker::launch_ahead`]).
+    overlap: bool,
+    /// A decode step whose tokens are not read yet (only between steps; commands other
+    /// than new requests read it first, see [`Worker::settle`]).
+    in_flight: Option<InFlight>,
 }
 
 impl Worker {
@@ -114,7 +119,15 @@ impl Worker {
             drain_waiters: Vec::new(),
             next_id: 0,
             released_blocks: None,
+            overlap: false,
+            in_flight: None,
         }
+    }
+
+    /// Turns overlapped decode steps on or off (off while profiling, which synchronises).
+    pub fn overlap_schedule(mut self, on: bool) -> Self {
+        self.overlap = on && !self.profile;
+        self
     }
 
     /// Serves until every handle is dropped.
@@ -149,6 +162,9 @@ impl Worker {
     }
 
     fn handle(&mut self, cmd: Command) {
+        if !matches!(cmd, Command::Generate(_)) {
+            self.settle();
+        }
         match cmd {
             Command::Generate(mut seq) => {
                 seq.id = self.next_id;
@@ -358,9 +374,60 @@ impl Worker {
         Ok(())
     }
 
-    /// One model step over the planned sequences; a failing step fails its requests and
-    /// the engine keeps serving.
+    /// One model step; a failing step fails its requests and the engine keeps serving.
+    /// With a step in flight, the next one is launched ahead when it can be (see
+    /// [`Worker::launch_ahead`]) before the one in flight is read, so the host's turn
+    /// overlaps the device's work.
     fn step(&mut self) {
+        let result = catch_unwind(AssertUnwindSafe(|| match self.in_flight.take() {
+            Some(current) => {
+                let ahead = self.launch_ahead(&current);
+                self.complete(current);
+                self.in_flight = ahead;
+            }
+            None => self.plan_and_run(),
+        }));
+        if let Err(panic) = result {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            self.fail_running(&msg);
+        }
+    }
+
+    /// Reads the step in flight, if any, before a command looks at the running requests.
+    fn settle(&mut self) {
+        if let Some(current) = self.in_flight.take() {
+            let result = catch_unwind(AssertUnwindSafe(|| self.complete(current)));
+            if result.is_err() {
+                self.fail_running("reading a decode step's tokens failed");
+            }
+        }
+    }
+
+    /// Fails every running request after a failed step.
+    fn fail_running(&mut self, msg: &str) {
+        warn!(error = %msg, "engine step failed; failing its requests");
+        self.in_flight = None;
+        // Work the failed step queued may still run (a graph's input copy reads a pinned
+        // buffer the next step rewrites): let it finish first.
+        if let Device::Cuda(index) = self.device {
+            let synced = catch_unwind(|| tch::Cuda::synchronize(index as i64));
+            if synced.is_err() {
+                warn!("device synchronisation after the failed step failed too");
+            }
+        }
+        let running = std::mem::take(&mut self.sched.running);
+        for seq in running {
+            let mut seq = self.sched.release(seq);
+            seq.fail(EngineError::Stopped(format!("model step failed: {msg}")));
+        }
+    }
+
+    /// Plans a step and runs it.
+    fn plan_and_run(&mut self) {
         let barrier = self.updates.front().map(|u| u.0);
         let paused = self.paused.is_some();
         // Paused engines and weight-update barriers hold new requests back.
@@ -383,33 +450,8 @@ impl Worker {
         for (mut seq, err) in rejected {
             seq.fail(err);
         }
-        if plan.is_empty() {
-            return;
-        }
-        let result = catch_unwind(AssertUnwindSafe(|| self.run(&plan)));
-        match result {
-            Ok(()) => {}
-            Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                warn!(error = %msg, "engine step failed; failing its requests");
-                // Work the failed step queued may still run (a graph's input copy reads a
-                // pinned buffer the next step rewrites): let it finish first.
-                if let Device::Cuda(index) = self.device {
-                    let synced = catch_unwind(|| tch::Cuda::synchronize(index as i64));
-                    if synced.is_err() {
-                        warn!("device synchronisation after the failed step failed too");
-                    }
-                }
-                let running = std::mem::take(&mut self.sched.running);
-                for seq in running {
-                    let mut seq = self.sched.release(seq);
-                    seq.fail(EngineError::Stopped(format!("model step failed: {msg}")));
-                }
-            }
+        if !plan.is_empty() {
+            self.run(&plan);
         }
     }
 
@@ -459,12 +501,29 @@ impl Worker {
                         },
                     })
                     .collect();
-                graphs.run(&self.model, &self.kv, &decode_rows, sample)
+                graphs.run(&self.model, &self.kv, &decode_rows, sample, false)
             }
             _ => None,
         };
-        let (hidden, sampled, mut sampled_host) = match graphed {
-            Some(out) => (out.hidden, out.sampled, out.sampled_host),
+        let (hidden, sampled) = match graphed {
+            Some(out) => {
+                // A graph that sampled took every row (all decodes): it can stay in
+                // flight while the host moves on.
+                let tokens = out.sampled.map(|s| Pending::from_device(s, out.to_host));
+                match tokens {
+                    Some(tokens) if self.overlap => {
+                        self.in_flight = Some(InFlight {
+                            seq_ids: plan
+                                .iter()
+                                .map(|p| self.sched.running[p.index].id)
+                                .collect(),
+                            tokens,
+                        });
+                        return;
+                    }
+                    tokens => (out.hidden, tokens),
+                }
+            }
             None => {
                 let seqs: Vec<PagedSeq> = plan
                     .iter()
@@ -491,23 +550,17 @@ impl Worker {
                 (
                     self.model.forward_paged(&input, &pos, &batch, &self.kv),
                     None,
-                    None,
                 )
             }
         };
         if let Some(p) = prof.as_mut() {
             p.lap(1);
         }
-        self.stats.add_step(ids.len(), sample_rows.len());
-        let mut finished = Vec::new();
-        for p in plan {
-            self.sched.computed(p.index, p.q_len);
-        }
-        if !rows.is_empty() {
-            let (next, logprobs) = match sampled {
-                Some(sampled) => {
-                    sampler::kernel_output_to_host(&sampled, rows.len(), sampled_host.as_mut())
-                }
+        let (next, logprobs) = if rows.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            match sampled {
+                Some(sampled) => sampled.read(rows.len()),
                 None => {
                     // Decode steps sample every row, in order: no gather needed.
                     let every_row = sample_rows.len() == ids.len();
@@ -518,26 +571,151 @@ impl Worker {
                     };
                     sample(&self.model.logits_f32(&sampled_hidden), &rows)
                 }
-            };
-            for ((&index, tok), lp) in sampled_seqs.iter().zip(next).zip(logprobs) {
-                let seq = &mut self.sched.running[index];
-                seq.tokens.push(tok as u32);
-                seq.logprobs.push(lp);
-                let done = seq
-                    .stop
-                    .check(seq.output(), self.tokenizer.as_ref())
-                    .or_else(|| {
-                        (seq.tokens.len() >= self.context_length)
-                            .then_some((FinishReason::Length, None))
-                    });
-                if let Some(done) = done {
-                    finished.push((index, done));
-                }
             }
-        }
+        };
+        self.stats.add_step(ids.len(), sample_rows.len());
+        self.record(plan, &sampled_seqs, next, logprobs);
         if let Some(p) = prof.as_mut() {
             p.lap(2);
             p.report(plan.len(), &self.stats);
+        }
+    }
+
+    /// Launches the decode step after `current` (in flight) before `current`'s tokens are
+    /// read: the same sequences, in the same rows, each computing the token `current` is
+    /// sampling, which the graph feeds itself on the device. Only when nothing else could
+    /// run next: no request waits to be admitted, no pause or weight update is pending, no
+    /// sequence reaches its token limit with `current`'s token, and the pool has the
+    /// blocks. A sequence that `current`'s token stops (a stop id or string) wasted one
+    /// row of this step, which is dropped when it is read.
+    fn launch_ahead(&mut self, current: &InFlight) -> Option<InFlight> {
+        if !self.overlap
+            || self.paused.is_some()
+            || !self.updates.is_empty()
+            || !current.tokens.copying()
+        {
+            return None;
+        }
+        let sched = &self.sched;
+        if !sched.waiting.is_empty() && sched.running.len() < sched.max_running {
+            return None;
+        }
+        let same_rows = sched.running.len() == current.seq_ids.len()
+            && sched
+                .running
+                .iter()
+                .zip(&current.seq_ids)
+                .all(|(s, &id)| s.id == id);
+        // With `current`'s token a sequence holds tokens.len() + 1 tokens; the step ahead
+        // computes the last of them.
+        let continues = |s: &Sequence| {
+            s.output().len() + 1 < s.params.max_new_tokens
+                && s.tokens.len() + 1 < self.context_length
+        };
+        if !same_rows || !sched.running.iter().all(continues) {
+            return None;
+        }
+        let longest = sched.running.iter().map(|s| s.tokens.len() + 1).max()?;
+        if !self.graphs.as_ref()?.can_feed(sched.running.len(), longest) {
+            return None;
+        }
+        if !self.sched.reserve_ahead() {
+            return None;
+        }
+        // The draws are put back if nothing is launched, so seeded requests sample the
+        // same tokens either way.
+        let draws: Vec<_> = self.sched.running.iter().map(|s| s.rng.clone()).collect();
+        let rows: Vec<RowSampling> = self
+            .sched
+            .running
+            .iter_mut()
+            .map(Sequence::row_sampling)
+            .collect();
+        let vocab = self.model.lm_head_weight().size()[0];
+        let launched = if graph_samples(&rows, rows.len(), vocab) {
+            let decode_rows: Vec<DecodeRow> = self
+                .sched
+                .running
+                .iter()
+                .zip(&rows)
+                .map(|(s, r)| DecodeRow {
+                    token: 0,
+                    position: s.tokens.len() as i64,
+                    blocks: &s.blocks,
+                    sample: r.kernel_pair(),
+                })
+                .collect();
+            match self.graphs.as_mut() {
+                Some(graphs) => graphs.run(&self.model, &self.kv, &decode_rows, true, true),
+                None => None,
+            }
+        } else {
+            None
+        };
+        match launched.and_then(|out| Some((out.sampled?, out.to_host))) {
+            Some((sampled, to_host)) => {
+                self.stats.steps_ahead.fetch_add(1, Ordering::Relaxed);
+                Some(InFlight {
+                    seq_ids: current.seq_ids.clone(),
+                    tokens: Pending::from_device(sampled, to_host),
+                })
+            }
+            None => {
+                for (s, rng) in self.sched.running.iter_mut().zip(draws) {
+                    s.rng = rng;
+                }
+                None
+            }
+        }
+    }
+
+    /// Reads a step that was left in flight and records it for the sequences still
+    /// running (one that finished or was aborted meanwhile is skipped).
+    fn complete(&mut self, step: InFlight) {
+        let (next, logprobs) = step.tokens.read(step.seq_ids.len());
+        let index_of: HashMap<u64, usize> = self
+            .sched
+            .running
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id, i))
+            .collect();
+        let mut plan = Vec::with_capacity(step.seq_ids.len());
+        let (mut kept_next, mut kept_logprobs) = (Vec::new(), Vec::new());
+        for ((id, tok), lp) in step.seq_ids.iter().zip(next).zip(logprobs) {
+            if let Some(&index) = index_of.get(id) {
+                plan.push(Planned { index, q_len: 1 });
+                kept_next.push(tok);
+                kept_logprobs.push(lp);
+            }
+        }
+        self.stats.add_step(step.seq_ids.len(), step.seq_ids.len());
+        let sampled: Vec<usize> = plan.iter().map(|p| p.index).collect();
+        self.record(&plan, &sampled, kept_next, kept_logprobs);
+    }
+
+    /// Records a step's results: `plan`'s tokens are computed; the sequences at
+    /// `sampled` (running indices, in the order of `next`) take their new tokens; the
+    /// finished ones answer and leave.
+    fn record(&mut self, plan: &[Planned], sampled: &[usize], next: Vec<i64>, logprobs: Vec<f32>) {
+        for p in plan {
+            self.sched.computed(p.index, p.q_len);
+        }
+        let mut finished = Vec::new();
+        for ((&index, tok), lp) in sampled.iter().zip(next).zip(logprobs) {
+            let seq = &mut self.sched.running[index];
+            seq.tokens.push(tok as u32);
+            seq.logprobs.push(lp);
+            let done = seq
+                .stop
+                .check(seq.output(), self.tokenizer.as_ref())
+                .or_else(|| {
+                    (seq.tokens.len() >= self.context_length)
+                        .then_some((FinishReason::Length, None))
+                });
+            if let Some(done) = done {
+                finished.push((index, done));
+            }
         }
         // Remove finished sequences from the back so indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
@@ -545,6 +723,50 @@ impl Worker {
             let seq = self.sched.running.remove(index);
             let mut seq = self.sched.release(seq);
             seq.finish(reason, matched);
+        }
+    }
+}
+
+/// A decode step launched on the device whose sampled tokens the host has not read yet.
+struct InFlight {
+    /// The sequences of its rows, in row order.
+    seq_ids: Vec<u64>,
+    tokens: Pending,
+}
+
+/// A sampling kernel's output on its way to the host.
+enum Pending {
+    /// Being copied into a pinned host buffer; the event follows the copy.
+    Copying(Tensor, manta_cuda::CudaEvent),
+    /// Still on the device only (no copy could be queued): read with a blocking copy,
+    /// before anything can overwrite it.
+    OnDevice(Tensor),
+}
+
+impl Pending {
+    fn from_device(sampled: Tensor, to_host: Option<(Tensor, manta_cuda::CudaEvent)>) -> Self {
+        match to_host {
+            Some((host, event)) => Self::Copying(host, event),
+            None => Self::OnDevice(sampled),
+        }
+    }
+
+    /// Whether later steps may run before this one is read (its output is safe on the host).
+    fn copying(&self) -> bool {
+        matches!(self, Self::Copying(..))
+    }
+
+    /// The first `rows` (token id, log-prob) pairs; waits for the device. Panics (caught
+    /// by the engine's step, which fails the requests) if the device reports an error.
+    fn read(self, rows: usize) -> (Vec<i64>, Vec<f32>) {
+        match self {
+            Self::Copying(host, event) => {
+                if let Err(e) = event.synchronize() {
+                    panic!("waiting for a decode step: {e}");
+                }
+                sampler::read_kernel_output(&host, rows)
+            }
+            Self::OnDevice(sampled) => sampler::kernel_output_to_host(&sampled, rows),
         }
     }
 }
