@@ -473,7 +473,7 @@ async fn overlapped_decode_steps_match_synchronous_ones() {
         input_ids: ps[i].clone(),
         params: SamplingParams {
             max_new_tokens: 40 + 4 * i,
-            temperature: if i % 2 == 0 { 0.0 } else { 1.0 },
+            temperature: if i.is_multiple_of(2) { 0.0 } else { 1.0 },
             seed: Some(i as u64),
             ignore_eos: true,
             stop_token_ids: stop,
