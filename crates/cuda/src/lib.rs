@@ -89,6 +89,18 @@ extern "C" {
     ) -> c_int;
     fn manta_silu_mul(source: *const c_char, gate_up: *mut c_void, out: *mut c_void) -> c_int;
     fn manta_lt_linear(x: *mut c_void, w: *mut c_void, y: *mut c_void) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn manta_flash_varlen(
+        q: *mut c_void,
+        k: *mut c_void,
+        v: *mut c_void,
+        cu_q: *mut c_void,
+        cu_k: *mut c_void,
+        max_q: i64,
+        max_k: i64,
+        scale: f64,
+        out: *mut *mut c_void,
+    ) -> c_int;
 }
 
 /// The paged attention kernels' CUDA source, NUL-terminated for NVRTC.
@@ -220,6 +232,43 @@ pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
 pub fn linear(x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<(), CudaError> {
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe { manta_lt_linear(ptr(x), ptr(w), ptr(y)) })
+}
+
+/// Causal attention over packed sequences of different lengths in one launch, through
+/// libtorch's flash attention (varlen): `q` [total_q, heads, hd], `k`, `v` [total_k,
+/// kv_heads, hd] (bf16 or fp16, CUDA; heads a multiple of kv_heads), `cu_q`, `cu_k` the
+/// sequences' cumulative query and key counts [seqs + 1] (int32, on the device), `max_q`,
+/// `max_k` the largest of each. A sequence with more keys than queries (a cached prefix)
+/// has its queries at the end: query i of n sees keys up to `keys - n + i`. A prefill step
+/// runs one call per layer instead of one per sequence. Returns [total_q, heads, hd].
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &Tensor,
+    cu_k: &Tensor,
+    max_q: i64,
+    max_k: i64,
+    scale: f64,
+) -> Result<Tensor, CudaError> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
+    check(unsafe {
+        manta_flash_varlen(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(cu_q),
+            ptr(cu_k),
+            max_q,
+            max_k,
+            scale,
+            &mut out,
+        )
+    })?;
+    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
 /// Decode attention straight over a paged KV cache, one query token per sequence.
@@ -497,6 +546,69 @@ mod tests {
         event.synchronize().unwrap();
         assert_eq!(host.double_value(&[0]), 7.0);
         drop(later);
+    }
+
+    /// Varlen flash attention against fp32 attention with an explicit mask, per sequence:
+    /// sequences with a cached prefix (more keys than queries) see keys up to their own
+    /// position, aligned at the end of their keys; grouped heads (GQA) share a key head.
+    #[test]
+    fn varlen_flash_attention_matches_masked_attention() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        }
+        let _serial = crate::gpu_test_lock();
+        tch::manual_seed(11);
+        let dev = Device::Cuda(0);
+        let (heads, kv_heads, hd) = (8i64, 2i64, 128i64);
+        // (queries, keys) per sequence: cached prefixes, a plain prefill, one token.
+        let seqs = [(5i64, 12i64), (7, 7), (1, 9), (64, 200)];
+        let (tq, tk): (i64, i64) = (
+            seqs.iter().map(|s| s.0).sum(),
+            seqs.iter().map(|s| s.1).sum(),
+        );
+        let opts = (Kind::BFloat16, dev);
+        let q = Tensor::randn([tq, heads, hd], opts);
+        let k = Tensor::randn([tk, kv_heads, hd], opts);
+        let v = Tensor::randn([tk, kv_heads, hd], opts);
+        let cum = |f: fn(&(i64, i64)) -> i64| {
+            let mut c = vec![0i32];
+            for s in &seqs {
+                c.push(c[c.len() - 1] + f(s) as i32);
+            }
+            Tensor::from_slice(&c).to(dev)
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = flash_attention_varlen(&q, &k, &v, &cum(|s| s.0), &cum(|s| s.1), 64, 200, scale)
+            .unwrap();
+        assert_eq!(out.size(), [tq, heads, hd]);
+        let (mut at_q, mut at_k) = (0i64, 0i64);
+        for &(nq, nk) in &seqs {
+            let qs = q.narrow(0, at_q, nq).to_kind(Kind::Float).transpose(0, 1);
+            let rep = |t: &Tensor| {
+                t.narrow(0, at_k, nk)
+                    .to_kind(Kind::Float)
+                    .transpose(0, 1)
+                    .repeat_interleave_self_int(heads / kv_heads, 0, None)
+            };
+            let scores = qs.matmul(&rep(&k).transpose(1, 2)) * scale;
+            let q_pos = Tensor::arange_start(nk - nq, nk, (Kind::Int64, dev));
+            let k_pos = Tensor::arange(nk, (Kind::Int64, dev));
+            let visible = k_pos.unsqueeze(0).le_tensor(&q_pos.unsqueeze(1));
+            let scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+            let expected = scores
+                .softmax(-1, Kind::Float)
+                .matmul(&rep(&v))
+                .transpose(0, 1);
+            let got = out.narrow(0, at_q, nq).to_kind(Kind::Float);
+            let err = (&got - &expected).abs().max().double_value(&[]);
+            assert!(
+                err < 2e-2,
+                "sequence ({nq} queries, {nk} keys): max error {err}"
+            );
+            at_q += nq;
+            at_k += nk;
+        }
     }
 
     /// NVRTC compiles every decode kernel for the shapes the engine uses (Qwen3-0.6B,

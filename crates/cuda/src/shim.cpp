@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ATen.h>
+#include <ATen/ops/_flash_attention_forward.h>
 #include <cublasLt.h>
 #include <cuda.h>
 #include <dlfcn.h>
@@ -930,6 +931,33 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
                         at::cuda::getCUDABlasLtWorkspace(), workspace, stream);
     TORCH_CHECK(done == CUBLAS_STATUS_SUCCESS, "cublasLtMatmul failed with cuBLAS status ", static_cast<int>(done),
                 " (", m, " x ", k, " by ", n, " x ", k, ")");
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Causal attention of packed variable-length sequences through libtorch's flash attention
+// (FlashAttention-2's varlen forward): q [total_q, heads, hd], k and v [total_k, kv_heads,
+// hd] (bf16 or fp16, CUDA), cumulative lengths cu_q and cu_k [seqs + 1] int32. A sequence
+// with more keys than queries (a cached prefix) has its queries at the end of its keys: the
+// causal mask is aligned at the bottom right. A new tensor like q in *out.
+int manta_flash_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, int64_t max_q, int64_t max_k,
+                       double scale, void** out) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& q = tensor(q_);
+    const at::Tensor& k = tensor(k_);
+    const at::Tensor& v = tensor(v_);
+    const at::Tensor& cu_q = tensor(cu_q_);
+    const at::Tensor& cu_k = tensor(cu_k_);
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [tokens, heads, head_dim]");
+    TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt, "cu_q and cu_k must be int32");
+    TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_q and cu_k must have one entry per sequence plus one");
+    auto result = at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, /*is_causal=*/true,
+                                               /*return_debug_mask=*/false, scale);
+    *out = new at::Tensor(std::get<0>(result));
   });
 #else
   last_error() = "built without CUDA";

@@ -102,8 +102,8 @@ pub struct PagedBatch {
     slot_mapping: Tensor,
     /// Sequences with one new token that lead the batch, attended together.
     decode: Option<(usize, DecodeAttention)>,
-    /// The remaining sequences: (flat start, q_len, [ctx] i64 slots).
-    prefill: Vec<(usize, usize, Tensor)>,
+    /// The remaining sequences (prompts being prefilled).
+    prefill: Option<Prefill>,
     /// Every row's keys for the batch-invariant kernel ([`PagedBatch::new_invariant`]).
     invariant: Option<PagedRows>,
 }
@@ -129,7 +129,7 @@ impl PagedBatch {
         Self {
             slot_mapping: Tensor::from_slice(&new_slots(seqs)).to(device),
             decode: None,
-            prefill: Vec::new(),
+            prefill: None,
             invariant: Some(PagedRows::new(seqs, block_size, device)),
         }
     }
@@ -171,15 +171,8 @@ impl PagedBatch {
                 },
             )
         });
-        let mut start = decode_count;
-        let prefill = seqs[decode_count..]
-            .iter()
-            .map(|s| {
-                let entry = (start, s.q_len, Tensor::from_slice(&s.slots).to(device));
-                start += s.q_len;
-                entry
-            })
-            .collect();
+        let prefill = (decode_count < seqs.len())
+            .then(|| Prefill::new(&seqs[decode_count..], decode_count, device));
         Self {
             slot_mapping: Tensor::from_slice(&slot_mapping).to(device),
             decode,
@@ -237,7 +230,7 @@ impl PagedBatch {
                     keep: keep.shallow_clone(),
                 },
             )),
-            prefill: Vec::new(),
+            prefill: None,
             invariant: None,
         }
     }
@@ -264,7 +257,7 @@ impl PagedBatch {
                     block_size,
                 },
             )),
-            prefill: Vec::new(),
+            prefill: None,
             invariant: None,
         }
     }
@@ -368,7 +361,7 @@ impl SelfAttention {
                             ..
                         },
                     )),
-                ) if batch.prefill.is_empty() => PagedKeys::Decode {
+                ) if batch.prefill.is_none() => PagedKeys::Decode {
                     tables,
                     lens,
                     block_size: *block_size,
@@ -388,7 +381,7 @@ impl SelfAttention {
         let (k_pool, v_pool) = (pools.0.shallow_clone(), pools.1.shallow_clone());
         let rep = self.num_heads / self.num_kv_heads;
         let (hd, nkv) = (self.head_dim, self.num_kv_heads);
-        let mut outs = Vec::with_capacity(1 + batch.prefill.len());
+        let mut outs = Vec::with_capacity(2);
         if let Some((
             rows,
             DecodeAttention::Paged {
@@ -438,12 +431,54 @@ impl SelfAttention {
             let out = wide_matmul(&weights.to_kind(q.kind()), &gather(&v_pool)) / sum;
             outs.push(out.to_kind(q.kind()).reshape([rows, self.num_heads * hd]));
         }
-        for (start, q_len, slots) in &batch.prefill {
-            let (start, q_len) = (*start as i64, *q_len as i64);
-            let ctx = slots.size()[0];
+        if let Some(prefill) = &batch.prefill {
+            outs.push(self.attend_prefill(q, (&k_pool, &v_pool), prefill));
+        }
+        let out = if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 0)
+        };
+        debug_assert_eq!(out.size()[0], n);
+        out
+    }
+}
+
+impl SelfAttention {
+    /// Causal attention of the prefill rows over their sequences' keys and values (this
+    /// call's and any cached prefix's): one varlen flash-attention call on CUDA in 16 bits
+    /// (unless `MANTA_PREFILL_VARLEN=0`), else one SDPA per sequence. [prefill rows, H].
+    fn attend_prefill(&self, q: &Tensor, pools: (&Tensor, &Tensor), prefill: &Prefill) -> Tensor {
+        let (k_pool, v_pool) = pools;
+        let (hd, rep) = (self.head_dim, self.num_heads / self.num_kv_heads);
+        let lowp = matches!(q.kind(), Kind::BFloat16 | Kind::Half);
+        if let (Some(packed), true) = (&prefill.packed, lowp && prefill_varlen_enabled()) {
+            let qs = q.narrow(0, prefill.start, prefill.rows).contiguous();
+            let out = manta_cuda::flash_attention_varlen(
+                &qs,
+                &k_pool.index_select(0, &prefill.slots),
+                &v_pool.index_select(0, &prefill.slots),
+                &packed.cu_q,
+                &packed.cu_k,
+                packed.max_q,
+                packed.max_k,
+                self.scale(),
+            )
+            .unwrap_or_else(|e| panic!("varlen flash attention: {e}"));
+            return out.reshape([prefill.rows, self.num_heads * hd]);
+        }
+        let mut outs = Vec::with_capacity(prefill.seqs.len());
+        for &PrefillSeq {
+            start,
+            q_len,
+            slots_start,
+            ctx,
+        } in &prefill.seqs
+        {
+            let slots = prefill.slots.narrow(0, slots_start, ctx);
             let gather = |pool: &Tensor| {
                 repeat_kv(
-                    &pool.index_select(0, slots).transpose(0, 1).unsqueeze(0),
+                    &pool.index_select(0, &slots).transpose(0, 1).unsqueeze(0),
                     rep,
                 )
             };
@@ -466,8 +501,8 @@ impl SelfAttention {
             };
             let out = Tensor::scaled_dot_product_attention(
                 &qs,
-                &gather(&k_pool),
-                &gather(&v_pool),
+                &gather(k_pool),
+                &gather(v_pool),
                 mask.as_ref(),
                 0.0,
                 causal,
@@ -480,13 +515,80 @@ impl SelfAttention {
                     .reshape([q_len, self.num_heads * hd]),
             );
         }
-        let out = if outs.len() == 1 {
-            outs.remove(0)
-        } else {
-            Tensor::cat(&outs, 0)
-        };
-        debug_assert_eq!(out.size()[0], n);
-        out
+        Tensor::cat(&outs, 0)
+    }
+}
+
+/// Whether prefill attention runs as one varlen flash-attention call (`MANTA_PREFILL_VARLEN`
+/// not `0`; read once).
+fn prefill_varlen_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MANTA_PREFILL_VARLEN").is_none_or(|v| v != "0"))
+}
+
+/// The sequences of a batch after its decode rows, their context slots packed one after
+/// another.
+struct Prefill {
+    /// Flat index of the first prefill row, and how many rows there are.
+    start: i64,
+    rows: i64,
+    seqs: Vec<PrefillSeq>,
+    /// [sum of contexts] i64: each sequence's context slots, in order.
+    slots: Tensor,
+    /// What the varlen kernel needs, on CUDA.
+    packed: Option<PackedLengths>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PrefillSeq {
+    /// Flat index of its first query row, its query count.
+    start: i64,
+    q_len: i64,
+    /// Where its context starts in [`Prefill::slots`], and its length.
+    slots_start: i64,
+    ctx: i64,
+}
+
+/// Cumulative query and key counts [seqs + 1] (int32, on the device) and the largest count
+/// of each.
+struct PackedLengths {
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: i64,
+    max_k: i64,
+}
+
+impl Prefill {
+    fn new(seqs: &[PagedSeq], start: usize, device: Device) -> Self {
+        let (mut all_slots, mut parts) = (Vec::new(), Vec::with_capacity(seqs.len()));
+        let (mut cu_q, mut cu_k) = (vec![0i32], vec![0i32]);
+        let mut row = start as i64;
+        for s in seqs {
+            let (q_len, ctx) = (s.q_len as i64, s.slots.len() as i64);
+            parts.push(PrefillSeq {
+                start: row,
+                q_len,
+                slots_start: all_slots.len() as i64,
+                ctx,
+            });
+            all_slots.extend_from_slice(&s.slots);
+            row += q_len;
+            cu_q.push(cu_q[cu_q.len() - 1] + q_len as i32);
+            cu_k.push(cu_k[cu_k.len() - 1] + ctx as i32);
+        }
+        let packed = device.is_cuda().then(|| PackedLengths {
+            cu_q: Tensor::from_slice(&cu_q).to(device),
+            cu_k: Tensor::from_slice(&cu_k).to(device),
+            max_q: parts.iter().map(|p| p.q_len).max().unwrap_or(1),
+            max_k: parts.iter().map(|p| p.ctx).max().unwrap_or(1),
+        });
+        Self {
+            start: start as i64,
+            rows: row - start as i64,
+            seqs: parts,
+            slots: Tensor::from_slice(&all_slots).to(device),
+            packed,
+        }
     }
 }
 
