@@ -104,6 +104,10 @@ pub struct DecodeGraphs {
     block_size: usize,
     /// Which of each graph's two pinned buffers this call uses (flips every call).
     parity: usize,
+    /// Per parity, an event after the last input copy from a pinned buffer of that parity:
+    /// the buffer is rewritten only once its copy has run, whether or not the caller read
+    /// that step's outputs (a step whose rows all sample nothing leaves nothing to read).
+    staged: [Option<manta_cuda::CudaEvent>; 2],
     /// The graph the last call replayed, if it sampled: its next replay may take its ids
     /// from the device ([`DecodeGraphs::can_feed`]).
     last_sampling_key: Option<(usize, usize, bool)>,
@@ -139,6 +143,7 @@ impl DecodeGraphs {
             paged_kernel,
             block_size,
             parity: 0,
+            staged: [None, None],
             last_sampling_key: None,
         })
     }
@@ -177,9 +182,9 @@ impl DecodeGraphs {
     /// and stay on the device (only valid where [`DecodeGraphs::can_feed`] said so; the
     /// rows' `token` is ignored).
     ///
-    /// The caller must wait for a step's outputs (its `to_host` event) before the call after
-    /// next, or synchronise the device if it cannot: that call reuses the pinned buffers
-    /// this step's copies may still be using.
+    /// The caller must read a step's sampled tokens (after its `to_host` event) before the
+    /// call after next, whose output copy reuses that pinned buffer. Input buffers need
+    /// nothing from the caller: a call waits for the copy out of the buffer it rewrites.
     pub fn run(
         &mut self,
         model: &CausalLm,
@@ -253,13 +258,24 @@ impl DecodeGraphs {
                 let len = v.len() as i64 - skip;
                 let mut dst = packed.narrow(0, skip, len);
                 // From pinned memory the copy is queued without waiting for the device.
-                let queued = staging[parity].as_mut().is_some_and(|staging| {
-                    staging.copy_(&host);
-                    manta_cuda::copy_nonblocking(&mut dst, &staging.narrow(0, skip, len))
-                        .inspect_err(|e| debug!(error = %e, "non-blocking input copy failed"))
+                let device = self.device;
+                let staged = &mut self.staged[parity];
+                let free = staged.take().is_none_or(|copied| {
+                    copied
+                        .synchronize()
+                        .inspect_err(|e| debug!(error = %e, "waiting for an input copy failed"))
                         .is_ok()
                 });
-                if !queued {
+                let queued = free
+                    && staging[parity].as_mut().is_some_and(|staging| {
+                        staging.copy_(&host);
+                        manta_cuda::copy_nonblocking(&mut dst, &staging.narrow(0, skip, len))
+                            .inspect_err(|e| debug!(error = %e, "non-blocking input copy failed"))
+                            .is_ok()
+                    });
+                if queued {
+                    *staged = manta_cuda::CudaEvent::record(device).ok();
+                } else {
                     dst.copy_(&host.narrow(0, skip, len));
                 }
             }
