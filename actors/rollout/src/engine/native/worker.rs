@@ -388,12 +388,7 @@ impl Worker {
             None => self.plan_and_run(),
         }));
         if let Err(panic) = result {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            self.fail_running(&msg);
+            self.fail_running(&panic_message(panic.as_ref()));
         }
     }
 
@@ -401,8 +396,8 @@ impl Worker {
     fn settle(&mut self) {
         if let Some(current) = self.in_flight.take() {
             let result = catch_unwind(AssertUnwindSafe(|| self.complete(current)));
-            if result.is_err() {
-                self.fail_running("reading a decode step's tokens failed");
+            if let Err(panic) = result {
+                self.fail_running(&panic_message(panic.as_ref()));
             }
         }
     }
@@ -725,6 +720,15 @@ impl Worker {
             seq.finish(reason, matched);
         }
     }
+}
+
+/// What a caught panic said.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// A decode step launched on the device whose sampled tokens the host has not read yet.
