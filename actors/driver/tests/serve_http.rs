@@ -286,6 +286,19 @@ async fn sglang_request_shapes() {
     assert_eq!(info["device"], "cpu");
     assert_eq!(info["random_seed"], 1);
     assert!(info["context_length"].is_u64());
+    assert_eq!(info["disable_overlap_schedule"], false);
+    // The CPU engine has no CUDA graphs, so no step is launched ahead of the last.
+    assert_eq!(info["internal_states"][0]["steps_ahead"], 0);
+}
+
+/// SGLang's `--disable-overlap-schedule` is accepted and reported.
+#[tokio::test]
+async fn disable_overlap_schedule_is_reported() {
+    let dir = model_dir();
+    let server = start(dir.path(), &["--disable-overlap-schedule"]);
+    let (status, info) = server.get("/get_server_info").await;
+    assert_eq!(status, 200);
+    assert_eq!(info["disable_overlap_schedule"], true);
 }
 
 #[tokio::test]

@@ -356,6 +356,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "dp_size": 1,
         "skip_tokenizer_init": args.skip_tokenizer_init,
         "skip_server_warmup": args.skip_server_warmup,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
         "is_embedding": false,
         "ignored_flags": ignored,
         // What SGLang's scheduler_info adds.

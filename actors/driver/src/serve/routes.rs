@@ -491,6 +491,8 @@ async fn get_server_info(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "steps": stats.steps.load(Ordering::Relaxed),
                 "tokens_computed": stats.tokens_computed.load(Ordering::Relaxed),
                 "tokens_sampled": stats.tokens_sampled.load(Ordering::Relaxed),
+                // Decode steps launched before the previous step's tokens were read.
+                "steps_ahead": stats.steps_ahead.load(Ordering::Relaxed),
             }]),
         );
     }
