@@ -240,3 +240,75 @@ impl Scheduler {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::engine::native::stop::StopCheck;
+    use crate::engine::SamplingParams;
+
+    /// A sequence of `len` prompt tokens, admitted and prefilled (its KV blocks held).
+    fn decoding(sched: &mut Scheduler, id: u64, len: usize) {
+        let params = SamplingParams {
+            max_new_tokens: 100,
+            ..SamplingParams::default()
+        };
+        sched.waiting.push_back(Sequence {
+            id,
+            rid: format!("r{id}"),
+            tokens: (0..len as u32).map(|t| t + 1000 * id as u32).collect(),
+            prompt_len: len,
+            logprobs: Vec::new(),
+            blocks: Vec::new(),
+            num_computed: 0,
+            cached_blocks: 0,
+            cache_key: None,
+            cached_tokens: None,
+            stop: StopCheck::new(&params, &[]),
+            params,
+            rng: StdRng::seed_from_u64(id),
+            weight_version: 0,
+            started: false,
+            reply: None,
+        });
+        let (plan, _) = sched.plan(|_| true);
+        for p in plan {
+            sched.computed(p.index, p.q_len);
+        }
+    }
+
+    #[test]
+    fn reserving_ahead_adds_the_block_the_next_position_needs() {
+        let mut sched = Scheduler::new(8, 4, 4, 64);
+        // Blocks of 4. With 7 tokens the step ahead computes position 7 (the token being
+        // sampled), still in the second block; with 8, position 8 needs a third.
+        decoding(&mut sched, 1, 7);
+        decoding(&mut sched, 2, 8);
+        let held: Vec<usize> = sched.running.iter().map(|s| s.blocks.len()).collect();
+        assert!(sched.reserve_ahead());
+        let now: Vec<usize> = sched.running.iter().map(|s| s.blocks.len()).collect();
+        assert_eq!(held, vec![2, 2]);
+        assert_eq!(now, vec![2, 3]);
+        assert_eq!(sched.preemptions, 0);
+    }
+
+    #[test]
+    fn reserving_ahead_never_preempts() {
+        // Three blocks, two held by full blocks of the two sequences: their next positions
+        // need one more each, and only one is free.
+        let mut sched = Scheduler::new(3, 4, 4, 64);
+        decoding(&mut sched, 1, 4);
+        decoding(&mut sched, 2, 4);
+        assert_eq!(sched.running.len(), 2);
+        assert_eq!(sched.pool.num_free(), 1);
+        assert!(!sched.reserve_ahead());
+        // Nothing taken, nobody preempted: the engine runs the step synchronously.
+        assert_eq!(sched.pool.num_free(), 1);
+        let held: Vec<usize> = sched.running.iter().map(|s| s.blocks.len()).collect();
+        assert_eq!(held, vec![1, 1]);
+        assert_eq!(sched.preemptions, 0);
+    }
+}
