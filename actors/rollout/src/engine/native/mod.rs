@@ -23,8 +23,6 @@ use std::sync::{mpsc, Arc};
 use async_trait::async_trait;
 use manta_model::{CausalLm, ModelConfig, PagedKvCache};
 use manta_tokenizer::Tokenizer;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use tch::{nn, Device, Kind};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
@@ -374,24 +372,16 @@ impl Engine for NativeEngine {
             .unwrap_or_else(|| self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n);
         let (tx, rx) = oneshot::channel();
         let prompt_len = request.input_ids.len();
-        let seq = Sequence {
-            id: 0,
-            rid: request.rid.clone().unwrap_or_else(|| format!("native-{n}")),
-            tokens: request.input_ids,
-            prompt_len,
-            logprobs: Vec::new(),
-            blocks: Vec::new(),
-            num_computed: 0,
-            cached_blocks: 0,
-            cache_key: None,
-            cached_tokens: None,
-            stop: StopCheck::new(&request.params, &self.eos_ids),
-            params: request.params,
-            rng: StdRng::seed_from_u64(seed),
-            weight_version: self.version.load(Ordering::SeqCst),
-            started: false,
-            reply: Some(tx),
-        };
+        let stop = StopCheck::new(&request.params, &self.eos_ids);
+        let seq = Sequence::new(
+            request.rid.clone().unwrap_or_else(|| format!("native-{n}")),
+            request.input_ids,
+            request.params,
+            stop,
+            seed,
+            self.version.load(Ordering::SeqCst),
+            Some(tx),
+        );
         if seq.params.max_new_tokens == 0 {
             return Ok(GenerateOutput {
                 prompt_tokens: prompt_len,

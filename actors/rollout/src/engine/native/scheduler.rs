@@ -243,9 +243,6 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use rand::rngs::StdRng;
-    use rand::SeedableRng;
-
     use super::*;
     use crate::engine::native::stop::StopCheck;
     use crate::engine::SamplingParams;
@@ -256,24 +253,19 @@ mod tests {
             max_new_tokens: 100,
             ..SamplingParams::default()
         };
-        sched.waiting.push_back(Sequence {
-            id,
-            rid: format!("r{id}"),
-            tokens: (0..len as u32).map(|t| t + 1000 * id as u32).collect(),
-            prompt_len: len,
-            logprobs: Vec::new(),
-            blocks: Vec::new(),
-            num_computed: 0,
-            cached_blocks: 0,
-            cache_key: None,
-            cached_tokens: None,
-            stop: StopCheck::new(&params, &[]),
+        let stop = StopCheck::new(&params, &[]);
+        sched.waiting.push_back(Sequence::new(
+            format!("r{id}"),
+            (0..len as u32).map(|t| t + 1000 * id as u32).collect(),
             params,
-            rng: StdRng::seed_from_u64(id),
-            weight_version: 0,
-            started: false,
-            reply: None,
-        });
+            stop,
+            id,
+            0,
+            None,
+        ));
+        if let Some(seq) = sched.waiting.back_mut() {
+            seq.id = id;
+        }
         let (plan, _) = sched.plan(|_| true);
         for p in plan {
             sched.computed(p.index, p.q_len);

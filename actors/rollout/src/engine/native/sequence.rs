@@ -2,7 +2,7 @@
 //! model has computed.
 
 use rand::rngs::StdRng;
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use tokio::sync::oneshot;
 
 use super::sampler::RowSampling;
@@ -37,6 +37,37 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// A new request: `input_ids` as the prompt, nothing computed or cached yet, sampling
+    /// from `seed`; the engine thread sets `id` when it takes the request.
+    pub fn new(
+        rid: String,
+        input_ids: Vec<u32>,
+        params: SamplingParams,
+        stop: StopCheck,
+        seed: u64,
+        weight_version: u64,
+        reply: Option<Reply>,
+    ) -> Self {
+        Self {
+            id: 0,
+            rid,
+            prompt_len: input_ids.len(),
+            tokens: input_ids,
+            logprobs: Vec::new(),
+            blocks: Vec::new(),
+            num_computed: 0,
+            cached_blocks: 0,
+            cache_key: None,
+            cached_tokens: None,
+            params,
+            stop,
+            rng: StdRng::seed_from_u64(seed),
+            weight_version,
+            started: false,
+            reply,
+        }
+    }
+
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }
