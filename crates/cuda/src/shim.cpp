@@ -399,6 +399,26 @@ const LtPlan& lt_plan(int device, int64_t m, int64_t n, int64_t k, uint32_t aw, 
   return plans.emplace(key, plan).first->second;
 }
 
+// The driver's event functions, looked up once (manta_event_*).
+struct EventApi {
+  decltype(&cuEventCreate) create;
+  decltype(&cuEventRecord) record;
+  decltype(&cuEventSynchronize) synchronize;
+  decltype(&cuEventDestroy) destroy;
+};
+
+const EventApi& event_api() {
+  static const EventApi api = [] {
+    void* driver = load_driver();
+    MANTA_SYM(driver, cuEventCreate);
+    MANTA_SYM(driver, cuEventRecord);
+    MANTA_SYM(driver, cuEventSynchronize);
+    MANTA_SYM(driver, cuEventDestroy_v2);
+    return EventApi{cuEventCreate_fn, cuEventRecord_fn, cuEventSynchronize_fn, cuEventDestroy_v2_fn};
+  }();
+  return api;
+}
+
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
 bool decode_lt() { return env_knob("MANTA_DECODE_LT", 1, {0, 1}) == 1; }
 
@@ -583,17 +603,14 @@ int manta_pin_memory(void* src_, void** out) {
 int manta_event_record(int device, void** out) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    static auto create = reinterpret_cast<decltype(&cuEventCreate)>(dlsym(load_driver(), "cuEventCreate"));
-    static auto record = reinterpret_cast<decltype(&cuEventRecord)>(dlsym(load_driver(), "cuEventRecord"));
-    static auto destroy = reinterpret_cast<decltype(&cuEventDestroy)>(dlsym(load_driver(), "cuEventDestroy_v2"));
-    TORCH_CHECK(create != nullptr && record != nullptr && destroy != nullptr, "libcuda lacks the event functions");
+    const EventApi& api = event_api();
     auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     CUevent event = nullptr;
-    CUresult created = create(&event, CU_EVENT_DISABLE_TIMING);
+    CUresult created = api.create(&event, CU_EVENT_DISABLE_TIMING);
     TORCH_CHECK(created == CUDA_SUCCESS, "cuEventCreate failed with CUresult ", static_cast<int>(created));
-    CUresult recorded = record(event, reinterpret_cast<CUstream>(stream));
+    CUresult recorded = api.record(event, reinterpret_cast<CUstream>(stream));
     if (recorded != CUDA_SUCCESS) {
-      destroy(event);
+      api.destroy(event);
       TORCH_CHECK(false, "cuEventRecord failed with CUresult ", static_cast<int>(recorded));
     }
     *out = event;
@@ -608,9 +625,7 @@ int manta_event_record(int device, void** out) {
 int manta_event_synchronize(void* event) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    static auto sync = reinterpret_cast<decltype(&cuEventSynchronize)>(dlsym(load_driver(), "cuEventSynchronize"));
-    TORCH_CHECK(sync != nullptr, "libcuda lacks cuEventSynchronize");
-    CUresult done = sync(static_cast<CUevent>(event));
+    CUresult done = event_api().synchronize(static_cast<CUevent>(event));
     TORCH_CHECK(done == CUDA_SUCCESS, "cuEventSynchronize failed with CUresult ", static_cast<int>(done));
   });
 #else
@@ -621,10 +636,7 @@ int manta_event_synchronize(void* event) {
 
 void manta_event_free(void* event) {
 #ifdef MANTA_WITH_CUDA
-  guarded([&] {
-    static auto destroy = reinterpret_cast<decltype(&cuEventDestroy)>(dlsym(load_driver(), "cuEventDestroy_v2"));
-    if (destroy != nullptr) destroy(static_cast<CUevent>(event));
-  });
+  guarded([&] { event_api().destroy(static_cast<CUevent>(event)); });
 #endif
 }
 

@@ -452,7 +452,7 @@ impl SelfAttention {
         let (k_pool, v_pool) = pools;
         let (hd, rep) = (self.head_dim, self.num_heads / self.num_kv_heads);
         let lowp = matches!(q.kind(), Kind::BFloat16 | Kind::Half);
-        if let (Some(packed), true) = (&prefill.packed, lowp && prefill_varlen_enabled()) {
+        if let (Some(packed), true) = (&prefill.packed, lowp) {
             let qs = q.narrow(0, prefill.start, prefill.rows).contiguous();
             let out = manta_cuda::flash_attention_varlen(
                 &qs,
@@ -535,7 +535,7 @@ struct Prefill {
     seqs: Vec<PrefillSeq>,
     /// [sum of contexts] i64: each sequence's context slots, in order.
     slots: Tensor,
-    /// What the varlen kernel needs, on CUDA.
+    /// What the varlen kernel needs, on CUDA unless `MANTA_PREFILL_VARLEN=0`.
     packed: Option<PackedLengths>,
 }
 
@@ -576,7 +576,7 @@ impl Prefill {
             cu_q.push(cu_q[cu_q.len() - 1] + q_len as i32);
             cu_k.push(cu_k[cu_k.len() - 1] + ctx as i32);
         }
-        let packed = device.is_cuda().then(|| PackedLengths {
+        let packed = (device.is_cuda() && prefill_varlen_enabled()).then(|| PackedLengths {
             cu_q: Tensor::from_slice(&cu_q).to(device),
             cu_k: Tensor::from_slice(&cu_k).to(device),
             max_q: parts.iter().map(|p| p.q_len).max().unwrap_or(1),
