@@ -6,6 +6,14 @@
 #   disagg-async  the same with --max-weight-staleness 1 --partial-rollout
 #   colocated     configs/gpu-colocated.toml: trainer and engine share GPU 0
 #   colocated-on-policy  the same with --true-on-policy-mode (one attention kernel both sides)
+#   dp2-colocated configs/gpu-dp2-colocated.toml: trainer ranks on GPUs 0 and 1 (ZeRO-2
+#                 over NCCL), a native engine colocated on each
+#   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
+#                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
+#                 SDK must be importable by python3 (README, "GPU machines": its wheels)
+#   learn-colocated, learn-disagg-sync, learn-disagg-async: the job of `make run` (tiny
+#                 model assets/tiny-qwen3, digits environment, 120 steps of 8 x 8) in
+#                 each placement, to show the reward rising on GPUs
 # Writes under $OUT: runs/MODE/ (metrics.jsonl, trained_ids.jsonl, TensorBoard events),
 # MODE/traces.jsonl (every span, through bin/otlp_sink), MODE/progress.txt (the step
 # lines), MODE/driver.log, e2e_MODE.json (step_s = rollout_s + train_s + sync_s + other_s)
@@ -28,17 +36,35 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-20}; BATCH=${BATCH:-32}; N=${N_SAMPLES:-8}; LEN=${MAX_RESPONSE_LEN:-64}
 MODES=("$@"); [ ${#MODES[@]} -gt 0 ] || MODES=(disagg-sync disagg-async colocated)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-MODEL=/tmp/manta-e2e/qwen3-0.6b
-python3 bench/py/e2e_model.py assets/tiny-qwen3 "$MODEL"
+E2E_MODEL=/tmp/manta-e2e/qwen3-0.6b
+python3 bench/py/e2e_model.py assets/tiny-qwen3 "$E2E_MODEL"
+# The tiny job of `make run`: its model, environments and shape, on GPUs.
+TINY=(--config train_config.yaml --lr 0.003 --rollout-batch-size 8 --n-samples 8
+      --max-response-len 8 --max-tokens-per-gpu 8192)
+ASYNC=(--max-weight-staleness 1 --partial-rollout)
 port=4317
 for mode in "${MODES[@]}"; do
+  MODEL=$E2E_MODEL; steps=$STEPS; shape=(--rollout-batch-size "$BATCH" --n-samples "$N" --max-response-len "$LEN")
   case $mode in
     disagg-sync)  cluster=configs/gpu-disagg.toml; extra=() ;;
-    disagg-async) cluster=configs/gpu-disagg.toml; extra=(--max-weight-staleness 1 --partial-rollout) ;;
+    disagg-async) cluster=configs/gpu-disagg.toml; extra=("${ASYNC[@]}") ;;
     colocated)    cluster=configs/gpu-colocated.toml; extra=() ;;
     colocated-on-policy) cluster=configs/gpu-colocated.toml; extra=(--true-on-policy-mode) ;;
-    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy)" >&2; exit 2 ;;
+    dp2-colocated) cluster=configs/gpu-dp2-colocated.toml; extra=() ;;
+    ors-sdk)      cluster=configs/gpu-disagg.toml; extra=(--config configs/sdk-counter.yaml)
+                  steps=${SDK_STEPS:-5} ;;
+    learn-colocated|learn-disagg-sync|learn-disagg-async)
+                  MODEL=assets/tiny-qwen3; steps=${LEARN_STEPS:-120}; shape=()
+                  cluster=configs/gpu-disagg.toml; [ "$mode" = learn-colocated ] && cluster=configs/gpu-colocated.toml
+                  extra=("${TINY[@]}"); [ "$mode" = learn-disagg-async ] && extra+=("${ASYNC[@]}") ;;
+    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
   esac
+  env_server=
+  if [ "$mode" = ors-sdk ]; then
+    OPENREWARD_DISABLE_UPDATE_CHECK=1 python3 bench/py/ors_load_env.py 127.0.0.1 8765 >"$OUT/ors_sdk_server.log" 2>&1 &
+    env_server=$!
+    for _ in $(seq 1 100); do curl -sf http://127.0.0.1:8765/health >/dev/null && break; sleep 0.2; done
+  fi
   mkdir -p "$OUT/$mode"
   port=$((port + 1))
   ./bin/otlp_sink "127.0.0.1:$port" "$OUT/$mode/traces.jsonl" 2>"$OUT/$mode/otlp_sink.log" &
@@ -47,12 +73,11 @@ for mode in "${MODES[@]}"; do
   status=0
   OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$port" RUST_LOG=${RUST_LOG:-info} \
     ./bin/driver --cluster "$cluster" --model "$MODEL" --runs-dir "$OUT/runs" \
-      --run-name "$mode" --num-rollout "$STEPS" --rollout-batch-size "$BATCH" \
-      --n-samples "$N" --max-response-len "$LEN" "${extra[@]}" \
+      --run-name "$mode" --num-rollout "$steps" "${shape[@]}" "${extra[@]}" \
       2>"$OUT/$mode/driver.log" | tee "$OUT/$mode/progress.txt" || status=$?
   sleep 2   # the last spans' export
-  kill "$sink" 2>/dev/null || true
-  wait "$sink" 2>/dev/null || true
+  kill "$sink" $env_server 2>/dev/null || true
+  wait "$sink" $env_server 2>/dev/null || true
   if [ "$status" -ne 0 ]; then
     echo "$mode failed (exit $status); last lines of its log:" >&2
     tail -n 30 "$OUT/$mode/driver.log" >&2

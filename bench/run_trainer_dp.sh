@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool, kind nvidia-h200-x2; prepared, not yet run):
+# Runs on the GPU machine (device tool, a two-GPU kind: nvidia-h100-x2 or nvidia-h200-x2):
 # data-parallel trainer ranks (bin/trainer_dp, one process per GPU, NCCL through cudarc,
-# ZeRO-2) against one rank on the same global batch, Qwen3-0.6B shape, random weights
-# made once in the run. For each precision in PRECISIONS (default "bf16 fp32"):
+# ZeRO-2) against one rank on the same global batch, Qwen3 shape SHAPE (0.6b, or 8b),
+# random weights made once in the run. For each precision in PRECISIONS (default "bf16 fp32"):
 #   - 2 ranks (cuda:0, cuda:1), GLOBAL/2 samples each (fp32: FP32_GLOBAL/2): STEPS
 #     checked steps, weights written, then ITERS timed steps;
 #   - 1 rank (cuda:0) on all GLOBAL samples (in two micro-batches of GLOBAL/2): the same.
@@ -19,20 +19,19 @@ export LD_LIBRARY_PATH=$TL:/tmp/nl:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${WORK:-/tmp/manta_dp}; rm -rf "$W"; mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-GLOBAL=${GLOBAL:-16}; SEQ=${SEQ:-2048}; STEPS=${STEPS:-2}; ITERS=${ITERS:-5}
+SHAPE=${SHAPE:-0.6b}; GLOBAL=${GLOBAL:-16}; SEQ=${SEQ:-2048}; STEPS=${STEPS:-2}; ITERS=${ITERS:-5}
 # fp32 activations take twice the memory: half the samples keep a micro-batch's bytes.
 FP32_GLOBAL=${FP32_GLOBAL:-8}
 PRECISIONS=${PRECISIONS:-bf16 fp32}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 
-./bin/trainer_dp init "$W/model" 2> >(tee "$OUT/init.log" >&2)
+./bin/trainer_dp init "$W/model" "$SHAPE" 2> >(tee "$OUT/init.log" >&2)
 for prec in $PRECISIONS; do
   g=$GLOBAL; [ "$prec" = fp32 ] && g=$FP32_GLOBAL
   # Per-GPU memory in use (MiB) while the two ranks run.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/dp2_$prec.mem" &
   smi=$!
-  rm -f "$W/nccl.id"
-  ./bin/trainer_dp id "$W/nccl.id"
+  rm -f "$W/nccl.id"   # rank 0 writes a new one
   pids=()
   for r in 0 1; do
     ./bin/trainer_dp run $r 2 "$W/nccl.id" "$W/model" "$g" "$SEQ" "$STEPS" "$ITERS" "$prec" \

@@ -47,7 +47,14 @@ def summarise(out, mode, device):
         "train_tokens_per_s": median(steady, "perf/tokens_per_gpu_per_sec"),
         "train_rollout_logprob_abs_diff": median(steady, "train/train_rollout_logprob_abs_diff"),
         "weight_staleness_max": max((r.get("rollout/weight_staleness/max") or 0 for r in rows), default=0),
+        "failed_episodes": sum(r.get("rollout/failed_count") or 0 for r in rows),
+        "engine_restarts": sum(r.get("rollout/engine_restarts") or 0 for r in rows),
     }
+    # Learning: mean reward of the last 10 steps minus the first 10 (the learn-* modes).
+    rewards = [r["rollout/raw_reward"] for r in rows if r.get("rollout/raw_reward") is not None]
+    if len(rewards) >= 20:
+        first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+        res.update(reward_first10=first, reward_last10=last, reward_gain=last - first)
     json.dump(res, open(os.path.join(out, f"e2e_{mode}.json"), "w"), indent=2)
     return res
 
@@ -59,15 +66,16 @@ def main():
     device = os.environ.get("MANTA_DEVICE_KIND", "device machine") + ": " + gpu
     results = [summarise(out, m, device) for m in modes if
                os.path.exists(os.path.join(out, "runs", m, "metrics.jsonl"))]
-    lines = ["| mode | step s | rollout | train | sync | other | wait ratio | rollout tok/s | train tok/s | logprob diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | steps | step s | rollout | train | sync | other | wait ratio | rollout tok/s | train tok/s | logprob diff | failed | reward first10 -> last10 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         pct = lambda k: f"{r[k]:.2f} ({100 * r[k] / r['step_s']:.1f} %)"
         f = lambda v, fmt: "-" if v is None else format(v, fmt)
-        lines.append(f"| {r['mode']} | {r['step_s']:.2f} | {pct('rollout_s')} | {pct('train_s')} | "
+        gain = (f"{r['reward_first10']:.3f} -> {r['reward_last10']:.3f}" if "reward_gain" in r else "-")
+        lines.append(f"| {r['mode']} | {r['steps']} | {r['step_s']:.2f} | {pct('rollout_s')} | {pct('train_s')} | "
                      f"{pct('sync_s')} | {pct('other_s')} | {f(r['wait_time_ratio'], '.3f')} | "
                      f"{f(r['rollout_tokens_per_s'], ',.0f')} | {f(r['train_tokens_per_s'], ',.0f')} | "
-                     f"{f(r['train_rollout_logprob_abs_diff'], '.2e')} |")
+                     f"{f(r['train_rollout_logprob_abs_diff'], '.2e')} | {r['failed_episodes']:.0f} | {gain} |")
     sync = next((r for r in results if r["mode"] == "disagg-sync"), None)
     asyn = next((r for r in results if r["mode"] == "disagg-async"), None)
     if sync and asyn:

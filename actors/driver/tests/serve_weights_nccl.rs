@@ -242,13 +242,24 @@ fn random_weights(seed: i64) -> (VarStore, ModelConfig) {
     (vs, cfg)
 }
 
+/// (trainer GPU, server GPU): the trainer on `MANTA_TEST_GPU` (0 or 1), the server on the
+/// other, so one run per value proves both directions; `None` with fewer than two GPUs.
+fn gpu_pair() -> Option<(usize, usize)> {
+    if tch::Cuda::device_count() < 2 {
+        return None;
+    }
+    let trainer = manta_cuda::test_gpu()?;
+    assert!(trainer < 2, "MANTA_TEST_GPU={trainer}: these tests use GPUs 0 and 1");
+    Some((trainer, 1 - trainer))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
     use manta_cuda::process_group::{GroupSpec, ProcessGroup};
-    if tch::Cuda::device_count() < 2 {
+    let Some((trainer_gpu, server_gpu)) = gpu_pair() else {
         eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
         return;
-    }
+    };
     let model = model_dir();
     let server = start(
         model.path(),
@@ -256,20 +267,20 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
             "--device",
             "cuda",
             "--base-gpu-id",
-            "1",
+            &server_gpu.to_string(),
             "--dtype",
             "bfloat16",
         ],
     );
     let untouched = greedy(&server).await;
-    // The trainer: rank 0 on cuda:0, hosting the store on a free port.
+    // The trainer: rank 0 on its GPU, hosting the store on a free port.
     let group = ProcessGroup::join(GroupSpec {
         master_address: "127.0.0.1".into(),
         master_port: 0,
         rank: 0,
         world_size: 2,
         group_name: "manta_test_group".into(),
-        device: 0,
+        device: trainer_gpu,
         timeout: Duration::from_secs(120),
     })
     .expect("trainer joins as rank 0");
@@ -288,7 +299,7 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
         .variables()
         .into_iter()
         .map(|(n, t)| {
-            let t = t.to_device(Device::Cuda(0)).to_kind(Kind::BFloat16);
+            let t = t.to_device(Device::Cuda(trainer_gpu)).to_kind(Kind::BFloat16);
             (n, t.contiguous())
         })
         .collect();
@@ -358,10 +369,10 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     use manta_rollout::engine::{
         Engine, GenerateRequest, NcclTarget, SamplingParams, SglangEngine, SglangOptions,
     };
-    if tch::Cuda::device_count() < 2 {
+    let Some((trainer_gpu, server_gpu)) = gpu_pair() else {
         eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
         return;
-    }
+    };
     let model = model_dir();
     let logs = tempfile::tempdir().expect("log dir");
     let driver = driver_bin().display().to_string();
@@ -375,7 +386,7 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
         "--device",
         "cuda",
         "--base-gpu-id",
-        "1",
+        &server_gpu.to_string(),
         "--dtype",
         "bfloat16",
         "--random-seed",
@@ -400,7 +411,7 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     .expect("launch the server");
     engine
         .feed_over_nccl(NcclTarget {
-            device: 0,
+            device: trainer_gpu,
             master_address: "127.0.0.1".into(),
         })
         .await
@@ -419,7 +430,7 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     let named: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()
-        .map(|(n, t)| (n, t.to_device(Device::Cuda(0))))
+        .map(|(n, t)| (n, t.to_device(Device::Cuda(trainer_gpu))))
         .collect();
     engine
         .update_weights(named, 3)
@@ -537,10 +548,10 @@ fn workspace() -> PathBuf {
 /// are the engine's.
 #[test]
 fn local_mode_feeds_an_sglang_engine_on_another_gpu_over_nccl() {
-    if tch::Cuda::device_count() < 2 {
+    let Some((trainer_gpu, server_gpu)) = gpu_pair() else {
         eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
         return;
-    }
+    };
     let tmp = tempfile::tempdir().expect("temp dir");
     let model = tmp.path().join("model");
     std::fs::create_dir_all(&model).unwrap();
@@ -550,7 +561,7 @@ fn local_mode_feeds_an_sglang_engine_on_another_gpu_over_nccl() {
     let root = workspace().canonicalize().expect("repository root");
     let cluster = format!(
         "[cluster]\nmode = \"local\"\ntrain_config = {:?}\n\n\
-         [trainer]\ngpus = [0]\n\n\
+         [trainer]\ngpus = [{trainer_gpu}]\n\n\
          [rollout]\nengine = \"sglang\"\nengines = 1\ngpus_per_engine = 1\n\
          command = [{:?}, \"serve\"]\nhealth_interval_ms = 500\nhealth_timeout_s = 300\n\n\
          [train]\nseed = 1\nlr = 0.003\ncontext_len = 512\ntemperature = 1.0\n",

@@ -142,14 +142,15 @@ fn start_engine(config: &str, true_on_policy: bool) -> (tempfile::TempDir, Arc<N
     start_engine_with(config, |opts| opts.true_on_policy = true_on_policy)
 }
 
-/// An engine on cuda:0 with random weights from `SEED`, its options adjusted by `configure`.
+/// An engine on the test GPU (`MANTA_TEST_GPU`) with random weights from `SEED`, its options adjusted by `configure`.
 fn start_engine_with(
     config: &str,
     configure: impl FnOnce(&mut NativeEngineOptions),
 ) -> (tempfile::TempDir, Arc<NativeEngine>) {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(dir.path().join("config.json"), config).expect("write config");
-    let mut opts = NativeEngineOptions::new(dir.path(), Device::Cuda(0));
+    let gpu = manta_cuda::test_gpu().expect("a CUDA device");
+    let mut opts = NativeEngineOptions::new(dir.path(), Device::Cuda(gpu));
     opts.seed = SEED;
     opts.mem_fraction_static = 0.3;
     configure(&mut opts);
@@ -197,12 +198,12 @@ fn clear_margin_agreement(seqs: &[(Vec<u32>, usize)], best: &[Vec<(i64, f32)>]) 
 /// (cuBLAS).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_cuda_decoding_follows_the_trainer_forward() {
-    if !Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
-    }
+    };
     let _serial = SERIAL.lock().await;
-    let device = Device::Cuda(0);
+    let device = Device::Cuda(gpu);
     let config = peaked_config();
     let (_dir, engine) = start_engine(&config, false);
     let ps = prompts(8);
@@ -248,12 +249,12 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
 /// `greedy_cuda_decoding_follows_the_trainer_forward`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
-    if !Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
-    }
+    };
     let _serial = SERIAL.lock().await;
-    let device = Device::Cuda(0);
+    let device = Device::Cuda(gpu);
     let config = peaked_config();
     let (_dir, engine) = start_engine_with(&config, |opts| opts.chunked_prefill_size = 2);
     let ps = prompts(2);
@@ -369,12 +370,12 @@ fn logprob_gap(engine_lp: &[Vec<f32>], trainer_lp: &[Vec<f32>]) -> (f64, f64, us
 /// beside it for comparison.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn true_on_policy_engine_logprobs_match_the_trainer_forward() {
-    if !Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
-    }
+    };
     let _serial = SERIAL.lock().await;
-    let device = Device::Cuda(0);
+    let device = Device::Cuda(gpu);
     for true_on_policy in [false, true] {
         let (seqs, engine_lp, cached) = sample_two_turns(true_on_policy).await;
         assert!(cached > 0, "second turns should reuse their cached prefix");
@@ -415,10 +416,10 @@ async fn true_on_policy_engine_logprobs_match_the_trainer_forward() {
 /// batched together, prefills mixed into decode steps).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
-    if !Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
-    }
+    };
     let _serial = SERIAL.lock().await;
     let (_dir, engine) = start_engine(CONFIG, true);
     let ps = prompts(16);
@@ -462,10 +463,10 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
 /// (5–8 rows) while the stops shrink it, so rows see the same kernels either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapped_decode_steps_match_synchronous_ones() {
-    if !Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (run this binary on the GPU machine)");
         return;
-    }
+    };
     let _serial = SERIAL.lock().await;
     let config = peaked_config();
     let ps = prompts(7);

@@ -439,3 +439,51 @@ fn many_back_to_back_collectives_stay_in_step() {
     });
     assert_eq!(out, vec![300; world]);
 }
+
+/// Two NCCL ranks on GPUs 0 and 1 (threads of this process, each joining with the
+/// other's unique id as the driver's ranks do): reduce-scatter, all-gather, all-reduce
+/// and broadcast against plain sums of the same data on the CPU. Each rank's thread
+/// leaves its current device at GPU 0 after joining, so a collective that relied on the
+/// thread's device instead of the communicator's fails here.
+#[test]
+fn nccl_ranks_on_two_gpus_agree_with_plain_sums() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: needs two CUDA devices (a two-GPU device machine runs this)");
+        return;
+    }
+    let (world, n) = (2usize, 1000usize);
+    let data = random(world, world * n, 21);
+    let id = NcclCollective::unique_id().expect("unique id");
+    let outs: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, mine) = (&id, data[rank].clone());
+                s.spawn(move || {
+                    let c = NcclCollective::new(rank, world, id, rank).expect("join");
+                    manta_cuda::set_device(0).expect("set device 0");
+                    let dev = c.device();
+                    let input = Tensor::from_slice(&mine).to_device(dev);
+                    let mut part = Tensor::zeros([n as i64], (Kind::Float, dev));
+                    c.reduce_scatter(&input, &mut part, ReduceOp::Sum).unwrap();
+                    let mut gathered = Tensor::zeros([(world * n) as i64], (Kind::Float, dev));
+                    c.all_gather(&part, &mut gathered).unwrap();
+                    let mut reduced = input.copy();
+                    c.all_reduce(&mut reduced, ReduceOp::Sum).unwrap();
+                    let mut root = input.copy();
+                    c.broadcast(&mut root, 1).unwrap();
+                    let cpu = |t: &Tensor| Vec::<f32>::try_from(t.to_device(tch::Device::Cpu)).unwrap();
+                    (cpu(&part), cpu(&gathered), cpu(&reduced), cpu(&root))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let sum: Vec<f32> = (0..world * n).map(|i| data[0][i] + data[1][i]).collect();
+    for (rank, (part, gathered, reduced, root)) in outs.iter().enumerate() {
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5);
+        assert!(close(part, &sum[rank * n..(rank + 1) * n]), "rank {rank}: reduce-scatter");
+        assert!(close(gathered, &sum), "rank {rank}: all-gather of the reduced parts");
+        assert!(close(reduced, &sum), "rank {rank}: all-reduce");
+        assert_eq!(root, &data[1], "rank {rank}: broadcast from rank 1");
+    }
+}

@@ -4,14 +4,14 @@
 //! batch by the script), writes its weights, then times steps on the same share.
 //!
 //! usage:
-//!   trainer_dp init DIR
-//!       config.json (Qwen3-0.6B shape) and random weights, made on cuda:0, in DIR
-//!   trainer_dp id FILE
-//!       a new NCCL unique id (128 bytes) into FILE (rank 0's side of the exchange
-//!       that Manta's gRPC will carry)
+//!   trainer_dp init DIR [SHAPE]
+//!       config.json (Qwen3 shape 0.6b, the default, or 8b) and random bf16 weights,
+//!       made on cuda:0, in DIR
 //!   trainer_dp run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT
 //!       rank RANK of WORLD on cuda:RANK (WORLD 1: the single-GPU trainer, no NCCL,
-//!       ID_FILE unused) trains STEPS steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD)
+//!       ID_FILE unused; otherwise rank 0 writes a new NCCL unique id there and the
+//!       others read it: the id names a bootstrap socket that lives in the process that
+//!       made it, so rank 0 makes it, not a helper process that exits) trains STEPS steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD)
 //!       of the global batch, writes its weights to WEIGHTS_OUT (safetensors), then
 //!       times ITERS more steps; PRECISION is bf16 (fp32 masters) or fp32. Micro-batches
 //!       hold G/2 samples whatever the world size. Prints one JSON object.
@@ -20,14 +20,14 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
-use manta_bench::QWEN3_0_6B;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
-use tch::{Device, Tensor};
+use manta_model::{CausalLm, ModelConfig};
+use tch::{nn, Device, Kind, Tensor};
 
 fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {
     TrainerOptions {
@@ -61,30 +61,29 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
-        Some("init") => init(Path::new(args.get(2).context("usage: trainer_dp init DIR")?)),
-        Some("id") => {
-            let file = args.get(2).context("usage: trainer_dp id FILE")?;
-            let id = NcclCollective::unique_id()?;
-            std::fs::write(file, id).with_context(|| format!("writing {file}"))
-        }
+        Some("init") => init(
+            Path::new(args.get(2).context("usage: trainer_dp init DIR [SHAPE]")?),
+            args.get(3).map_or("0.6b", String::as_str),
+        ),
         Some("run") => run(&args[2..]),
-        _ => bail!("usage: trainer_dp init DIR | id FILE | run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT"),
+        _ => bail!("usage: trainer_dp init DIR [SHAPE] | run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT"),
     }
 }
 
-/// Random bf16 weights of the 0.6B shape, saved as a model directory every run loads.
-fn init(dir: &Path) -> anyhow::Result<()> {
+/// Random bf16 weights of `shape` (0.6b or 8b), saved as a model directory every run
+/// loads. Made from the model alone on cuda:0 (no optimizer state: 8B's would not fit).
+fn init(dir: &Path, shape: &str) -> anyhow::Result<()> {
     ensure!(
         tch::Cuda::is_available(),
         "CUDA is not available to libtorch"
     );
-    let shape = dir.with_extension("shape");
-    std::fs::create_dir_all(&shape)?;
-    std::fs::write(shape.join("config.json"), QWEN3_0_6B)?;
-    let t = Trainer::new(options(&shape, Device::Cuda(0), true, 1 << 20))?;
-    t.save_checkpoint(dir, 0)?;
-    // Only the weights are needed; the optimizer state is gigabytes.
-    let _ = std::fs::remove_file(dir.join("optimizer.safetensors"));
+    let config = manta_bench::decode_config(shape)?;
+    let cfg = ModelConfig::from_json_str(config, shape)?;
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(Device::Cuda(0));
+    let _model = CausalLm::new(&vs.root(), &cfg);
+    vs.set_kind(Kind::BFloat16);
+    manta_model::save_pretrained(&vs, &cfg, dir)?;
     Ok(())
 }
 
@@ -118,7 +117,11 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     let mut trainer = if world == 1 {
         Trainer::new(opts)?
     } else {
-        let id = wait_for_id(id_file)?;
+        let id = if rank == 0 {
+            publish_id(id_file)?
+        } else {
+            wait_for_id(id_file)?
+        };
         let comm = NcclCollective::new(rank, world, &id, rank)?;
         eprintln!(
             "rank {rank}: NCCL communicator of {} ranks",
@@ -179,7 +182,16 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Rank 0's unique id, read from the file the launcher wrote (waits up to a minute).
+/// A new unique id, written to `file` whole (a temporary file renamed) for the other ranks.
+fn publish_id(file: &str) -> anyhow::Result<Vec<u8>> {
+    let id = NcclCollective::unique_id()?;
+    let partial = format!("{file}.partial");
+    std::fs::write(&partial, &id).with_context(|| format!("writing {partial}"))?;
+    std::fs::rename(&partial, file).with_context(|| format!("renaming {partial} to {file}"))?;
+    Ok(id)
+}
+
+/// Rank 0's unique id, read from the file rank 0 wrote (waits up to a minute).
 fn wait_for_id(file: &str) -> anyhow::Result<Vec<u8>> {
     for _ in 0..600 {
         if let Ok(id) = std::fs::read(file) {

@@ -213,12 +213,12 @@ mod tests {
     /// 512 outputs take the split-K layout (four warps per row).
     #[test]
     fn gemv_matches_linear() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         tch::manual_seed(3);
         for (k, n) in [(1024i64, 4096i64), (2048, 1024), (3072, 1024), (4096, 6144)] {
             for rows in [1i64, 2, 3, 8] {

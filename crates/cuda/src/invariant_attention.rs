@@ -144,12 +144,12 @@ mod tests {
     /// as one of a prompt's rows sharing a table, or over contiguous keys.
     #[test]
     fn rows_match_softmax_and_do_not_depend_on_the_batch() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         tch::manual_seed(11);
         for (nh, nkv, hd) in [(16i64, 8i64, 128i64), (32, 8, 128), (14, 2, 64)] {
             let scale = 1.0 / (hd as f64).sqrt();

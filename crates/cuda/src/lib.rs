@@ -491,6 +491,32 @@ impl Drop for CudaEvent {
     }
 }
 
+/// The environment variable naming the GPU that CUDA tests run on (default 0).
+pub const TEST_GPU_ENV: &str = "MANTA_TEST_GPU";
+
+/// The GPU a CUDA test runs on: `MANTA_TEST_GPU` (default 0), so the same tests prove
+/// the code on GPU 1 of a two-GPU machine, where the calling thread's current device is
+/// still GPU 0. `None` where libtorch sees no CUDA device (the test then reports itself
+/// skipped). Panics when the variable is not an index of a visible GPU: a test asked to
+/// run on a GPU it cannot reach must fail, not skip.
+pub fn test_gpu() -> Option<usize> {
+    if !tch::Cuda::is_available() {
+        return None;
+    }
+    let count = tch::Cuda::device_count().max(0) as usize;
+    let gpu = match std::env::var(TEST_GPU_ENV) {
+        Err(_) => 0,
+        Ok(v) => v.trim().parse::<usize>().unwrap_or_else(|_| {
+            panic!("{TEST_GPU_ENV}={v:?} is not a GPU index")
+        }),
+    };
+    assert!(
+        gpu < count,
+        "{TEST_GPU_ENV}={gpu}, but libtorch sees {count} CUDA device(s)"
+    );
+    Some(gpu)
+}
+
 /// Serialises this crate's GPU tests: a CUDA graph capture in one test thread makes any
 /// other thread's use of the CUDA random generator fail ("Offset increment outside graph
 /// capture encountered unexpectedly").
@@ -507,37 +533,37 @@ mod tests {
 
     #[test]
     fn a_graph_replays_its_captured_work_on_new_inputs() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         let x = Tensor::zeros([4], (Kind::Float, dev));
         let w = Tensor::ones([4], (Kind::Float, dev)) * 2.0;
         let _ = (&x * &w + 1.0).sum(Kind::Float); // warm-up
-        let (graph, y) = CudaGraph::capture(0, None, || (&x * &w + 1.0).sum(Kind::Float)).unwrap();
+        let (graph, y) = CudaGraph::capture(gpu, None, || (&x * &w + 1.0).sum(Kind::Float)).unwrap();
         let mut xin = x.shallow_clone();
         xin.copy_(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).to(dev));
         graph.replay().unwrap();
         assert_eq!(y.double_value(&[]), 24.0);
-        assert!(total_memory(0).unwrap() > 0);
+        assert!(total_memory(gpu).unwrap() > 0);
     }
 
     /// Waiting on an event sees the copy queued before it, while later work is still queued.
     #[test]
     fn an_event_waits_for_the_work_queued_before_it() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         let a = Tensor::randn([2048, 2048], (Kind::Float, dev));
         let x = (a.matmul(&a).sum(Kind::Float) * 0.0 + 7.0).reshape([1]);
         let mut host = pin_memory(&Tensor::zeros([1], (Kind::Float, Device::Cpu))).unwrap();
         copy_nonblocking(&mut host, &x).unwrap();
-        let event = CudaEvent::record(0).unwrap();
+        let event = CudaEvent::record(gpu).unwrap();
         // Work queued after the event, which the wait below need not cover.
         let mut later = a.shallow_clone();
         for _ in 0..8 {
@@ -553,13 +579,13 @@ mod tests {
     /// position, aligned at the end of their keys; grouped heads (GQA) share a key head.
     #[test]
     fn varlen_flash_attention_matches_masked_attention() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
         tch::manual_seed(11);
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         let (heads, kv_heads, hd) = (8i64, 2i64, 128i64);
         // (queries, keys) per sequence: cached prefixes, a plain prefill, one token.
         let seqs = [(5i64, 12i64), (7, 7), (1, 9), (64, 200)];
@@ -643,12 +669,12 @@ mod tests {
     /// The kernel against gather + softmax in fp32, over a shuffled block table.
     #[test]
     fn paged_decode_attention_matches_gathered_attention() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         tch::manual_seed(3);
         // Four rows split the context across CTAs (the lane-group kernel); forty rows fill
         // the GPU unsplit (the tensor-core kernel, MANTA_PAGED_MMA).
@@ -757,12 +783,12 @@ mod tests {
     /// The fused decode ops against the tensor ops they replace (bf16 on the GPU).
     #[test]
     fn lt_linear_matches_the_fp32_product() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let bf = (Kind::BFloat16, Device::Cuda(0));
+        let bf = (Kind::BFloat16, Device::Cuda(gpu));
         tch::manual_seed(9);
         // Decode-sized rows, a projection's shape and an odd one, and an x that starts 2
         // bytes into its buffer (cuBLASLt must pick a kernel for that alignment).
@@ -802,12 +828,12 @@ mod tests {
 
     #[test]
     fn fused_ops_match_the_tensor_ops_they_replace() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
-        let dev = Device::Cuda(0);
+        let dev = Device::Cuda(gpu);
         let bf = (Kind::BFloat16, dev);
         tch::manual_seed(5);
         let eps = 1e-6;

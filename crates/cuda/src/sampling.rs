@@ -70,19 +70,19 @@ mod tests {
     /// the interval's ends); log-probs are log_softmax(logits / T) at the chosen token.
     #[test]
     fn sample_rows_matches_float64_inverse_cdf() {
-        if !tch::Cuda::is_available() {
+        let Some(gpu) = crate::test_gpu() else {
             eprintln!("skipped: no CUDA device (the device machine runs this)");
             return;
-        }
+        };
         let _serial = crate::gpu_test_lock();
         tch::manual_seed(7);
         // One chunk, a few chunks, and Qwen's vocabulary (75 chunks).
         for vocab in [1000i64, 5000, 151_936] {
-            check_against_float64(48, vocab);
+            check_against_float64(gpu, 48, vocab);
         }
     }
 
-    fn check_against_float64(rows: i64, vocab: i64) {
+    fn check_against_float64(gpu: usize, rows: i64, vocab: i64) {
         let logits = Tensor::randn([rows, vocab], (Kind::Float, Device::Cpu)) * 3.0;
         let temps: Vec<f32> = (0..rows)
             .map(|r| match r % 4 {
@@ -97,9 +97,9 @@ mod tests {
             .collect();
         let params = Tensor::from_slice(&[temps.clone(), uniform.clone()].concat())
             .view([2, rows])
-            .to(Device::Cuda(0));
-        let mut out = Tensor::zeros([2, rows], (Kind::Double, Device::Cuda(0)));
-        sample_rows(&logits.to(Device::Cuda(0)), &params, &mut out).expect("kernel runs");
+            .to(Device::Cuda(gpu));
+        let mut out = Tensor::zeros([2, rows], (Kind::Double, Device::Cuda(gpu)));
+        sample_rows(&logits.to(Device::Cuda(gpu)), &params, &mut out).expect("kernel runs");
         let out = Vec::<f64>::try_from(out.to(Device::Cpu).view([-1])).expect("f64");
         let host = Vec::<f32>::try_from(logits.view([-1])).expect("f32");
         for r in 0..rows as usize {

@@ -47,6 +47,33 @@ using manta::last_error;
   auto name##_fn = reinterpret_cast<decltype(&name)>(dlsym(lib, #name)); \
   TORCH_CHECK(name##_fn != nullptr, "missing symbol " #name)
 
+// Makes `device` the calling thread's current device until the scope ends. The driver API
+// (module loads, launches, events) and cuBLASLt's handle act on the current device, and a
+// thread may have last used another GPU (an engine on GPU 1 beside a trainer on GPU 0, a
+// runtime thread that served another rank), so every entry point that touches a device
+// says which one. (c10's CUDAGuard would do, but its inline code calls libcudart.)
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device)
+      : previous_(c10::cuda::current_device()), device_(static_cast<c10::DeviceIndex>(device)) {
+    if (previous_ != device_) c10::cuda::set_device(device_);
+  }
+  ~DeviceScope() {
+    if (previous_ == device_) return;
+    try {
+      c10::cuda::set_device(previous_);
+    } catch (...) {
+      // The next call on this thread reports a broken device; a destructor cannot.
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  c10::DeviceIndex previous_;
+  c10::DeviceIndex device_;
+};
+
 // NVRTC from the wheel beside torch (site-packages/torch/lib -> site-packages/nvidia/cu13/lib),
 // with its builtins library loaded first (NVRTC looks it up by name and fails otherwise).
 void* load_nvrtc() {
@@ -118,6 +145,7 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
   static std::map<std::string, CUmodule> modules;
   static std::map<std::string, CUfunction> functions;
   std::lock_guard<std::mutex> lock(mu);
+  DeviceScope scope(device);  // the module loads into this device's context
   std::string module_key =
       std::to_string(device) + "|" + std::to_string(reinterpret_cast<uintptr_t>(source)) + "|" + defines;
   std::string function_key = module_key + "|" + name;
@@ -159,6 +187,7 @@ void launch(CUfunction fn, int device, unsigned gx, unsigned gy, unsigned gz, un
             bool pdl = false) {
   void* driver = load_driver();
   MANTA_SYM(driver, cuLaunchKernelEx);
+  DeviceScope scope(device);
   auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   CUlaunchAttribute attribute{};
   attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -604,6 +633,7 @@ int manta_event_record(int device, void** out) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const EventApi& api = event_api();
+    DeviceScope scope(device);  // the event belongs to the current context
     auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     CUevent event = nullptr;
     CUresult created = api.create(&event, CU_EVENT_DISABLE_TIMING);
@@ -926,6 +956,7 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
     const at::Tensor x2 = x.view({m, k});
     at::Tensor y2 = y.view({m, n});
     const int device = w.get_device();
+    DeviceScope scope(device);  // cuBLASLt's handle and workspace are the current device's
     const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
     static const LtPlan cublas;  // not ok: at::mm below
     const LtPlan& plan = decode_lt() ? lt_plan(device, m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()),

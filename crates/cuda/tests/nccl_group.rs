@@ -73,12 +73,12 @@ fn joining_without_a_cuda_device_is_a_named_error() {
 /// (a fresh store).
 #[test]
 fn a_one_rank_group_broadcasts_and_leaves_tensors_intact() {
-    if tch::Cuda::device_count() == 0 {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (the device machine runs this)");
         return;
-    }
+    };
     assert!(built_with_nccl(), "a CUDA machine's build must have NCCL");
-    let dev = Device::Cuda(0);
+    let dev = Device::Cuda(gpu);
     tch::manual_seed(11);
     let tensors: Vec<(String, Tensor)> = vec![
         (
@@ -96,7 +96,11 @@ fn a_one_rank_group_broadcasts_and_leaves_tensors_intact() {
     ];
     let before: Vec<Tensor> = tensors.iter().map(|(_, t)| t.copy()).collect();
     for round in 0..2 {
-        let mut group = ProcessGroup::join(spec(0, 1)).expect("join a one-rank group");
+        let mut group = ProcessGroup::join(GroupSpec {
+            device: gpu,
+            ..spec(0, 1)
+        })
+        .expect("join a one-rank group");
         assert_ne!(group.store_port(), 0, "rank 0 hosts the store");
         group.broadcast(&tensors, 0).expect("broadcast");
         group

@@ -11,7 +11,7 @@ use manta_model::{
     ModelConfig, PagedBatch, PagedKvCache, PagedSeq,
 };
 use tch::nn::VarStore;
-use tch::{Cuda, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// head_dim 64 so that the fused CUDA attention kernels are eligible.
 fn gpu_config() -> ModelConfig {
@@ -147,11 +147,11 @@ fn grads(m: &CausalLm, vs: &VarStore, device: Device) -> Vec<(String, Tensor)> {
 
 #[test]
 fn cuda_fp32_and_bf16_match_cpu() {
-    if !Cuda::is_available() {
+    let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("no CUDA device: nothing to check here");
         return;
-    }
-    let gpu = Device::Cuda(0);
+    };
+    let gpu = Device::Cuda(index);
     let cfg = gpu_config();
     let (vs_cpu, m_cpu) = model(&cfg, 11);
     let reference = all_modes(&m_cpu, Device::Cpu);
@@ -191,11 +191,11 @@ fn cuda_fp32_and_bf16_match_cpu() {
 /// update after fusing reaches the fused buffers.
 #[test]
 fn paged_decode_kernels_match_the_tensor_ops() {
-    if !Cuda::is_available() {
+    let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("no CUDA device: nothing to check here");
         return;
-    }
-    let gpu = Device::Cuda(0);
+    };
+    let gpu = Device::Cuda(index);
     for json in [
         // Qwen3: q/k norms, head_dim 128, two query heads per kv head.
         r#"{"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024,
@@ -358,11 +358,11 @@ fn paged_decode_kernels_match_the_tensor_ops() {
 /// of the default mode's.
 #[test]
 fn invariant_attention_keeps_its_bits_under_autograd() {
-    if !Cuda::is_available() {
+    let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("no CUDA device: nothing to check here");
         return;
-    }
-    let gpu = Device::Cuda(0);
+    };
+    let gpu = Device::Cuda(index);
     let cfg = gpu_config();
     tch::manual_seed(21);
     let mut vs = VarStore::new(gpu);
@@ -423,11 +423,11 @@ fn invariant_attention_keeps_its_bits_under_autograd() {
 /// layer shapes, four layers.
 #[test]
 fn invariant_paged_forward_equals_the_packed_forward() {
-    if !Cuda::is_available() {
+    let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("no CUDA device: nothing to check here");
         return;
-    }
-    let gpu = Device::Cuda(0);
+    };
+    let gpu = Device::Cuda(index);
     let cfg = four_layers_of_0_6b(2000);
     tch::manual_seed(8);
     let mut vs = VarStore::new(gpu);
@@ -542,11 +542,11 @@ fn invariant_paged_forward_equals_the_packed_forward() {
 /// sequences that attention runs unsplit, one CTA per sequence and kv head).
 #[test]
 fn programmatic_dependent_launch_changes_no_bits() {
-    if !Cuda::is_available() {
+    let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("no CUDA device: nothing to check here");
         return;
-    }
-    let gpu = Device::Cuda(0);
+    };
+    let gpu = Device::Cuda(index);
     let cfg = four_layers_of_0_6b(4096);
     tch::manual_seed(9);
     let mut vs = VarStore::new(gpu);
@@ -575,7 +575,7 @@ fn programmatic_dependent_launch_changes_no_bits() {
         let _ = step();
         let capture = |pdl: &str| {
             std::env::set_var("MANTA_PDL", pdl);
-            let captured = manta_cuda::CudaGraph::capture(0, None, step).expect("capture");
+            let captured = manta_cuda::CudaGraph::capture(index, None, step).expect("capture");
             std::env::remove_var("MANTA_PDL");
             captured
         };

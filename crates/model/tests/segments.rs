@@ -120,11 +120,11 @@ fn segment_gradients_equal_the_packed_masks() {
 
 #[test]
 fn cuda_bf16_segments_match_each_sequence_alone() {
-    if !tch::Cuda::is_available() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
         eprintln!("skipped: CUDA is not available (run this test binary on the GPU machine)");
         return;
-    }
-    let device = Device::Cuda(0);
+    };
+    let device = Device::Cuda(gpu);
     // head_dim 64 so that flash attention is eligible.
     let cfg = manta_model::ModelConfig::from_json_str(
         r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,

@@ -209,6 +209,14 @@ impl NativeEngine {
             .name("manta-native-engine".into())
             .spawn(move || {
                 let built = (|| -> Result<Worker, EngineError> {
+                    // Everything this thread launches (kernels, cuBLASLt, graphs, events)
+                    // goes to the engine's GPU, not to whichever device is current by
+                    // default (GPU 0, where a trainer may sit).
+                    if let Device::Cuda(gpu) = thread_opts.device {
+                        manta_cuda::set_device(gpu).map_err(|e| {
+                            EngineError::Stopped(format!("making cuda:{gpu} current: {e}"))
+                        })?;
+                    }
                     tch::manual_seed(thread_opts.seed as i64);
                     let mut vs = nn::VarStore::new(thread_opts.device);
                     let mut model = CausalLm::new(&vs.root(), &cfg);

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU tests on the device machine, once per GPU: MANTA_TEST_GPU=i puts every CUDA test's
+# engine, model, kernels and group on GPU i (the two-GPU tests put the trainer there and the
+# server on the other GPU), while each test thread's current device stays GPU 0 — so code
+# that assumes GPU 0 fails on GPU 1. A test that skipped says "skipped" in its log; the
+# table counts those apart from the passes.
+#
+# Here (no GPU needed):  bench/run_gpu_tests.sh build   # release test binaries into bin/tests
+# There (device tool, carry ["bin"]):  bench/run_gpu_tests.sh [GPU...]   # default: every GPU
+# Needs bin/driver too (the serve tests launch `driver serve`): bench/run_e2e.sh build.
+set -euo pipefail
+if [ "${1:-}" = build ]; then
+  mkdir -p bin/tests
+  build() {  # cargo test --no-run ARGS..., copying each test executable to bin/tests
+    cargo test --release --no-run --message-format=json "$@" | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"] if m["target"]["kind"] != ["lib"] else m["target"]["name"] + "_lib"
+        shutil.copy(m["executable"], "bin/tests/" + name)
+        print("bin/tests/" + name)'
+  }
+  build -p manta-cuda --lib --test nccl_group
+  build -p manta-model --test cuda --test segments
+  build -p manta-rollout --test native_engine_cuda
+  build -p manta-trainer --test collectives
+  build -p manta-driver --test serve_weights_nccl
+  strip bin/tests/*
+  ls -la bin/tests
+  exit 0
+fi
+TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+NL=$(python3 -c 'import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])')/lib
+mkdir -p /tmp/nl && ln -sf "$NL/libnccl.so.2" /tmp/nl/libnccl.so   # cudarc loads libnccl.so
+export LD_LIBRARY_PATH=$TL:/tmp/nl:${LD_LIBRARY_PATH:-}
+export MANTA_DRIVER_BIN=$PWD/bin/driver
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+GPUS=("$@"); [ ${#GPUS[@]} -gt 0 ] || GPUS=($(seq 0 $(($(nvidia-smi -L | wc -l) - 1))))
+status=0
+printf '%-28s %4s %7s %7s %8s\n' binary gpu passed failed skipped | tee "$OUT/gpu_tests.txt"
+for gpu in "${GPUS[@]}"; do
+  for t in bin/tests/*; do
+    name=$(basename "$t"); log="$OUT/test_${name}_gpu$gpu.log"
+    # One test at a time: graph captures and the engine's memory share the GPU.
+    MANTA_TEST_GPU=$gpu timeout "${TEST_TIMEOUT:-300}" "$t" --test-threads=1 --nocapture >"$log" 2>&1 || status=1
+    passed=$(grep -oP 'test result: \w+\. \K[0-9]+(?= passed)' "$log" | tail -1)
+    failed=$(grep -oP '[0-9]+(?= failed)' "$log" | tail -1)
+    skipped=$(grep -c 'skipped: ' "$log" || true)
+    printf '%-28s %4s %7s %7s %8s\n' "$name" "$gpu" "${passed:-?}" "${failed:-?}" "$skipped" | tee -a "$OUT/gpu_tests.txt"
+  done
+done
+exit $status
