@@ -349,14 +349,16 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(greedy(&server).await, broadcast);
 
-    let (status, body) = server
-        .post(
-            "/destroy_weights_update_group",
-            json!({"group_name": "manta_test_group"}),
-        )
-        .await;
+    // Both sides tear the group down together, as SGLang's callers do: NCCL's finalize
+    // waits for the peer, so the server's destroy cannot answer before ours runs.
+    let destroy = server.post(
+        "/destroy_weights_update_group",
+        json!({"group_name": "manta_test_group"}),
+    );
+    let ours = tokio::task::spawn_blocking(move || drop(group));
+    let ((status, body), dropped) = tokio::join!(destroy, ours);
+    dropped.expect("dropping our side of the group");
     assert_eq!(status, 200, "{body}");
-    drop(group);
 }
 
 /// The trainer side for SGLang engines: `SglangEngine::feed_over_nccl` hosts the group as

@@ -6,7 +6,7 @@
 //! every rank (Manta's gRPC will carry them; a file or an environment variable for now),
 //! then every rank calls [`NcclCollective::new`] with its GPU.
 
-use std::ffi::{c_char, c_void};
+use std::ffi::{c_char, c_void, CStr};
 
 use cudarc::nccl::{result, sys};
 use tch::{Device, Kind, Tensor};
@@ -50,10 +50,34 @@ fn unavailable(device: usize) -> Option<String> {
     None
 }
 
-fn nccl_err(op: &'static str) -> impl Fn(result::NcclError) -> CollectiveError {
-    move |e| CollectiveError::Nccl {
-        op,
-        message: format!("{e:?}"),
+/// An NCCL failure with NCCL's own words: the result code, its description and the
+/// last error NCCL logged (for `comm`, or the process's before a communicator exists).
+fn nccl_err(
+    op: &'static str,
+    comm: sys::ncclComm_t,
+) -> impl Fn(result::NcclError) -> CollectiveError {
+    move |e| {
+        // SAFETY: both return static or NCCL-owned NUL-terminated strings (or null);
+        // a null communicator asks for the last error outside any communicator.
+        let text = |p: *const c_char| {
+            if p.is_null() {
+                String::new()
+            } else {
+                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+            }
+        };
+        let (what, last) = unsafe {
+            (
+                text(sys::ncclGetErrorString(e.0)),
+                text(sys::ncclGetLastError(comm)),
+            )
+        };
+        let mut message = format!("{:?} ({what})", e.0);
+        if !last.is_empty() {
+            message.push_str(": ");
+            message.push_str(&last);
+        }
+        CollectiveError::Nccl { op, message }
     }
 }
 
@@ -89,7 +113,7 @@ impl NcclCollective {
         if let Some(why) = unavailable(0) {
             return Err(CollectiveError::Unavailable(why));
         }
-        let id = result::get_uniqueid().map_err(nccl_err("get_uniqueid"))?;
+        let id = result::get_uniqueid().map_err(nccl_err("get_uniqueid", std::ptr::null_mut()))?;
         Ok(id.internal.iter().map(|&c| c as u8).collect())
     }
 
@@ -123,7 +147,7 @@ impl NcclCollective {
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is valid for writes; NCCL copies the id.
         unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
-            .map_err(nccl_err("comm_init_rank"))?;
+            .map_err(nccl_err("comm_init_rank", std::ptr::null_mut()))?;
         Ok(Self {
             comm,
             rank,
@@ -194,7 +218,7 @@ impl Collective for NcclCollective {
                 stream,
             )
         }
-        .map_err(nccl_err(OP))?;
+        .map_err(nccl_err(OP, self.comm))?;
         Ok(())
     }
 
@@ -213,7 +237,7 @@ impl Collective for NcclCollective {
                 stream,
             )
         }
-        .map_err(nccl_err(OP))?;
+        .map_err(nccl_err(OP, self.comm))?;
         Ok(())
     }
 
@@ -224,7 +248,7 @@ impl Collective for NcclCollective {
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
         unsafe { result::all_reduce(p, p, tensor.numel(), dt, reduce_op(op), self.comm, stream) }
-            .map_err(nccl_err(OP))?;
+            .map_err(nccl_err(OP, self.comm))?;
         Ok(())
     }
 
@@ -236,7 +260,7 @@ impl Collective for NcclCollective {
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
         unsafe { result::broadcast(p, p, tensor.numel(), dt, root as i32, self.comm, stream) }
-            .map_err(nccl_err(OP))?;
+            .map_err(nccl_err(OP, self.comm))?;
         Ok(())
     }
 }
