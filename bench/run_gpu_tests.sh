@@ -31,9 +31,7 @@ for line in sys.stdin:
   exit 0
 fi
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
-NL=$(python3 -c 'import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])')/lib
-mkdir -p /tmp/nl && ln -sf "$NL/libnccl.so.2" /tmp/nl/libnccl.so   # cudarc loads libnccl.so
-export LD_LIBRARY_PATH=$TL:/tmp/nl:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 export MANTA_DRIVER_BIN=$PWD/bin/driver
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GPUS=("$@"); [ ${#GPUS[@]} -gt 0 ] || GPUS=($(seq 0 $(($(nvidia-smi -L | wc -l) - 1))))

@@ -9,17 +9,16 @@
 # Reports loss / grad-norm agreement, the two ranks' weights (bit-identical expected),
 # the DP weights against the single rank's, peak memory per GPU (caching allocator and
 # nvidia-smi) and step times; dp2_scaling_efficiency = t(1 GPU) / (2 × t(2 GPUs)) for
-# the same global batch. Writes $OUT/trainer_dp.json. Binaries come from bin/.
+# the same global batch. Writes $OUT/trainer_dp.json. DP1=0 skips the single rank (a
+# shape one GPU cannot hold, e.g. SHAPE=8b) and writes $OUT/trainer_dp_SHAPE.json.
+# Binaries come from bin/.
 set -euo pipefail
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
-NL=$(python3 -c 'import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])')/lib
-# cudarc loads libnccl.so; the pip wheel ships libnccl.so.2 (../shared/GPU.md).
-mkdir -p /tmp/nl && ln -sf "$NL/libnccl.so.2" /tmp/nl/libnccl.so
-export LD_LIBRARY_PATH=$TL:/tmp/nl:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${WORK:-/tmp/manta_dp}; rm -rf "$W"; mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-SHAPE=${SHAPE:-0.6b}; GLOBAL=${GLOBAL:-16}; SEQ=${SEQ:-2048}; STEPS=${STEPS:-2}; ITERS=${ITERS:-5}
+SHAPE=${SHAPE:-0.6b}; DP1=${DP1:-1}; GLOBAL=${GLOBAL:-16}; SEQ=${SEQ:-2048}; STEPS=${STEPS:-2}; ITERS=${ITERS:-5}
 # fp32 activations take twice the memory: half the samples keep a micro-batch's bytes.
 FP32_GLOBAL=${FP32_GLOBAL:-8}
 PRECISIONS=${PRECISIONS:-bf16 fp32}
@@ -42,10 +41,34 @@ for prec in $PRECISIONS; do
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null || true
   tail -n 5 "$OUT"/dp2_${prec}_r*.log
   [ "$rc" = 0 ] || { echo "a data-parallel rank failed (rc $rc)"; exit 1; }
+  if [ "$DP1" = 0 ]; then cat "$OUT"/dp2_${prec}_r*.json; continue; fi
   ./bin/trainer_dp run 0 1 - "$W/model" "$g" "$SEQ" "$STEPS" "$ITERS" "$prec" \
     "$W/w_${prec}_dp1.safetensors" > "$OUT/dp1_$prec.json" 2> >(tee "$OUT/dp1_$prec.log" >&2)
   cat "$OUT"/dp2_${prec}_r*.json "$OUT/dp1_$prec.json"
 done
+if [ "$DP1" = 0 ]; then   # a shape one GPU cannot hold: the two ranks alone
+  python3 - "$OUT" "$W" "$SHAPE" $PRECISIONS <<'PY'
+import datetime, json, os, sys
+import torch
+from safetensors.torch import load_file
+out, work, shape, precs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+res = {"device": os.environ.get("MANTA_DEVICE_KIND", "two-GPU kind") + ": "
+       + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())),
+       "date": datetime.date.today().isoformat(), "shape": shape,
+       "benchmark": "data-parallel GRPO steps (NCCL, ZeRO-2), 2 ranks, random weights"}
+for prec in precs:
+    r = [json.load(open(os.path.join(out, f"dp2_{prec}_r{i}.json"))) for i in (0, 1)]
+    w0, w1 = (load_file(os.path.join(work, f"w_{prec}_dp2_r{i}.safetensors")) for i in (0, 1))
+    res[prec] = {"losses": [s["loss"] for s in r[0]["steps"]],
+                 "ranks_weights_identical": all(torch.equal(w0[k], w1[k]) for k in w0),
+                 "median_step_s": max(x["median_s"] for x in r),
+                 "global_tokens_per_s": r[0]["global_tokens_per_s"],
+                 "peak_allocated_gib": [x["peak_allocated_gib"] for x in r]}
+    print(prec, json.dumps(res[prec]))
+json.dump(res, open(os.path.join(out, f"trainer_dp_{shape}.json"), "w"), indent=2)
+PY
+  exit 0
+fi
 
 python3 - "$OUT" "$W" $PRECISIONS <<'PY'
 import datetime, json, os, sys

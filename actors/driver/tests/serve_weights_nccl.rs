@@ -249,7 +249,10 @@ fn gpu_pair() -> Option<(usize, usize)> {
         return None;
     }
     let trainer = manta_cuda::test_gpu()?;
-    assert!(trainer < 2, "MANTA_TEST_GPU={trainer}: these tests use GPUs 0 and 1");
+    assert!(
+        trainer < 2,
+        "MANTA_TEST_GPU={trainer}: these tests use GPUs 0 and 1"
+    );
     Some((trainer, 1 - trainer))
 }
 
@@ -299,7 +302,9 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
         .variables()
         .into_iter()
         .map(|(n, t)| {
-            let t = t.to_device(Device::Cuda(trainer_gpu)).to_kind(Kind::BFloat16);
+            let t = t
+                .to_device(Device::Cuda(trainer_gpu))
+                .to_kind(Kind::BFloat16);
             (n, t.contiguous())
         })
         .collect();

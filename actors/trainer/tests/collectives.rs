@@ -471,7 +471,8 @@ fn nccl_ranks_on_two_gpus_agree_with_plain_sums() {
                     c.all_reduce(&mut reduced, ReduceOp::Sum).unwrap();
                     let mut root = input.copy();
                     c.broadcast(&mut root, 1).unwrap();
-                    let cpu = |t: &Tensor| Vec::<f32>::try_from(t.to_device(tch::Device::Cpu)).unwrap();
+                    let cpu =
+                        |t: &Tensor| Vec::<f32>::try_from(t.to_device(tch::Device::Cpu)).unwrap();
                     (cpu(&part), cpu(&gathered), cpu(&reduced), cpu(&root))
                 })
             })
@@ -481,8 +482,14 @@ fn nccl_ranks_on_two_gpus_agree_with_plain_sums() {
     let sum: Vec<f32> = (0..world * n).map(|i| data[0][i] + data[1][i]).collect();
     for (rank, (part, gathered, reduced, root)) in outs.iter().enumerate() {
         let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5);
-        assert!(close(part, &sum[rank * n..(rank + 1) * n]), "rank {rank}: reduce-scatter");
-        assert!(close(gathered, &sum), "rank {rank}: all-gather of the reduced parts");
+        assert!(
+            close(part, &sum[rank * n..(rank + 1) * n]),
+            "rank {rank}: reduce-scatter"
+        );
+        assert!(
+            close(gathered, &sum),
+            "rank {rank}: all-gather of the reduced parts"
+        );
         assert!(close(reduced, &sum), "rank {rank}: all-reduce");
         assert_eq!(root, &data[1], "rank {rank}: broadcast from rank 1");
     }

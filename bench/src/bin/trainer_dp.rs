@@ -20,13 +20,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
+use manta_model::{CausalLm, ModelConfig};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
-use manta_model::{CausalLm, ModelConfig};
 use tch::{nn, Device, Kind, Tensor};
 
 fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {

@@ -506,9 +506,10 @@ pub fn test_gpu() -> Option<usize> {
     let count = tch::Cuda::device_count().max(0) as usize;
     let gpu = match std::env::var(TEST_GPU_ENV) {
         Err(_) => 0,
-        Ok(v) => v.trim().parse::<usize>().unwrap_or_else(|_| {
-            panic!("{TEST_GPU_ENV}={v:?} is not a GPU index")
-        }),
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .unwrap_or_else(|_| panic!("{TEST_GPU_ENV}={v:?} is not a GPU index")),
     };
     assert!(
         gpu < count,
@@ -542,7 +543,8 @@ mod tests {
         let x = Tensor::zeros([4], (Kind::Float, dev));
         let w = Tensor::ones([4], (Kind::Float, dev)) * 2.0;
         let _ = (&x * &w + 1.0).sum(Kind::Float); // warm-up
-        let (graph, y) = CudaGraph::capture(gpu, None, || (&x * &w + 1.0).sum(Kind::Float)).unwrap();
+        let (graph, y) =
+            CudaGraph::capture(gpu, None, || (&x * &w + 1.0).sum(Kind::Float)).unwrap();
         let mut xin = x.shallow_clone();
         xin.copy_(&Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).to(dev));
         graph.replay().unwrap();

@@ -22,6 +22,7 @@
 pub mod layout;
 pub mod metrics;
 pub mod nccl;
+mod nccl_api;
 pub mod thread;
 pub mod zero;
 

@@ -1,16 +1,19 @@
-//! [`NcclCollective`]: a rank of an NCCL communicator (cudarc, loaded at run time) working
-//! straight on tch CUDA tensors' memory, queued on libtorch's current stream so the
-//! collectives are ordered with the tensor ops around them without extra syncs.
+//! [`NcclCollective`]: a rank of an NCCL communicator working straight on tch CUDA
+//! tensors' memory, queued on libtorch's current stream so the collectives are ordered
+//! with the tensor ops around them without extra syncs. NCCL is the one libtorch loaded
+//! (`nccl_api`): cudarc only supplies the C types.
 //!
 //! Setting up: rank 0 calls [`NcclCollective::unique_id`] and hands the 128 bytes to
 //! every rank (Manta's gRPC will carry them; a file or an environment variable for now),
-//! then every rank calls [`NcclCollective::new`] with its GPU.
+//! then every rank calls [`NcclCollective::new`] with its GPU. The process that made the
+//! id must live until every rank has joined: the id names a socket it listens on.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 
-use cudarc::nccl::{result, sys};
+use cudarc::nccl::sys;
 use tch::{Device, Kind, Tensor};
 
+use super::nccl_api::{nccl_api, NcclApi};
 use super::{check_flat, check_pair, check_rank, Collective, CollectiveError, ReduceOp};
 
 /// Bytes of an NCCL unique id.
@@ -18,6 +21,7 @@ pub const UNIQUE_ID_BYTES: usize = 128;
 
 /// One rank of an NCCL communicator, bound to one GPU.
 pub struct NcclCollective {
+    api: &'static NcclApi,
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
@@ -29,56 +33,37 @@ pub struct NcclCollective {
 // runs one step at a time.
 unsafe impl Send for NcclCollective {}
 
-/// Why NCCL cannot run in this process, if it cannot: no CUDA libtorch, no GPU, no
-/// libnccl to load.
-fn unavailable(device: usize) -> Option<String> {
+/// The process's NCCL, or why NCCL cannot run here: no CUDA libtorch, no such GPU, no
+/// NCCL in the process or on the library path.
+fn available(device: usize) -> Result<&'static NcclApi, CollectiveError> {
     if !manta_cuda::built_with_cuda() {
-        return Some("this build has no CUDA libtorch".into());
+        return Err(CollectiveError::Unavailable(
+            "this build has no CUDA libtorch".into(),
+        ));
     }
     let count = tch::Cuda::device_count();
     if count as usize <= device {
-        return Some(format!("GPU {device} requested, {count} visible"));
+        return Err(CollectiveError::Unavailable(format!(
+            "GPU {device} requested, {count} visible"
+        )));
     }
-    // SAFETY: only tries to dlopen the library.
-    if !unsafe { sys::is_culib_present() } {
-        return Some(
-            "libnccl.so not found on LD_LIBRARY_PATH (pip: nvidia/nccl/lib; link libnccl.so.2 \
-             as libnccl.so)"
-                .into(),
-        );
-    }
-    None
+    nccl_api().map_err(CollectiveError::Unavailable)
 }
 
-/// An NCCL failure with NCCL's own words: the result code, its description and the
-/// last error NCCL logged (for `comm`, or the process's before a communicator exists).
-fn nccl_err(
+/// Turns NCCL's result `code` of `op` into an error in NCCL's words.
+fn check(
+    api: &NcclApi,
     op: &'static str,
     comm: sys::ncclComm_t,
-) -> impl Fn(result::NcclError) -> CollectiveError {
-    move |e| {
-        // SAFETY: both return static or NCCL-owned NUL-terminated strings (or null);
-        // a null communicator asks for the last error outside any communicator.
-        let text = |p: *const c_char| {
-            if p.is_null() {
-                String::new()
-            } else {
-                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-            }
-        };
-        let (what, last) = unsafe {
-            (
-                text(sys::ncclGetErrorString(e.0)),
-                text(sys::ncclGetLastError(comm)),
-            )
-        };
-        let mut message = format!("{:?} ({what})", e.0);
-        if !last.is_empty() {
-            message.push_str(": ");
-            message.push_str(&last);
-        }
-        CollectiveError::Nccl { op, message }
+    code: sys::ncclResult_t,
+) -> Result<(), CollectiveError> {
+    if code == sys::ncclResult_t::ncclSuccess {
+        return Ok(());
     }
+    Err(CollectiveError::Nccl {
+        op,
+        message: api.describe(code, comm),
+    })
 }
 
 fn dtype(op: &'static str, kind: Kind) -> Result<sys::ncclDataType_t, CollectiveError> {
@@ -110,10 +95,13 @@ fn reduce_op(op: ReduceOp) -> sys::ncclRedOp_t {
 impl NcclCollective {
     /// A fresh unique id (rank 0 makes it once per group).
     pub fn unique_id() -> Result<Vec<u8>, CollectiveError> {
-        if let Some(why) = unavailable(0) {
-            return Err(CollectiveError::Unavailable(why));
-        }
-        let id = result::get_uniqueid().map_err(nccl_err("get_uniqueid", std::ptr::null_mut()))?;
+        let api = available(0)?;
+        let mut id = sys::ncclUniqueId {
+            internal: [0 as c_char; UNIQUE_ID_BYTES],
+        };
+        // SAFETY: a valid out-pointer.
+        let code = unsafe { (api.get_unique_id)(&mut id) };
+        check(api, "get_unique_id", std::ptr::null_mut(), code)?;
         Ok(id.internal.iter().map(|&c| c as u8).collect())
     }
 
@@ -132,9 +120,7 @@ impl NcclCollective {
                 unique_id.len()
             )));
         }
-        if let Some(why) = unavailable(device) {
-            return Err(CollectiveError::Unavailable(why));
-        }
+        let api = available(device)?;
         manta_cuda::set_device(device).map_err(|e| CollectiveError::Nccl {
             op: "set_device",
             message: e.to_string(),
@@ -146,9 +132,13 @@ impl NcclCollective {
         let id = sys::ncclUniqueId { internal };
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is valid for writes; NCCL copies the id.
-        unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
-            .map_err(nccl_err("comm_init_rank", std::ptr::null_mut()))?;
+        let code = unsafe { (api.comm_init_rank)(&mut comm, world as i32, id, rank as i32) };
+        check(api, "comm_init_rank", std::ptr::null_mut(), code)?;
+        if rank == 0 {
+            tracing::info!(version = %api.version(), from = api.origin, world, "NCCL communicator");
+        }
         Ok(Self {
+            api,
             comm,
             rank,
             world,
@@ -164,6 +154,10 @@ impl NcclCollective {
                 message: e.to_string(),
             })
     }
+
+    fn check(&self, op: &'static str, code: sys::ncclResult_t) -> Result<(), CollectiveError> {
+        check(self.api, op, self.comm, code)
+    }
 }
 
 impl Drop for NcclCollective {
@@ -171,10 +165,16 @@ impl Drop for NcclCollective {
         // Finalize waits for the operations queued on the communicator, then destroy
         // frees it. SAFETY: the communicator is ours and no call on it is being made
         // (`&mut self`).
-        let done = unsafe { result::comm_finalize(self.comm) }
-            .and_then(|_| unsafe { result::comm_destroy(self.comm) });
+        let finalized = self.check("comm_finalize", unsafe {
+            (self.api.comm_finalize)(self.comm)
+        });
+        let done = finalized.and_then(|()| {
+            self.check("comm_destroy", unsafe {
+                (self.api.comm_destroy)(self.comm)
+            })
+        });
         if let Err(e) = done {
-            tracing::warn!(error = ?e, "NCCL communicator teardown failed");
+            tracing::warn!(error = %e, "NCCL communicator teardown failed");
         }
     }
 }
@@ -207,8 +207,8 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
         // SAFETY: both buffers are live, contiguous and of the checked sizes on this
         // communicator's device; the stream orders the call with libtorch's ops.
-        unsafe {
-            result::reduce_scatter(
+        let code = unsafe {
+            (self.api.reduce_scatter)(
                 ptr(input),
                 ptr(output),
                 output.numel(),
@@ -217,9 +217,8 @@ impl Collective for NcclCollective {
                 self.comm,
                 stream,
             )
-        }
-        .map_err(nccl_err(OP, self.comm))?;
-        Ok(())
+        };
+        self.check(OP, code)
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
@@ -227,8 +226,8 @@ impl Collective for NcclCollective {
         check_pair(OP, self.device(), output, input, self.world)?;
         let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
         // SAFETY: as in reduce_scatter.
-        unsafe {
-            result::all_gather(
+        let code = unsafe {
+            (self.api.all_gather)(
                 ptr(input),
                 ptr(output),
                 input.numel(),
@@ -236,9 +235,8 @@ impl Collective for NcclCollective {
                 self.comm,
                 stream,
             )
-        }
-        .map_err(nccl_err(OP, self.comm))?;
-        Ok(())
+        };
+        self.check(OP, code)
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError> {
@@ -247,9 +245,10 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, tensor.kind())?, self.stream(OP)?);
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
-        unsafe { result::all_reduce(p, p, tensor.numel(), dt, reduce_op(op), self.comm, stream) }
-            .map_err(nccl_err(OP, self.comm))?;
-        Ok(())
+        let code = unsafe {
+            (self.api.all_reduce)(p, p, tensor.numel(), dt, reduce_op(op), self.comm, stream)
+        };
+        self.check(OP, code)
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
@@ -259,8 +258,9 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, tensor.kind())?, self.stream(OP)?);
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
-        unsafe { result::broadcast(p, p, tensor.numel(), dt, root as i32, self.comm, stream) }
-            .map_err(nccl_err(OP, self.comm))?;
-        Ok(())
+        let code = unsafe {
+            (self.api.broadcast)(p, p, tensor.numel(), dt, root as i32, self.comm, stream)
+        };
+        self.check(OP, code)
     }
 }

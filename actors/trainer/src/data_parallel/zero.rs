@@ -62,6 +62,25 @@ fn flat_bucket(
     Tensor::cat(&parts, 0)
 }
 
+/// Σ x² of a flat tensor in fp64, a slice at a time on the device: an fp64 copy of a
+/// whole shard (an 8B model's is 4 G elements over two ranks) would take 33 GB.
+fn sum_of_squares(t: &Tensor) -> f64 {
+    const SLICE: i64 = 1 << 26;
+    let n = t.numel() as i64;
+    let mut acc = Tensor::zeros([], (Kind::Double, t.device()));
+    let mut at = 0;
+    while at < n {
+        let len = SLICE.min(n - at);
+        acc += t
+            .narrow(0, at, len)
+            .to_kind(Kind::Double)
+            .square()
+            .sum(Kind::Double);
+        at += len;
+    }
+    acc.double_value(&[])
+}
+
 impl ZeroAdamW {
     /// Shards `params` (the model's trainable variables; every rank passes the same
     /// names and shapes) over `comm`'s ranks, after making every rank's values rank 0's.
@@ -196,13 +215,7 @@ impl ZeroAdamW {
         if !self.reduced {
             self.reduce_gradients()?;
         }
-        let local = tch::no_grad(|| {
-            self.grad
-                .to_kind(Kind::Double)
-                .square()
-                .sum(Kind::Double)
-                .double_value(&[])
-        });
+        let local = tch::no_grad(|| sum_of_squares(&self.grad));
         let mut total = [local];
         self.comm.all_reduce_f64(&mut total, ReduceOp::Sum)?;
         Ok(total[0].sqrt())
