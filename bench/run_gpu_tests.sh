@@ -41,7 +41,7 @@ for gpu in "${GPUS[@]}"; do
   for t in bin/tests/*; do
     name=$(basename "$t"); log="$OUT/test_${name}_gpu$gpu.log"
     # One test at a time: graph captures and the engine's memory share the GPU.
-    MANTA_TEST_GPU=$gpu timeout "${TEST_TIMEOUT:-300}" "$t" --test-threads=1 --nocapture >"$log" 2>&1 || status=1
+    MANTA_TEST_GPU=$gpu timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads=1 --nocapture >"$log" 2>&1 || status=1
     passed=$(grep -oP 'test result: \w+\. \K[0-9]+(?= passed)' "$log" | tail -1)
     failed=$(grep -oP '[0-9]+(?= failed)' "$log" | tail -1)
     skipped=$(grep -c 'skipped: ' "$log" || true)

@@ -111,7 +111,8 @@ pub(crate) fn default_run_name() -> String {
     format!("run-{secs}")
 }
 
-/// Runs a whole training job in local mode. `stop` is polled between steps.
+/// Runs a whole training job, local or remote (cluster.toml `[cluster] mode`). `stop` is
+/// polled between steps.
 pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<RunSummary> {
     let ResolvedConfig {
         cluster,
@@ -137,7 +138,8 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         prompts = settings.rollout_batch_size,
         n_samples = settings.n_samples,
         lr = settings.lr,
-        "starting local training"
+        mode = ?cluster.mode,
+        "starting training"
     );
     // Debug data needs no engine or environment, local or remote: the trainer runs here.
     if let Some(template) = settings.load_debug_rollout_data.clone() {

@@ -33,7 +33,8 @@ pub struct StepActors {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct AdvantageSpec {
     pub estimator: AdvantageEstimator,
-    /// Divide GRPO-family advantages by the group's std (+1e-6).
+    /// Leave GRPO-family advantages as reward minus the group mean; when false (the
+    /// default) they are also divided by the group's std (+1e-6).
     pub disable_std_normalization: bool,
     /// Whiten the advantages over the step's trained tokens afterwards.
     pub normalize_advantages: bool,

@@ -256,6 +256,7 @@ fn gpu_pair() -> Option<(usize, usize)> {
     Some((trainer, 1 - trainer))
 }
 
+#[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
     use manta_cuda::process_group::{GroupSpec, ProcessGroup};
@@ -370,6 +371,7 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
 /// rank 0 on cuda:0 and has the server (here `driver serve` on cuda:1, launched exactly as
 /// `sglang.launch_server` would be) join; `update_weights` then goes over NCCL and the
 /// server generates what the same weights loaded from disk generate.
+#[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     use manta_rollout::engine::sglang::LaunchSpec;
@@ -553,6 +555,7 @@ fn workspace() -> PathBuf {
 /// is NCCL; two steps train, every sync reaches the engine through
 /// `/update_weights_from_distributed` (its log says so), and the steps' weight versions
 /// are the engine's.
+#[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn local_mode_feeds_an_sglang_engine_on_another_gpu_over_nccl() {
     let Some((trainer_gpu, server_gpu)) = gpu_pair() else {

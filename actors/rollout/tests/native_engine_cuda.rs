@@ -196,6 +196,7 @@ fn clear_margin_agreement(seqs: &[(Vec<u32>, usize)], best: &[Vec<(i64, f32)>]) 
 /// slot, norm or sampled row is off by nats). Two requests run alone, so their decode steps
 /// take the one-row path (the small-batch GEMV with its fused norms); six run together
 /// (cuBLAS).
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     let Some(gpu) = manta_cuda::test_gpu() else {
@@ -247,6 +248,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
 /// CUDA graph must leave the sampling to the step (the graph's sampled rows are its first
 /// ones). Both requests' greedy tokens follow the trainer's forward, as in
 /// `greedy_cuda_decoding_follows_the_trainer_forward`.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
     let Some(gpu) = manta_cuda::test_gpu() else {
@@ -368,6 +370,7 @@ fn logprob_gap(engine_lp: &[Vec<f32>], trainer_lp: &[Vec<f32>]) -> (f64, f64, us
 /// its sampled tokens, first turns and second turns over a cached prefix, against the
 /// trainer's packed forward of the same sequences. The default mode's gap is printed
 /// beside it for comparison.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn true_on_policy_engine_logprobs_match_the_trainer_forward() {
     let Some(gpu) = manta_cuda::test_gpu() else {
@@ -414,6 +417,7 @@ async fn true_on_policy_engine_logprobs_match_the_trainer_forward() {
 /// In true on-policy mode a request's tokens and log-probs do not depend on what runs
 /// beside it: one request alone, then the same request among 15 others (decode rows
 /// batched together, prefills mixed into decode steps).
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
     let Some(gpu) = manta_cuda::test_gpu() else {
@@ -461,6 +465,7 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
 /// is already running. Seven requests (greedy and seeded sampling) start together; two
 /// stop on a token of their reference output. The batch stays within one graph bucket
 /// (5–8 rows) while the stops shrink it, so rows see the same kernels either way.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapped_decode_steps_match_synchronous_ones() {
     let Some(gpu) = manta_cuda::test_gpu() else {

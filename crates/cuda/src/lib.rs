@@ -532,6 +532,7 @@ mod tests {
     use super::*;
     use tch::{Device, Kind, Tensor};
 
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn a_graph_replays_its_captured_work_on_new_inputs() {
         let Some(gpu) = crate::test_gpu() else {
@@ -553,6 +554,7 @@ mod tests {
     }
 
     /// Waiting on an event sees the copy queued before it, while later work is still queued.
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn an_event_waits_for_the_work_queued_before_it() {
         let Some(gpu) = crate::test_gpu() else {
@@ -579,6 +581,7 @@ mod tests {
     /// Varlen flash attention against fp32 attention with an explicit mask, per sequence:
     /// sequences with a cached prefix (more keys than queries) see keys up to their own
     /// position, aligned at the end of their keys; grouped heads (GQA) share a key head.
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn varlen_flash_attention_matches_masked_attention() {
         let Some(gpu) = crate::test_gpu() else {
@@ -669,6 +672,7 @@ mod tests {
     }
 
     /// The kernel against gather + softmax in fp32, over a shuffled block table.
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn paged_decode_attention_matches_gathered_attention() {
         let Some(gpu) = crate::test_gpu() else {
@@ -783,6 +787,7 @@ mod tests {
     }
 
     /// The fused decode ops against the tensor ops they replace (bf16 on the GPU).
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn lt_linear_matches_the_fp32_product() {
         let Some(gpu) = crate::test_gpu() else {
@@ -828,6 +833,7 @@ mod tests {
         assert!(e.contains("y must be [4, 32]"), "{e}");
     }
 
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn fused_ops_match_the_tensor_ops_they_replace() {
         let Some(gpu) = crate::test_gpu() else {

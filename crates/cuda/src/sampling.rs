@@ -68,6 +68,7 @@ mod tests {
     /// Against float64 arithmetic on the host: greedy rows pick the argmax; sampled rows pick
     /// the token whose cumulative-mass interval holds u × total (up to float32 rounding at
     /// the interval's ends); log-probs are log_softmax(logits / T) at the chosen token.
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn sample_rows_matches_float64_inverse_cdf() {
         let Some(gpu) = crate::test_gpu() else {

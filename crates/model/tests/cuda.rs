@@ -145,6 +145,7 @@ fn grads(m: &CausalLm, vs: &VarStore, device: Device) -> Vec<(String, Tensor)> {
     g
 }
 
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn cuda_fp32_and_bf16_match_cpu() {
     let Some(index) = manta_cuda::test_gpu() else {
@@ -189,6 +190,7 @@ fn cuda_fp32_and_bf16_match_cpu() {
 /// residual add with norm, SiLU×up, paged attention) against the composite tensor ops, bf16 on the GPU:
 /// a mixed prefill step, then decode steps with a sequence joining mid-way; and a weight
 /// update after fusing reaches the fused buffers.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn paged_decode_kernels_match_the_tensor_ops() {
     let Some(index) = manta_cuda::test_gpu() else {
@@ -356,6 +358,7 @@ fn paged_decode_kernels_match_the_tensor_ops() {
 /// autograd on, the hidden states are the batch-invariant kernel's bits (equal to a no-grad
 /// forward's), and the gradients — from flash attention's backward — are within bf16 noise
 /// of the default mode's.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn invariant_attention_keeps_its_bits_under_autograd() {
     let Some(index) = manta_cuda::test_gpu() else {
@@ -421,6 +424,7 @@ fn invariant_attention_keeps_its_bits_under_autograd() {
 /// sequences, then decode steps of two rows, as a CUDA graph replays them) gives every token
 /// the same bits as the trainer's packed forward of the whole sequences. Qwen3-0.6B's
 /// layer shapes, four layers.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn invariant_paged_forward_equals_the_packed_forward() {
     let Some(index) = manta_cuda::test_gpu() else {
@@ -540,6 +544,7 @@ fn invariant_paged_forward_equals_the_packed_forward() {
 /// the same bits with PDL on and off (`MANTA_PDL=0`), replay after replay, at one and two
 /// rows (the GEMV path), five (cuBLAS with the norm and SiLU kernels) and forty (enough
 /// sequences that attention runs unsplit, one CTA per sequence and kv head).
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn programmatic_dependent_launch_changes_no_bits() {
     let Some(index) = manta_cuda::test_gpu() else {

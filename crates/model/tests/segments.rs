@@ -118,6 +118,7 @@ fn segment_gradients_equal_the_packed_masks() {
     }
 }
 
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn cuda_bf16_segments_match_each_sequence_alone() {
     let Some(gpu) = manta_cuda::test_gpu() else {

@@ -65,12 +65,15 @@ fn flat_bucket(
 /// Σ x² of a flat tensor in fp64, a slice at a time on the device: an fp64 copy of a
 /// whole shard (an 8B model's is 4 G elements over two ranks) would take 33 GB.
 fn sum_of_squares(t: &Tensor) -> f64 {
-    const SLICE: i64 = 1 << 26;
+    sum_of_squares_by(t, 1 << 26)
+}
+
+fn sum_of_squares_by(t: &Tensor, slice: i64) -> f64 {
     let n = t.numel() as i64;
     let mut acc = Tensor::zeros([], (Kind::Double, t.device()));
     let mut at = 0;
     while at < n {
-        let len = SLICE.min(n - at);
+        let len = slice.min(n - at);
         acc += t
             .narrow(0, at, len)
             .to_kind(Kind::Double)
@@ -499,5 +502,34 @@ impl RankOptimizer {
             Self::Whole(o) => o.load(dir, step),
             Self::Sharded(o) => o.load(dir, step),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// Slicing changes only the order of an fp64 sum: uneven slices, one slice, the whole.
+    #[test]
+    fn sliced_sum_of_squares_equals_the_whole_sum() {
+        tch::manual_seed(3);
+        let t = Tensor::randn([1003], (Kind::Float, Device::Cpu));
+        let whole = t
+            .to_kind(Kind::Double)
+            .square()
+            .sum(Kind::Double)
+            .double_value(&[]);
+        for slice in [7, 1000, 1003, 5000] {
+            let got = sum_of_squares_by(&t, slice);
+            assert!(
+                (got - whole).abs() <= 1e-12 * whole,
+                "slice {slice}: {got} vs {whole}"
+            );
+        }
+        assert_eq!(
+            sum_of_squares_by(&Tensor::zeros([0], (Kind::Float, Device::Cpu)), 7),
+            0.0
+        );
     }
 }
