@@ -7,10 +7,10 @@
 //! group), a valid init says NCCL needs a CUDA device, and the server keeps serving with
 //! its weights untouched.
 //!
-//! With two GPUs (the device machine): a Manta trainer in this test process hosts the
-//! group as rank 0 on cuda:0 (`manta_cuda::process_group`), the server on cuda:1 joins as
-//! rank 1, receives random weights by broadcast, and then generates exactly what it
-//! generates after loading the same weights from disk.
+//! With two GPUs (the device machine; ignored elsewhere): a Manta trainer in this test
+//! process hosts the group as rank 0 on GPU `MANTA_TEST_GPU` (`manta_cuda::process_group`),
+//! the server on the other GPU joins as rank 1, receives random weights by broadcast, and
+//! then generates exactly what it generates after loading the same weights from disk.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -558,7 +558,8 @@ fn workspace() -> PathBuf {
 #[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn local_mode_feeds_an_sglang_engine_on_another_gpu_over_nccl() {
-    let Some((trainer_gpu, server_gpu)) = gpu_pair() else {
+    // Placement gives the engine the GPU the trainer does not take.
+    let Some((trainer_gpu, _)) = gpu_pair() else {
         eprintln!("skipped: needs two CUDA devices (nvidia-h200-x2 runs this)");
         return;
     };

@@ -15,29 +15,27 @@ use libloading::os::unix::{Library, Symbol};
 
 type Result_ = ncclResult_t;
 
+/// The shape `ncclAllReduce` and `ncclReduceScatter` share: send buffer, receive buffer,
+/// count, dtype, operation, communicator, stream.
+type ReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    ncclDataType_t,
+    ncclRedOp_t,
+    ncclComm_t,
+    cudaStream_t,
+) -> Result_;
+
 /// The entry points Manta calls, with NCCL's C signatures (nccl.h).
 pub struct NcclApi {
     pub get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> Result_,
     pub comm_init_rank:
         unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> Result_,
-    pub all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        ncclDataType_t,
-        ncclRedOp_t,
-        ncclComm_t,
-        cudaStream_t,
-    ) -> Result_,
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        ncclDataType_t,
-        ncclRedOp_t,
-        ncclComm_t,
-        cudaStream_t,
-    ) -> Result_,
+    /// `ncclAllReduce`: `count` elements in, `count` out.
+    pub all_reduce: ReduceFn,
+    /// `ncclReduceScatter`: the last argument but two is the count *received*.
+    pub reduce_scatter: ReduceFn,
     pub all_gather: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
