@@ -504,18 +504,25 @@ pub fn test_gpu() -> Option<usize> {
         return None;
     }
     let count = tch::Cuda::device_count().max(0) as usize;
-    let gpu = match std::env::var(TEST_GPU_ENV) {
-        Err(_) => 0,
-        Ok(v) => v
+    let value = std::env::var(TEST_GPU_ENV).ok();
+    Some(parse_test_gpu(value.as_deref(), count).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// `MANTA_TEST_GPU`'s value (`None`: unset) as a GPU index below `count`.
+fn parse_test_gpu(value: Option<&str>, count: usize) -> Result<usize, String> {
+    let gpu = match value {
+        None => 0,
+        Some(v) => v
             .trim()
             .parse::<usize>()
-            .unwrap_or_else(|_| panic!("{TEST_GPU_ENV}={v:?} is not a GPU index")),
+            .map_err(|_| format!("{TEST_GPU_ENV}={v:?} is not a GPU index"))?,
     };
-    assert!(
-        gpu < count,
-        "{TEST_GPU_ENV}={gpu}, but libtorch sees {count} CUDA device(s)"
-    );
-    Some(gpu)
+    if gpu >= count {
+        return Err(format!(
+            "{TEST_GPU_ENV}={gpu}, but libtorch sees {count} CUDA device(s)"
+        ));
+    }
+    Ok(gpu)
 }
 
 /// Serialises this crate's GPU tests: a CUDA graph capture in one test thread makes any
@@ -531,6 +538,22 @@ pub(crate) fn gpu_test_lock() -> std::sync::MutexGuard<'static, ()> {
 mod tests {
     use super::*;
     use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn the_test_gpu_is_an_index_of_a_visible_gpu() {
+        assert_eq!(parse_test_gpu(None, 1), Ok(0));
+        assert_eq!(parse_test_gpu(Some(" 1 "), 2), Ok(1));
+        let e = parse_test_gpu(Some("one"), 2).unwrap_err();
+        assert!(
+            e.contains("MANTA_TEST_GPU=\"one\" is not a GPU index"),
+            "{e}"
+        );
+        let e = parse_test_gpu(Some("1"), 1).unwrap_err();
+        assert!(
+            e.contains("MANTA_TEST_GPU=1, but libtorch sees 1 CUDA device"),
+            "{e}"
+        );
+    }
 
     #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
