@@ -11,8 +11,8 @@
 //!       rank RANK of WORLD on cuda:RANK (WORLD 1: the single-GPU trainer, no NCCL,
 //!       ID_FILE unused; otherwise rank 0 writes a new NCCL unique id there and the
 //!       others read it: the id names a bootstrap socket that lives in the process that
-//!       made it, so rank 0 makes it, not a helper process that exits) trains STEPS steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD)
-//!       of the global batch, writes its weights to WEIGHTS_OUT (safetensors), then
+//!       made it, so rank 0 makes it, not a helper process that exits) trains STEPS
+//!       steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD) of the global batch, writes its weights to WEIGHTS_OUT (safetensors), then
 //!       times ITERS more steps; PRECISION is bf16 (fp32 masters) or fp32. Micro-batches
 //!       hold G/2 samples whatever the world size. Prints one JSON object.
 
