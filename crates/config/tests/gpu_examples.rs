@@ -12,10 +12,14 @@ fn config(name: &str) -> PathBuf {
 }
 
 fn load(name: &str) -> ClusterConfig {
+    load_with(name, EngineKind::Native, 1)
+}
+
+fn load_with(name: &str, engine: EngineKind, engines: usize) -> ClusterConfig {
     let c = ClusterConfig::from_file(&config(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_eq!(c.mode, ClusterMode::Local, "{name}");
-    assert_eq!(c.rollout.engine, EngineKind::Native, "{name}");
-    assert_eq!(c.rollout.engines, 1, "{name}");
+    assert_eq!(c.rollout.engine, engine, "{name}");
+    assert_eq!(c.rollout.engines, engines, "{name}");
     // The environments file it names exists and validates too.
     let train = c.train_config.clone().expect("train_config");
     TrainConfig::from_file(&train).unwrap_or_else(|e| panic!("{}: {e}", train.display()));
@@ -54,4 +58,27 @@ fn colocated_example_shares_gpu0() {
         s.sampling.max_weight_staleness, 0,
         "colocated runs are synchronous"
     );
+}
+
+#[test]
+fn two_gpu_data_parallel_example_puts_a_rank_and_an_engine_on_each_gpu() {
+    let c = load_with("gpu-dp2-colocated.toml", EngineKind::Native, 2);
+    assert_eq!(c.trainer.gpus, vec![0, 1]);
+    assert!(c.rollout.colocate);
+    assert_eq!(c.local_engine_gpus(0), vec![0]);
+    assert_eq!(c.local_engine_gpus(1), vec![1]);
+}
+
+#[test]
+fn four_gpu_examples_put_the_ranks_on_gpus_0_1_and_the_engines_on_2_3() {
+    for (name, engine) in [
+        ("gpu4-dp2-disagg.toml", EngineKind::Native),
+        ("gpu4-dp2-sglang.toml", EngineKind::Sglang),
+    ] {
+        let c = load_with(name, engine, 2);
+        assert_eq!(c.trainer.gpus, vec![0, 1], "{name}");
+        assert!(!c.rollout.colocate, "{name}");
+        assert_eq!(c.local_engine_gpus(0), vec![2], "{name}");
+        assert_eq!(c.local_engine_gpus(1), vec![3], "{name}");
+    }
 }
