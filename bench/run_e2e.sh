@@ -12,7 +12,7 @@
 #                 GPUs 0 and 1, native engines on GPUs 2 and 3; synchronous and asynchronous
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
 #                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
-#                 SDK must be importable by python3 (README, "GPU machines": its wheels)
+#                 SDK must be importable by python3 (README, "Several GPUs on one node")
 #   learn-colocated, learn-disagg-sync, learn-disagg-async: the job of `make run` (tiny
 #                 model assets/tiny-qwen3, digits environment, 120 steps of 8 x 8) in
 #                 each placement, to show the reward rising on GPUs

@@ -3,8 +3,8 @@
 //! - [`Collective`]: what a rank needs from its group (reduce-scatter, all-gather,
 //!   all-reduce, broadcast on flat contiguous tensors), with two backends:
 //!   [`ThreadCollective`] (ranks as threads of one process, on the CPU: tests and
-//!   multi-rank CPU training) and [`NcclCollective`] (cudarc's NCCL on tch CUDA tensors,
-//!   on libtorch's current stream).
+//!   multi-rank CPU training) and [`NcclCollective`] (the NCCL libtorch loaded, on tch
+//!   CUDA tensors and libtorch's current stream).
 //! - [`layout`]: the flattened parameter list cut into buckets, each bucket split
 //!   evenly across the ranks.
 //! - [`zero`]: the ZeRO-2 optimizer — fp32 masters and AdamW moments of this rank's
