@@ -10,6 +10,8 @@
 #                 over NCCL), a native engine colocated on each
 #   dp2-disagg, dp2-disagg-async  configs/gpu4-dp2-disagg.toml (four GPUs): trainer ranks on
 #                 GPUs 0 and 1, native engines on GPUs 2 and 3; synchronous and asynchronous
+#   sglang-disagg configs/gpu-sglang-disagg.toml: trainer GPU 0, an SGLang server on GPU 1
+#                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/)
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
 #                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
 #                 SDK must be importable by python3 (README, "Several GPUs on one node")
@@ -55,13 +57,14 @@ for mode in "${MODES[@]}"; do
     dp2-colocated) cluster=configs/gpu-dp2-colocated.toml; extra=() ;;
     dp2-disagg)   cluster=configs/gpu4-dp2-disagg.toml; extra=() ;;
     dp2-disagg-async) cluster=configs/gpu4-dp2-disagg.toml; extra=("${ASYNC[@]}") ;;
+    sglang-disagg) cluster=configs/gpu-sglang-disagg.toml; extra=() ;;
     ors-sdk)      cluster=configs/gpu-disagg.toml; extra=(--config configs/sdk-counter.yaml)
                   steps=${SDK_STEPS:-5} ;;
     learn-colocated|learn-disagg-sync|learn-disagg-async)
                   MODEL=assets/tiny-qwen3; steps=${LEARN_STEPS:-120}; shape=()
                   cluster=configs/gpu-disagg.toml; [ "$mode" = learn-colocated ] && cluster=configs/gpu-colocated.toml
                   extra=("${TINY[@]}"); [ "$mode" = learn-disagg-async ] && extra+=("${ASYNC[@]}") ;;
-    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, sglang-disagg, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
   esac
   env_server=
   if [ "$mode" = ors-sdk ]; then

@@ -9,6 +9,9 @@
 #      timed the same way in the same run.
 # Qwen3-0.6B-shaped bf16 tensors (hash-generated bits; SHAPE=8b for Qwen3-8B), REPS timed
 # rounds each (median, timed on the receiver). Writes $OUT/weight_sync_nccl.json.
+# The Python processes run with NCCL_CUMEM_ENABLE=0 as SGLang's server sets it
+# (PEER_NCCL_CUMEM overrides); Manta's binary chooses its own (align_nccl_env) unless
+# MANTA_NCCL_CUMEM sets it — MANTA_NCCL_CUMEM=1 reproduces the mismatch that fails.
 # Binaries come from bin/ (weight_sync_nccl, built with
 # `cargo build --release -p manta-bench --bin weight_sync_nccl`).
 set -euo pipefail
@@ -26,26 +29,29 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
 REPS=${REPS:-10}
 SHAPE=${SHAPE:-0.6b}
 PEER=bench/py/weight_sync_nccl_peer.py
+PEER_ENV=(env "NCCL_CUMEM_ENABLE=${PEER_NCCL_CUMEM:-0}")
+MANTA_ENV=(env)
+[ -n "${MANTA_NCCL_CUMEM:-}" ] && MANTA_ENV=(env "NCCL_CUMEM_ENABLE=$MANTA_NCCL_CUMEM")
 MANIFEST=$OUT/manifest.json
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 
 # 1. Manta rank 0 -> Python rank 1 (the SGLang side).
 rm -f "$MANIFEST"
 PORT=$(free_port)
-./bin/weight_sync_nccl send "$PORT" "$REPS" "$MANIFEST" manta_bench "$SHAPE" \
+"${MANTA_ENV[@]}" ./bin/weight_sync_nccl send "$PORT" "$REPS" "$MANIFEST" manta_bench "$SHAPE" \
   > "$OUT/manta_send.json" 2> "$OUT/manta_send.log" &
 SENDER=$!
 for _ in $(seq 600); do [ -f "$MANIFEST" ] && break; sleep 0.1; done
 [ -f "$MANIFEST" ] || { echo "weight_sync_nccl wrote no manifest:"; cat "$OUT/manta_send.log"; exit 1; }
-python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" manta_bench "$OUT/manta_recv.json" 2> "$OUT/manta_recv.log" \
+"${PEER_ENV[@]}" python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" manta_bench "$OUT/manta_recv.json" 2> "$OUT/manta_recv.log" \
   || { echo "receiver failed:"; tail -30 "$OUT/manta_recv.log"; tail -30 "$OUT/manta_send.log"; exit 1; }
 wait "$SENDER" || { echo "Manta sender failed:"; tail -30 "$OUT/manta_send.log"; exit 1; }
 
 # 2. torch.distributed rank 0 -> the same receiver code.
 PORT=$(free_port)
-python3 "$PEER" send "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_send.json" 2> "$OUT/torch_send.log" &
+"${PEER_ENV[@]}" python3 "$PEER" send "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_send.json" 2> "$OUT/torch_send.log" &
 SENDER=$!
-python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_recv.json" 2> "$OUT/torch_recv.log" \
+"${PEER_ENV[@]}" python3 "$PEER" recv "$PORT" "$REPS" "$MANIFEST" torch_bench "$OUT/torch_recv.json" 2> "$OUT/torch_recv.log" \
   || { echo "receiver failed:"; tail -30 "$OUT/torch_recv.log"; exit 1; }
 wait "$SENDER" || { echo "torch sender failed:"; tail -30 "$OUT/torch_send.log"; exit 1; }
 

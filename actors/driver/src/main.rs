@@ -7,14 +7,28 @@ use std::sync::Arc;
 use clap::Parser;
 use manta_driver::cli::{Cli, Command};
 
-#[tokio::main(flavor = "multi_thread")]
-async fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let _telemetry = manta_telemetry::init_logging("manta-driver");
-    let code = run(cli).await;
-    // Export the last spans while the runtime (which runs the OTLP connection) is up.
-    manta_telemetry::shutdown_tracing();
-    code
+fn main() -> ExitCode {
+    // Before any thread: NCCL reads its environment once, and every rank must agree.
+    let nccl_env = manta_cuda::process_group::align_nccl_env();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let cli = Cli::parse();
+        let _telemetry = manta_telemetry::init_logging("manta-driver");
+        tracing::debug!(nccl_env, "NCCL environment");
+        let code = run(cli).await;
+        // Export the last spans while the runtime (which runs the OTLP connection) is up.
+        manta_telemetry::shutdown_tracing();
+        code
+    })
 }
 
 async fn run(cli: Cli) -> ExitCode {

@@ -27,10 +27,25 @@ struct Args {
     tls_key: Option<PathBuf>,
 }
 
-#[tokio::main(flavor = "multi_thread")]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // Before any thread: NCCL reads its environment once, and every rank must agree.
+    let nccl_env = manta_cuda::process_group::align_nccl_env();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(serve(nccl_env)),
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(nccl_env: &'static str) -> ExitCode {
     let args = Args::parse();
     let _telemetry = manta_telemetry::init_logging("manta-worker");
+    tracing::debug!(nccl_env, "NCCL environment");
     let token = match manta_runtime::load_token() {
         Ok(t) => t,
         Err(e) => {

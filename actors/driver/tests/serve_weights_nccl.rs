@@ -458,6 +458,50 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
     let from_disk = engine.generate(greedy()).await.expect("generate");
     assert_eq!(over_nccl.output_ids, from_disk.output_ids);
     assert_eq!(over_nccl.logprobs, from_disk.logprobs);
+
+    // A server that refuses its half of an update (a tensor it does not have) never joins
+    // the broadcast: the trainer's side is aborted at once instead of waiting out the
+    // group's 600 s timeout, the disk route is tried, and it refuses the same tensor.
+    let mut bad: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(Device::Cuda(trainer_gpu))))
+        .collect();
+    bad.push((
+        "model.not_a_parameter".into(),
+        Tensor::zeros([4], (tch::Kind::BFloat16, Device::Cuda(trainer_gpu))),
+    ));
+    let refused = tokio::time::timeout(Duration::from_secs(120), engine.update_weights(bad, 5))
+        .await
+        .expect("a refused NCCL update returns, it does not wait out the group timeout")
+        .expect_err("an update with an unknown tensor");
+    assert!(
+        refused.to_string().contains("not_a_parameter"),
+        "names the tensor: {refused}"
+    );
+    assert_eq!(
+        engine.weight_version(),
+        4,
+        "a refused update changes nothing"
+    );
+    // Later updates take the disk route and land.
+    let (vs2, _) = random_weights(10);
+    let named2: Vec<(String, Tensor)> = vs2
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(Device::Cuda(trainer_gpu))))
+        .collect();
+    engine
+        .update_weights(named2, 6)
+        .await
+        .expect("an update after the fallback, by disk");
+    assert_eq!(engine.weight_version(), 6);
+    let after = engine.generate(greedy()).await.expect("generate");
+    assert_eq!(after.weight_version, 6);
+    assert_ne!(
+        after.logprobs, from_disk.logprobs,
+        "the new weights are served"
+    );
 }
 
 /// Without a CUDA device the trainer side refuses the NCCL route at once with a named

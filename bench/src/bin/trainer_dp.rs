@@ -59,6 +59,8 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the driver and worker do: ranks must agree on NCCL's buffer allocation.
+    eprintln!("{}", manta_cuda::process_group::align_nccl_env());
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("init") => init(

@@ -117,6 +117,8 @@ fn send(args: &[String]) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the driver and worker do: ranks must agree on NCCL's buffer allocation.
+    eprintln!("{}", manta_cuda::process_group::align_nccl_env());
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("send") => send(&args[1..]),

@@ -82,3 +82,11 @@ fn four_gpu_examples_put_the_ranks_on_gpus_0_1_and_the_engines_on_2_3() {
         assert_eq!(c.local_engine_gpus(1), vec![3], "{name}");
     }
 }
+
+#[test]
+fn sglang_disaggregated_example_puts_the_server_on_gpu1() {
+    let c = load_with("gpu-sglang-disagg.toml", EngineKind::Sglang, 1);
+    assert_eq!(c.trainer.gpus, vec![0]);
+    assert!(!c.rollout.colocate);
+    assert_eq!(c.local_engine_gpus(0), vec![1]);
+}

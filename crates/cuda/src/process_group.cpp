@@ -9,8 +9,10 @@
 // manta_pg_last_error().
 #include "guarded.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,6 +42,15 @@ struct Group {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
   int device;
   std::chrono::milliseconds timeout;
+  // Set once the group was aborted: its communicators are gone, shutdown must not wait
+  // for peers.
+  std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
+};
+
+// What another thread needs to abort a group while its owner waits in a collective.
+struct Aborter {
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
+  std::shared_ptr<std::atomic<bool>> aborted;
 };
 
 Group& group(void* handle) { return *static_cast<Group*>(handle); }
@@ -150,6 +161,12 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
     opts.timeout = g.timeout;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     works.reserve(static_cast<std::size_t>(n));
+    const auto check_aborted = [&] {
+      if (g.aborted->load()) {
+        throw std::runtime_error("the group was aborted (a peer failed or went away)");
+      }
+    };
+    check_aborted();
     for (int i = 0; i < n; ++i) {
       const at::Tensor& t = *static_cast<at::Tensor*>(tensors[i]);
       if (!t.is_cuda() || t.get_device() != g.device) {
@@ -162,6 +179,8 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
     for (auto& w : works) w->wait();
     c10::Stream stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(g.device));
     stream.synchronize();
+    // An aborted NCCL kernel returns early with nothing received: not a success.
+    check_aborted();
 #else
     (void)handle; (void)tensors; (void)n; (void)src;
     throw std::runtime_error("this build of manta-cuda has no NCCL process group");
@@ -169,13 +188,50 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
   });
 }
 
+// A handle that aborts the group from any thread (manta_pg_abort), valid until
+// manta_pg_aborter_free whether or not the group itself was freed first.
+void* manta_pg_aborter(void* handle) {
+#if defined(MANTA_WITH_NCCL)
+  Group& g = group(handle);
+  return new Aborter{g.pg, g.aborted};
+#else
+  (void)handle;
+  return nullptr;
+#endif
+}
+
+// Aborts the group's NCCL communicators (ncclCommAbort, as torch's watchdog does on a
+// timeout): a collective waiting on a peer that will never come returns with an error.
+int manta_pg_abort(void* aborter) {
+  return guarded([&] {
+#if defined(MANTA_WITH_NCCL)
+    auto* a = static_cast<Aborter*>(aborter);
+    if (!a->aborted->exchange(true)) {
+      a->pg->abort();
+    }
+#else
+    (void)aborter;
+    throw std::runtime_error("this build of manta-cuda has no NCCL process group");
+#endif
+  });
+}
+
+void manta_pg_aborter_free(void* aborter) {
+#if defined(MANTA_WITH_NCCL)
+  delete static_cast<Aborter*>(aborter);
+#else
+  (void)aborter;
+#endif
+}
+
 // Destroys the group as torch.distributed.destroy_process_group does (shutdown, which
-// finalises the NCCL communicators), then closes the store.
+// finalises the NCCL communicators), then closes the store. An aborted group has no
+// communicators left to finalise.
 void manta_pg_free(void* handle) {
 #if defined(MANTA_WITH_NCCL)
   guarded([&] {
     Group* g = static_cast<Group*>(handle);
-    if (g->pg) {
+    if (g->pg && !g->aborted->load()) {
       if (guarded([&] { g->pg->shutdown(); }) != 0) {
         guarded([&] { g->pg->abort(); });
       }

@@ -34,6 +34,9 @@ extern "C" {
         src: c_int,
     ) -> c_int;
     fn manta_pg_free(handle: *mut c_void);
+    fn manta_pg_aborter(handle: *mut c_void) -> *mut c_void;
+    fn manta_pg_abort(aborter: *mut c_void) -> c_int;
+    fn manta_pg_aborter_free(aborter: *mut c_void);
 }
 
 /// A refused or failed group operation (`op`: join, broadcast), with the reason: bad
@@ -61,6 +64,28 @@ fn check(op: &'static str, rc: c_int) -> Result<(), GroupError> {
         .to_string_lossy()
         .into_owned();
     Err(error(op, message))
+}
+
+/// The NCCL variable whose value must agree across the ranks of a group.
+pub const NCCL_CUMEM_VAR: &str = "NCCL_CUMEM_ENABLE";
+
+/// Makes this process's NCCL allocate its buffers as SGLang's and vLLM's processes do
+/// (`NCCL_CUMEM_ENABLE=0`), unless the user set the variable. Ranks that disagree on it
+/// cannot map each other's buffers, and the first broadcast between them fails with
+/// "unhandled cuda error": SGLang 0.5 sets 0 in its server, NCCL's default is 1. NCCL
+/// reads the variable once, at its first communicator, so binaries call this first thing
+/// in `main`, before any thread starts; [`ProcessGroup::join`] and the data-parallel
+/// trainer call it again before their first communicator (a no-op by then) for callers
+/// such as tests that have no such `main`. Answers what was decided, for the log.
+pub fn align_nccl_env() -> &'static str {
+    static DECIDED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DECIDED.get_or_init(|| match std::env::var(NCCL_CUMEM_VAR) {
+        Ok(v) => format!("{NCCL_CUMEM_VAR}={v} (set by the user)"),
+        Err(_) => {
+            std::env::set_var(NCCL_CUMEM_VAR, "0");
+            format!("{NCCL_CUMEM_VAR}=0 (as SGLang's servers use)")
+        }
+    })
 }
 
 /// Whether this build has `ProcessGroupNCCL` (CUDA libtorch, CUDA and NCCL headers).
@@ -147,6 +172,7 @@ impl ProcessGroup {
     /// rank has joined. Without a CUDA device this is an error, not a crash.
     pub fn join(spec: GroupSpec) -> Result<Self, GroupError> {
         spec.validate()?;
+        align_nccl_env();
         let host = CString::new(spec.master_address.as_str())
             .map_err(|_| error("join", "master_address contains a NUL byte"))?;
         let name = CString::new(spec.group_name.as_str())
@@ -178,6 +204,17 @@ impl ProcessGroup {
             ..e
         })?;
         Ok(Self { handle, spec })
+    }
+
+    /// A handle that aborts this group from another thread: a broadcast waiting on a
+    /// peer that failed (say, a server that answered its half of the update with an
+    /// error) then returns an error instead of waiting out the timeout.
+    pub fn aborter(&self) -> Aborter {
+        // SAFETY: a live handle; the aborter holds its own reference to the group.
+        Aborter {
+            handle: unsafe { manta_pg_aborter(self.handle) },
+            group_name: self.spec.group_name.clone(),
+        }
     }
 
     /// What this member joined as.
@@ -243,6 +280,42 @@ impl ProcessGroup {
             message: format!("group {:?}: {}", self.spec.group_name, e.message),
             ..e
         })
+    }
+}
+
+/// Aborts one group's NCCL communicators (`ncclCommAbort`, as torch's watchdog does on a
+/// timeout) from any thread; see [`ProcessGroup::aborter`]. Valid after the group is
+/// dropped. An aborted group is unusable: its owner drops it and joins a new one.
+pub struct Aborter {
+    handle: *mut c_void,
+    group_name: String,
+}
+
+// SAFETY: the handle is a reference-counted ProcessGroupNCCL plus an atomic flag; abort is
+// what torch's own watchdog thread calls while other threads wait in collectives.
+unsafe impl Send for Aborter {}
+unsafe impl Sync for Aborter {}
+
+impl Aborter {
+    /// Aborts the group (once; later calls do nothing).
+    pub fn abort(&self) -> Result<(), GroupError> {
+        if self.handle.is_null() {
+            return Err(error("abort", "this build has no NCCL process group"));
+        }
+        // SAFETY: a live aborter handle.
+        check("abort", unsafe { manta_pg_abort(self.handle) }).map_err(|e| GroupError {
+            message: format!("group {:?}: {}", self.group_name, e.message),
+            ..e
+        })
+    }
+}
+
+impl Drop for Aborter {
+    fn drop(&mut self) {
+        if !self.handle.is_null() {
+            // SAFETY: the handle came from manta_pg_aborter and is freed once.
+            unsafe { manta_pg_aborter_free(self.handle) };
+        }
     }
 }
 

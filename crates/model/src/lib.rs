@@ -9,6 +9,7 @@ pub use config::{ModelConfig, ModelFamily, RopeScaling};
 pub mod transformer;
 pub use transformer::{
     decode_counters, Attention, CausalLm, KvCache, PagedBatch, PagedKvCache, PagedSeq,
+    SegmentKernel,
 };
 pub mod checkpoint;
 pub use checkpoint::{load_weights, save_pretrained};

@@ -25,10 +25,32 @@ pub enum Attention<'a> {
     /// Packed rows: `seq_ids` [B, T] i64; a token attends causally only to earlier tokens with the same seq id.
     Packed { seq_ids: &'a Tensor },
     /// One row [1, T] holding sequences back to back (`lengths` sum to T), each attending
-    /// causally within itself only. Unlike `Packed` there is no T x T mask: attention runs
-    /// as one causal SDPA call per run of equal-length sequences, so flash kernels apply
-    /// and no work is spent across sequences (the trainer's packed micro-batches).
+    /// causally within itself only. Unlike `Packed` there is no T x T mask and no work is
+    /// spent across sequences (the trainer's packed micro-batches); [`SegmentKernel`]
+    /// says which kernels run it.
     Segments { lengths: &'a [i64] },
+}
+
+/// How [`Attention::Segments`] runs: a model property, set once
+/// ([`CausalLm::set_segment_kernel`]), not chosen per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SegmentKernel {
+    /// One variable-length flash-attention call over every sequence of the row, forward
+    /// and backward, where flash attention runs (CUDA sm80+, bf16 or f16, head_dim a
+    /// multiple of 8 up to 256); [`SegmentKernel::PerRun`] elsewhere. A trainer
+    /// micro-batch of many episode lengths costs one kernel per layer, not one per length.
+    #[default]
+    Varlen,
+    /// One causal SDPA call per run of equal-length sequences (CPU and fp32 always run
+    /// this way).
+    PerRun,
+}
+
+/// Sequence boundaries of one packed row for the variable-length flash kernel.
+struct VarlenRow {
+    /// [sequences + 1] i32 offsets of each sequence's first token (flash's `cu_seqlens`).
+    offsets: Tensor,
+    longest: i64,
 }
 
 /// Keys and values of earlier positions, per layer, for incremental decoding.
@@ -177,6 +199,8 @@ struct Ctx {
     segments: Option<Vec<(i64, i64, i64)>>,
     /// Each packed token's keys for the batch-invariant kernel, when it is on.
     invariant: Option<invariant::PackedRows>,
+    /// `Attention::Segments` through one variable-length flash call, where it applies.
+    varlen: Option<VarlenRow>,
 }
 
 struct SelfAttention {
@@ -322,9 +346,10 @@ impl SelfAttention {
         let (bsz, t) = (x.size()[0], x.size()[1]);
         let (q, mut k, mut v) = self.qkv(x, &ctx.cos, &ctx.sin);
         if let Some(runs) = &ctx.segments {
-            let out = match &ctx.invariant {
-                Some(rows) => self.segmented_invariant(&q, &k, &v, runs, rows),
-                None => self.segmented(&q, &k, &v, runs),
+            let out = match (&ctx.invariant, &ctx.varlen) {
+                (Some(rows), _) => self.segmented_invariant(&q, &k, &v, runs, rows),
+                (None, Some(row)) => self.varlen(&q, &k, &v, row),
+                (None, None) => self.segmented(&q, &k, &v, runs),
             };
             let out = out.view([bsz, t, self.num_heads * self.head_dim]);
             return linear_rows(&out, &self.o_proj, None, self.min_rows);
@@ -363,6 +388,27 @@ impl SelfAttention {
 }
 
 impl SelfAttention {
+    /// Causal attention within each segment of one packed row in one flash call: q
+    /// [1, nh, T, hd] and k/v [1, nkv, T, hd] -> [T, nh * hd]. Grouped keys and values go
+    /// in as they are (the kernel maps query heads to them).
+    fn varlen(&self, q: &Tensor, k: &Tensor, v: &Tensor, row: &VarlenRow) -> Tensor {
+        let tokens = |x: &Tensor| x.squeeze_dim(0).transpose(0, 1);
+        let t = q.size()[2];
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = manta_cuda::flash_attention_varlen(
+            &tokens(q),
+            &tokens(k),
+            &tokens(v),
+            &row.offsets,
+            &row.offsets,
+            row.longest,
+            row.longest,
+            scale,
+        )
+        .unwrap_or_else(|e| panic!("variable-length flash attention over {t} tokens: {e}"));
+        out.reshape([t, self.num_heads * self.head_dim])
+    }
+
     /// Causal attention within each segment of one packed row: q [1, nh, T, hd] and
     /// k/v [1, nkv, T, hd] -> [T, nh * hd]. Each run of `count` sequences of length `len`
     /// starting at `start` becomes one batched causal SDPA call.
@@ -409,6 +455,22 @@ fn repeat_kv(x: &Tensor, rep: i64) -> Tensor {
     x.unsqueeze(2)
         .expand([s[0], s[1], rep, s[2], s[3]], false)
         .reshape([s[0], s[1] * rep, s[2], s[3]])
+}
+
+impl VarlenRow {
+    fn new(lengths: &[i64], device: Device) -> Self {
+        let mut offsets = Vec::with_capacity(lengths.len() + 1);
+        offsets.push(0i32);
+        let mut end = 0i64;
+        for &len in lengths.iter().filter(|&&len| len > 0) {
+            end += len;
+            offsets.push(i32::try_from(end).expect("a packed row of more than 2^31 tokens"));
+        }
+        VarlenRow {
+            offsets: Tensor::from_slice(&offsets).to(device),
+            longest: lengths.iter().copied().max().unwrap_or(0),
+        }
+    }
 }
 
 /// Groups consecutive sequences of equal length: (start, count, length) per run; empty
@@ -496,6 +558,7 @@ pub struct CausalLm {
     decode_kernels: Option<paged::DecodeKernels>,
     /// Attention through the batch-invariant kernel ([`CausalLm::set_invariant_attention`]).
     invariant_attention: bool,
+    segment_kernel: SegmentKernel,
 }
 
 impl CausalLm {
@@ -557,7 +620,28 @@ impl CausalLm {
             recompute: None,
             decode_kernels: None,
             invariant_attention: false,
+            segment_kernel: SegmentKernel::default(),
         }
+    }
+
+    /// Which kernels run [`Attention::Segments`] (the default, [`SegmentKernel::Varlen`],
+    /// falls back by itself where flash attention cannot run).
+    pub fn set_segment_kernel(&mut self, kernel: SegmentKernel) {
+        self.segment_kernel = kernel;
+    }
+
+    /// Whether `Attention::Segments` takes the variable-length flash kernel for
+    /// activations of `kind` on `device`.
+    fn varlen_applies(&self, kind: Kind, device: Device) -> bool {
+        let Device::Cuda(index) = device else {
+            return false;
+        };
+        let head_dim = self.cfg.head_dim();
+        self.segment_kernel == SegmentKernel::Varlen
+            && matches!(kind, Kind::BFloat16 | Kind::Half)
+            && head_dim % 8 == 0
+            && head_dim <= 256
+            && manta_cuda::device_arch(index).is_ok_and(|arch| arch >= 80)
     }
 
     /// The configuration this model was built from.
@@ -589,6 +673,7 @@ impl CausalLm {
         let k_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0);
         let mut segments = None;
         let mut invariant = None;
+        let mut varlen = None;
         let (mask, is_causal) = match attn {
             Attention::Causal { key_mask: None } => {
                 if t == 1 {
@@ -639,6 +724,8 @@ impl CausalLm {
                 segments = Some(equal_length_runs(lengths));
                 if self.invariant_attention {
                     invariant = Some(invariant::PackedRows::new(lengths, device));
+                } else if self.varlen_applies(x.kind(), device) {
+                    varlen = Some(VarlenRow::new(lengths, device));
                 }
                 (None, false)
             }
@@ -652,6 +739,7 @@ impl CausalLm {
                 is_causal,
                 segments,
                 invariant,
+                varlen,
             },
         )
     }

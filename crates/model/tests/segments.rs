@@ -159,3 +159,71 @@ fn cuda_bf16_segments_match_each_sequence_alone() {
         "bf16 segments differ from each sequence alone by {d} (relative)"
     );
 }
+
+/// The variable-length flash kernel (one call per layer) and one SDPA call per run of
+/// equal lengths give the same logits and parameter gradients on CUDA in bf16, within
+/// bf16 rounding; both differ from a row that leaks attention across sequences.
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
+#[test]
+fn cuda_varlen_segments_match_per_run_segments_in_gradients() {
+    use manta_model::SegmentKernel;
+    let Some(gpu) = manta_cuda::test_gpu() else {
+        eprintln!("skipped: CUDA is not available (run this test binary on the GPU machine)");
+        return;
+    };
+    let device = Device::Cuda(gpu);
+    let cfg = manta_model::ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "vocab_size": 60, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": false, "max_position_embeddings": 512,
+        "initializer_range": 0.05}"#,
+        "gpu varlen config",
+    )
+    .unwrap();
+    tch::manual_seed(5);
+    let mut vs = VarStore::new(device);
+    let mut m = CausalLm::new(&vs.root(), &cfg);
+    vs.bfloat16();
+    let (input, pos, _) = packed_inputs(device);
+    let weights = Tensor::arange(SEQ.len() as i64, (Kind::Float, device)) / 10.0;
+    let mut run = |kernel: SegmentKernel, attn: &Attention| {
+        m.set_segment_kernel(kernel);
+        for (_, v) in vs.variables() {
+            let mut g = v.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        let mut logits = None;
+        let _ = m.forward_backward(&input, &pos, attn, |h| {
+            let l = m.logits(&h.get(0)).to_kind(Kind::Float);
+            logits = Some(l.detach().copy());
+            (l.log_softmax(-1, Kind::Float).select(1, 0) * &weights).sum(Kind::Float)
+        });
+        let mut g: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .map(|(k, v)| (k, v.grad().to_kind(Kind::Float)))
+            .collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        (logits.expect("the loss closure ran"), g)
+    };
+    let segments = Attention::Segments { lengths: &LENGTHS };
+    let (varlen_logits, varlen) = run(SegmentKernel::Varlen, &segments);
+    let (per_run_logits, per_run) = run(SegmentKernel::PerRun, &segments);
+    let scale = per_run_logits.abs().max().double_value(&[]);
+    let d = max_abs_diff(&varlen_logits, &per_run_logits) / scale;
+    assert!(d < 2e-2, "logits differ by {d} (relative)");
+    assert_eq!(varlen.len(), per_run.len());
+    for ((name, a), (_, b)) in varlen.iter().zip(&per_run) {
+        let d = max_abs_diff(a, b) / b.abs().max().double_value(&[]).max(1e-12);
+        assert!(d < 5e-2, "{name}: gradients differ by {d} (relative)");
+    }
+    let (leaky_logits, _) = run(SegmentKernel::Varlen, &Attention::Causal { key_mask: None });
+    let leak = max_abs_diff(&leaky_logits, &per_run_logits) / scale;
+    assert!(
+        leak > 3.0 * d && leak > 1e-3,
+        "attention across sequences changes the logits by {leak}, kernels differ by {d}"
+    );
+}

@@ -47,6 +47,8 @@ fn available(device: usize) -> Result<&'static NcclApi, CollectiveError> {
             "GPU {device} requested, {count} visible"
         )));
     }
+    // Before NCCL's first communicator: ranks must agree with SGLang's on buffer memory.
+    manta_cuda::process_group::align_nccl_env();
     nccl_api().map_err(CollectiveError::Unavailable)
 }
 

@@ -393,6 +393,27 @@ impl Inner {
         }
     }
 
+    /// Writes the tensors as a safetensors export next to the engine's log and has the
+    /// server load it.
+    async fn write_and_load(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
+        let log = &self.opts.launch.log;
+        let dir = log.with_extension("weights");
+        let io = |e: std::io::Error| EngineError::Weights(format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let config = self.opts.model_dir.join("config.json");
+        std::fs::copy(&config, dir.join("config.json"))
+            .map_err(|e| EngineError::Weights(format!("copying {}: {e}", config.display())))?;
+        let tmp = dir.join("model.safetensors.tmp");
+        {
+            let refs: Vec<(&str, &tch::Tensor)> =
+                weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            tch::Tensor::write_safetensors(&refs, &tmp)?;
+        }
+        drop(weights);
+        std::fs::rename(&tmp, dir.join("model.safetensors")).map_err(io)?;
+        self.load_from_disk(&dir, version, true).await
+    }
+
     async fn load_from_disk(
         &self,
         dir: &Path,
@@ -497,8 +518,9 @@ impl Engine for SglangEngine {
         })
     }
 
-    /// Writes the tensors as a safetensors export next to the engine's log and has the
-    /// server load it, so in-process and on-disk weight sync take one path.
+    /// Over NCCL when the engine was given a group target ([`SglangEngine::feed_over_nccl`]),
+    /// else as a safetensors export the server loads. A failed NCCL update falls back to
+    /// disk for this version and every later one, and says so.
     async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
         let nccl = self
             .inner
@@ -506,25 +528,26 @@ impl Engine for SglangEngine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        if let Some(target) = nccl {
-            return self.inner.update_over_nccl(&target, weights, version).await;
+        let Some(target) = nccl else {
+            return self.inner.write_and_load(weights, version).await;
+        };
+        // Shallow copies: the disk fallback needs the tensors the broadcast takes.
+        let kept: NamedTensors = weights
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        match self.inner.update_over_nccl(&target, weights, version).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                *self
+                    .inner
+                    .nccl_target
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = None;
+                warn!(engine = %self.inner.opts.name, version, error = %e, "weight update over NCCL failed; this engine gets its weights from disk from now on");
+                self.inner.write_and_load(kept, version).await
+            }
         }
-        let log = &self.inner.opts.launch.log;
-        let dir = log.with_extension("weights");
-        let io = |e: std::io::Error| EngineError::Weights(format!("{}: {e}", dir.display()));
-        std::fs::create_dir_all(&dir).map_err(io)?;
-        let config = self.inner.opts.model_dir.join("config.json");
-        std::fs::copy(&config, dir.join("config.json"))
-            .map_err(|e| EngineError::Weights(format!("copying {}: {e}", config.display())))?;
-        let tmp = dir.join("model.safetensors.tmp");
-        {
-            let refs: Vec<(&str, &tch::Tensor)> =
-                weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            tch::Tensor::write_safetensors(&refs, &tmp)?;
-        }
-        drop(weights);
-        std::fs::rename(&tmp, dir.join("model.safetensors")).map_err(io)?;
-        self.inner.load_from_disk(&dir, version, true).await
     }
 
     fn weight_version(&self) -> u64 {

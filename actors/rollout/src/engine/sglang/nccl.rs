@@ -27,6 +27,10 @@ use crate::engine::{EngineError, NamedTensors};
 /// Bounds reaching the store, each broadcast and each HTTP call of the protocol.
 const TIMEOUT: Duration = Duration::from_secs(600);
 
+/// How long the server may take to answer its half of an update after this rank's
+/// broadcast failed, before the update is given up.
+const BROADCAST_FAILED_GRACE: Duration = Duration::from_secs(30);
+
 /// Where the trainer's side of the group lives.
 #[derive(Debug, Clone)]
 pub struct NcclTarget {
@@ -192,24 +196,54 @@ impl Inner {
             "weight_version": version.to_string(),
         });
         let mut group = feed.group;
-        let post = self.post_with("/update_weights_from_distributed", &body, TIMEOUT, false);
+        // Each side's failure must release the other: a server that answers its half with
+        // an error leaves this rank's broadcast waiting for a receiver that is gone, so
+        // the group is aborted; a broadcast that fails leaves the server's half waiting,
+        // so its answer is awaited only for a grace period.
+        let aborter = group.aborter();
+        let broadcast_failed = std::sync::Arc::new(tokio::sync::Notify::new());
+        let post = async {
+            let answered = tokio::select! {
+                r = self.post_with("/update_weights_from_distributed", &body, TIMEOUT, false) => r,
+                _ = async {
+                    broadcast_failed.notified().await;
+                    tokio::time::sleep(BROADCAST_FAILED_GRACE).await;
+                } => Err(EngineError::Stopped(format!(
+                    "/update_weights_from_distributed: no answer {} s after the broadcast failed",
+                    BROADCAST_FAILED_GRACE.as_secs()
+                ))),
+            };
+            let verdict = answered.and_then(|(status, answer)| {
+                success(
+                    "/update_weights_from_distributed",
+                    &self.opts.name,
+                    status,
+                    &answer,
+                )
+            });
+            if verdict.is_err() {
+                if let Err(e) = aborter.abort() {
+                    warn!(engine = %self.opts.name, error = %e, "aborting the weight update group failed");
+                }
+            }
+            verdict
+        };
+        let failed = broadcast_failed.clone();
         let send = tokio::task::spawn_blocking(move || {
             let sent = group.broadcast(&tensors, 0);
+            if sent.is_err() {
+                failed.notify_one();
+            }
             (group, sent)
         });
         let (posted, sent) = tokio::join!(post, send);
         let (group, sent) =
             sent.map_err(|e| EngineError::Weights(format!("broadcast panicked: {e}")))?;
-        // A failed collective leaves the communicator unusable: the group is dropped and
-        // the next update joins a new one.
+        // The server's answer says more than the aborted broadcast; either way the group
+        // is dropped (a failed collective leaves it unusable) and the next update joins a
+        // new one.
+        posted?;
         sent.map_err(|e| EngineError::Weights(format!("{}: {e}", self.opts.name)))?;
-        let (status, answer) = posted?;
-        success(
-            "/update_weights_from_distributed",
-            &self.opts.name,
-            status,
-            &answer,
-        )?;
         *self.nccl_feed.lock().unwrap_or_else(|p| p.into_inner()) = Some(Feed {
             group,
             generation: feed.generation,
