@@ -19,11 +19,12 @@ export MANTA_PYTHON := $(VENV_PY)
 
 CARGO_TEST_FLAGS ?=
 
-.PHONY: run test setup build lint fmt clean-runs help
+.PHONY: run test test-gpu setup build lint fmt clean-runs help
 
 help:
 	@echo "make run    - train the tiny model locally on CPU (default cluster.toml)"
 	@echo "make test   - run the whole CPU test suite"
+	@echo "make test-gpu - on a GPU node: every GPU test on every GPU (bin/tests from bench/run_gpu_tests.sh build)"
 	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard, wandb)"
 	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets"
 
@@ -43,7 +44,14 @@ run: build
 	./target/release/driver --cluster cluster.toml
 
 test: setup
+	$(VENV_PY) tools/test_check_layers.py
+	$(VENV_PY) tools/check_layers.py
 	cargo test --workspace $(CARGO_TEST_FLAGS)
+
+# On the GPU node, with bin/tests built here by `bench/run_gpu_tests.sh build` and carried
+# there; fails when no GPU is visible.
+test-gpu:
+	bash bench/run_gpu_tests.sh
 
 lint: setup
 	cargo fmt --all -- --check

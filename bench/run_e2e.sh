@@ -14,7 +14,7 @@
 #                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/)
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
 #                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
-#                 SDK must be importable by python3 (README, "Several GPUs on one node")
+#                 SDK must be importable by python3 (docs/gpu.md, "The whole loop on a GPU node")
 #   learn-colocated, learn-disagg-sync, learn-disagg-async: the job of `make run` (tiny
 #                 model assets/tiny-qwen3, digits environment, 120 steps of 8 x 8) in
 #                 each placement, to show the reward rising on GPUs

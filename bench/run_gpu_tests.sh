@@ -23,18 +23,27 @@ for line in sys.stdin:
   }
   build -p manta-cuda --lib --test nccl_group
   build -p manta-model --test cuda --test segments
-  build -p manta-rollout --test native_engine_cuda
+  build -p manta-engine --test native_engine_cuda
   build -p manta-trainer --test collectives
   build -p manta-driver --test serve_weights_nccl
   strip bin/tests/*
   ls -la bin/tests
   exit 0
 fi
+# A run on a machine without a GPU would only report skips: it is an error here.
+COUNT=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [ "${COUNT:-0}" -eq 0 ]; then
+  echo "error: no CUDA device visible (nvidia-smi -L lists none): GPU tests need the GPU machine" >&2
+  exit 1
+fi
+GPUS=("$@"); [ ${#GPUS[@]} -gt 0 ] || GPUS=($(seq 0 $((COUNT - 1))))
+for gpu in "${GPUS[@]}"; do
+  [ "$gpu" -lt "$COUNT" ] || { echo "error: GPU $gpu asked for, this machine has $COUNT" >&2; exit 1; }
+done
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 export MANTA_DRIVER_BIN=$PWD/bin/driver
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-GPUS=("$@"); [ ${#GPUS[@]} -gt 0 ] || GPUS=($(seq 0 $(($(nvidia-smi -L | wc -l) - 1))))
 status=0
 printf '%-28s %4s %7s %7s %8s\n' binary gpu passed failed skipped | tee "$OUT/gpu_tests.txt"
 for gpu in "${GPUS[@]}"; do

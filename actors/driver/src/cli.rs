@@ -33,7 +33,7 @@ pub enum Command {
     PrepareTasks(PrepareTasksArgs),
     /// Serve the native engine over SGLang's HTTP API (flags as SGLang's launch_server),
     /// for anything that launches and talks to an SGLang server.
-    Serve(crate::serve::ServeArgs),
+    Serve(manta_serve::ServeArgs),
 }
 
 /// Options of `driver prepare-tasks`.

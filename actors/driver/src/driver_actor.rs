@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use manta_cluster::TrainerCallError;
+use manta_hosting::TrainerCallError;
 use manta_config::TrainerFailurePolicy;
 use manta_telemetry::{MetricsWriter, TensorBoardWriter, WandbSink};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use manta_model::ModelConfig;
-use manta_rollout::engine::{
+use manta_engine::{
     Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
 };
 use manta_tokenizer::Tokenizer;

@@ -12,7 +12,6 @@ pub mod rollouts;
 pub mod run;
 pub mod run_dir;
 pub mod sampling;
-pub mod serve;
 pub mod shutdown;
 pub mod step;
 pub mod tasks;

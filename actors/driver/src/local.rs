@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use manta_cluster::rollout::spawn::start_rollout_actor;
-use manta_cluster::OpenRewardAccess;
+use manta_hosting::rollout::spawn::start_rollout_actor;
+use manta_hosting::OpenRewardAccess;
 use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
-use manta_rollout::engine::{
+use manta_engine::{
     Engine, NativeEngine, NativeEngineOptions, NcclTarget, SglangEngine, SglangOptions,
 };
 use manta_rollout::ors::OrsClient;
@@ -39,7 +39,7 @@ use crate::trainer_handle::TrainerHandle;
 /// trainer's GPU and `rollout.mem_fraction_static` is not set.
 const COLOCATED_MEM_FRACTION: f64 = 0.3;
 
-pub use manta_cluster::rollout::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
+pub use manta_hosting::rollout::spawn::{stop_token_ids, BUILTIN_URL, DEFAULT_SESSION_URL};
 
 /// Handles to everything local mode started.
 pub struct LocalWorker {
@@ -115,7 +115,7 @@ pub(crate) fn environment_clients(
     train: &TrainConfig,
     builtin_url: Option<&str>,
 ) -> anyhow::Result<BTreeMap<String, (OrsClient, bool)>> {
-    Ok(manta_cluster::rollout::spawn::environment_clients(
+    Ok(manta_hosting::rollout::spawn::environment_clients(
         train,
         builtin_url,
         &OpenRewardAccess::from_env(train),

@@ -44,7 +44,7 @@ async fn run(cli: Cli) -> ExitCode {
             };
         }
         Some(Command::Serve(args)) => {
-            return match manta_driver::serve::serve(&args).await {
+            return match manta_serve::serve(&args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e:#}");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use manta_cluster::{
+use manta_hosting::{
     NodeSpec, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
     ShippedTrainConfig, TrainerSpawnConfig,
 };
@@ -212,7 +212,7 @@ pub async fn train_remote(
 fn sglang_spawn(
     cluster: &manta_config::ClusterConfig,
     settings: &manta_config::TrainSettings,
-) -> Option<manta_cluster::SglangSpawn> {
+) -> Option<manta_hosting::SglangSpawn> {
     let r = &cluster.rollout;
     if r.engine != manta_config::EngineKind::Sglang {
         return None;
@@ -223,7 +223,7 @@ fn sglang_spawn(
             gpus.insert(format!("rollout-{i}-{k}"), cluster.engine_gpus(node, k));
         }
     }
-    Some(manta_cluster::SglangSpawn {
+    Some(manta_hosting::SglangSpawn {
         command: r.command.clone(),
         mem_fraction_static: r.mem_fraction_static,
         extra_args: r.extra_args.clone(),

@@ -74,7 +74,7 @@ async fn serve(nccl_env: &'static str) -> ExitCode {
     println!("worker listening on {} ({scheme})", args.listen);
     // Actors run on this (multi-thread) runtime; gRPC on a control-plane thread.
     let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
-    let server = match manta_cluster::spawn_control_plane(daemon.clone(), listener, token, tls) {
+    let server = match manta_hosting::spawn_control_plane(daemon.clone(), listener, token, tls) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: starting the control-plane thread: {e}");

@@ -374,8 +374,8 @@ async fn a_manta_trainer_broadcasts_weights_into_a_server_on_another_gpu() {
 #[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
-    use manta_rollout::engine::sglang::LaunchSpec;
-    use manta_rollout::engine::{
+    use manta_engine::sglang::LaunchSpec;
+    use manta_engine::{
         Engine, GenerateRequest, NcclTarget, SamplingParams, SglangEngine, SglangOptions,
     };
     let Some((trainer_gpu, server_gpu)) = gpu_pair() else {
@@ -508,8 +508,8 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
 /// error, and the engine keeps its disk route: an update still lands.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_cuda_the_nccl_route_is_refused_and_the_disk_route_stays() {
-    use manta_rollout::engine::sglang::LaunchSpec;
-    use manta_rollout::engine::{
+    use manta_engine::sglang::LaunchSpec;
+    use manta_engine::{
         Engine, GenerateRequest, NcclTarget, SamplingParams, SglangEngine, SglangOptions,
     };
     if tch::Cuda::device_count() > 0 {

@@ -1,5 +1,5 @@
 //! `[rollout] engine = "sglang"`: the rollout actor launches, health-checks, restarts and
-//! stops an SGLang server process. SGLang itself cannot run here (no CUDA; see README),
+//! stops an SGLang server process. SGLang itself cannot run here (no CUDA; see docs/engines.md, "SGLang engines"),
 //! so `command` points at the real `driver serve` binary, Manta's SGLang-compatible
 //! server, which the actor launches exactly as it would launch `sglang.launch_server`.
 //!

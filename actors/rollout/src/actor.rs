@@ -8,10 +8,10 @@ use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::Instrument;
 
-use crate::engine::{EngineError, NamedTensors, PauseMode};
 use crate::episode::{
     run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings,
 };
+use manta_engine::{EngineError, NamedTensors, PauseMode};
 
 /// Messages a rollout actor handles.
 pub enum RolloutMsg {
@@ -142,7 +142,7 @@ impl Actor for RolloutActor {
 /// Engines that cannot pause take the update between requests (their update is a
 /// barrier of its own).
 async fn apply_weights(
-    engine: &dyn crate::engine::Engine,
+    engine: &dyn manta_engine::Engine,
     weights: NamedTensors,
     version: u64,
     mode: PauseMode,

@@ -12,10 +12,10 @@ use tracing::field::Empty;
 use tracing::{debug, info_span, warn, Instrument};
 
 use crate::chat::ChatFormat;
-use crate::engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
 use crate::ors::{Block, OrsClient, OrsSession, ToolResult, ToolsListing};
 use crate::tool_call::{parse_tool_call, ParsedTurn, TOOL_CALL_OPEN};
 use crate::upload::{Message, MessageType, RolloutInfo, RolloutRecorder, Uploader};
+use manta_engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
 
 /// The user message sent when a turn has no tool call and the environment has no terminal tool.
 pub const NO_TOOL_CALL_MESSAGE: &str =

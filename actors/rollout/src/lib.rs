@@ -1,6 +1,6 @@
-//! The rollout actor: generates episodes on an engine against ORS environments.
+//! The rollout actor: generates episodes on an engine (`manta_engine`) against ORS
+//! environments.
 //!
-//! - [`engine`]: the engine interface and the native tch engine.
 //! - [`ors`]: the Open Reward Standard client (HTTP + SSE).
 //! - [`chat`]: chat-template pieces for token-level accounting.
 //! - [`tool_call`]: parsing the model's tool calls.
@@ -10,7 +10,6 @@
 
 pub mod actor;
 pub mod chat;
-pub mod engine;
 pub mod episode;
 pub mod ors;
 pub mod tool_call;

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use manta_config::TrainConfig;
 use manta_core::{Sample, SampleStatus};
 use manta_rollout::chat::ChatFormat;
-use manta_rollout::engine::{
+use manta_engine::{
     Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors,
 };
 use manta_rollout::episode::run_episode;

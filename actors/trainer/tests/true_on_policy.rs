@@ -1,7 +1,7 @@
 //! True on-policy mode (`--true-on-policy-mode`) runs attention through a CUDA kernel; on
 //! the CPU the trainer must refuse it by name rather than train with other numerics. The
 //! GPU behaviour is tested on the device machine (crates/model/tests/cuda.rs,
-//! actors/rollout/tests/native_engine_cuda.rs).
+//! crates/engine/tests/native_engine_cuda.rs).
 
 mod common;
 

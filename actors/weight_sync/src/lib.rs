@@ -9,7 +9,7 @@ pub mod route;
 
 use std::time::Instant;
 
-use manta_rollout::engine::PauseMode;
+use manta_engine::PauseMode;
 use manta_rollout::RolloutMsg;
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
 use manta_cuda::ipc::{export_handle, IpcHandle, IpcMapping, HANDLE_BYTES};
-use manta_rollout::engine::{Engine, NativeEngine, NativeEngineOptions, PauseMode};
+use manta_engine::{Engine, NativeEngine, NativeEngineOptions, PauseMode};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 

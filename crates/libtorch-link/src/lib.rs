@@ -18,7 +18,7 @@ pub const LIBTORCH_LIB_ENV: &str = "DEP_TCH_LIBTORCH_LIB";
 /// as a needed library when that libtorch has one (a CPU-only libtorch does not).
 pub fn link_args(lib_dir: &Path) -> Vec<String> {
     // A RUNPATH, not an RPATH: LD_LIBRARY_PATH still wins, so a node whose torch lives
-    // elsewhere points the binary at it (README, "Running on GPU nodes").
+    // elsewhere points the binary at it (docs/gpu.md, "Running the binaries on another machine").
     let mut args = vec![
         "-Wl,--enable-new-dtags".to_string(),
         format!("-Wl,-rpath,{}", lib_dir.display()),

@@ -1,7 +1,7 @@
 //! The cluster runtime: the generic machinery that lets the driver use actors living in
 //! `worker` daemons on other processes or nodes. It knows no Manta actor: which actors
 //! a worker hosts and the services that call them plug in through [`host::ActorHost`]
-//! and [`server::serve_with_services`] (crates/cluster does that for rollouts and
+//! and [`server::serve_with_services`] (actors/hosting does that for rollouts and
 //! trainers).
 //!
 //! - [`auth`]: the cluster token, checked on every gRPC call (both sides).

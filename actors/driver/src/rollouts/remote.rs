@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use manta_cluster::RemotePool;
+use manta_hosting::RemotePool;
 use manta_core::Sample;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 

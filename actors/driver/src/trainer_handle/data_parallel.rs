@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use futures::future::join_all;
-use manta_cluster::weights::WeightSet;
-use manta_cluster::TrainerCallError;
+use manta_hosting::weights::WeightSet;
+use manta_hosting::TrainerCallError;
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
 use manta_trainer::data_parallel::{Collective, NcclCollective, ThreadCollective};
 use manta_trainer::{TrainBatch, TrainerMsg, TrainerOptions, TrainerRankActor, TrainerRankArgs};

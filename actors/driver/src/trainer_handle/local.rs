@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use manta_cluster::weights::WeightSet;
-use manta_cluster::TrainerCallError;
+use manta_hosting::weights::WeightSet;
+use manta_hosting::TrainerCallError;
 use manta_trainer::{NamedTensors, TrainBatch, TrainerMsg};
 use ractor::{call, ActorRef};
 

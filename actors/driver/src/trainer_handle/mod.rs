@@ -12,8 +12,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use manta_cluster::weights::WeightSet;
-use manta_cluster::TrainerCallError;
+use manta_hosting::weights::WeightSet;
+use manta_hosting::TrainerCallError;
 use manta_trainer::TrainBatch;
 
 /// What the step loop asks of the trainer, wherever it lives.

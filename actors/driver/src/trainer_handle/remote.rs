@@ -1,13 +1,13 @@
 //! The trainer on a worker daemon, with its heartbeat and restart
-//! (manta_cluster::RemoteTrainer).
+//! (manta_hosting::RemoteTrainer).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use manta_cluster::weights::WeightSet;
-use manta_cluster::{RemoteTrainer, TrainerCallError};
+use manta_hosting::weights::WeightSet;
+use manta_hosting::{RemoteTrainer, TrainerCallError};
 use manta_trainer::TrainBatch;
 
 use super::{TrainerBackend, TrainerHandle};

@@ -1,0 +1,300 @@
+//! The remote pool against in-process worker daemons: placement errors are refused
+//! before anything starts, a stopped worker is declared dead within `dead_after`, and a
+//! worker back on the same port rejoins with its actors re-spawned.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use manta_hosting::rollout::pool::{NodeSpec, PauseMode};
+use manta_hosting::weights::{self, WeightSet};
+use manta_hosting::{serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig};
+use manta_runtime::WorkerDaemon;
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "pool-test-token";
+
+/// Hosted actors register their names process-wide (ractor's registry), and every test
+/// here hosts `rollout-0-0`: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn spawn_config() -> RolloutSpawnConfig {
+    RolloutSpawnConfig {
+        model_dir: workspace().join("assets/tiny-qwen3"),
+        seed: 1,
+        // Shipped as text: the worker never reads the file, so its path need not exist.
+        train_config: ShippedTrainConfig {
+            path: PathBuf::from("/nowhere/train_config.yaml"),
+            yaml: std::fs::read_to_string(workspace().join("train_config.yaml")).unwrap(),
+        },
+        max_concurrent_episodes: 4,
+        max_batch_size: 4,
+        openreward: Default::default(),
+        sglang: None,
+    }
+}
+
+const OPTS: PoolOptions = PoolOptions {
+    heartbeat_interval: Duration::from_millis(100),
+    dead_after: Duration::from_millis(500),
+    no_live_node_timeout: Duration::from_secs(5),
+    lease_timeout: Duration::from_secs(30),
+};
+
+async fn start_worker(
+    addr: std::net::SocketAddr,
+) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        let stop = async {
+            let _ = rx.await;
+        };
+        serve(WorkerDaemon::new(vec![]), listener, TOKEN.into(), stop)
+            .await
+            .unwrap();
+    });
+    (tx, handle)
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+async fn wait_for(pool: &RemotePool, live: usize, limit: Duration) -> Duration {
+    let started = Instant::now();
+    while pool.live_nodes() != live {
+        assert!(
+            started.elapsed() < limit,
+            "live nodes stayed {} (wanted {live})",
+            pool.live_nodes()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_is_checked_before_anything_starts() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = |address: String, gpus: Vec<u32>| NodeSpec { address, gpus };
+    let err = RemotePool::start(
+        &[node(addr.to_string(), vec![])],
+        "wrong",
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("placement cannot be satisfied")
+            && err.contains(&addr.to_string())
+            && err.contains("wrong cluster token"),
+        "{err}"
+    );
+    let err = RemotePool::start(
+        &[node(addr.to_string(), vec![0])],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("should offer GPU 0"), "{err}");
+    let dead = free_addr();
+    let err = RemotePool::start(
+        &[
+            node(addr.to_string(), vec![]),
+            node(dead.to_string(), vec![]),
+        ],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains(&dead.to_string()), "{err}");
+    // The model must be there on every node; the error names node, path and setting.
+    let missing = RolloutSpawnConfig {
+        model_dir: PathBuf::from("/nowhere/model"),
+        ..spawn_config()
+    };
+    let err = RemotePool::start(&[node(addr.to_string(), vec![])], TOKEN, missing, 1, OPTS)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(&addr.to_string())
+            && err.contains("/nowhere/model does not exist")
+            && err.contains("`model` under [train]"),
+        "{err}"
+    );
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+/// Weights published over gRPC (in small chunks: many per tensor) are what the engine
+/// then holds, bit for bit, with the new version; weights the engine cannot take fail
+/// at once, naming the worker and the tensor, and do not make the node look dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_weights_reach_the_engine_bit_for_bit() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    // The engine's tensors (names, dtypes, shapes) filled with new random values.
+    let before = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!(before.version, 0);
+    tch::manual_seed(11);
+    let set = WeightSet {
+        tensors: before
+            .tensors
+            .iter()
+            .map(|d| {
+                assert_eq!(d.dtype, "F32", "{}", d.name);
+                let t =
+                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+                weights::tensor_bytes(&d.name, &t).unwrap()
+            })
+            .collect(),
+    };
+    let largest = set.tensors.iter().map(|t| t.data.len()).max().unwrap();
+    assert!(
+        largest > 3 * 1024,
+        "the test needs a tensor of several chunks"
+    );
+    let set = std::sync::Arc::new(set);
+    let sync = pool
+        .publish_weights(set.clone(), 5, 1024, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    let after = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!(after.version, 5);
+    assert_eq!(after.tensors, set.digests());
+    assert_ne!(after.tensors, before.tensors);
+
+    // A tensor of the wrong shape is refused; the engine keeps version 5.
+    let mut bad = (*set).clone();
+    bad.tensors[0].shape = vec![bad.tensors[0].data.len() as i64 / 4];
+    let name = bad.tensors[0].name.clone();
+    let err = pool
+        .publish_weights(std::sync::Arc::new(bad), 6, 1024, PauseMode::Drain)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&addr.to_string()) && err.contains(&name) && err.contains("shape"),
+        "{err}"
+    );
+    assert_eq!(pool.live_nodes(), 1);
+    let still = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    assert_eq!((still.version, still.tensors), (5, set.digests()));
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_declared_dead_and_rejoins() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let pool = RemotePool::start(
+        &[NodeSpec {
+            address: addr.to_string(),
+            gpus: vec![],
+        }],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .unwrap();
+    assert_eq!(pool.live_nodes(), 1);
+    let _ = stop.send(());
+    handle.await.unwrap();
+    let took = wait_for(&pool, 0, Duration::from_secs(3)).await;
+    assert!(
+        took <= OPTS.dead_after + OPTS.heartbeat_interval * 3,
+        "dead after {took:?}"
+    );
+    let (stop, handle) = start_worker(addr).await;
+    wait_for(&pool, 1, Duration::from_secs(10)).await;
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_actor_is_dropped_by_the_node_supervisor_and_respawned() {
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let pool = RemotePool::start(
+        &[NodeSpec {
+            address: addr.to_string(),
+            gpus: vec![],
+        }],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .unwrap();
+    let client = manta_runtime::WorkerClient::new(&addr.to_string(), TOKEN).unwrap();
+    let listed = |reply: manta_proto::cluster::HeartbeatReply| reply.actors;
+    let before = client.heartbeat(1, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(listed(before), vec!["rollout-0-0".to_string()]);
+    // The actor dies without being asked to (the daemon runs in this process).
+    let cell = ractor::registry::where_is("rollout-0-0").expect("actor registered");
+    let old_id = cell.get_id();
+    cell.kill();
+    // The supervisor takes it off the node; the pool's heartbeat sees it missing and
+    // spawns it again: a new actor under the same name.
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never respawned"
+        );
+        if let Some(cell) = ractor::registry::where_is("rollout-0-0") {
+            if cell.get_id() != old_id {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_for(&pool, 1, Duration::from_secs(5)).await;
+    let after = client.heartbeat(2, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(listed(after), vec!["rollout-0-0".to_string()]);
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
