@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use manta_hosting::TrainerCallError;
 use manta_config::TrainerFailurePolicy;
+use manta_hosting::TrainerCallError;
 use manta_telemetry::{MetricsWriter, TensorBoardWriter, WandbSink};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::field::Empty;

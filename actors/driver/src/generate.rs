@@ -4,10 +4,8 @@
 use std::path::Path;
 
 use anyhow::{bail, Context};
+use manta_engine::{Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams};
 use manta_model::ModelConfig;
-use manta_engine::{
-    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
-};
 use manta_tokenizer::Tokenizer;
 use serde::Serialize;
 use tch::Device;

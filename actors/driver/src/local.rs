@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use manta_hosting::rollout::spawn::start_rollout_actor;
-use manta_hosting::OpenRewardAccess;
 use manta_config::EngineKind;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_engine::{
     Engine, NativeEngine, NativeEngineOptions, NcclTarget, SglangEngine, SglangOptions,
 };
+use manta_hosting::rollout::spawn::start_rollout_actor;
+use manta_hosting::OpenRewardAccess;
 use manta_rollout::ors::OrsClient;
 use manta_rollout::{RolloutMsg, Uploader};
 use manta_tokenizer::Tokenizer;

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_hosting::{
     NodeSpec, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
     ShippedTrainConfig, TrainerSpawnConfig,
 };
-use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
 use manta_runtime::{load_token, ClientTls, Lease, WorkerClient};
 use tracing::info;
 

@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use manta_config::TrainConfig;
 use manta_core::SampleStatus;
-use manta_rollout::chat::ChatFormat;
 use manta_engine::{
     Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors,
 };
+use manta_rollout::chat::ChatFormat;
 use manta_rollout::episode::{run_episode, NO_TOOL_CALL_MESSAGE};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::{

@@ -14,11 +14,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use manta_config::TrainConfig;
 use manta_core::SampleStatus;
-use manta_rollout::chat::ChatFormat;
 use manta_engine::{
     Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors, NativeEngine,
     NativeEngineOptions,
 };
+use manta_rollout::chat::ChatFormat;
 use manta_rollout::episode::run_episode;
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::{

@@ -10,9 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use manta_engine::{
-    Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams,
-};
+use manta_engine::{Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 

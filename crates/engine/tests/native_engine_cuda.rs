@@ -18,10 +18,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures::future::join_all;
-use manta_model::{token_logprobs, Attention, CausalLm, ModelConfig};
 use manta_engine::{
     Engine, GenerateRequest, NativeEngine, NativeEngineOptions, PauseMode, SamplingParams,
 };
+use manta_model::{token_logprobs, Attention, CausalLm, ModelConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{nn, Device, Kind, Tensor};

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use manta_hosting::RemotePool;
 use manta_core::Sample;
+use manta_hosting::RemotePool;
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 
 use super::{RolloutBackend, Rollouts};

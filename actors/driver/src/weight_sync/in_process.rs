@@ -2,9 +2,9 @@
 //! trainer's tensors to each engine, which copies them into its own parameters.
 
 use anyhow::Context;
+use manta_engine::PauseMode;
 use manta_hosting::weights;
 use manta_proto::weight_sync::EngineDigest;
-use manta_engine::PauseMode;
 use manta_rollout::RolloutMsg;
 use manta_weight_sync::{SyncOptions, WeightSyncMsg};
 use ractor::{call, ActorRef};

@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use manta_proto::weight_sync::{EngineDigest, TensorDigest};
 use manta_engine::PauseMode;
+use manta_proto::weight_sync::{EngineDigest, TensorDigest};
 use manta_telemetry::StepMetrics;
 use manta_weight_sync::route::{self, Endpoint};
 use tracing::{info, warn};

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use manta_engine::PauseMode;
 use manta_hosting::rollout::pool::PauseMode as WirePause;
 use manta_hosting::weights;
 use manta_hosting::RemotePool;
 use manta_proto::weight_sync::EngineDigest;
-use manta_engine::PauseMode;
 
 use super::{EngineTargets, Published};
 use crate::trainer_handle::TrainerHandle;

@@ -8,11 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use manta_config::TrainConfig;
+use manta_engine::{Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions};
 use manta_rollout::actor::RolloutArgs;
 use manta_rollout::chat::ChatFormat;
-use manta_engine::{
-    Engine, NativeEngine, NativeEngineOptions, SglangEngine, SglangOptions,
-};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::{
     EnvironmentHandle, EpisodeContext, RolloutActor, RolloutMsg, UploadConfig, Uploader,

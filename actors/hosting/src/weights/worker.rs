@@ -10,9 +10,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
+use manta_engine::PauseMode;
 use manta_proto::weight_sync as wpb;
 use manta_proto::weight_sync::weight_sync_server::WeightSync;
-use manta_engine::PauseMode;
 use manta_rollout::RolloutMsg;
 use manta_runtime::WorkerDaemon;
 use manta_trainer::{NamedTensors, TrainerMsg};
