@@ -10,6 +10,10 @@ use manta_driver::cli::{Cli, Command};
 fn main() -> ExitCode {
     // Before any thread: NCCL reads its environment once, and every rank must agree.
     let nccl_env = manta_cuda::process_group::align_nccl_env();
+    if let Err(e) = manta_knobs::check() {
+        eprintln!("error: {e} (docs/knobs.md lists the knobs)");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

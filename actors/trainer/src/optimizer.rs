@@ -122,7 +122,7 @@ impl AdamW {
     /// One AdamW update from the current gradients. With master weights the update goes
     /// to the fp32 master and the parameter is then overwritten with its rounded value.
     pub fn step(&mut self) {
-        let fused = !std::env::var("MANTA_FUSED_ADAMW").is_ok_and(|v| v.trim() == "0");
+        let fused = manta_knobs::fused_adamw();
         self.update(fused);
     }
 

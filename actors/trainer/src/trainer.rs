@@ -324,9 +324,7 @@ impl Trainer {
             optimizer,
             opts,
             reference,
-            inject_oom_tokens: std::env::var("MANTA_INJECT_OOM_TOKENS")
-                .ok()
-                .and_then(|v| v.trim().parse().ok()),
+            inject_oom_tokens: fault::inject_oom_tokens(),
         })
     }
 
@@ -802,7 +800,7 @@ impl Trainer {
         }
         std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
         manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?;
-        crash_mid_save_if_asked(&tmp, step);
+        fault::crash_mid_save_if_asked(&tmp, step);
         self.optimizer.save(&tmp)?;
         let state = TrainerState {
             step,
@@ -840,7 +838,7 @@ impl Trainer {
             }
             std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
             manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?;
-            crash_mid_save_if_asked(&tmp, step);
+            fault::crash_mid_save_if_asked(&tmp, step);
             let state = TrainerState {
                 step,
                 optimizer_steps: self.optimizer.step_count(),
@@ -920,24 +918,47 @@ fn agree(
     Ok(())
 }
 
-/// Fault injection for tests: with `MANTA_CRASH_MID_SAVE=<step>` the process dies while
-/// saving that step, after tearing the weights file in half, as a crash or a full disk
-/// would leave it.
-fn crash_mid_save_if_asked(tmp: &Path, step: u64) {
-    let asked = std::env::var("MANTA_CRASH_MID_SAVE")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if asked != Some(step) {
-        return;
+/// Fault injection for tests, compiled only with the `fault-injection` feature (the test
+/// suite's dev-dependencies turn it on; `make run` and release builds never have it).
+#[cfg(feature = "fault-injection")]
+mod fault {
+    use std::path::Path;
+
+    /// `MANTA_INJECT_OOM_TOKENS=N`: micro-batches over N laid-out tokens fail as if out of
+    /// memory (the recovery's tests).
+    pub(super) fn inject_oom_tokens() -> Option<usize> {
+        std::env::var("MANTA_INJECT_OOM_TOKENS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
     }
-    let weights = tmp.join("model.safetensors");
-    if let Ok(meta) = std::fs::metadata(&weights) {
-        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&weights) {
-            let _ = f.set_len(meta.len() / 2);
+
+    /// `MANTA_CRASH_MID_SAVE=<step>`: the process dies while saving that step, after
+    /// tearing the weights file in half, as a crash or a full disk would leave it.
+    pub(super) fn crash_mid_save_if_asked(tmp: &Path, step: u64) {
+        let asked = std::env::var("MANTA_CRASH_MID_SAVE")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if asked != Some(step) {
+            return;
         }
+        let weights = tmp.join("model.safetensors");
+        if let Ok(meta) = std::fs::metadata(&weights) {
+            if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&weights) {
+                let _ = f.set_len(meta.len() / 2);
+            }
+        }
+        eprintln!("MANTA_CRASH_MID_SAVE={step}: crashing in the middle of the save");
+        std::process::abort();
     }
-    eprintln!("MANTA_CRASH_MID_SAVE={step}: crashing in the middle of the save");
-    std::process::abort();
+}
+
+#[cfg(not(feature = "fault-injection"))]
+mod fault {
+    pub(super) fn inject_oom_tokens() -> Option<usize> {
+        None
+    }
+
+    pub(super) fn crash_mid_save_if_asked(_tmp: &std::path::Path, _step: u64) {}
 }
 
 /// Whether `dir` holds HF weights (single file or sharded).

@@ -2,7 +2,7 @@
 //! cache with the CUDA decode kernels, then the fp32 LM head), by CUDA-graph replay: no
 //! host scheduling, no sampling, so differences of a few microseconds between kernel
 //! variants show. Each variant is a copy of the model whose decode kernels were enabled
-//! under its own environment (knobs read at that point, such as MANTA_L2_PREFETCH); the
+//! under its own knobs (manta_knobs overrides, such as MANTA_PAGED_MMA=0); the
 //! variants replay in turn, several rounds, and the median per variant is reported. Each
 //! variant's logits are checked first against the same step through the model's tensor
 //! ops (gathered keys and values, cuBLAS), so a variant that skips work fails rather than
@@ -10,7 +10,7 @@
 //!
 //! usage: decode_step SHAPE(0.6b|8b) BATCH CONTEXT [VARIANT ...]
 //! where VARIANT is NAME or NAME:KEY=VALUE,KEY=VALUE (default: the engine's settings).
-//! Example: decode_step 0.6b 1 640 default cold:MANTA_L2_PREFETCH=0
+//! Example: decode_step 0.6b 1 640 default lanes:MANTA_PAGED_MMA=0
 
 use std::time::Instant;
 
@@ -45,15 +45,13 @@ fn build(
     let mut vs = nn::VarStore::new(device);
     let mut model = CausalLm::new(&vs.root(), cfg);
     vs.set_kind(Kind::BFloat16);
-    // The variant's environment holds while its kernels are enabled and its step is
-    // captured (knobs read at either point apply).
+    // The variant's knobs hold while its kernels are enabled and its step is captured
+    // (knobs read at either point apply).
     for (k, v) in env {
-        std::env::set_var(k, v);
+        manta_knobs::set_override(k, v).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     }
     let captured = capture(cfg, &mut model, batch, context);
-    for (k, _) in env {
-        std::env::remove_var(k);
-    }
+    manta_knobs::clear_overrides();
     let (graph, kv, inputs) = captured.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     Ok(Variant {
         name,

@@ -66,8 +66,7 @@ async fn main() -> anyhow::Result<()> {
         max_running_requests: max_batch,
         max_total_tokens: Some(max_batch * (ctx + 16) + 1024),
         context_length: Some(ctx + 16),
-        disable_overlap_schedule: std::env::var_os("MANTA_DISABLE_OVERLAP_SCHEDULE")
-            .is_some_and(|v| v != "0"),
+        disable_overlap_schedule: !manta_knobs::overlap_schedule(),
         ..NativeEngineOptions::new(&dir, device)
     })?;
     let load_s = t_load.elapsed().as_secs_f64();

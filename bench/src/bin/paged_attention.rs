@@ -2,7 +2,7 @@
 //! CONTEXT tokens in contiguous blocks, Qwen3 attention heads (32 query, 8 kv, head_dim
 //! 128 — the 8B shape), eight layers' pools cycled so L2 holds none of the next, launched
 //! back to back in a CUDA graph. Reports µs per launch and the keys' and values' read
-//! bandwidth, per variant (the kernel's knobs, read at every launch: MANTA_PAGED_TT,
+//! bandwidth, per variant (the kernel's knobs, as manta_knobs overrides: MANTA_PAGED_TT,
 //! MANTA_PAGED_LANES, MANTA_PAGED_WARPS, MANTA_PAGED_CTAS_PER_SM). Set beside
 //! bench/py/probe_kv_layout.py's plain stream of the same bytes, it says how much of the
 //! kernel's time is its own structure and how much is the step around it.
@@ -61,7 +61,7 @@ fn main() -> anyhow::Result<()> {
     for spec in &specs {
         let (name, env) = parse_variant(spec)?;
         for (k, v) in &env {
-            std::env::set_var(k, v);
+            manta_knobs::set_override(k, v).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         }
         let launch = |out: &mut Tensor| -> anyhow::Result<()> {
             for (k, v) in &pools {
@@ -82,9 +82,7 @@ fn main() -> anyhow::Result<()> {
         launch(&mut out)?; // compiles this variant's kernel
         let (graph, captured) = manta_cuda::CudaGraph::capture(0, None, || launch(&mut out))?;
         captured?;
-        for (k, _) in &env {
-            std::env::remove_var(k);
-        }
+        manta_knobs::clear_overrides();
         let mut times = Vec::new();
         for _ in 0..ROUNDS {
             graph.replay()?;

@@ -58,6 +58,7 @@ const GROUP_ELEMS: i64 = 1 << 28;
 /// Updates every master in place (decoupled weight decay, bias-corrected moments, as
 /// torch.optim.AdamW) and copies it, rounded, into its parameter.
 pub fn fused_adamw_masters(slots: &[MasterSlot<'_>], c: AdamWStep) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     if slots.is_empty() {
         return Ok(());
     }
@@ -103,6 +104,7 @@ pub fn fused_adamw_masters(slots: &[MasterSlot<'_>], c: AdamWStep) -> Result<(),
 /// allocator and the next backward pass allocates a fresh one. ZeRO-2 calls it once the
 /// gradients are reduced into its shard.
 pub fn clear_grad(param: &Tensor) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: `as_ptr` is the live at::Tensor behind `param`; the shim only resets its
     // gradient field.
     if unsafe { manta_clear_grad(param.as_ptr() as *mut c_void) } == 0 {

@@ -59,6 +59,7 @@ pub fn supports(k: i64) -> bool {
 /// with `silu`, `w` is [gate | up] ([2n, K]) and `y = silu(x · gateᵀ) × (x · upᵀ)`. A plain
 /// product may write an fp32 `y`: the fp32 sums unrounded (an LM head's logits).
 pub fn gemv(x: &Tensor, w: &Tensor, y: &mut Tensor, silu: bool) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     launch(x, None, w, y, silu)
 }
 
@@ -80,6 +81,7 @@ pub fn gemv_norm(
     y: &mut Tensor,
     silu: bool,
 ) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     launch(residual, Some(norm), w, y, silu)
 }
 
@@ -138,6 +140,7 @@ pub fn gemv_compile(
     max_rows: i64,
     arch: u32,
 ) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
         manta_gemv_compile_check(
@@ -155,6 +158,7 @@ pub fn gemv_compile(
 /// Compiles the fp32-output GEMV (logits) for inner size `k` and `n` outputs, the variants
 /// for up to `max_rows` rows, for `sm_<arch>`.
 pub fn logits_compile(k: usize, n: usize, max_rows: i64, arch: u32) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
         manta_gemv_compile_check(

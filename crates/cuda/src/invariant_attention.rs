@@ -69,6 +69,7 @@ pub fn invariant_attention(
     out: &mut Tensor,
     scale: f64,
 ) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     let (tables, row_ref, block_size) = match layout {
         KeyLayout::Paged {
             tables,
@@ -102,6 +103,7 @@ pub fn compile_check(
     head_dim: usize,
     arch: u32,
 ) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
         manta_invariant_attention_compile_check(

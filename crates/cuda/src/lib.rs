@@ -19,6 +19,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use tch::Tensor;
 
 extern "C" {
+    fn manta_set_kernel_knobs(values: *const i64, n: c_int);
     fn manta_cuda_last_error() -> *const c_char;
     fn manta_cuda_built_with_cuda() -> c_int;
     fn manta_cuda_total_memory(device: c_int, total: *mut usize) -> c_int;
@@ -129,9 +130,27 @@ pub struct KernelShape {
     pub qk_norm: bool,
 }
 
+/// Hands the shim the kernel knobs ([`manta_knobs::KERNEL_KNOBS`]) when they changed since
+/// the last call (the first call, and after a benchmark's override): every entry point
+/// that compiles or launches a kernel calls this first, so the shim never reads the
+/// environment.
+pub(crate) fn sync_kernel_knobs() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static APPLIED: AtomicU64 = AtomicU64::new(u64::MAX);
+    let generation = manta_knobs::generation();
+    if APPLIED.load(Ordering::Acquire) == generation {
+        return;
+    }
+    let values = manta_knobs::kernel_values();
+    // SAFETY: a live array of `values.len()` i64s; the shim copies them.
+    unsafe { manta_set_kernel_knobs(values.as_ptr(), values.len() as c_int) };
+    APPLIED.store(generation, Ordering::Release);
+}
+
 /// Compiles every decode kernel for `shape` and `sm_<arch>` with NVRTC, which needs no
 /// GPU: a check that CPU machines can run.
 pub fn decode_kernels_compile(shape: KernelShape, arch: u32) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: both sources are NUL-terminated statics.
     check(unsafe {
         manta_decode_kernels_compile_check(
@@ -173,6 +192,7 @@ pub fn qk_norm_rope_store(
     q_out: &mut Tensor,
     eps: f64,
 ) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe {
         manta_qk_norm_rope_store(
@@ -200,6 +220,7 @@ pub fn add_rms_norm(
     out: &mut Tensor,
     eps: f64,
 ) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe {
         manta_add_rms_norm(
@@ -215,6 +236,7 @@ pub fn add_rms_norm(
 
 /// `out = silu(gate) × up` for `gate_up` rows laid out [gate | up].
 pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe {
         manta_silu_mul(
@@ -230,6 +252,7 @@ pub fn silu_mul(gate_up: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
 /// GEMM of `Tensor::linear` (BENCHMARKS.md); at::mm where cuBLASLt offers no algorithm, or
 /// with `MANTA_DECODE_LT=0`. Launched on the current stream (CUDA graphs capture it).
 pub fn linear(x: &Tensor, w: &Tensor, y: &mut Tensor) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe { manta_lt_linear(ptr(x), ptr(w), ptr(y)) })
 }
@@ -294,6 +317,7 @@ pub fn paged_decode_attention(
     block_size: usize,
     scale: f64,
 ) -> Result<(), CudaError> {
+    sync_kernel_knobs();
     // SAFETY: the pointers are live at::Tensor handles for the duration of the call; the
     // shim checks shapes, dtypes and devices before touching their data.
     check(unsafe {

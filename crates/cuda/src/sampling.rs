@@ -28,6 +28,7 @@ const SAMPLING_SOURCE: &str = concat!(include_str!("sampling.cu.inc"), "\0");
 /// Sampled tokens are the first in vocabulary order whose cumulative mass exceeds
 /// `u × total`, as the tensor-op sampler's inverse CDF. No top-k / top-p / min-p here.
 pub fn sample_rows(logits: &Tensor, params: &Tensor, out: &mut Tensor) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
     check(unsafe {
         manta_sample_rows(
@@ -41,6 +42,7 @@ pub fn sample_rows(logits: &Tensor, params: &Tensor, out: &mut Tensor) -> Result
 
 /// Compiles the sampling kernel for `sm_<arch>` with NVRTC (no GPU needed).
 pub fn sampling_compile(arch: u32) -> Result<(), CudaError> {
+    crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
         manta_sampling_compile_check(SAMPLING_SOURCE.as_ptr() as *const c_char, arch as c_int)

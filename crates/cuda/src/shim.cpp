@@ -1,6 +1,7 @@
 // CUDA graphs and memory info for tch callers. Every function catches C++ exceptions and
 // returns non-zero with the message kept for manta_cuda_last_error().
 #include "guarded.hpp"
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -169,14 +170,27 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
   return fn;
 }
 
+// Kernel knobs (crates/knobs, KERNEL_KNOBS in this order): set by manta_cuda before each
+// call that may read them, -1 where unset (the kernel's own default applies). Values were
+// checked against what each knob takes there. Atomics: set from whichever thread calls in,
+// read by the launching thread; read at every launch, so one process can capture graphs
+// with several settings (bench/decode_step).
+enum KnobId {
+  kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kKnobCount
+};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+int64_t knob_or(KnobId id, int64_t fallback) {
+  const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
+  return v < 0 ? fallback : v;
+}
+
 // Whether the decode kernels launch with programmatic stream serialization (programmatic
 // dependent launch, sm_90+): each may start while the kernel before it finishes, overlapping
 // its launch and first weight loads with that kernel's tail (bf16.cu.inc says what the
-// kernels do for it). MANTA_PDL=0 turns it off, for A/B runs; read at every launch, so
-// one process can capture graphs both ways.
+// kernels do for it). MANTA_PDL=0 turns it off, for A/B runs.
 bool pdl_enabled(int device) {
-  const char* v = std::getenv("MANTA_PDL");
-  if (v != nullptr && std::string(v) == "0") return false;
+  if (knob_or(kPdl, 1) == 0) return false;
   return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->major >= 9;
 }
 
@@ -221,41 +235,32 @@ void check_bf16(const at::Tensor& t, const char* what) {
 
 // Tuning knobs of the paged kernel for A/B runs (bench/decode_step): lanes per token
 // (MANTA_PAGED_LANES), tokens per step (MANTA_PAGED_TT) and CTAs per SM the context is
-// split to reach (MANTA_PAGED_CTAS_PER_SM, default 4). Read at every launch, so one process can
-// capture graphs with several settings (bench/decode_step).
-int64_t env_knob(const char* name, int64_t fallback, std::initializer_list<int64_t> allowed) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return fallback;
-  const int64_t n = std::atoll(v);
-  for (int64_t a : allowed)
-    if (a == n) return n;
-  return fallback;
-}
+// split to reach (MANTA_PAGED_CTAS_PER_SM).
 // The context is split only while the batch's own CTAs (kv heads × sequences) are fewer
 // than two per SM: past that, splitting adds short CTAs and merges without adding
 // parallelism (H100, per decode step unsplit: 8B batch 64 10,262 -> 9,770 us, 0.6B batch
 // 64 3,535 -> 3,264 us). MANTA_PAGED_CTAS_PER_SM overrides (A/B runs; 4 = the old rule).
 int64_t paged_ctas_per_sm(int64_t ctas, int64_t sms) {
-  return env_knob("MANTA_PAGED_CTAS_PER_SM", ctas >= 2 * sms ? 2 : 4, {1, 2, 3, 4, 6, 8, 12, 16});
+  return knob_or(kPagedCtasPerSm, ctas >= 2 * sms ? 2 : 4);
 }
 // Lanes per token in the paged kernel: enough for 8 elements of the head each (fewer
 // shuffle rounds per score than a whole warp per token), or MANTA_PAGED_LANES (8, 16 or
 // 32, where each lane then holds 2, 4 or 8 elements), for A/B runs.
 int64_t paged_lanes(int64_t hd) {
-  const int64_t lanes = env_knob("MANTA_PAGED_LANES", std::min<int64_t>(32, hd / 8), {8, 16, 32});
+  const int64_t lanes = knob_or(kPagedLanes, std::min<int64_t>(32, hd / 8));
   const int64_t per_lane = hd / lanes;
   return per_lane == 2 || per_lane == 4 || per_lane == 8 ? lanes : std::min<int64_t>(32, hd / 8);
 }
 // Tokens per lane group per step (MANTA_PAGED_TT: 1, 2, 4 or 8; default 4 for a whole warp
 // per token, 2 for narrower groups, so a warp has ~4-8 tokens in flight either way).
-int64_t paged_tokens_per_step(int64_t lanes) { return env_knob("MANTA_PAGED_TT", lanes == 32 ? 4 : 2, {1, 2, 4, 8}); }
+int64_t paged_tokens_per_step(int64_t lanes) { return knob_or(kPagedTt, lanes == 32 ? 4 : 2); }
 // Warps per paged-attention CTA: as many as static shared memory (48 KiB) allows, with one
 // (max, sum, accumulator) per lane group; MANTA_PAGED_WARPS (2, 4 or 8) asks for fewer,
 // for A/B runs (four were measured: BENCHMARKS.md).
 int64_t paged_warps(int64_t hd, int64_t rep, int64_t lanes) {
   const int64_t per_warp = (32 / lanes) * hd * rep;
   const int64_t fits = per_warp <= 1024 ? 8 : per_warp <= 2048 ? 4 : 2;
-  return std::min(fits, env_knob("MANTA_PAGED_WARPS", fits, {2, 4, 8}));
+  return std::min(fits, knob_or(kPagedWarps, fits));
 }
 
 // Each kernel's defines for one shape: what a launch compiles, and what the CPU-side
@@ -271,7 +276,7 @@ std::string paged_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes, i
 // split) and head_dim ≤ 128; MANTA_PAGED_MMA=0 keeps the lane-group kernel (A/B runs).
 constexpr int64_t kPagedMmaWarps = 2;
 bool paged_mma(int64_t hd, int64_t splits) {
-  return splits == 1 && (hd == 64 || hd == 128) && env_knob("MANTA_PAGED_MMA", 1, {0, 1}) == 1;
+  return splits == 1 && (hd == 64 || hd == 128) && knob_or(kPagedMma, 1) == 1;
 }
 // Whether the paged kernel launches as a programmatic dependent of the kernel before it.
 // The tensor-core kernel does not: measured on an H100, it is faster without (bench
@@ -280,7 +285,7 @@ bool paged_mma(int64_t hd, int64_t splits) {
 // launched early, its single wave of equal CTAs takes SM slots while the kernel before
 // still runs, spreads unevenly, and ends with the most-loaded SM. The lane-group kernel
 // keeps PDL (it gains: 9,606 against 9,666 µs). MANTA_PAGED_PDL=0/1 overrides (A/B runs).
-bool paged_pdl(bool mma) { return env_knob("MANTA_PAGED_PDL", mma ? 0 : 1, {0, 1}) == 1; }
+bool paged_pdl(bool mma) { return knob_or(kPagedPdl, mma ? 0 : 1) == 1; }
 std::string paged_mma_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t block_size) {
   return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", kPagedMmaWarps) +
          define("MMA", 1) + define("BLOCK", block_size);
@@ -299,7 +304,7 @@ bool aligned16(std::initializer_list<const void*> pointers) {
 // access took the 8B batch-64 step from 9,397 to 9,205 µs and 0.6B batch 64 from 3,129 to
 // 3,088 (BENCHMARKS.md).
 // MANTA_SMALL_VEC=0 keeps one element per access (A/B runs).
-bool small_kernel_wide() { return env_knob("MANTA_SMALL_VEC", 1, {0, 1}) == 1; }
+bool small_kernel_wide() { return knob_or(kSmallVec, 1) == 1; }
 int64_t small_kernel_vec(int64_t width, bool aligned) {
   return aligned && width % 8 == 0 && small_kernel_wide() ? 8 : 1;
 }
@@ -449,7 +454,7 @@ const EventApi& event_api() {
 }
 
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
-bool decode_lt() { return env_knob("MANTA_DECODE_LT", 1, {0, 1}) == 1; }
+bool decode_lt() { return knob_or(kDecodeLt, 1) == 1; }
 
 struct Graph {
   at::cuda::CUDAGraph graph;
@@ -462,6 +467,15 @@ struct Graph {
 extern "C" {
 
 const char* manta_cuda_last_error() { return last_error().c_str(); }
+
+// The kernel knobs, in KnobId order (-1: unset); see g_knobs.
+void manta_set_kernel_knobs(const int64_t* values, int n) {
+#ifdef MANTA_WITH_CUDA
+  for (int i = 0; i < n && i < kKnobCount; ++i) g_knobs[i].store(values[i], std::memory_order_relaxed);
+#else
+  (void)values; (void)n;
+#endif
+}
 
 int manta_cuda_built_with_cuda() {
 #ifdef MANTA_WITH_CUDA
@@ -1042,23 +1056,16 @@ int64_t gemv_rows_per_warp(int64_t n, bool silu) { return !silu && n >= 4096 ? 2
 // Warps sharing a row: with few outputs (a 0.6B model's o and down projections) one warp
 // per row leaves too few loads in flight. MANTA_GEMV_KSPLIT (1, 2 or 4) overrides, for A/B.
 int64_t gemv_k_split(int64_t k, int64_t n) {
-  static const int64_t forced = [] {
-    const char* v = std::getenv("MANTA_GEMV_KSPLIT");
-    const int64_t f = v == nullptr ? 0 : std::atoll(v);
-    return f == 1 || f == 2 || f == 4 ? f : 0;
-  }();
-  const int64_t split = forced != 0 ? forced : (n <= 2048 ? 4 : 1);
+  const int64_t split = knob_or(kGemvKsplit, n <= 2048 ? 4 : 1);
   return k % (256 * split) == 0 ? split : 1;
 }
 // Warps per CTA. The variants with the fused norm take 8: every CTA computes the norm of
 // the whole input row before its products, so fewer, wider CTAs repeat it less (H100,
 // 2026-11-24: 8B batch 1 144 -> 152 decode tokens/s, 0.6B batch 1 ~3 % in noisy A/Bs; 2
 // warps were slower). MANTA_GEMV_WARPS (2, 4, 8) and MANTA_GEMV_NORM_WARPS (2, 4, 8, 16)
-// override, for A/B runs. Read once.
+// override, for A/B runs.
 int64_t gemv_warps(bool norm) {
-  static const int64_t plain = env_knob("MANTA_GEMV_WARPS", 4, {2, 4, 8});
-  static const int64_t normed = env_knob("MANTA_GEMV_NORM_WARPS", 8, {2, 4, 8, 16});
-  return norm ? normed : plain;
+  return norm ? knob_or(kGemvNormWarps, 8) : knob_or(kGemvWarps, 4);
 }
 int64_t gemv_split(int64_t k, int64_t n, bool norm) { return std::min(gemv_k_split(k, n), gemv_warps(norm)); }
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {

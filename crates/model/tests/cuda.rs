@@ -579,9 +579,9 @@ fn programmatic_dependent_launch_changes_no_bits() {
         let _guard = tch::no_grad_guard();
         let _ = step();
         let capture = |pdl: &str| {
-            std::env::set_var("MANTA_PDL", pdl);
+            manta_knobs::set_override("MANTA_PDL", pdl).expect("a PDL setting");
             let captured = manta_cuda::CudaGraph::capture(index, None, step).expect("capture");
-            std::env::remove_var("MANTA_PDL");
+            manta_knobs::clear_overrides();
             captured
         };
         let (serial, serial_out) = capture("0");

@@ -33,7 +33,7 @@ use crate::trainer_handle::TrainerHandle;
 /// compare them with the trainer's bit for bit (the run fails on a difference), and
 /// append the digests to `runs/<run>/weight_sync.jsonl`; a node that rejoins is checked
 /// the same way after its sync.
-pub const VERIFY_ENV: &str = "MANTA_VERIFY_WEIGHT_SYNC";
+pub const VERIFY_ENV: &str = manta_knobs::VERIFY_WEIGHT_SYNC;
 
 /// The engines weights go to, wherever they live.
 #[async_trait::async_trait]
@@ -143,7 +143,7 @@ impl WeightSync {
 
     /// Verifies every sync and appends the digests to `path` when [`VERIFY_ENV`] is set.
     pub fn verifying_from_env(mut self, path: PathBuf) -> Self {
-        if std::env::var(VERIFY_ENV).is_ok_and(|v| v == "1" || v == "true") {
+        if manta_knobs::verify_weight_sync() {
             if let Some(targets) = &self.targets {
                 targets.verify_rejoins();
             }

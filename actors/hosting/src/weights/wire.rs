@@ -19,7 +19,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 /// Largest weight-sync message either side accepts.
 pub const MAX_WEIGHT_MESSAGE: usize = 16 << 20;
 /// Environment variable overriding [`DEFAULT_CHUNK_BYTES`] (tests use small chunks).
-pub const CHUNK_ENV: &str = "MANTA_WEIGHT_CHUNK_BYTES";
+pub const CHUNK_ENV: &str = manta_knobs::WEIGHT_CHUNK_BYTES;
 
 /// What can be wrong with weights on the wire.
 #[derive(Debug, thiserror::Error)]
@@ -39,17 +39,20 @@ pub enum WeightsError {
 /// The chunk size to send with: [`CHUNK_ENV`] when set (1 byte ..= a quarter of
 /// [`MAX_WEIGHT_MESSAGE`]), else [`DEFAULT_CHUNK_BYTES`].
 pub fn chunk_bytes() -> Result<usize, WeightsError> {
-    let Ok(value) = std::env::var(CHUNK_ENV) else {
-        return Ok(DEFAULT_CHUNK_BYTES);
+    let n = match manta_knobs::weight_chunk_bytes() {
+        Err(e) => {
+            return Err(WeightsError::ChunkSize {
+                value: e.value,
+                message: e.expected,
+            })
+        }
+        Ok(None) => return Ok(DEFAULT_CHUNK_BYTES),
+        Ok(Some(n)) => usize::try_from(n).unwrap_or(usize::MAX),
     };
     let bad = |message: &str| WeightsError::ChunkSize {
-        value: value.clone(),
+        value: n.to_string(),
         message: message.to_string(),
     };
-    let n: usize = value
-        .trim()
-        .parse()
-        .map_err(|_| bad("not a number of bytes"))?;
     if n == 0 || n > MAX_WEIGHT_MESSAGE / 4 {
         return Err(bad(&format!(
             "must be between 1 and {} bytes",

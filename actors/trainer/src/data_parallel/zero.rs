@@ -244,7 +244,7 @@ impl ZeroAdamW {
         }
         self.step += 1;
         let c = self.config;
-        let fused = !std::env::var("MANTA_FUSED_ADAMW").is_ok_and(|v| v.trim() == "0");
+        let fused = manta_knobs::fused_adamw();
         let slot = MasterSlot {
             param: &self.param_shard,
             grad: &self.grad,

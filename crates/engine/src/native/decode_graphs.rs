@@ -129,8 +129,7 @@ impl DecodeGraphs {
         let Device::Cuda(index) = device else {
             return None;
         };
-        if !manta_cuda::built_with_cuda() || std::env::var_os("MANTA_DISABLE_CUDA_GRAPHS").is_some()
-        {
+        if !manta_cuda::built_with_cuda() || !manta_knobs::cuda_graphs() {
             return None;
         }
         Some(Self {

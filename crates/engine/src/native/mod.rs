@@ -482,7 +482,7 @@ fn enable_decode_kernels(model: &mut CausalLm, device: tch::Device, kind: tch::K
     if !device.is_cuda() || kind != tch::Kind::BFloat16 {
         return;
     }
-    if std::env::var("MANTA_DECODE_KERNELS").is_ok_and(|v| v == "0") {
+    if !manta_knobs::decode_kernels() {
         tracing::info!("decode kernels off (MANTA_DECODE_KERNELS=0)");
         return;
     }

@@ -47,10 +47,7 @@ static KERNEL_FAILED: AtomicBool = AtomicBool::new(false);
 /// Whether this build and `MANTA_SAMPLING_KERNEL` (not `0`) allow the kernel; read once.
 fn kernel_allowed() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| {
-        manta_cuda::built_with_cuda()
-            && std::env::var_os("MANTA_SAMPLING_KERNEL").is_none_or(|v| v != "0")
-    })
+    *ALLOWED.get_or_init(|| manta_cuda::built_with_cuda() && manta_knobs::sampling_kernel())
 }
 
 /// Chooses one token per row of `logits` [S, V]; returns (token ids, log-probs).

@@ -115,7 +115,7 @@ impl Worker {
             updates: VecDeque::new(),
             paused: None,
             graphs,
-            profile: std::env::var_os("MANTA_ENGINE_PROFILE").is_some(),
+            profile: manta_knobs::engine_profile(),
             drain_waiters: Vec::new(),
             next_id: 0,
             released_blocks: None,
@@ -780,10 +780,7 @@ impl Pending {
 /// the sampling kernel can take every row, and `MANTA_GRAPH_SAMPLING` is not `0` (A/B runs;
 /// read once).
 fn graph_samples(rows: &[RowSampling], steps: usize, vocab: i64) -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let allowed =
-        *ALLOWED.get_or_init(|| std::env::var_os("MANTA_GRAPH_SAMPLING").is_none_or(|v| v != "0"));
-    allowed && rows.len() == steps && sampler::kernel_handles(rows, vocab)
+    manta_knobs::graph_sampling() && rows.len() == steps && sampler::kernel_handles(rows, vocab)
 }
 
 /// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache

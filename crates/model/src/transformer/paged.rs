@@ -522,8 +522,7 @@ impl SelfAttention {
 /// Whether prefill attention runs as one varlen flash-attention call (`MANTA_PREFILL_VARLEN`
 /// not `0`; read once).
 fn prefill_varlen_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("MANTA_PREFILL_VARLEN").is_none_or(|v| v != "0"))
+    manta_knobs::prefill_varlen()
 }
 
 /// The sequences of a batch after its decode rows, their context slots packed one after
@@ -775,7 +774,7 @@ fn normed_projection(
 /// every inner size a multiple of 256, the kernel compiles, and `MANTA_DECODE_GEMV` is not
 /// `0` (for A/B runs against cuBLAS).
 fn decode_gemv_usable(shape: &manta_cuda::KernelShape, arch: u32) -> bool {
-    if std::env::var_os("MANTA_DECODE_GEMV").is_some_and(|v| v == "0") {
+    if !manta_knobs::decode_gemv() {
         return false;
     }
     let (h, inter) = (shape.hidden, shape.intermediate);
@@ -852,7 +851,7 @@ impl CausalLm {
         }
         // (`gemv` already means the hidden size suits the kernel: it is the q/k/v's K.)
         let logits_gemv = gemv
-            && std::env::var_os("MANTA_LOGITS_GEMV").is_none_or(|v| v != "0")
+            && manta_knobs::logits_gemv()
             && match manta_cuda::gemv::logits_compile(
                 cfg.hidden_size as usize,
                 cfg.vocab_size as usize,

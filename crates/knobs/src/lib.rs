@@ -1,0 +1,402 @@
+//! Tuning knobs: the `MANTA_*` environment variables that switch kernels and code paths,
+//! for A/B runs and benchmarks. Defaults are what production runs; a knob only ever
+//! turns a faster path off or pins a kernel parameter.
+//!
+//! Every knob is in [`KNOBS`] (docs/knobs.md is generated from the same entries). The
+//! environment is read once, on first use; on/off knobs take one spelling rule
+//! (`1`/`true`/`on`/`yes`, `0`/`false`/`off`/`no`, any case) and counts must be one of
+//! the values the kernel supports. A value outside that is an error naming the variable
+//! ([`check`], which the binaries call at start); until then the knob keeps its default.
+//! Benchmarks that compare settings in one process change knobs through [`set_override`].
+//! The CUDA shim reads the kernel knobs through `manta_cuda`, never `getenv`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{OnceLock, RwLock};
+
+/// What values a knob takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Values {
+    /// On or off.
+    Flag,
+    /// One of these counts.
+    OneOf(&'static [i64]),
+    /// A positive byte count (its user checks the range).
+    Bytes,
+}
+
+/// One documented knob.
+#[derive(Debug, Clone, Copy)]
+pub struct Knob {
+    pub name: &'static str,
+    pub values: Values,
+    /// The default, in words (some defaults depend on the GPU or the shape).
+    pub default: &'static str,
+    /// What it is for.
+    pub what: &'static str,
+}
+
+/// Digest every engine's weights after each sync (tests set it for a child process).
+pub const VERIFY_WEIGHT_SYNC: &str = "MANTA_VERIFY_WEIGHT_SYNC";
+/// Bytes per chunk of weights over gRPC.
+pub const WEIGHT_CHUNK_BYTES: &str = "MANTA_WEIGHT_CHUNK_BYTES";
+
+/// Every tuning knob.
+pub const KNOBS: &[Knob] = &[
+    Knob { name: "MANTA_DISABLE_CUDA_GRAPHS", values: Values::Flag, default: "off", what: "native engine: run decode steps eagerly instead of replaying CUDA graphs" },
+    Knob { name: "MANTA_DECODE_KERNELS", values: Values::Flag, default: "on", what: "native engine: fused paged-attention, norm and rotary kernels for bf16 decode (off: tensor ops)" },
+    Knob { name: "MANTA_SAMPLING_KERNEL", values: Values::Flag, default: "on", what: "native engine: sample on the GPU with the fused kernel (off: tensor ops)" },
+    Knob { name: "MANTA_GRAPH_SAMPLING", values: Values::Flag, default: "on", what: "native engine: capture sampling inside the decode graph" },
+    Knob { name: "MANTA_ENGINE_PROFILE", values: Values::Flag, default: "off", what: "native engine: log per-step timings of the engine thread" },
+    Knob { name: "MANTA_DISABLE_OVERLAP_SCHEDULE", values: Values::Flag, default: "off", what: "bench engine_decode: schedule each step after the host read the last one" },
+    Knob { name: "MANTA_PREFILL_VARLEN", values: Values::Flag, default: "on", what: "native engine: prefill through one variable-length flash call (off: one SDPA per sequence)" },
+    Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
+    Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
+    Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
+    Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
+    Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
+    Knob { name: "MANTA_PDL", values: Values::Flag, default: "on (sm_90+)", what: "CUDA kernels: programmatic dependent launch" },
+    Knob { name: "MANTA_PAGED_CTAS_PER_SM", values: Values::OneOf(&[1, 2, 3, 4, 6, 8, 12, 16]), default: "2 or 4 by batch", what: "paged attention: CTAs per SM the context is split to reach" },
+    Knob { name: "MANTA_PAGED_LANES", values: Values::OneOf(&[8, 16, 32]), default: "head_dim / 8", what: "paged attention: lanes per token" },
+    Knob { name: "MANTA_PAGED_TT", values: Values::OneOf(&[1, 2, 4, 8]), default: "4 or 2 by lanes", what: "paged attention: tokens per lane group per step" },
+    Knob { name: "MANTA_PAGED_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "as many as shared memory allows", what: "paged attention: warps per CTA" },
+    Knob { name: "MANTA_PAGED_MMA", values: Values::Flag, default: "on", what: "paged attention: the tensor-core kernel where it applies" },
+    Knob { name: "MANTA_PAGED_PDL", values: Values::Flag, default: "off for the tensor-core kernel, else on", what: "paged attention: launch as a programmatic dependent" },
+    Knob { name: "MANTA_SMALL_VEC", values: Values::Flag, default: "on", what: "small fused kernels: 8 bf16 per access where aligned" },
+    Knob { name: "MANTA_DECODE_LT", values: Values::Flag, default: "on", what: "decode projections through cuBLASLt" },
+    Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel: split of the inner dimension" },
+    Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
+    Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
+];
+
+/// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
+pub const KERNEL_KNOBS: [&str; 12] = [
+    "MANTA_PDL",
+    "MANTA_PAGED_CTAS_PER_SM",
+    "MANTA_PAGED_LANES",
+    "MANTA_PAGED_TT",
+    "MANTA_PAGED_WARPS",
+    "MANTA_PAGED_MMA",
+    "MANTA_PAGED_PDL",
+    "MANTA_SMALL_VEC",
+    "MANTA_DECODE_LT",
+    "MANTA_GEMV_KSPLIT",
+    "MANTA_GEMV_WARPS",
+    "MANTA_GEMV_NORM_WARPS",
+];
+
+/// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
+pub fn kernel_values() -> [i64; 12] {
+    KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
+}
+
+/// A knob's value that is not one it takes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name}={value:?}: {expected}")]
+pub struct KnobError {
+    pub name: String,
+    pub value: String,
+    pub expected: String,
+}
+
+/// The entry of `name`, if it is a knob.
+pub fn knob(name: &str) -> Option<&'static Knob> {
+    KNOBS.iter().find(|k| k.name == name)
+}
+
+/// Parses `raw` as a value of `knob` (flags as 0 or 1).
+pub fn parse(knob: &Knob, raw: &str) -> Result<i64, KnobError> {
+    let error = |expected: String| KnobError {
+        name: knob.name.to_string(),
+        value: raw.to_string(),
+        expected,
+    };
+    let v = raw.trim();
+    match knob.values {
+        Values::Flag => match v.to_ascii_lowercase().as_str() {
+            "1" | "true" | "on" | "yes" => Ok(1),
+            "0" | "false" | "off" | "no" => Ok(0),
+            _ => Err(error(
+                "expected 1, true, on, yes or 0, false, off, no".into(),
+            )),
+        },
+        Values::OneOf(allowed) => match v.parse::<i64>() {
+            Ok(n) if allowed.contains(&n) => Ok(n),
+            _ => Err(error(format!("expected one of {allowed:?}"))),
+        },
+        Values::Bytes => match v.parse::<i64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(error("expected a positive number of bytes".into())),
+        },
+    }
+}
+
+/// The knobs set in an environment, parsed, and the values that could not be.
+#[derive(Debug, Default, Clone)]
+pub struct Settings {
+    values: BTreeMap<&'static str, i64>,
+    errors: Vec<KnobError>,
+}
+
+impl Settings {
+    /// Reads every knob through `lookup` (the process environment in [`settings`]).
+    pub fn read(lookup: impl Fn(&str) -> Option<String>) -> Self {
+        let mut s = Settings::default();
+        for k in KNOBS {
+            if let Some(raw) = lookup(k.name) {
+                match parse(k, &raw) {
+                    Ok(v) => {
+                        s.values.insert(k.name, v);
+                    }
+                    Err(e) => s.errors.push(e),
+                }
+            }
+        }
+        s
+    }
+
+    /// The value set for `name`, if any (flags as 0 or 1).
+    pub fn get(&self, name: &str) -> Option<i64> {
+        self.values.get(name).copied()
+    }
+
+    /// Values that were set but are not ones their knob takes.
+    pub fn errors(&self) -> &[KnobError] {
+        &self.errors
+    }
+}
+
+/// This process's knobs, read from its environment on first use.
+pub fn settings() -> &'static Settings {
+    static SETTINGS: OnceLock<Settings> = OnceLock::new();
+    SETTINGS.get_or_init(|| Settings::read(|name| std::env::var(name).ok()))
+}
+
+/// Bumped by every override change, so a cached view of the knobs (the CUDA shim's)
+/// knows when to refresh.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Changes each time [`set_override`] or [`clear_overrides`] runs.
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Acquire)
+}
+
+fn overrides() -> &'static RwLock<BTreeMap<&'static str, i64>> {
+    static OVERRIDES: OnceLock<RwLock<BTreeMap<&'static str, i64>>> = OnceLock::new();
+    OVERRIDES.get_or_init(Default::default)
+}
+
+/// Sets `name` to `raw` for the rest of the process (or until [`clear_overrides`]),
+/// over the environment: benchmarks comparing settings in one process. Kernel knobs apply
+/// to kernels compiled and launched afterwards.
+pub fn set_override(name: &str, raw: &str) -> Result<(), KnobError> {
+    let k = knob(name).ok_or_else(|| KnobError {
+        name: name.to_string(),
+        value: raw.to_string(),
+        expected: "not a knob (see manta_knobs::KNOBS)".into(),
+    })?;
+    let v = parse(k, raw)?;
+    overrides()
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(k.name, v);
+    GENERATION.fetch_add(1, Ordering::AcqRel);
+    Ok(())
+}
+
+/// Drops every override: the environment's values apply again.
+pub fn clear_overrides() {
+    overrides()
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
+    GENERATION.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The value of `name`: an override, else the environment's, else `None` (the default).
+pub fn value(name: &str) -> Option<i64> {
+    let over = overrides()
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(name)
+        .copied();
+    over.or_else(|| settings().get(name))
+}
+
+/// Whether the flag `name` is on, `default` when it is not set.
+pub fn flag(name: &str, default: bool) -> bool {
+    debug_assert!(
+        knob(name).is_some_and(|k| k.values == Values::Flag),
+        "{name} is not a flag knob"
+    );
+    value(name).map_or(default, |v| v != 0)
+}
+
+/// Native engine: replay decode steps from CUDA graphs.
+pub fn cuda_graphs() -> bool {
+    !flag("MANTA_DISABLE_CUDA_GRAPHS", false)
+}
+
+/// Native engine: the fused decode kernels.
+pub fn decode_kernels() -> bool {
+    flag("MANTA_DECODE_KERNELS", true)
+}
+
+/// Native engine: the sampling kernel.
+pub fn sampling_kernel() -> bool {
+    flag("MANTA_SAMPLING_KERNEL", true)
+}
+
+/// Native engine: sampling captured in the decode graph.
+pub fn graph_sampling() -> bool {
+    flag("MANTA_GRAPH_SAMPLING", true)
+}
+
+/// Native engine: per-step timing logs.
+pub fn engine_profile() -> bool {
+    flag("MANTA_ENGINE_PROFILE", false)
+}
+
+/// engine_decode bench: schedule each step before the host read the previous one.
+pub fn overlap_schedule() -> bool {
+    !flag("MANTA_DISABLE_OVERLAP_SCHEDULE", false)
+}
+
+/// Native engine: prefill through one variable-length flash call.
+pub fn prefill_varlen() -> bool {
+    flag("MANTA_PREFILL_VARLEN", true)
+}
+
+/// Native engine: decode projections through the GEMV kernel.
+pub fn decode_gemv() -> bool {
+    flag("MANTA_DECODE_GEMV", true)
+}
+
+/// Native engine: the LM head through the GEMV kernel.
+pub fn logits_gemv() -> bool {
+    flag("MANTA_LOGITS_GEMV", true)
+}
+
+/// Trainer: the fused AdamW kernel.
+pub fn fused_adamw() -> bool {
+    flag("MANTA_FUSED_ADAMW", true)
+}
+
+/// Driver: verify every weight sync.
+pub fn verify_weight_sync() -> bool {
+    flag(VERIFY_WEIGHT_SYNC, false)
+}
+
+/// Bytes per gRPC weight chunk when set; an unusable value is an error.
+pub fn weight_chunk_bytes() -> Result<Option<i64>, KnobError> {
+    if let Some(e) = settings()
+        .errors()
+        .iter()
+        .find(|e| e.name == WEIGHT_CHUNK_BYTES)
+    {
+        return Err(e.clone());
+    }
+    Ok(value(WEIGHT_CHUNK_BYTES))
+}
+
+/// The first knob set to a value it does not take: the binaries refuse to start on it.
+pub fn check() -> Result<(), KnobError> {
+    settings().errors().first().cloned().map_or(Ok(()), Err)
+}
+
+/// docs/knobs.md's table.
+pub fn markdown_table() -> String {
+    let mut out =
+        String::from("| variable | values | default | what it is for |\n|---|---|---|---|\n");
+    for k in KNOBS {
+        let values = match k.values {
+            Values::Flag => "on/off".to_string(),
+            Values::OneOf(v) => v.iter().map(i64::to_string).collect::<Vec<_>>().join(", "),
+            Values::Bytes => "bytes > 0".to_string(),
+        };
+        out += &format!(
+            "| `{}` | {} | {} | {} |\n",
+            k.name, values, k.default, k.what
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_take_one_spelling_rule() {
+        let k = knob("MANTA_PDL").unwrap();
+        for on in ["1", "true", "ON", " yes "] {
+            assert_eq!(parse(k, on), Ok(1), "{on}");
+        }
+        for off in ["0", "False", "off", "NO"] {
+            assert_eq!(parse(k, off), Ok(0), "{off}");
+        }
+        let e = parse(k, "maybe").unwrap_err();
+        assert_eq!(e.name, "MANTA_PDL");
+        assert!(e.to_string().contains("\"maybe\""), "{e}");
+    }
+
+    #[test]
+    fn counts_must_be_supported_values() {
+        let k = knob("MANTA_PAGED_LANES").unwrap();
+        assert_eq!(parse(k, "16"), Ok(16));
+        let e = parse(k, "12").unwrap_err().to_string();
+        assert!(
+            e.contains("MANTA_PAGED_LANES") && e.contains("[8, 16, 32]"),
+            "{e}"
+        );
+        assert!(parse(knob("MANTA_WEIGHT_CHUNK_BYTES").unwrap(), "0").is_err());
+    }
+
+    #[test]
+    fn an_environment_is_read_once_with_its_errors_kept() {
+        let env = |name: &str| match name {
+            "MANTA_DECODE_KERNELS" => Some("0".to_string()),
+            "MANTA_GEMV_KSPLIT" => Some("3".to_string()),
+            "MANTA_NOT_A_KNOB" => Some("1".to_string()),
+            _ => None,
+        };
+        let s = Settings::read(env);
+        assert_eq!(s.get("MANTA_DECODE_KERNELS"), Some(0));
+        assert_eq!(
+            s.get("MANTA_GEMV_KSPLIT"),
+            None,
+            "a bad value keeps the default"
+        );
+        assert_eq!(s.errors().len(), 1);
+        assert_eq!(s.errors()[0].name, "MANTA_GEMV_KSPLIT");
+    }
+
+    #[test]
+    fn overrides_win_and_are_checked() {
+        assert!(set_override("MANTA_PAGED_TT", "5").is_err());
+        assert!(set_override("MANTA_NOPE", "1").is_err());
+        set_override("MANTA_PAGED_TT", "8").unwrap();
+        assert_eq!(value("MANTA_PAGED_TT"), Some(8));
+        clear_overrides();
+        assert_eq!(value("MANTA_PAGED_TT"), settings().get("MANTA_PAGED_TT"));
+    }
+
+    #[test]
+    fn kernel_knobs_are_knobs() {
+        for name in KERNEL_KNOBS {
+            assert!(knob(name).is_some(), "{name} is not in KNOBS");
+        }
+    }
+
+    #[test]
+    fn every_knob_is_documented_once() {
+        let mut names: Vec<_> = KNOBS.iter().map(|k| k.name).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a knob is listed twice");
+        assert!(KNOBS
+            .iter()
+            .all(|k| k.name.starts_with("MANTA_") && !k.what.is_empty()));
+    }
+}
