@@ -1,7 +1,9 @@
 //! Remote mode end to end: two real `worker` processes on loopback, the real `driver`
 //! training 3 steps on them. One worker is SIGKILLed mid-run and restarted on the same
 //! port: the run completes, the trained sample ids have no gap and no repeat, and the
-//! restarted worker rejoins. Callers without the right token are refused.
+//! restarted worker rejoins. Callers without the right token are refused. Over TLS, a
+//! driver trusting the worker's CA trains; one without it, or trusting another CA, is
+//! refused with an error that says why.
 
 mod common;
 
@@ -19,7 +21,14 @@ const TOKEN: &str = "e2e-cluster-token";
 /// Starts a worker in an empty directory of its own, with no OpenReward settings in
 /// its environment: everything but the model must come from the driver.
 fn start_worker(port: u16, log: &Path) -> Worker {
+    start_worker_with(port, log, &[])
+}
+
+/// [`start_worker`] with more command-line arguments; its stdout goes to `log` with the
+/// extension `stdout`.
+fn start_worker_with(port: u16, log: &Path, extra: &[&std::ffi::OsStr]) -> Worker {
     let cwd = log.with_extension("cwd");
+    let stdout = std::fs::File::create(log.with_extension("stdout")).unwrap();
     std::fs::create_dir_all(&cwd).unwrap();
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -29,13 +38,14 @@ fn start_worker(port: u16, log: &Path) -> Worker {
     let child = Command::new(env!("CARGO_BIN_EXE_worker"))
         .current_dir(&cwd)
         .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(extra)
         .env("MANTA_CLUSTER_TOKEN", TOKEN)
         .env_remove("MANTA_CLUSTER_TOKEN_FILE")
         .env_remove("OPENREWARD_API_KEY")
         .env_remove("OPENREWARD_API_URL")
         .env_remove("OPENREWARD_SESSION_URL")
         .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(log)
         .spawn()
         .expect("worker starts");
@@ -887,4 +897,189 @@ fn remote_rollouts_upload_their_trajectories() {
         "{worker}"
     );
     assert!(!worker.contains(KEY) && !stderr.contains(KEY));
+}
+
+/// A self-signed CA written to `dir/{name}.pem` (returned), with the issuer that signs
+/// with it (certificates made with rcgen, as crates/runtime's TLS tests do).
+fn make_ca(dir: &Path, name: &str) -> (PathBuf, rcgen::CertifiedIssuer<'static, rcgen::KeyPair>) {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca =
+        rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let path = dir.join(format!("{name}.pem"));
+    std::fs::write(&path, ca.pem()).unwrap();
+    (path, ca)
+}
+
+/// A server certificate for `localhost` and 127.0.0.1 signed by `ca`, written to `dir`:
+/// (certificate PEM, private key PEM).
+fn make_server_cert(
+    dir: &Path,
+    ca: &rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+) -> (PathBuf, PathBuf) {
+    let params =
+        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, ca).unwrap();
+    let (cert_path, key_path) = (dir.join("server.pem"), dir.join("server.key"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    (cert_path, key_path)
+}
+
+/// Runs the driver to its end, killing it (and failing the test) if it is still running
+/// after `limit`, a deadline that only stops a hang.
+fn driver_output(cmd: &mut Command, limit: Duration) -> std::process::Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("driver starts");
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let stdout = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut out, &mut buf).unwrap();
+        buf
+    });
+    let stderr = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut err, &mut buf).unwrap();
+        buf
+    });
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the driver was still running after {limit:?}\nstderr:\n{}",
+                String::from_utf8_lossy(&stderr.join().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::process::Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// TLS end to end: a real `worker --tls-cert --tls-key` (certificate signed by a CA made
+/// here) trains a step for a driver whose cluster.toml names that CA in `[cluster]
+/// tls_ca`; a driver without `tls_ca`, and one trusting another CA, are refused before
+/// the run starts, with an error that says what is wrong.
+#[test]
+fn a_tls_worker_trains_for_a_driver_trusting_its_ca_and_refuses_the_rest() {
+    const LIMIT: Duration = Duration::from_secs(300);
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = tmp.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    let (ca, issuer) = make_ca(&certs, "cluster-ca");
+    let (other_ca, _) = make_ca(&certs, "other-ca");
+    let (cert, key) = make_server_cert(&certs, &issuer);
+    let port = free_port();
+    let log = tmp.path().join("w.log");
+    let _worker = start_worker_with(
+        port,
+        &log,
+        &[
+            "--tls-cert".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+        ],
+    );
+    let ws = workspace();
+    let runs = tmp.path().join("runs");
+    let driver = |name: &str, tls_ca: Option<&Path>| {
+        let cluster = tmp.path().join(format!("{name}.toml"));
+        let tls = tls_ca
+            .map(|p| format!("tls_ca = \"{}\"\n", p.display()))
+            .unwrap_or_default();
+        std::fs::write(
+            &cluster,
+            format!(
+                "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\n{tls}\n\
+                 [rollout]\nengines = 1\n\n\
+                 [train]\nmodel = \"{}\"\nmax_response_len = 8\ncontext_len = 512\n\n\
+                 [[nodes]]\naddress = \"127.0.0.1:{port}\"\n",
+                ws.join("train_config.yaml").display(),
+                ws.join("assets/tiny-qwen3").display(),
+            ),
+        )
+        .unwrap();
+        let out = driver_output(
+            Command::new(env!("CARGO_BIN_EXE_driver"))
+                .current_dir(&ws)
+                .args(["--cluster", cluster.to_str().unwrap()])
+                .args(["--runs-dir", runs.to_str().unwrap(), "--save-interval", "0"])
+                .args(["--rollout-batch-size", "2", "--n-samples", "2"])
+                .args(["--num-rollout", "1", "--run-name", name])
+                .env("MANTA_CLUSTER_TOKEN", TOKEN)
+                .env("RUST_LOG", "warn"),
+            LIMIT,
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), stdout, stderr)
+    };
+    let addr = format!("127.0.0.1:{port}");
+
+    // Trusting the cluster CA: one step, its weights applied on the worker over TLS.
+    let (ok, stdout, stderr) = driver("trusted", Some(&ca));
+    assert!(
+        ok,
+        "driver with tls_ca failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("step ")).count(),
+        1,
+        "{stdout}"
+    );
+    let rows = read_metrics(&runs.join("trusted/metrics.jsonl")).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].1["weights/version"], 1.0);
+    assert_eq!(rows[0].1["cluster/live_nodes"], 1.0);
+    let served = std::fs::read_to_string(log.with_extension("stdout")).unwrap();
+    assert!(
+        served.contains(&format!("worker listening on {addr} (TLS)")),
+        "{served}"
+    );
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("weights applied"),
+        "the worker never applied the step's weights"
+    );
+
+    // No tls_ca: plaintext against a TLS worker is refused, and the error says to set it.
+    let (ok, _, stderr) = driver("plaintext", None);
+    assert!(!ok, "a plaintext driver trained against a TLS worker");
+    assert!(
+        stderr.contains(&addr) && stderr.contains("TLS") && stderr.contains("cluster.tls_ca"),
+        "{stderr}"
+    );
+    assert!(!runs.join("plaintext").exists(), "the run started anyway");
+
+    // Trusting another CA: the worker's certificate is rejected, and the error says so.
+    let (ok, _, stderr) = driver("untrusted", Some(&other_ca));
+    assert!(
+        !ok,
+        "a driver trusting another CA trained against the worker"
+    );
+    assert!(
+        stderr.contains(&addr)
+            && stderr.contains("certificate")
+            && (stderr.contains("UnknownIssuer") || stderr.contains("unknown issuer")),
+        "{stderr}"
+    );
+    assert!(!runs.join("untrusted").exists(), "the run started anyway");
 }

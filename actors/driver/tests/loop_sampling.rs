@@ -2,7 +2,8 @@
 //! binary, the tiny model, Manta's built-in environments): dynamic sampling drops
 //! groups whose rewards all agree and still fills the batch, groups left over by
 //! over-sampling are trained in later steps, and asynchronous mode trains on groups
-//! started during the previous step within the staleness bound.
+//! started during the previous step within the staleness bound, episodes that span a
+//! weight update going on with the new weights (partial rollouts).
 
 mod common;
 
@@ -174,10 +175,24 @@ fn groups_left_over_by_over_sampling_are_trained_in_later_steps() {
 #[test]
 fn async_mode_overlaps_training_within_the_staleness_bound() {
     let tmp = tempfile::tempdir().unwrap();
+    // Only the multi-turn counter, with long turns: each episode generates hundreds of
+    // tokens over several turns, far longer than a training step of the tiny model, so
+    // the groups started during a step are still running when its weights are published
+    // (with configs/multiturn.yaml, short single-turn digits groups often finished first).
+    let config = tmp.path().join("counter.yaml");
+    std::fs::write(
+        &config,
+        "environments:\n\
+         \x20 manta/Counter:\n    url: builtin\n    variant: counter\n    splits: [train]\n    \
+         nonterminal_reward: 0.0\n    reward_reduction: sum\n    max_turns: 6\n\
+         system_prompt_template: \"You are an agent that acts through tools.{tools}\"\n\
+         thinking: false\n",
+    )
+    .unwrap();
     let runs = tmp.path().join("runs");
     let stdout = driver(&[
         "--config",
-        "configs/multiturn.yaml",
+        config.to_str().unwrap(),
         "--runs-dir",
         runs.to_str().unwrap(),
         "--run-name",
@@ -191,6 +206,10 @@ fn async_mode_overlaps_training_within_the_staleness_bound() {
         "--max-weight-staleness",
         "1",
         "--partial-rollout",
+        "--max-response-len",
+        "256",
+        "--context-len",
+        "2048",
     ]);
     assert_eq!(
         stdout.lines().filter(|l| l.starts_with("step ")).count(),
@@ -214,6 +233,16 @@ fn async_mode_overlaps_training_within_the_staleness_bound() {
             assert_eq!(m["rollout/groups/prefetched"], 2.0, "step {step}");
         }
     }
+    // Partial rollouts happened: some trained sample has tokens of two weight versions
+    // (an episode ran on across a weight update instead of being regenerated).
+    let partial: Vec<f64> = rows
+        .iter()
+        .map(|(_, m)| m["rollout/partial_samples"])
+        .collect();
+    assert!(
+        partial.iter().any(|&p| p > 0.0),
+        "no step trained a partial rollout: {partial:?}"
+    );
     let ids: Vec<u64> = trained_ids(&runs.join("async"))
         .into_iter()
         .flat_map(|(_, ids)| ids)

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use manta_config::TrainConfig;
 use manta_core::{Sample, SampleStatus};
-use manta_rollout::chat::ChatFormat;
 use manta_engine::{
     Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors,
 };
+use manta_rollout::chat::ChatFormat;
 use manta_rollout::episode::run_episode;
 use manta_rollout::ors::{OrsClient, OrsClientOptions, RetryPolicy, ToolResult};
 use manta_rollout::{
@@ -615,10 +615,10 @@ async fn tool_slower_than_the_ping_interval_still_succeeds() {
     assert_eq!(s.metadata.step_rewards, vec![0.75]);
 }
 
-/// The SSE idle limit should count any bytes, `: ping` comments included (sse.rs says
-/// "each gap between bytes"), so a tool that outlasts the limit while the server pings
-/// every 10 s must succeed without a resume. Today the limit is applied between parsed
-/// events, which never include comments: this call fails with "no data for 11s".
+/// The SSE idle limit counts any bytes, `: ping` comments included (sse.rs applies it to
+/// the byte stream, below the SSE parser that swallows comments), so a tool that outlasts
+/// the 11 s limit (12.5 s) while the server pings every 10 s succeeds without a resume:
+/// the client makes a single attempt, and the result arrives.
 #[tokio::test(flavor = "multi_thread")]
 async fn ping_comments_keep_a_slow_call_alive_without_resuming() {
     let server = sdk_server();

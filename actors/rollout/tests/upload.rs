@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,10 +15,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 use manta_config::TrainConfig;
 use manta_core::SampleStatus;
-use manta_rollout::chat::ChatFormat;
 use manta_engine::{
     Engine, EngineError, FinishReason, GenerateOutput, GenerateRequest, NamedTensors,
 };
+use manta_rollout::chat::ChatFormat;
 use manta_rollout::episode::{run_episode, NO_TOOL_CALL_MESSAGE};
 use manta_rollout::ors::{OrsClient, OrsClientOptions};
 use manta_rollout::upload::{Message, MessageType, RolloutInfo, UploadConfig, Uploader};
@@ -27,15 +28,31 @@ use manta_rollout::{
 use manta_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+/// Only stops a test that would otherwise hang; never reached when things work.
+const HANG: Duration = Duration::from_secs(120);
+
 /// Replays scripted assistant turns.
 struct ScriptedPolicy {
     tokenizer: Arc<Tokenizer>,
     turns: Mutex<Vec<&'static str>>,
+    /// When set, each turn first waits until this count (POSTs that reached an
+    /// endpoint) is at least 1.
+    after_a_post: Option<Arc<AtomicUsize>>,
 }
 
 #[async_trait]
 impl Engine for ScriptedPolicy {
     async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput, EngineError> {
+        if let Some(posts) = &self.after_a_post {
+            let started = Instant::now();
+            while posts.load(Ordering::SeqCst) == 0 {
+                assert!(
+                    started.elapsed() < HANG,
+                    "no upload reached the endpoint within {HANG:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         let text = self.turns.lock().unwrap().remove(0);
         let ids = self.tokenizer.encode(text).unwrap();
         let stopped = ids
@@ -99,6 +116,51 @@ async fn capture_endpoint(status: StatusCode) -> (String, Captured) {
     (format!("http://{addr}"), seen)
 }
 
+/// A local `/v1/rollouts` that holds every POST open until `release` says true, then
+/// answers 500.
+struct HeldEndpoint {
+    url: String,
+    /// POSTs that reached the endpoint.
+    arrived: Arc<AtomicUsize>,
+    /// POSTs answered (only after the release).
+    answered: Arc<AtomicUsize>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+async fn held_endpoint() -> HeldEndpoint {
+    #[derive(Clone)]
+    struct Held {
+        arrived: Arc<AtomicUsize>,
+        answered: Arc<AtomicUsize>,
+        release: tokio::sync::watch::Receiver<bool>,
+    }
+    async fn handler(State(held): State<Held>) -> StatusCode {
+        held.arrived.fetch_add(1, Ordering::SeqCst);
+        let mut release = held.release.clone();
+        let _ = release.wait_for(|released| *released).await;
+        held.answered.fetch_add(1, Ordering::SeqCst);
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+    let (release, released) = tokio::sync::watch::channel(false);
+    let held = Held {
+        arrived: Arc::default(),
+        answered: Arc::default(),
+        release: released,
+    };
+    let app = Router::new()
+        .route("/v1/rollouts", post(handler))
+        .with_state(held.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    HeldEndpoint {
+        url: format!("http://{addr}"),
+        arrived: held.arrived,
+        answered: held.answered,
+        release,
+    }
+}
+
 fn model_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
 }
@@ -110,6 +172,15 @@ struct Setup {
 }
 
 async fn setup(turns: Vec<&'static str>, uploader: Uploader) -> Setup {
+    setup_gated(turns, uploader, None).await
+}
+
+/// [`setup`] with a policy whose turns wait for a POST to reach an endpoint first.
+async fn setup_gated(
+    turns: Vec<&'static str>,
+    uploader: Uploader,
+    after_a_post: Option<Arc<AtomicUsize>>,
+) -> Setup {
     let server = manta_envs::serve(
         "127.0.0.1:0".parse().unwrap(),
         manta_envs::builtin_environments(),
@@ -127,6 +198,7 @@ async fn setup(turns: Vec<&'static str>, uploader: Uploader) -> Setup {
         engine: Arc::new(ScriptedPolicy {
             tokenizer: tokenizer.clone(),
             turns: Mutex::new(turns),
+            after_a_post,
         }),
         chat: ChatFormat::new(tokenizer, train.thinking),
         system_prompt_template: train.system_prompt_template.clone(),
@@ -405,17 +477,41 @@ async fn batches_stay_under_one_megabyte() {
     assert_eq!(events(&seen).len(), 8);
 }
 
+/// An upload that hangs neither fails nor holds up the episode: the endpoint holds the
+/// first POST open (and later answers 500); the episode runs to its end while that POST
+/// is still held, and only then is the endpoint released.
 #[tokio::test(flavor = "multi_thread")]
 async fn failing_endpoint_never_fails_or_blocks_the_episode() {
-    let (url, seen) = capture_endpoint(StatusCode::INTERNAL_SERVER_ERROR).await;
-    let mut c = config(&url);
+    let endpoint = held_endpoint().await;
+    let mut c = config(&endpoint.url);
     c.max_retries = 2;
     c.backoff_base = Duration::from_millis(20);
+    // Each event is a batch of its own and one POST is in flight at a time: the rollout
+    // event's POST goes out at once, and while it is held every later batch waits.
+    c.max_batch_events = 1;
+    c.max_concurrent_uploads = 1;
+    // The held POST must not time out (and be retried) while the episode runs.
+    c.request_timeout = HANG;
     let uploader = Uploader::start(c).unwrap();
-    let s = setup(COUNTER_TURNS.to_vec(), uploader.clone()).await;
-    let started = Instant::now();
-    let sample = run_episode(&s.ctx, &s.env, &request(1), SETTINGS).await;
-    let episode_time = started.elapsed();
+    // The policy's first turn waits until that POST is held at the endpoint, so the rest
+    // of the episode certainly runs while an upload is stuck.
+    let s = setup_gated(
+        COUNTER_TURNS.to_vec(),
+        uploader.clone(),
+        Some(endpoint.arrived.clone()),
+    )
+    .await;
+    // On a task of its own, so the deadline holds even if the episode blocks its thread.
+    let episode = tokio::spawn(async move {
+        let sample = run_episode(&s.ctx, &s.env, &request(1), SETTINGS).await;
+        (s, sample)
+    });
+    let (s, sample) = tokio::time::timeout(HANG, episode)
+        .await
+        .unwrap_or_else(|_| {
+            panic!("the episode was still waiting on the held upload after {HANG:?}")
+        })
+        .unwrap();
     assert_eq!(
         sample.status,
         SampleStatus::Completed,
@@ -423,16 +519,28 @@ async fn failing_endpoint_never_fails_or_blocks_the_episode() {
         sample.metadata
     );
     assert!((sample.reward - 1.1).abs() < 1e-9);
-    assert!(episode_time < Duration::from_secs(20), "{episode_time:?}");
-    let stats = uploader.shutdown(Duration::from_secs(10)).await;
+    // The episode is over; its first upload is still held and nothing was sent or lost.
+    assert_eq!(endpoint.arrived.load(Ordering::SeqCst), 1);
+    assert_eq!(endpoint.answered.load(Ordering::SeqCst), 0);
+    let stats = uploader.stats();
+    assert_eq!(
+        (stats.uploaded, stats.dropped, stats.failed),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+
+    endpoint.release.send(true).unwrap();
+    let stats = uploader.shutdown(HANG).await;
     assert_eq!(
         (stats.uploaded, stats.dropped, stats.failed),
         (0, 0, COUNTER_EVENTS as u64),
         "{stats:?}"
     );
-    // Each batch was tried 1 + max_retries times.
-    let posts = seen.lock().unwrap().len();
-    assert_eq!(posts % 3, 0, "{posts} posts");
-    assert!(posts >= 3);
+    // Each batch (one event) was tried 1 + max_retries times.
+    assert_eq!(
+        endpoint.arrived.load(Ordering::SeqCst),
+        3 * COUNTER_EVENTS,
+        "posts"
+    );
     s.server.shutdown().await;
 }

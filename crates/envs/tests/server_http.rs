@@ -2,7 +2,7 @@
 //! framing against what the `openreward` SDK server answers.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use manta_envs::{
     builtin_environments, Block, EnvError, EnvServer, Environment, Episode, RunToolOutput, Secrets,
@@ -647,10 +647,16 @@ async fn chunking_resume_keepalive_errors_and_secrets() {
     server.shutdown().await;
 }
 
+/// A session idle longer than the TTL is reaped (its sid then answers 410), while one
+/// that is pinged lives on well past the TTL. Time only bounds the test: the TTL is long
+/// next to the ping period, expiry is awaited as a state (the live-session count), and a
+/// deadline far beyond the TTL only stops a hang.
 #[tokio::test]
 async fn idle_sessions_are_reaped_but_pings_keep_them() {
+    const TTL: Duration = Duration::from_secs(3);
+    const HANG: Duration = Duration::from_secs(60);
     let server = EnvServer::new(builtin_environments())
-        .session_ttl(Duration::from_millis(300), Duration::from_millis(50))
+        .session_ttl(TTL, Duration::from_millis(50))
         .serve(local())
         .await
         .expect("server");
@@ -661,15 +667,32 @@ async fn idle_sessions_are_reaped_but_pings_keep_them() {
     let pinged = c
         .open(json!({ "env_name": "digits", "task_spec": { "target": 2 } }))
         .await;
-    for _ in 0..8 {
+    let opened = Instant::now();
+    assert_eq!(server.live_sessions(), 2);
+    // Ping one session until the reaper has taken the other, and on until the pinged one
+    // is 1.5 TTLs old: unpinged, it would have been reaped by then like the idle one.
+    let mut reaped = false;
+    while !reaped || opened.elapsed() < TTL * 3 / 2 {
+        assert!(
+            opened.elapsed() < HANG,
+            "the idle session was never reaped: {} sessions live after {HANG:?}",
+            server.live_sessions()
+        );
+        let (status, body) = c.post("/ping", Some(&pinged), json!({})).await;
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "the pinged session was lost: {body}"
+        );
+        let live = server.live_sessions();
+        assert!(live >= 1, "the pinged session was reaped too");
+        reaped = reaped || live == 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (status, _) = c.post("/ping", Some(&pinged), json!({})).await;
-        assert_eq!(status, StatusCode::OK);
     }
     assert_eq!(server.live_sessions(), 1);
     let (status, body) = c.get("/digits/prompt", Some(&idle)).await;
     assert_eq!(status, StatusCode::GONE, "{body}");
-    let (status, _) = c.get("/digits/prompt", Some(&pinged)).await;
-    assert_eq!(status, StatusCode::OK);
+    let (status, body) = c.get("/digits/prompt", Some(&pinged)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
     server.shutdown().await;
 }

@@ -190,6 +190,30 @@ mod tests {
         assert!(WandbSink::start(&opts, &serde_json::json!({})).is_none());
     }
 
+    /// Only stops a test that would otherwise hang; never reached when things work.
+    const HANG: Duration = Duration::from_secs(120);
+
+    /// Runs `f` on a thread of its own and returns its result; fails the test if `f` has
+    /// not returned within [`HANG`].
+    fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(HANG)
+            .unwrap_or_else(|_| panic!("{what} had not returned after {HANG:?}"))
+    }
+
+    /// A stand-in for the sidecar's Python (started as `PATH -c SCRIPT project run`): a
+    /// shell script running `body`.
+    fn fake_python(dir: &std::path::Path, body: &str) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("python");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    }
+
     #[test]
     fn a_sidecar_that_dies_does_not_block_logging() {
         // `true` exits at once: every later line meets a closed pipe or a closed queue.
@@ -201,9 +225,59 @@ mod tests {
         let sink = WandbSink::start(&opts, &serde_json::json!({})).expect("`true` starts");
         let mut m = StepMetrics::new();
         m.insert("rollout/raw_reward".into(), 0.5);
-        for step in 1..=(2 * QUEUE as u64) {
-            sink.log(step, &m);
-        }
-        sink.finish(Duration::from_secs(600));
+        let sink = returns("logging to a dead sidecar", move || {
+            for step in 1..=(2 * QUEUE as u64) {
+                sink.log(step, &m);
+            }
+            sink
+        });
+        // The sidecar's exit was seen: finish returns at once, not after its timeout.
+        returns("finish after the sidecar died", move || {
+            sink.finish(Duration::from_secs(3600))
+        });
+    }
+
+    #[test]
+    fn a_sidecar_that_does_not_read_never_blocks_logging() {
+        // Alive but reading nothing until released: the pipe fills, then the queue, and
+        // every later step must be dropped (and counted) instead of waited for. (It also
+        // stops waiting when the test's folder is gone, so a failed test leaves no process.)
+        let dir = tempfile::tempdir().unwrap();
+        let release = dir.path().join("release");
+        let python = fake_python(
+            dir.path(),
+            &format!(
+                "while [ ! -e '{r}' ] && [ -d '{d}' ]; do sleep 0.05; done\nexec cat >/dev/null",
+                r = release.display(),
+                d = dir.path().display()
+            ),
+        );
+        let opts = WandbOptions {
+            project: "p".into(),
+            run_name: "r".into(),
+            python: Some(python),
+        };
+        let sink = WandbSink::start(&opts, &serde_json::json!({})).expect("the script starts");
+        let mut m = StepMetrics::new();
+        // About 1 KB a line: the pipe and the writer's buffer hold a few hundred at most.
+        m.insert("x".repeat(1000), 0.5);
+        let steps = 2 * QUEUE as u64;
+        let sink = returns("logging to a sidecar that does not read", move || {
+            for step in 1..=steps {
+                sink.log(step, &m);
+            }
+            sink
+        });
+        // At most the queue and what the pipe took got through; the rest was dropped.
+        let dropped = sink.dropped.load(Ordering::Relaxed);
+        assert!(
+            dropped >= steps - QUEUE as u64 - 1000 && dropped < steps,
+            "{dropped} of {steps} steps dropped"
+        );
+        // Released, the sidecar reads everything, ends on EOF, and finish sees it.
+        std::fs::write(&release, "").unwrap();
+        returns("finish after the sidecar was released", move || {
+            sink.finish(Duration::from_secs(3600))
+        });
     }
 }

@@ -5,7 +5,8 @@ and Megatron's LR schedule, to check Manta's trainer against.
   make  OUT --config CONFIG.json --seed S   tiny HF Qwen3 (transformers) + debug rollout files
   check OUT --run RUN_DIR --ckpt CKPT_DIR --flags FLAGS.json
         replays the debug files with the same flags and compares per-step metrics
-        (metrics.jsonl) and the final weights; exits 1 on a mismatch.
+        (metrics.jsonl: every train/* metric either side makes, bar the ONE_SIDED ones)
+        and the final weights (every tensor either side has); exits 1 on a mismatch.
 """
 import argparse, json, math, os, sys
 
@@ -147,6 +148,7 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
     eps, eps_hi = f.get("eps_clip", 0.2), f.get("eps_clip_high", f.get("eps_clip", 0.2))
     c = f.get("eps_clip_c")
     pg, clipfrac, ppokl, ents, kls, tis, absd, opsm = [], [], [], [], [], [], [], []
+    tis_clipfrac, tis_abs, ois = [], [], []
     for logp, ent, rollout, ref_lp, adv, before in per:
         # slime's batch["log_probs"]: the trainer's log-probs before this rollout's updates.
         train_lp = logp.detach() if before is None else before
@@ -174,13 +176,19 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
             if drop:
                 l = l * 0.0
         if f.get("use_tis"):
+            # slime's vanilla_tis_function (truncate) / icepop_function (mask), and the
+            # "ois" of policy_loss_function: the PPO ratio exp(-ppo_kl).
             w = torch.exp(train_lp - rollout)
-            tis.append(w)
+            lo, hi = f.get("tis_clip_low", 0.0), f.get("tis_clip", 2.0)
             if f.get("tis_mode", "truncate") == "truncate":
-                l = l * w.clamp(f.get("tis_clip_low", 0.0), f.get("tis_clip", 2.0))
+                weight = w.clamp(lo, hi)
             else:
-                inside = (w >= f.get("tis_clip_low", 0.0)) & (w <= f.get("tis_clip", 2.0))
-                l = l * torch.where(inside, w, torch.zeros_like(w))
+                weight = torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
+            l = l * weight
+            tis.append(w)
+            tis_clipfrac.append((weight != w).float())  # tokens whose weight is not the ratio
+            tis_abs.append((w - 1).abs())
+            ois.append(torch.exp(-kl.detach()))
         pg.append(l); clipfrac.append(cf); ppokl.append(kl); ents.append(ent)
         if f.get("use_kl_loss"):
             imp = torch.exp(logp - old) if f.get("use_unbiased_kl") else None
@@ -199,6 +207,9 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
         m["train/kl_loss"] = kl_loss.item()
     if f.get("use_tis"):
         m["train/tis"] = reduce(tis).item()
+        m["train/tis_clipfrac"] = reduce(tis_clipfrac).item()
+        m["train/tis_abs"] = reduce(tis_abs).item()
+        m["train/ois"] = reduce(ois).item()
     if f.get("use_opsm"):
         m["train/opsm_clipfrac"] = sum(opsm)
     m["train/loss"] = loss.item()
@@ -206,8 +217,20 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
     params = [p for p in model.parameters()]
     m["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, f.get("clip_grad", 1.0)).item()
     m["train/lr"] = lr
+    m["train/tokens"] = float(ntok)  # trained tokens (loss mask 1) of this update
     opt.step()
     return m
+
+
+# `train/*` metrics that legitimately exist on one side only, each with why. Every other
+# metric either side produces must be produced, and matched, by the other.
+ONE_SIDED = {
+    "train/oom_skipped": "Manta's count of samples skipped after running out of memory; slime has no OOM recovery",
+    "train/oom_splits": "Manta's count of micro-batches split after running out of memory; slime has no OOM recovery",
+}
+
+# Metrics summed over the updates of a rollout (the rest are averaged), as Manta logs them.
+SUMMED = ("train/tokens",)
 
 
 def check(out, run, ckpt, flags):
@@ -237,20 +260,38 @@ def check(out, run, ckpt, flags):
             lo, hi = k * n // k_steps, (k + 1) * n // k_steps
             ms.append(train_step(model, ref, opt, batch[lo:hi], f, lr_at(opt_step, f, steps * k_steps), pre[lo:hi]))
             opt_step += 1
-        m = {key: sum(x[key] for x in ms) / len(ms) for key in ms[0]}
+        m = {key: sum(x[key] for x in ms) / (1 if key in SUMMED else len(ms)) for key in ms[0]}
         m["train/lr"] = ms[-1]["train/lr"]
         got = ours[step]
         got = got.get("metrics", got)
-        for k, v in m.items():
-            g = got.get(k)
-            if g is None or not math.isclose(g, v, rel_tol=1e-4, abs_tol=1e-5):
+        ours_train = {k for k in got if k.startswith("train/")}
+        for k in sorted(ours_train | set(m)):
+            if k in ONE_SIDED:
+                if k in m:
+                    bad.append(f"step {step + 1} {k}: allowed as one-sided, yet pytorch makes it too: compare it")
+                continue
+            if k not in m:
+                bad.append(f"step {step + 1} {k}: manta logs it ({got[k]}), pytorch has no counterpart")
+                continue
+            if k not in got:
+                bad.append(f"step {step + 1} {k}: pytorch makes it ({m[k]}), manta does not log it")
+                continue
+            g, v = got[k], m[k]
+            if not math.isclose(g, v, rel_tol=1e-4, abs_tol=1e-5):
                 bad.append(f"step {step + 1} {k}: manta {g} vs pytorch {v}")
             else:
                 print(f"step {step + 1} {k}: {g:.6g} == {v:.6g}")
     final = load_file(os.path.join(ckpt, "model.safetensors"))
     sd = model.state_dict()
+    # Tied embeddings: transformers lists lm_head.weight, which is embed_tokens.weight.
+    names = set(sd) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    for k in sorted(set(final) ^ names):
+        side = "manta" if k in final else "pytorch"
+        bad.append(f"weight {k}: only {side} has it")
     moved = 0.0
     for k, v in final.items():
+        if k not in sd:
+            continue
         ref_v = sd[k]
         d = (v.float() - ref_v).abs().max().item()
         moved = max(moved, (ref_v - init[k]).abs().max().item())
