@@ -33,7 +33,7 @@ use super::{
 use scheduler::Scheduler;
 use sequence::Sequence;
 use stop::StopCheck;
-use worker::{Command, Worker};
+use worker::{Command, WeightSource, WeightUpdate, Worker};
 
 /// How to start a native engine. `NativeEngineOptions::new` gives the defaults.
 #[derive(Debug, Clone)]
@@ -305,7 +305,7 @@ impl NativeEngine {
     /// match, known without copying any weights.
     pub async fn weight_shapes(&self) -> Result<Vec<(String, Vec<i64>, Kind)>, EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::WeightShapes(tx))?;
+        self.send(Command::WeightShapes { reply: tx })?;
         answer(rx).await
     }
 
@@ -317,7 +317,11 @@ impl NativeEngine {
         version: u64,
     ) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::UpdateSomeWeights(weights, version, tx))?;
+        self.send(Command::UpdateWeights(WeightUpdate {
+            source: WeightSource::Some(weights),
+            version,
+            reply: tx,
+        }))?;
         answer(rx).await?
     }
 
@@ -359,7 +363,7 @@ impl Drop for NativeEngine {
     /// thread to free the model, the KV cache and its CUDA graphs.
     fn drop(&mut self) {
         let (reply, _) = oneshot::channel();
-        let _ = self.commands.send(Command::Abort(None, reply));
+        let _ = self.commands.send(Command::Abort { rid: None, reply });
         drop(std::mem::replace(&mut self.commands, mpsc::channel().0));
         if let Some(thread) = self.thread.take() {
             if thread.join().is_err() {
@@ -403,7 +407,11 @@ impl Engine for NativeEngine {
 
     async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::UpdateWeights(weights, version, tx))?;
+        self.send(Command::UpdateWeights(WeightUpdate {
+            source: WeightSource::All(weights),
+            version,
+            reply: tx,
+        }))?;
         answer(rx).await?
     }
 
@@ -417,49 +425,53 @@ impl Engine for NativeEngine {
         version: u64,
     ) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::LoadFromDisk(dir, version, tx))?;
+        self.send(Command::UpdateWeights(WeightUpdate {
+            source: WeightSource::Disk(dir),
+            version,
+            reply: tx,
+        }))?;
         answer(rx).await?
     }
 
     async fn abort(&self, rid: Option<String>) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Abort(rid, tx))?;
+        self.send(Command::Abort { rid, reply: tx })?;
         answer(rx).await
     }
 
     async fn pause(&self, mode: PauseMode) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Pause(mode, tx))?;
+        self.send(Command::Pause { mode, reply: tx })?;
         answer(rx).await
     }
 
     async fn resume(&self) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Resume(tx))?;
+        self.send(Command::Resume { reply: tx })?;
         answer(rx).await
     }
 
     async fn flush_cache(&self) -> Result<bool, EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Flush(tx))?;
+        self.send(Command::Flush { reply: tx })?;
         answer(rx).await
     }
 
     async fn release_memory_occupation(&self) -> Result<bool, EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::ReleaseMemory(tx))?;
+        self.send(Command::ReleaseMemory { reply: tx })?;
         answer(rx).await
     }
 
     async fn resume_memory_occupation(&self) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::ResumeMemory(tx))?;
+        self.send(Command::ResumeMemory { reply: tx })?;
         answer(rx).await
     }
 
     async fn read_weights(&self) -> Result<NamedTensors, EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::ReadWeights(tx))?;
+        self.send(Command::ReadWeights { reply: tx })?;
         answer(rx).await
     }
 }

@@ -20,33 +20,68 @@ use super::sequence::Sequence;
 use super::EngineStats;
 use crate::{EngineError, FinishReason, NamedTensors, PauseMode};
 
+/// What the engine thread is asked to do; each carries the channel its answer goes to.
 pub enum Command {
     Generate(Box<Sequence>),
-    UpdateWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
-    /// Some of the parameters (SGLang's bucketed `/update_weights_from_distributed`).
-    UpdateSomeWeights(NamedTensors, u64, oneshot::Sender<Result<(), EngineError>>),
+    /// New weights, applied once the requests that arrived before them finish.
+    UpdateWeights(WeightUpdate),
     /// Every parameter's name, shape and dtype, sorted by name (no copies).
-    WeightShapes(oneshot::Sender<Vec<(String, Vec<i64>, tch::Kind)>>),
-    LoadFromDisk(PathBuf, u64, oneshot::Sender<Result<(), EngineError>>),
-    Abort(Option<String>, oneshot::Sender<()>),
-    Pause(PauseMode, oneshot::Sender<()>),
-    Resume(oneshot::Sender<()>),
-    Flush(oneshot::Sender<bool>),
+    WeightShapes {
+        reply: oneshot::Sender<Vec<(String, Vec<i64>, tch::Kind)>>,
+    },
+    /// Ends one request (`rid`) or every request (`None`).
+    Abort {
+        rid: Option<String>,
+        reply: oneshot::Sender<()>,
+    },
+    Pause {
+        mode: PauseMode,
+        reply: oneshot::Sender<()>,
+    },
+    Resume {
+        reply: oneshot::Sender<()>,
+    },
+    /// Clears the prefix cache when idle (`false`: requests are running).
+    Flush {
+        reply: oneshot::Sender<bool>,
+    },
     /// Copies of the parameters, by name (weight-sync verification).
-    ReadWeights(oneshot::Sender<NamedTensors>),
+    ReadWeights {
+        reply: oneshot::Sender<NamedTensors>,
+    },
     /// Free the KV cache while idle (`false`: requests are running).
-    ReleaseMemory(oneshot::Sender<bool>),
+    ReleaseMemory {
+        reply: oneshot::Sender<bool>,
+    },
     /// Allocate the KV cache again.
-    ResumeMemory(oneshot::Sender<()>),
+    ResumeMemory {
+        reply: oneshot::Sender<()>,
+    },
 }
 
-type UpdateReply = oneshot::Sender<Result<(), EngineError>>;
+/// Where new weights come from.
+pub enum WeightSource {
+    /// Every parameter.
+    All(NamedTensors),
+    /// Some of the parameters (SGLang's bucketed `/update_weights_from_distributed`).
+    Some(NamedTensors),
+    /// A model directory's safetensors.
+    Disk(PathBuf),
+}
+
+/// A weight change and who waits for it.
+pub struct WeightUpdate {
+    pub source: WeightSource,
+    /// The engine's weight version once applied.
+    pub version: u64,
+    pub reply: oneshot::Sender<Result<(), EngineError>>,
+}
 
 /// A weight change waiting for the requests that arrived before it to finish.
-enum Update {
-    Tensors(NamedTensors),
-    Some(NamedTensors),
-    Disk(PathBuf),
+struct PendingUpdate {
+    /// Requests with a smaller id arrived first.
+    after_request: u64,
+    update: WeightUpdate,
 }
 
 pub struct Worker {
@@ -60,7 +95,7 @@ pub struct Worker {
     pub version: Arc<AtomicU64>,
     pub stats: Arc<EngineStats>,
     /// Requests with an id below this run on the old weights; later ones wait for the update.
-    updates: VecDeque<(u64, Update, u64, UpdateReply)>,
+    updates: VecDeque<PendingUpdate>,
     paused: Option<PauseMode>,
     /// CUDA graphs of decode steps (CUDA devices only).
     graphs: Option<DecodeGraphs>,
@@ -179,15 +214,11 @@ impl Worker {
                 }
                 self.sched.waiting.push_back(*seq);
             }
-            Command::UpdateWeights(w, v, reply) => {
-                self.updates
-                    .push_back((self.next_id, Update::Tensors(w), v, reply))
-            }
-            Command::UpdateSomeWeights(w, v, reply) => {
-                self.updates
-                    .push_back((self.next_id, Update::Some(w), v, reply))
-            }
-            Command::WeightShapes(reply) => {
+            Command::UpdateWeights(update) => self.updates.push_back(PendingUpdate {
+                after_request: self.next_id,
+                update,
+            }),
+            Command::WeightShapes { reply } => {
                 let mut shapes: Vec<_> = self
                     .vs
                     .variables()
@@ -197,15 +228,11 @@ impl Worker {
                 shapes.sort_by(|a, b| a.0.cmp(&b.0));
                 let _ = reply.send(shapes);
             }
-            Command::LoadFromDisk(dir, v, reply) => {
-                self.updates
-                    .push_back((self.next_id, Update::Disk(dir), v, reply))
-            }
-            Command::Abort(rid, reply) => {
+            Command::Abort { rid, reply } => {
                 self.abort(rid.as_deref());
                 let _ = reply.send(());
             }
-            Command::Pause(mode, reply) => {
+            Command::Pause { mode, reply } => {
                 match mode {
                     PauseMode::Abort => {
                         self.abort(None);
@@ -223,11 +250,11 @@ impl Worker {
                     }
                 }
             }
-            Command::Resume(reply) => {
+            Command::Resume { reply } => {
                 self.paused = None;
                 let _ = reply.send(());
             }
-            Command::ReadWeights(reply) => {
+            Command::ReadWeights { reply } => {
                 let mut named: NamedTensors = self
                     .vs
                     .variables()
@@ -237,14 +264,14 @@ impl Worker {
                 named.sort_by(|a, b| a.0.cmp(&b.0));
                 let _ = reply.send(named);
             }
-            Command::ReleaseMemory(reply) => {
+            Command::ReleaseMemory { reply } => {
                 let _ = reply.send(self.release_memory());
             }
-            Command::ResumeMemory(reply) => {
+            Command::ResumeMemory { reply } => {
                 self.resume_memory();
                 let _ = reply.send(());
             }
-            Command::Flush(reply) => {
+            Command::Flush { reply } => {
                 let idle = self.sched.is_idle();
                 if idle {
                     self.sched.cache.clear(&mut self.sched.pool);
@@ -317,20 +344,25 @@ impl Worker {
 
     /// Applies weight updates once no request from before them is running.
     fn apply_due_updates(&mut self) {
-        while let Some((barrier, _, _, _)) = self.updates.front() {
-            let barrier = *barrier;
+        while let Some(pending) = self.updates.front() {
+            let barrier = pending.after_request;
             let old_running = self.sched.running.iter().any(|s| s.id < barrier);
             let old_waiting = self.sched.waiting.iter().any(|s| s.id < barrier);
             if old_running || (old_waiting && self.paused.is_none()) {
                 return;
             }
-            let Some((_, update, version, reply)) = self.updates.pop_front() else {
+            let Some(PendingUpdate { update, .. }) = self.updates.pop_front() else {
                 return;
             };
-            let result = match update {
-                Update::Tensors(w) => self.load_tensors(w, true),
-                Update::Some(w) => self.load_tensors(w, false),
-                Update::Disk(dir) => {
+            let WeightUpdate {
+                source,
+                version,
+                reply,
+            } = update;
+            let result = match source {
+                WeightSource::All(w) => self.load_tensors(w, true),
+                WeightSource::Some(w) => self.load_tensors(w, false),
+                WeightSource::Disk(dir) => {
                     manta_model::load_weights(&mut self.vs, &dir).map_err(EngineError::from)
                 }
             };
@@ -423,7 +455,7 @@ impl Worker {
 
     /// Plans a step and runs it.
     fn plan_and_run(&mut self) {
-        let barrier = self.updates.front().map(|u| u.0);
+        let barrier = self.updates.front().map(|u| u.after_request);
         let paused = self.paused.is_some();
         // Paused engines and weight-update barriers hold new requests back.
         let (plan, rejected) = self
