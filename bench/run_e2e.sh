@@ -11,7 +11,8 @@
 #   dp2-disagg, dp2-disagg-async  configs/gpu4-dp2-disagg.toml (four GPUs): trainer ranks on
 #                 GPUs 0 and 1, native engines on GPUs 2 and 3; synchronous and asynchronous
 #   sglang-disagg configs/gpu-sglang-disagg.toml: trainer GPU 0, an SGLang server on GPU 1
-#                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/)
+#                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/);
+#                 SGLANG_LOG_LEVEL=debug adds `--log-level debug` to the server's arguments
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
 #                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
 #                 SDK must be importable by python3 (docs/gpu.md, "The whole loop on a GPU node")
@@ -57,7 +58,20 @@ for mode in "${MODES[@]}"; do
     dp2-colocated) cluster=configs/gpu-dp2-colocated.toml; extra=() ;;
     dp2-disagg)   cluster=configs/gpu4-dp2-disagg.toml; extra=() ;;
     dp2-disagg-async) cluster=configs/gpu4-dp2-disagg.toml; extra=("${ASYNC[@]}") ;;
-    sglang-disagg) cluster=configs/gpu-sglang-disagg.toml; extra=() ;;
+    sglang-disagg) cluster=configs/gpu-sglang-disagg.toml; extra=()
+                  if [ -n "${SGLANG_LOG_LEVEL:-}" ]; then
+                    # A copy of the config beside the original (train_config is relative to it).
+                    debug_cluster=configs/.gpu-sglang-disagg.$SGLANG_LOG_LEVEL.toml
+                    python3 - "$cluster" "$debug_cluster" "$SGLANG_LOG_LEVEL" <<'PY'
+import re, sys
+src, dst, level = sys.argv[1:]
+text = open(src).read()
+text, n = re.subn(r'^extra_args = \[(.*?)\]', lambda m: f'extra_args = [{m.group(1)}, "--log-level", "{level}"]', text, count=1, flags=re.M)
+assert n == 1, f"{src}: no extra_args line to extend"
+open(dst, "w").write(text)
+PY
+                    cluster=$debug_cluster
+                  fi ;;
     ors-sdk)      cluster=configs/gpu-disagg.toml; extra=(--config configs/sdk-counter.yaml)
                   steps=${SDK_STEPS:-5} ;;
     learn-colocated|learn-disagg-sync|learn-disagg-async)
