@@ -19,17 +19,19 @@ pub struct Planned {
     pub q_len: usize,
 }
 
+/// The requests of one engine and the KV blocks they hold. Its state is its own: the
+/// engine thread admits, plans, reads and finishes sequences through these methods.
 pub struct Scheduler {
-    pub pool: BlockPool,
-    pub cache: PrefixCache,
-    pub waiting: VecDeque<Sequence>,
-    pub running: Vec<Sequence>,
-    pub block_size: usize,
-    pub max_running: usize,
+    pool: BlockPool,
+    cache: PrefixCache,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    block_size: usize,
+    max_running: usize,
     /// Most tokens computed in one step (decodes count one each).
-    pub step_tokens: usize,
+    step_tokens: usize,
     /// Sequences preempted so far (they were recomputed later, not failed).
-    pub preemptions: u64,
+    preemptions: u64,
 }
 
 impl Scheduler {
@@ -55,6 +57,90 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Most sequences running at once.
+    pub fn max_running(&self) -> usize {
+        self.max_running
+    }
+
+    /// Tokens the whole KV pool holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.num_blocks() * self.block_size
+    }
+
+    /// Sequences preempted so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// The running sequences, in the order [`Planned::index`] refers to.
+    pub fn running(&self) -> &[Sequence] {
+        &self.running
+    }
+
+    /// The running sequences, to append sampled tokens and advance their generators.
+    pub fn running_mut(&mut self) -> &mut [Sequence] {
+        &mut self.running
+    }
+
+    pub fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Queues a new request.
+    pub fn admit(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq);
+    }
+
+    /// Whether a request with an id below `id` is still running, or waiting.
+    pub fn holds_requests_before(&self, id: u64) -> (bool, bool) {
+        (
+            self.running.iter().any(|s| s.id < id),
+            self.waiting.iter().any(|s| s.id < id),
+        )
+    }
+
+    /// Takes out every waiting and running sequence `hit` selects, their blocks freed.
+    pub fn remove_where(&mut self, hit: impl Fn(&Sequence) -> bool) -> Vec<Sequence> {
+        let mut out = Vec::new();
+        for seq in std::mem::take(&mut self.waiting) {
+            if hit(&seq) {
+                out.push(seq);
+            } else {
+                self.waiting.push_back(seq);
+            }
+        }
+        for seq in std::mem::take(&mut self.running) {
+            if hit(&seq) {
+                out.push(self.release(seq));
+            } else {
+                self.running.push(seq);
+            }
+        }
+        out
+    }
+
+    /// Takes out every running sequence, their blocks freed (a failed step).
+    pub fn take_running(&mut self) -> Vec<Sequence> {
+        let running = std::mem::take(&mut self.running);
+        running.into_iter().map(|s| self.release(s)).collect()
+    }
+
+    /// Takes out the finished running sequence at `index`, its blocks freed.
+    pub fn finish(&mut self, index: usize) -> Sequence {
+        let seq = self.running.remove(index);
+        self.release(seq)
+    }
+
+    /// Forgets every cached prefix (new weights, or the pool is about to go).
+    pub fn clear_prefix_cache(&mut self) {
+        self.cache.clear(&mut self.pool);
+    }
+
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
@@ -78,7 +164,7 @@ impl Scheduler {
     }
 
     /// Frees a finished or aborted sequence's blocks.
-    pub fn release(&mut self, mut seq: Sequence) -> Sequence {
+    fn release(&mut self, mut seq: Sequence) -> Sequence {
         self.release_blocks(&mut seq);
         seq
     }

@@ -126,15 +126,15 @@ impl Worker {
         stats: Arc<EngineStats>,
     ) -> Self {
         // A sequence alone must always fit the pool, so preemption can always make progress.
-        let context_length = context_length.min(sched.pool.num_blocks() * sched.block_size);
+        let context_length = context_length.min(sched.capacity_tokens());
         // Decode steps read the pool in place (block tables) for the kernels, and for
         // batch-invariant attention.
         let graphs = DecodeGraphs::new(
             device,
             model.decode_kernels_enabled() || model.invariant_attention_enabled(),
-            sched.max_running,
+            sched.max_running(),
             context_length,
-            sched.block_size,
+            sched.block_size(),
             0,
         );
         Self {
@@ -170,8 +170,8 @@ impl Worker {
         let _guard = tch::no_grad_guard();
         loop {
             let busy = self.released_blocks.is_none()
-                && (!self.sched.running.is_empty()
-                    || (!self.sched.waiting.is_empty() && self.paused.is_none()));
+                && (!self.sched.running().is_empty()
+                    || (self.sched.has_waiting() && self.paused.is_none()));
             // Released: nothing can run until a command arrives (the resume, or an
             // update applied below), so wait for one instead of spinning.
             if (!busy && self.updates.is_empty()) || self.released_blocks.is_some() {
@@ -187,7 +187,7 @@ impl Worker {
             if self.paused != Some(PauseMode::InPlace) && self.released_blocks.is_none() {
                 self.step();
             }
-            if self.sched.running.is_empty() {
+            if self.sched.running().is_empty() {
                 for w in self.drain_waiters.drain(..) {
                     let _ = w.send(());
                 }
@@ -212,7 +212,7 @@ impl Worker {
                     )));
                     return;
                 }
-                self.sched.waiting.push_back(*seq);
+                self.sched.admit(*seq);
             }
             Command::UpdateWeights(update) => self.updates.push_back(PendingUpdate {
                 after_request: self.next_id,
@@ -274,7 +274,7 @@ impl Worker {
             Command::Flush { reply } => {
                 let idle = self.sched.is_idle();
                 if idle {
-                    self.sched.cache.clear(&mut self.sched.pool);
+                    self.sched.clear_prefix_cache();
                 }
                 let _ = reply.send(idle);
             }
@@ -283,16 +283,22 @@ impl Worker {
 
     /// Frees the KV pool (and the decode graphs that point into it) while no request runs.
     fn release_memory(&mut self) -> bool {
-        if !self.sched.running.is_empty() {
+        if !self.sched.running().is_empty() {
             return false;
         }
         if self.released_blocks.is_some() {
             return true;
         }
-        self.sched.cache.clear(&mut self.sched.pool);
-        let blocks = self.kv.num_slots() / self.sched.block_size;
+        self.sched.clear_prefix_cache();
+        let blocks = self.kv.num_slots() / self.sched.block_size();
         let cfg = self.model.config().clone();
-        self.kv = PagedKvCache::new(&cfg, 0, self.sched.block_size, self.kv.kind(), self.device);
+        self.kv = PagedKvCache::new(
+            &cfg,
+            0,
+            self.sched.block_size(),
+            self.kv.kind(),
+            self.device,
+        );
         if let Some(graphs) = self.graphs.as_mut() {
             graphs.clear();
         }
@@ -313,7 +319,7 @@ impl Worker {
             self.kv = PagedKvCache::new(
                 &cfg,
                 blocks,
-                self.sched.block_size,
+                self.sched.block_size(),
                 self.kv.kind(),
                 self.device,
             );
@@ -322,23 +328,8 @@ impl Worker {
     }
 
     fn abort(&mut self, rid: Option<&str>) {
-        let hit = |s: &Sequence| rid.is_none_or(|r| s.rid == r);
-        let waiting = std::mem::take(&mut self.sched.waiting);
-        for mut seq in waiting {
-            if hit(&seq) {
-                seq.finish(FinishReason::Abort, None);
-            } else {
-                self.sched.waiting.push_back(seq);
-            }
-        }
-        let running = std::mem::take(&mut self.sched.running);
-        for seq in running {
-            if hit(&seq) {
-                let mut seq = self.sched.release(seq);
-                seq.finish(FinishReason::Abort, None);
-            } else {
-                self.sched.running.push(seq);
-            }
+        for mut seq in self.sched.remove_where(|s| rid.is_none_or(|r| s.rid == r)) {
+            seq.finish(FinishReason::Abort, None);
         }
     }
 
@@ -346,8 +337,7 @@ impl Worker {
     fn apply_due_updates(&mut self) {
         while let Some(pending) = self.updates.front() {
             let barrier = pending.after_request;
-            let old_running = self.sched.running.iter().any(|s| s.id < barrier);
-            let old_waiting = self.sched.waiting.iter().any(|s| s.id < barrier);
+            let (old_running, old_waiting) = self.sched.holds_requests_before(barrier);
             if old_running || (old_waiting && self.paused.is_none()) {
                 return;
             }
@@ -368,7 +358,7 @@ impl Worker {
             };
             if result.is_ok() {
                 // Cached keys and values were computed by the old weights.
-                self.sched.cache.clear(&mut self.sched.pool);
+                self.sched.clear_prefix_cache();
                 self.version.store(version, Ordering::SeqCst);
                 info!(version, "native engine weights updated");
             }
@@ -446,9 +436,7 @@ impl Worker {
                 warn!("device synchronisation after the failed step failed too");
             }
         }
-        let running = std::mem::take(&mut self.sched.running);
-        for seq in running {
-            let mut seq = self.sched.release(seq);
+        for mut seq in self.sched.take_running() {
             seq.fail(EngineError::Stopped(format!("model step failed: {msg}")));
         }
     }
@@ -461,14 +449,15 @@ impl Worker {
         let (plan, rejected) = self
             .sched
             .plan(|s| !paused && barrier.is_none_or(|b| s.id < b));
-        self.stats
-            .preemptions
-            .store(self.sched.preemptions, std::sync::atomic::Ordering::Relaxed);
+        self.stats.preemptions.store(
+            self.sched.preemptions(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         // A request's weight version is the one it starts on (a weight update waits for
         // requests that arrived before it, so later ones start on the new weights).
         let version = self.version.load(std::sync::atomic::Ordering::SeqCst);
         for p in &plan {
-            let seq = &mut self.sched.running[p.index];
+            let seq = &mut self.sched.running_mut()[p.index];
             if !seq.started {
                 seq.started = true;
                 seq.weight_version = version;
@@ -484,7 +473,7 @@ impl Worker {
 
     fn run(&mut self, plan: &[Planned]) {
         let mut prof = self.profile.then(|| StepProfile::start(self.device));
-        let bs = self.sched.block_size;
+        let bs = self.sched.block_size();
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         // The rows whose last pending token runs now sample a next token: their flat row
@@ -493,7 +482,7 @@ impl Worker {
         let mut sampled_seqs = Vec::new();
         let mut rows: Vec<RowSampling> = Vec::new();
         for p in plan {
-            let seq = &mut self.sched.running[p.index];
+            let seq = &mut self.sched.running_mut()[p.index];
             let start = seq.num_computed;
             let end = start + p.q_len;
             ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
@@ -510,7 +499,7 @@ impl Worker {
         let vocab = self.model.lm_head_weight().size()[0];
         let graphed = match self.graphs.as_mut() {
             Some(graphs) if plan.iter().all(|p| p.q_len == 1) => {
-                let running = &self.sched.running;
+                let running = &self.sched.running();
                 let sample = graph_samples(&rows, plan.len(), vocab);
                 // When the graph samples, every plan row samples: rows[i] is plan[i]'s.
                 let decode_rows: Vec<DecodeRow> = plan
@@ -542,7 +531,7 @@ impl Worker {
                         self.in_flight = Some(InFlight {
                             seq_ids: plan
                                 .iter()
-                                .map(|p| self.sched.running[p.index].id)
+                                .map(|p| self.sched.running()[p.index].id)
                                 .collect(),
                             tokens,
                         });
@@ -555,7 +544,7 @@ impl Worker {
                 let seqs: Vec<PagedSeq> = plan
                     .iter()
                     .map(|p| {
-                        let seq = &self.sched.running[p.index];
+                        let seq = &self.sched.running()[p.index];
                         let end = seq.num_computed + p.q_len;
                         PagedSeq {
                             q_len: p.q_len,
@@ -624,12 +613,12 @@ impl Worker {
             return None;
         }
         let sched = &self.sched;
-        if !sched.waiting.is_empty() && sched.running.len() < sched.max_running {
+        if sched.has_waiting() && sched.running().len() < sched.max_running() {
             return None;
         }
-        let same_rows = sched.running.len() == current.seq_ids.len()
+        let same_rows = sched.running().len() == current.seq_ids.len()
             && sched
-                .running
+                .running()
                 .iter()
                 .zip(&current.seq_ids)
                 .all(|(s, &id)| s.id == id);
@@ -639,11 +628,15 @@ impl Worker {
             s.output().len() + 1 < s.params.max_new_tokens
                 && s.tokens.len() + 1 < self.context_length
         };
-        if !same_rows || !sched.running.iter().all(continues) {
+        if !same_rows || !sched.running().iter().all(continues) {
             return None;
         }
-        let longest = sched.running.iter().map(|s| s.tokens.len() + 1).max()?;
-        if !self.graphs.as_ref()?.can_feed(sched.running.len(), longest) {
+        let longest = sched.running().iter().map(|s| s.tokens.len() + 1).max()?;
+        if !self
+            .graphs
+            .as_ref()?
+            .can_feed(sched.running().len(), longest)
+        {
             return None;
         }
         if !self.sched.reserve_ahead() {
@@ -651,10 +644,10 @@ impl Worker {
         }
         // The draws are put back if nothing is launched, so seeded requests sample the
         // same tokens either way.
-        let draws: Vec<_> = self.sched.running.iter().map(|s| s.rng.clone()).collect();
+        let draws: Vec<_> = self.sched.running().iter().map(|s| s.rng.clone()).collect();
         let rows: Vec<RowSampling> = self
             .sched
-            .running
+            .running_mut()
             .iter_mut()
             .map(Sequence::row_sampling)
             .collect();
@@ -662,7 +655,7 @@ impl Worker {
         let launched = if graph_samples(&rows, rows.len(), vocab) {
             let decode_rows: Vec<DecodeRow> = self
                 .sched
-                .running
+                .running()
                 .iter()
                 .zip(&rows)
                 .map(|(s, r)| DecodeRow {
@@ -688,7 +681,7 @@ impl Worker {
                 })
             }
             None => {
-                for (s, rng) in self.sched.running.iter_mut().zip(draws) {
+                for (s, rng) in self.sched.running_mut().iter_mut().zip(draws) {
                     s.rng = rng;
                 }
                 None
@@ -702,7 +695,7 @@ impl Worker {
         let (next, logprobs) = step.tokens.read(step.seq_ids.len());
         let index_of: HashMap<u64, usize> = self
             .sched
-            .running
+            .running()
             .iter()
             .enumerate()
             .map(|(i, s)| (s.id, i))
@@ -730,7 +723,7 @@ impl Worker {
         }
         let mut finished = Vec::new();
         for ((&index, tok), lp) in sampled.iter().zip(next).zip(logprobs) {
-            let seq = &mut self.sched.running[index];
+            let seq = &mut self.sched.running_mut()[index];
             seq.tokens.push(tok as u32);
             seq.logprobs.push(lp);
             let done = seq
@@ -747,9 +740,7 @@ impl Worker {
         // Remove finished sequences from the back so indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         for (index, (reason, matched)) in finished {
-            let seq = self.sched.running.remove(index);
-            let mut seq = self.sched.release(seq);
-            seq.finish(reason, matched);
+            self.sched.finish(index).finish(reason, matched);
         }
     }
 }
