@@ -15,7 +15,7 @@ use crate::recompute::{Recompute, RecomputeError};
 
 mod invariant;
 mod paged;
-pub use paged::{decode_counters, PagedBatch, PagedKvCache, PagedSeq};
+pub use paged::{decode_counters, PagedAttention, PagedBatch, PagedKvCache, PagedSeq};
 
 /// How tokens of a batch may attend to each other.
 pub enum Attention<'a> {

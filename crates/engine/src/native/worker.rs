@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
-use manta_model::{CausalLm, PagedBatch, PagedKvCache, PagedSeq};
+use manta_model::{CausalLm, PagedKvCache, PagedSeq};
 use manta_tokenizer::Tokenizer;
 use tch::{nn, Device, Tensor};
 use tokio::sync::oneshot;
@@ -554,13 +554,7 @@ impl Worker {
                         }
                     })
                     .collect();
-                let batch = if self.model.invariant_attention_enabled() {
-                    PagedBatch::new_invariant(&seqs, self.device, bs)
-                } else if self.model.decode_kernels_enabled() {
-                    PagedBatch::new_paged(&seqs, self.device, bs)
-                } else {
-                    PagedBatch::new(&seqs, self.device)
-                };
+                let batch = self.model.paged_batch(&seqs, self.device, bs);
                 let input = Tensor::from_slice(&ids).to(self.device);
                 let pos = Tensor::from_slice(&positions).to(self.device);
                 (

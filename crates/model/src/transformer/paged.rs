@@ -108,6 +108,18 @@ pub struct PagedBatch {
     invariant: Option<PagedRows>,
 }
 
+/// Which attention a model's paged forwards run: one choice per model, made when its
+/// engine starts, not per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PagedAttention {
+    /// Decode rows gather their keys and values from the pool (tensor ops; any device).
+    Gathered,
+    /// Decode rows read the pool in place through the CUDA paged-attention kernel.
+    Kernels,
+    /// Every row goes through the batch-invariant kernel (true on-policy mode).
+    Invariant,
+}
+
 impl PagedBatch {
     /// Lays out `seqs` (in flat order) for a forward on `device`; decode rows gather their
     /// keys and values.
@@ -913,6 +925,28 @@ impl CausalLm {
     /// Whether paged forwards run the CUDA decode kernels.
     pub fn decode_kernels_enabled(&self) -> bool {
         self.decode_kernels.is_some()
+    }
+
+    /// How this model's paged forwards attend, as set up when its engine started
+    /// ([`CausalLm::enable_decode_kernels`], [`CausalLm::set_invariant_attention`]).
+    pub fn paged_attention(&self) -> PagedAttention {
+        if self.invariant_attention_enabled() {
+            PagedAttention::Invariant
+        } else if self.decode_kernels_enabled() {
+            PagedAttention::Kernels
+        } else {
+            PagedAttention::Gathered
+        }
+    }
+
+    /// Lays out `seqs` for a paged forward the way [`CausalLm::paged_attention`] reads
+    /// them; slots come in whole blocks of `block_size` consecutive slots.
+    pub fn paged_batch(&self, seqs: &[PagedSeq], device: Device, block_size: usize) -> PagedBatch {
+        match self.paged_attention() {
+            PagedAttention::Invariant => PagedBatch::new_invariant(seqs, device, block_size),
+            PagedAttention::Kernels => PagedBatch::new_paged(seqs, device, block_size),
+            PagedAttention::Gathered => PagedBatch::new(seqs, device),
+        }
     }
 
     fn forward_paged_kernels(
