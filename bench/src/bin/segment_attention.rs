@@ -73,7 +73,7 @@ fn main() -> anyhow::Result<()> {
 
     let mut measure = |kernel: SegmentKernel| -> (f64, Tensor) {
         model.set_segment_kernel(kernel);
-        let mut logits = None;
+        let mut hidden = None;
         let mut times = Vec::new();
         for i in 0..iters + 2 {
             for (_, v) in vs.variables() {
@@ -88,8 +88,8 @@ fn main() -> anyhow::Result<()> {
                 // The decoder is what the kernels change; a loss on its output keeps
                 // the lm_head's [T, vocab] logits (the same for both) out of the timing.
                 let h = h.to_kind(Kind::Float);
-                if logits.is_none() {
-                    logits = Some(h.detach().narrow(1, 0, 512.min(tokens)).copy());
+                if hidden.is_none() {
+                    hidden = Some(h.detach().narrow(1, 0, 512.min(tokens)).copy());
                 }
                 h.square().mean(Kind::Float)
             });
@@ -99,15 +99,15 @@ fn main() -> anyhow::Result<()> {
             }
         }
         times.sort_by(|a, b| a.total_cmp(b));
-        (times[times.len() / 2], logits.expect("one step ran"))
+        (times[times.len() / 2], hidden.expect("one step ran"))
     };
-    let (varlen_s, varlen_logits) = measure(SegmentKernel::Varlen);
-    let (per_run_s, per_run_logits) = measure(SegmentKernel::PerRun);
-    let diff = (&varlen_logits - &per_run_logits)
+    let (varlen_s, varlen_hidden) = measure(SegmentKernel::Varlen);
+    let (per_run_s, per_run_hidden) = measure(SegmentKernel::PerRun);
+    let diff = (&varlen_hidden - &per_run_hidden)
         .abs()
         .max()
         .double_value(&[])
-        / per_run_logits.abs().max().double_value(&[]);
+        / per_run_hidden.abs().max().double_value(&[]);
     println!(
         "{}",
         serde_json::json!({

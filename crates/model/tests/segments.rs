@@ -31,6 +31,24 @@ fn packed_inputs(device: Device) -> (Tensor, Tensor, Tensor) {
     )
 }
 
+/// A small random bf16 Qwen3 on `device`, head_dim 64 so that flash attention applies.
+fn gpu_model(device: Device, seed: i64) -> (VarStore, CausalLm) {
+    let cfg = manta_model::ModelConfig::from_json_str(
+        r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "vocab_size": 60, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": false, "max_position_embeddings": 512,
+        "initializer_range": 0.05}"#,
+        "gpu segments config",
+    )
+    .unwrap();
+    tch::manual_seed(seed);
+    let mut vs = VarStore::new(device);
+    let m = CausalLm::new(&vs.root(), &cfg);
+    vs.bfloat16();
+    (vs, m)
+}
+
 /// Each sequence's logits computed on its own, concatenated [T, vocab].
 fn alone(m: &CausalLm, device: Device) -> Tensor {
     let mut out = Vec::new();
@@ -126,20 +144,7 @@ fn cuda_bf16_segments_match_each_sequence_alone() {
         return;
     };
     let device = Device::Cuda(gpu);
-    // head_dim 64 so that flash attention is eligible.
-    let cfg = manta_model::ModelConfig::from_json_str(
-        r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": 64, "vocab_size": 60, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": false, "max_position_embeddings": 512,
-        "initializer_range": 0.05}"#,
-        "gpu segments config",
-    )
-    .unwrap();
-    tch::manual_seed(3);
-    let mut vs = VarStore::new(device);
-    let m = CausalLm::new(&vs.root(), &cfg);
-    vs.bfloat16();
+    let (_vs, m) = gpu_model(device, 3);
     let (input, pos, _) = packed_inputs(device);
     let segments = tch::no_grad(|| {
         m.forward(
@@ -172,19 +177,7 @@ fn cuda_varlen_segments_match_per_run_segments_in_gradients() {
         return;
     };
     let device = Device::Cuda(gpu);
-    let cfg = manta_model::ModelConfig::from_json_str(
-        r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": 64, "vocab_size": 60, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": false, "max_position_embeddings": 512,
-        "initializer_range": 0.05}"#,
-        "gpu varlen config",
-    )
-    .unwrap();
-    tch::manual_seed(5);
-    let mut vs = VarStore::new(device);
-    let mut m = CausalLm::new(&vs.root(), &cfg);
-    vs.bfloat16();
+    let (vs, mut m) = gpu_model(device, 5);
     let (input, pos, _) = packed_inputs(device);
     let weights = Tensor::arange(SEQ.len() as i64, (Kind::Float, device)) / 10.0;
     let mut run = |kernel: SegmentKernel, attn: &Attention| {
