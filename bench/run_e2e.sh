@@ -10,6 +10,10 @@
 #                 over NCCL), a native engine colocated on each
 #   dp2-disagg, dp2-disagg-async  configs/gpu4-dp2-disagg.toml (four GPUs): trainer ranks on
 #                 GPUs 0 and 1, native engines on GPUs 2 and 3; synchronous and asynchronous
+#   dp2-disagg-1engine  the same with one engine (GPU 2) taking the whole step's episodes
+#   rollout-2engines, rollout-1engine  the four-GPU layout with --debug-rollout-only (no
+#                 training): 256 episodes in flight per engine, two engines or one; with
+#                 more episodes than one engine holds, the rate two engines add
 #   sglang-disagg configs/gpu-sglang-disagg.toml: trainer GPU 0, an SGLang server on GPU 1
 #                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/);
 #                 SGLANG_LOG_LEVEL=debug adds `--log-level debug` to the server's arguments
@@ -26,7 +30,8 @@
 #
 # Here (no GPU needed):  bench/run_e2e.sh build      # release driver + otlp_sink into bin/
 # There (device tool, carry ["bin"]):  bench/run_e2e.sh disagg-sync disagg-async colocated
-# STEPS / BATCH / N_SAMPLES / MAX_RESPONSE_LEN override the acceptance shape (20 / 32 / 8 / 64).
+# STEPS / BATCH / N_SAMPLES / MAX_RESPONSE_LEN override the acceptance shape (20 / 32 / 8 / 64);
+# MODEL_SHAPE=8b gives the random model Qwen3-8B's shape instead of Qwen3-0.6B's.
 set -euo pipefail
 if [ "${1:-}" = build ]; then
   cargo build --release -p manta-driver --bin driver -p manta-bench --bin otlp_sink
@@ -41,8 +46,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-20}; BATCH=${BATCH:-32}; N=${N_SAMPLES:-8}; LEN=${MAX_RESPONSE_LEN:-64}
 MODES=("$@"); [ ${#MODES[@]} -gt 0 ] || MODES=(disagg-sync disagg-async colocated)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-E2E_MODEL=/tmp/manta-e2e/qwen3-0.6b
-python3 bench/py/e2e_model.py assets/tiny-qwen3 "$E2E_MODEL"
+MODEL_SHAPE=${MODEL_SHAPE:-0.6b}
+E2E_MODEL=/tmp/manta-e2e/qwen3-$MODEL_SHAPE
+python3 bench/py/e2e_model.py assets/tiny-qwen3 "$E2E_MODEL" "$MODEL_SHAPE"
 # The tiny job of `make run`: its model, environments and shape, on GPUs.
 TINY=(--config train_config.yaml --lr 0.003 --rollout-batch-size 8 --n-samples 8
       --max-response-len 8 --max-tokens-per-gpu 8192)
@@ -58,6 +64,19 @@ for mode in "${MODES[@]}"; do
     dp2-colocated) cluster=configs/gpu-dp2-colocated.toml; extra=() ;;
     dp2-disagg)   cluster=configs/gpu4-dp2-disagg.toml; extra=() ;;
     dp2-disagg-async) cluster=configs/gpu4-dp2-disagg.toml; extra=("${ASYNC[@]}") ;;
+    rollout-2engines|rollout-1engine)
+                  cluster=configs/.gpu4-$mode.toml; extra=(--debug-rollout-only)
+                  n=2; [ "$mode" = rollout-1engine ] && n=1
+                  sed -e "s/^engines = 2/engines = $n/" -e 's/^max_concurrent_episodes = 128 /max_concurrent_episodes = 256 /' \
+                      -e 's/^max_batch_size = 128/max_batch_size = 256/' configs/gpu4-dp2-disagg.toml > "$cluster"
+                  grep -q "^engines = $n" "$cluster" || { echo "configs/gpu4-dp2-disagg.toml: no 'engines = 2' line to change" >&2; exit 2; } ;;
+    dp2-disagg-1engine)
+                  # A copy beside the original (train_config is relative to it): one engine
+                  # with the concurrency the two had together.
+                  cluster=configs/.gpu4-dp2-disagg-1engine.toml; extra=()
+                  sed -e 's/^engines = 2/engines = 1/' -e 's/^max_concurrent_episodes = 128 /max_concurrent_episodes = 256 /' \
+                      -e 's/^max_batch_size = 128/max_batch_size = 256/' configs/gpu4-dp2-disagg.toml > "$cluster"
+                  grep -q '^engines = 1' "$cluster" || { echo "configs/gpu4-dp2-disagg.toml: no 'engines = 2' line to change" >&2; exit 2; } ;;
     sglang-disagg) cluster=configs/gpu-sglang-disagg.toml; extra=()
                   if [ -n "${SGLANG_LOG_LEVEL:-}" ]; then
                     # A copy of the config beside the original (train_config is relative to it).
@@ -78,7 +97,7 @@ PY
                   MODEL=assets/tiny-qwen3; steps=${LEARN_STEPS:-120}; shape=()
                   cluster=configs/gpu-disagg.toml; [ "$mode" = learn-colocated ] && cluster=configs/gpu-colocated.toml
                   extra=("${TINY[@]}"); [ "$mode" = learn-disagg-async ] && extra+=("${ASYNC[@]}") ;;
-    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, sglang-disagg, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, dp2-disagg-1engine, rollout-2engines, rollout-1engine, sglang-disagg, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
   esac
   env_server=
   if [ "$mode" = ors-sdk ]; then

@@ -268,6 +268,10 @@ pub struct TrainArgs {
     /// Train from files written by --save-debug-rollout-data: no engine, no environment.
     #[arg(long)]
     pub load_debug_rollout_data: Option<String>,
+    /// Run every step's rollouts and train nothing: the engines keep their first
+    /// weights, no checkpoint is written (slime's flag; measures rollout alone).
+    #[arg(long, conflicts_with = "load_debug_rollout_data")]
+    pub debug_rollout_only: bool,
     /// Groups started at a time while the step's batch is short of
     /// --rollout-batch-size kept groups [--rollout-batch-size].
     #[arg(long)]
@@ -345,6 +349,7 @@ impl TrainArgs {
             min_lr: self.min_lr,
             save_debug_rollout_data: self.save_debug_rollout_data.clone(),
             load_debug_rollout_data: self.load_debug_rollout_data.clone(),
+            debug_rollout_only: flag(self.debug_rollout_only),
             over_sampling_batch_size: self.over_sampling_batch_size,
             dynamic_sampling_filter_path: self.dynamic_sampling_filter_path.clone(),
             max_weight_staleness: self.max_weight_staleness,

@@ -221,10 +221,13 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     }
     append_trained_ids(&plan.run_dir, step, &outcome.trained_ids)?;
     state.trained.push((step, outcome.trained_ids));
-    state.weight_version = step;
+    let trained = !plan.actors.rollout_only;
+    if trained {
+        state.weight_version = step;
+    }
     state.steps_done += 1;
     state.next_step += 1;
-    if let Some(dir) = &plan.save {
+    if let (Some(dir), true) = (&plan.save, trained) {
         if plan.save_interval > 0
             && step.is_multiple_of(plan.save_interval as u64)
             && step < plan.last_step
@@ -262,7 +265,7 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
     }
     let plan = &state.plan;
     let last_done = state.next_step - 1;
-    if let Some(dir) = &plan.save {
+    if let (Some(dir), false) = (&plan.save, plan.actors.rollout_only) {
         if state.steps_done > 0 {
             save_checkpoint(&plan.actors.trainer, dir, last_done).await?;
         }

@@ -185,6 +185,7 @@ pub async fn train_remote(
         rollouts: Rollouts::remote(pool.clone()),
         weights,
         debug_data: None,
+        rollout_only: settings.debug_rollout_only,
     };
     let recovery = TrainerRecovery {
         policy: cluster.trainer.on_failure,

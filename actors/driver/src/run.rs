@@ -173,6 +173,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         rollouts: Rollouts::local(worker.rollouts.clone(), cluster.rollout.colocate),
         weights,
         debug_data: None,
+        rollout_only: settings.debug_rollout_only,
     };
     let result = run_with_actors(
         &worker.env_clients,
@@ -207,6 +208,7 @@ async fn train_from_debug_data(
         rollouts: Rollouts::none(),
         weights: WeightSync::none(handle.clone()),
         debug_data: Some(template),
+        rollout_only: false,
     };
     let result = run_with_actors(
         &Default::default(),
@@ -312,6 +314,9 @@ pub(crate) async fn run_with_actors(
     let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))
         .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
     info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");
+    if settings.debug_rollout_only {
+        info!("--debug-rollout-only: each step runs its rollouts and trains nothing; the engines keep their first weights");
+    }
     let wandb = settings.wandb_project.as_ref().and_then(|project| {
         let opts = WandbOptions {
             project: project.clone(),

@@ -26,6 +26,8 @@ pub struct StepActors {
     /// `--load-debug-rollout-data`: each step's samples come from this file template
     /// instead of rollouts.
     pub debug_data: Option<String>,
+    /// `--debug-rollout-only`: steps end after their rollouts (no training, no sync).
+    pub rollout_only: bool,
 }
 
 /// How a step turns rewards into advantages (slime's `--advantage-estimator`,
@@ -98,6 +100,19 @@ pub async fn run_step(
         m.extend(c.metrics);
     }
 
+    if actors.rollout_only {
+        let step_time = started.elapsed().as_secs_f64();
+        m.insert("perf/rollout_time".into(), rollout_time);
+        m.insert("perf/step_time".into(), step_time);
+        m.insert(
+            "perf/wait_time_ratio".into(),
+            rollout_time / step_time.max(1e-9),
+        );
+        return Ok(StepOutcome {
+            metrics: m,
+            trained_ids: Vec::new(),
+        });
+    }
     let train_started = Instant::now();
     let released = actors.rollouts.release_memory().await;
     m.insert("rollout/kv_released_engines".into(), released.len() as f64);
@@ -175,6 +190,22 @@ fn rollout_metrics(samples: &[Sample]) -> StepMetrics {
         "rollout/num_turns/mean".into(),
         mean(ok.iter().map(|s| s.metadata.num_turns as f64)),
     );
+    // Share of prompt tokens the engines' prefix caches held: first turns (the group's
+    // shared prompt) and later turns (the episode's own history).
+    let cache: Vec<_> = ok.iter().map(|s| s.metadata.prefix_cache).collect();
+    let rate = |cached: u64, prompt: u64| (prompt > 0).then(|| cached as f64 / prompt as f64);
+    if let Some(r) = rate(
+        cache.iter().map(|c| c.first_turn_cached).sum(),
+        cache.iter().map(|c| c.first_turn_prompt).sum(),
+    ) {
+        m.insert("rollout/prefix_cache_hit_rate/first_turn".into(), r);
+    }
+    if let Some(r) = rate(
+        cache.iter().map(|c| c.later_turns_cached).sum(),
+        cache.iter().map(|c| c.later_turns_prompt).sum(),
+    ) {
+        m.insert("rollout/prefix_cache_hit_rate/later_turns".into(), r);
+    }
     m.insert(
         "rollout/failed_tool_calls/mean".into(),
         mean(ok.iter().map(|s| s.metadata.num_failed_tool_calls as f64)),
@@ -290,6 +321,31 @@ mod tests {
         assert_eq!(batch.advantages[0], 0.0);
         assert!(batch.advantages[2] > 0.0 && batch.advantages[3] < 0.0);
         assert_eq!(batch.global_samples, 4);
+    }
+
+    #[test]
+    fn prefix_cache_hit_rates_pool_tokens_over_successful_episodes() {
+        use manta_core::PrefixCacheUse;
+        let with_cache = |id, status, first: (u64, u64), later: (u64, u64)| {
+            let mut s = sample(id, 0, id as u32, 0.0, status);
+            s.metadata.prefix_cache = PrefixCacheUse {
+                first_turn_prompt: first.0,
+                first_turn_cached: first.1,
+                later_turns_prompt: later.0,
+                later_turns_cached: later.1,
+            };
+            s
+        };
+        let m = rollout_metrics(&[
+            with_cache(0, SampleStatus::Completed, (100, 0), (300, 280)),
+            with_cache(1, SampleStatus::Completed, (100, 96), (100, 100)),
+            with_cache(2, SampleStatus::Failed, (100, 0), (100, 0)),
+        ]);
+        assert_eq!(m["rollout/prefix_cache_hit_rate/first_turn"], 0.48);
+        assert_eq!(m["rollout/prefix_cache_hit_rate/later_turns"], 0.95);
+        // Single-turn episodes have no later turns: no rate rather than a made-up 0.
+        let m = rollout_metrics(&[with_cache(0, SampleStatus::Completed, (10, 5), (0, 0))]);
+        assert!(!m.contains_key("rollout/prefix_cache_hit_rate/later_turns"));
     }
 
     #[test]

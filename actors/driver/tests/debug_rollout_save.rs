@@ -106,3 +106,49 @@ fn saved_debug_rollouts_are_slime_files_that_train_without_an_engine() {
         }
     }
 }
+
+#[test]
+fn debug_rollout_only_runs_rollouts_and_trains_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
+    let template = tmp.path().join("debug/rollout_{rollout_id}.jsonl");
+    let ckpt = tmp.path().join("ckpt");
+    let out = driver(&[
+        "--cluster",
+        "cluster.toml",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "rollout-only",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--num-rollout",
+        "2",
+        "--save",
+        ckpt.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--save-debug-rollout-data",
+        template.to_str().unwrap(),
+        "--debug-rollout-only",
+    ]);
+    let rows = read_metrics(&runs.join("rollout-only/metrics.jsonl")).unwrap();
+    assert_eq!(rows.len(), 2);
+    for (step, m) in &rows {
+        assert!(m.contains_key("rollout/raw_reward"), "step {step}: {m:?}");
+        assert!(m.contains_key("perf/rollout_time"), "step {step}: {m:?}");
+        for trained in ["train/loss", "perf/train_time", "perf/update_weights_time"] {
+            assert!(!m.contains_key(trained), "step {step} has {trained}: {m:?}");
+        }
+    }
+    // The engines kept their first weights: step 2's samples come from version 0.
+    let step2 = std::fs::read_to_string(tmp.path().join("debug/rollout_1.jsonl")).unwrap();
+    for line in step2.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(row["weight_versions"], serde_json::json!(["0"]), "{row}");
+    }
+    assert!(!ckpt.exists(), "no checkpoint is written without training");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("step     2/2"));
+}

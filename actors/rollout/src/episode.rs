@@ -349,6 +349,8 @@ async fn episode_loop(
             Ok(out) => out,
             Err(e) => return failed("engine_error", format!("generate: {e}")),
         };
+        meta.prefix_cache
+            .record(turn, out.prompt_tokens, out.cached_tokens);
         traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
         // A weight update aborted the call: as a partial rollout, go on from the
         // tokens it produced, with the new weights.
@@ -383,6 +385,8 @@ async fn episode_loop(
                 Ok(out) => out,
                 Err(e) => return failed("engine_error", format!("generate (resumed): {e}")),
             };
+            meta.prefix_cache
+                .record(turn, out.prompt_tokens, out.cached_tokens);
             traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
             turn_ids.append(&mut out.output_ids);
         }

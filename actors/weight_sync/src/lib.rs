@@ -9,7 +9,7 @@ pub mod route;
 
 use std::time::Instant;
 
-use manta_engine::PauseMode;
+use manta_engine::{NamedTensors, PauseMode};
 use manta_rollout::RolloutMsg;
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -33,6 +33,8 @@ pub enum WeightSyncError {
     StaleVersion { requested: u64, current: u64 },
     #[error("trainer did not answer: {0}")]
     Trainer(String),
+    #[error("an engine's weight copy did not finish: {0}")]
+    CopyTask(String),
     #[error("engine {engine} did not take version {version}: {message}")]
     Engine {
         engine: usize,
@@ -146,21 +148,42 @@ async fn sync(
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum();
     let tensors = weights.len();
-    let mut pause_to_resume_s = 0f64;
+    // Every engine copies at once (each from the trainer's memory into its own GPU), so
+    // the sync takes about one engine's copy, not the sum, and the engines pause together.
+    let mut copies = tokio::task::JoinSet::new();
     for (i, engine) in state.args.engines.iter().enumerate() {
-        let copy = weights
+        let copy: NamedTensors = weights
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
-        let engine_err = |message: String| WeightSyncError::Engine {
-            engine: i,
-            version,
-            message,
-        };
-        let paused = call!(engine, RolloutMsg::ApplyWeights, copy, version, opts.pause)
-            .map_err(|e| engine_err(e.to_string()))?
-            .map_err(|e| engine_err(e.to_string()))?;
-        pause_to_resume_s = pause_to_resume_s.max(paused.as_secs_f64());
+        let engine = engine.clone();
+        let pause = opts.pause;
+        copies.spawn(async move {
+            let engine_err = |message: String| WeightSyncError::Engine {
+                engine: i,
+                version,
+                message,
+            };
+            call!(engine, RolloutMsg::ApplyWeights, copy, version, pause)
+                .map_err(|e| engine_err(e.to_string()))?
+                .map_err(|e| engine_err(e.to_string()))
+        });
+    }
+    let mut pause_to_resume_s = 0f64;
+    let mut first_error = None;
+    while let Some(joined) = copies.join_next().await {
+        match joined {
+            Ok(Ok(paused)) => pause_to_resume_s = pause_to_resume_s.max(paused.as_secs_f64()),
+            Ok(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                first_error.get_or_insert(WeightSyncError::CopyTask(e.to_string()));
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
     }
     let report = SyncReport {
         version,

@@ -73,6 +73,7 @@ pub struct TrainOverrides {
     pub min_lr: Option<f64>,
     pub save_debug_rollout_data: Option<String>,
     pub load_debug_rollout_data: Option<String>,
+    pub debug_rollout_only: Option<bool>,
     pub over_sampling_batch_size: Option<usize>,
     pub dynamic_sampling_filter_path: Option<String>,
     pub max_weight_staleness: Option<u64>,
@@ -131,6 +132,9 @@ pub struct TrainSettings {
     pub save_debug_rollout_data: Option<String>,
     /// `--load-debug-rollout-data`: train from such files; no engine, no environment.
     pub load_debug_rollout_data: Option<String>,
+    /// `--debug-rollout-only`: run the rollouts of every step and train nothing (the
+    /// engines keep their first weights): rollout throughput on its own.
+    pub debug_rollout_only: bool,
     /// How rollouts feed steps: over-sampling, dynamic sampling, asynchronous mode.
     pub sampling: SamplingSettings,
 }
@@ -293,6 +297,7 @@ impl TrainOverrides {
             min_lr,
             save_debug_rollout_data,
             load_debug_rollout_data,
+            debug_rollout_only,
             over_sampling_batch_size,
             dynamic_sampling_filter_path,
             max_weight_staleness,
@@ -629,6 +634,7 @@ impl TrainOverrides {
             },
             save_debug_rollout_data: self.save_debug_rollout_data,
             load_debug_rollout_data: self.load_debug_rollout_data,
+            debug_rollout_only: self.debug_rollout_only.unwrap_or(false),
             sampling: SamplingSettings {
                 over_sampling_batch_size: self
                     .over_sampling_batch_size

@@ -38,6 +38,33 @@ pub struct EpisodeMetadata {
     /// more than one.
     #[serde(default)]
     pub weight_versions: Vec<u64>,
+    /// How much of each turn's prompt the engine found in its prefix cache.
+    #[serde(default)]
+    pub prefix_cache: PrefixCacheUse,
+}
+
+/// Prompt tokens an episode sent to its engine and how many of them the engine's
+/// prefix cache held, for the first turn (the group's shared prompt) and for the
+/// later turns (the episode's own earlier turns): `rollout/prefix_cache_hit_rate/*`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixCacheUse {
+    pub first_turn_prompt: u64,
+    pub first_turn_cached: u64,
+    pub later_turns_prompt: u64,
+    pub later_turns_cached: u64,
+}
+
+impl PrefixCacheUse {
+    /// Adds one generate call of turn `turn` (0-based).
+    pub fn record(&mut self, turn: usize, prompt_tokens: usize, cached_tokens: usize) {
+        let (prompt, cached) = if turn == 0 {
+            (&mut self.first_turn_prompt, &mut self.first_turn_cached)
+        } else {
+            (&mut self.later_turns_prompt, &mut self.later_turns_cached)
+        };
+        *prompt += prompt_tokens as u64;
+        *cached += cached_tokens.min(prompt_tokens) as u64;
+    }
 }
 
 /// One episode. `tokens` = prompt + response; `loss_mask` and `rollout_log_probs`

@@ -3,7 +3,7 @@
 
 use manta_proto::common as pb;
 
-use crate::sample::{EpisodeMetadata, Sample, SampleStatus};
+use crate::sample::{EpisodeMetadata, PrefixCacheUse, Sample, SampleStatus};
 
 /// A protobuf sample that cannot be a valid [`Sample`].
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +45,12 @@ impl From<&Sample> for pb::Sample {
                 error: s.metadata.error.clone().unwrap_or_default(),
                 engine_restarts: s.metadata.engine_restarts,
                 weight_versions: s.metadata.weight_versions.clone(),
+                prefix_cache: Some(pb::PrefixCacheUse {
+                    first_turn_prompt: s.metadata.prefix_cache.first_turn_prompt,
+                    first_turn_cached: s.metadata.prefix_cache.first_turn_cached,
+                    later_turns_prompt: s.metadata.prefix_cache.later_turns_prompt,
+                    later_turns_cached: s.metadata.prefix_cache.later_turns_cached,
+                }),
             }),
         }
     }
@@ -79,6 +85,15 @@ impl TryFrom<pb::Sample> for Sample {
             })
             .collect::<Result<Vec<u8>, WireError>>()?;
         let meta = p.metadata.unwrap_or_default();
+        let cache = meta.prefix_cache.unwrap_or_default();
+        if cache.first_turn_cached > cache.first_turn_prompt
+            || cache.later_turns_cached > cache.later_turns_prompt
+        {
+            return Err(WireError(format!(
+                "sample {}: prefix_cache counts more cached tokens than prompt tokens ({cache:?})",
+                p.id
+            )));
+        }
         let sample = Sample {
             id: p.id,
             group_index: p.group_index,
@@ -101,6 +116,12 @@ impl TryFrom<pb::Sample> for Sample {
                 error: (!meta.error.is_empty()).then_some(meta.error),
                 engine_restarts: meta.engine_restarts,
                 weight_versions: meta.weight_versions,
+                prefix_cache: PrefixCacheUse {
+                    first_turn_prompt: cache.first_turn_prompt,
+                    first_turn_cached: cache.first_turn_cached,
+                    later_turns_prompt: cache.later_turns_prompt,
+                    later_turns_cached: cache.later_turns_cached,
+                },
             },
         };
         sample.validate().map_err(WireError)?;
@@ -131,6 +152,12 @@ mod tests {
                 step_rewards: vec![0.25, 0.25],
                 num_turns: 2,
                 weight_versions: vec![4, 4, 5],
+                prefix_cache: PrefixCacheUse {
+                    first_turn_prompt: 40,
+                    first_turn_cached: 32,
+                    later_turns_prompt: 90,
+                    later_turns_cached: 80,
+                },
                 ..Default::default()
             },
         }
@@ -166,5 +193,32 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("loss_mask value 7"));
+    }
+
+    #[test]
+    fn refuses_more_cached_than_prompt_tokens() {
+        let mut p = pb::Sample::from(&sample());
+        if let Some(cache) = p.metadata.as_mut().and_then(|m| m.prefix_cache.as_mut()) {
+            cache.later_turns_cached = 91;
+        }
+        let err = Sample::try_from(p).unwrap_err().to_string();
+        assert!(err.contains("prefix_cache"), "{err}");
+    }
+
+    #[test]
+    fn prefix_cache_use_splits_first_and_later_turns() {
+        let mut use_ = PrefixCacheUse::default();
+        use_.record(0, 100, 64);
+        use_.record(1, 150, 140);
+        use_.record(2, 200, 500); // an engine cannot cache more than it was sent
+        assert_eq!(
+            use_,
+            PrefixCacheUse {
+                first_turn_prompt: 100,
+                first_turn_cached: 64,
+                later_turns_prompt: 350,
+                later_turns_cached: 340,
+            }
+        );
     }
 }

@@ -7,11 +7,14 @@ use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg};
 use ractor::{call, ActorRef};
 use tracing::{debug, warn};
 
+use super::balance::LoadBalancer;
 use super::{Released, RolloutBackend, Rollouts};
 
-/// In-process rollout actors; whole groups go to one actor, round robin.
+/// In-process rollout actors; each group goes whole to the actor with the fewest
+/// episodes in flight (crate::rollouts::balance).
 pub struct LocalRollouts {
     actors: Vec<ActorRef<RolloutMsg>>,
+    balancer: LoadBalancer,
     /// The engines share the trainer's GPU and free their KV cache while it steps.
     colocated: bool,
 }
@@ -19,7 +22,12 @@ pub struct LocalRollouts {
 impl Rollouts {
     /// In-process rollout actors (`colocated`: on the trainer's GPU).
     pub fn local(actors: Vec<ActorRef<RolloutMsg>>, colocated: bool) -> Self {
-        Self::new(LocalRollouts { actors, colocated })
+        let balancer = LoadBalancer::new(actors.len());
+        Self::new(LocalRollouts {
+            actors,
+            balancer,
+            colocated,
+        })
     }
 }
 
@@ -30,18 +38,26 @@ impl RolloutBackend for LocalRollouts {
         requests: Vec<EpisodeRequest>,
         generation: GenerationSettings,
     ) -> anyhow::Result<Vec<Sample>> {
-        let rollouts = &self.actors;
-        let mut shares: Vec<Vec<EpisodeRequest>> = vec![Vec::new(); rollouts.len()];
-        for request in requests {
-            shares[request.group_index as usize % rollouts.len()].push(request);
+        if self.actors.is_empty() {
+            anyhow::bail!("no rollout actor to run episodes on");
         }
-        let calls = rollouts
-            .iter()
-            .zip(shares)
-            .filter(|(_, share)| !share.is_empty())
-            .map(|(actor, share)| async move {
-                call!(actor, RolloutMsg::RunEpisodes, share, generation)
-            });
+        // Requests come in whole groups (the sampler sends one call per group).
+        let mut groups: Vec<(u32, Vec<EpisodeRequest>)> = Vec::new();
+        for request in requests {
+            match groups.iter_mut().find(|(g, _)| *g == request.group_index) {
+                Some((_, share)) => share.push(request),
+                None => groups.push((request.group_index, vec![request])),
+            }
+        }
+        let calls = groups.into_iter().map(|(group, share)| {
+            let assignment = self.balancer.assign(group, share.len());
+            let actor = &self.actors[assignment.engine()];
+            async move {
+                let result = call!(actor, RolloutMsg::RunEpisodes, share, generation);
+                drop(assignment);
+                result
+            }
+        });
         let mut samples: Vec<Sample> = Vec::new();
         for result in join_all(calls).await {
             samples.extend(result.context("a rollout actor failed")?);

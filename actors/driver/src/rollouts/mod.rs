@@ -3,6 +3,7 @@
 //! ([`local`]) or actors on worker daemons ([`remote`]) — so the step loop and the
 //! group queue (crate::sampling) have one code path.
 
+pub mod balance;
 pub mod local;
 pub mod remote;
 
@@ -15,7 +16,7 @@ use manta_rollout::{EpisodeRequest, GenerationSettings};
 #[async_trait::async_trait]
 pub trait RolloutBackend: Send + Sync {
     /// Runs every request and returns one sample per request (whole groups per rollout
-    /// actor, by `group_index`).
+    /// actor, by `group_index`; the samples of one group stay in request order).
     async fn run_episodes(
         &self,
         requests: Vec<EpisodeRequest>,

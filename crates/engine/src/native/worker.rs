@@ -390,7 +390,9 @@ impl Worker {
         }
         for (name, src) in weights {
             if let Some(dst) = vars.get_mut(&name) {
-                dst.copy_(&src.to_device(self.device).to_kind(dst.kind()));
+                // Straight into the parameter: from another GPU this is one peer copy
+                // (no staging tensor on this device), a dtype change is done in it.
+                dst.copy_(&src);
             }
         }
         Ok(())
