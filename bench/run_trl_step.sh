@@ -3,7 +3,7 @@
 # GRPOTrainer against Manta's colocated loop at the same shape, one after the other on GPU 0.
 #   1. installs the carried TRL bundle offline (bench/trl/install.sh; TRL_WHEELS, default
 #      .devpack/trl_wheels.tar.xz, made here by `bash bench/trl/pack.sh .devpack`);
-#   2. writes the random Qwen3-0.6B-shaped model dir (bench/py/e2e_model.py) and runs
+#   2. writes the random Qwen3 model dir of MODEL_SHAPE (bench/py/e2e_model.py) and runs
 #      bench/py/trl_grpo_step.py: STEPS optimizer steps, each BATCH prompts x N_SAMPLES
 #      completions of at most MAX_RESPONSE_LEN tokens through transformers' generate, the
 #      digits reward, MICRO_BATCH completions per forward/backward, AdamW;
@@ -17,29 +17,34 @@
 # Needs bin/driver and bin/otlp_sink (bench/run_e2e.sh build here; carry bin, or carry
 # .devpack/manta.tar.xz, unpacked into bin when bin/driver is missing; MANTA_TARBALL names
 # another). Other knobs: STEPS (4), BATCH (32), N_SAMPLES (8), MAX_RESPONSE_LEN (64),
-# MICRO_BATCH (64), GRAD_CKPT (true; Manta's --gradient-checkpointing default is true),
+# MODEL_SHAPE (0.6b | 8b, as bench/run_e2e.sh), MICRO_BATCH (64), GRAD_CKPT (default: the
+# gradient_checkpointing key of configs/gpu-colocated.toml, else true, Manta's default),
 # TRL_DTYPE (bf16 | fp32-master), TRL_TIMEOUT / MANTA_TIMEOUT (seconds, 300 each),
+# TRL_GPU (0: TRL's Trainer refuses several visible GPUs, so it sees this one only),
 # MANTA_DEVICE_KIND (names the kind in "device").
 # Run time on one H100/H200 at the defaults: a few minutes (install ~15 s, TRL ~1 min,
 # each Manta run ~1 min). Example device call, from the repo root:
-#   carry [".devpack"]   command: OUT=$OUT bash bench/run_trl_step.sh
+#   carry [".devpack"]   command: MANTA_TARBALL=.devpack/m35.tar.xz bash bench/run_trl_step.sh
 # Files under $OUT: trl.json, trl.log, install.log, model.log, and run_e2e.sh's own
 # (runs/, colocated/, e2e_colocated.json, report.md), colocated-digits/ and
 # e2e_colocated-digits.json, trl_step.json.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-4}; BATCH=${BATCH:-32}; N_SAMPLES=${N_SAMPLES:-8}; MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-64}
-MICRO_BATCH=${MICRO_BATCH:-64}; GRAD_CKPT=${GRAD_CKPT:-true}; TRL_DTYPE=${TRL_DTYPE:-bf16}
+MODEL_SHAPE=${MODEL_SHAPE:-0.6b}; MICRO_BATCH=${MICRO_BATCH:-64}; TRL_DTYPE=${TRL_DTYPE:-bf16}
+# TRL recomputes layers in backward as Manta's colocated config does (its key, else Manta's default true).
+GRAD_CKPT=${GRAD_CKPT:-$(sed -n 's/^gradient_checkpointing *= *\(true\|false\).*/\1/p' configs/gpu-colocated.toml | head -n 1)}
+GRAD_CKPT=${GRAD_CKPT:-true}
 TRL_WHEELS=${TRL_WHEELS:-.devpack/trl_wheels.tar.xz}; TRL_SITE=${TRL_SITE:-/tmp/trl_site}
 MANTA_DIGITS=${MANTA_DIGITS:-1}; TRL_TIMEOUT=${TRL_TIMEOUT:-300}; MANTA_TIMEOUT=${MANTA_TIMEOUT:-300}
-export STEPS BATCH N_SAMPLES MAX_RESPONSE_LEN
-COMMAND="STEPS=$STEPS BATCH=$BATCH N_SAMPLES=$N_SAMPLES MAX_RESPONSE_LEN=$MAX_RESPONSE_LEN MICRO_BATCH=$MICRO_BATCH GRAD_CKPT=$GRAD_CKPT TRL_DTYPE=$TRL_DTYPE MANTA_DIGITS=$MANTA_DIGITS bash bench/run_trl_step.sh"
+export STEPS BATCH N_SAMPLES MAX_RESPONSE_LEN MODEL_SHAPE
+COMMAND="MODEL_SHAPE=$MODEL_SHAPE STEPS=$STEPS BATCH=$BATCH N_SAMPLES=$N_SAMPLES MAX_RESPONSE_LEN=$MAX_RESPONSE_LEN MICRO_BATCH=$MICRO_BATCH GRAD_CKPT=$GRAD_CKPT TRL_DTYPE=$TRL_DTYPE MANTA_DIGITS=$MANTA_DIGITS bash bench/run_trl_step.sh"
 [ -f bench/run_e2e.sh ] || { echo "run from the repository root" >&2; exit 2; }
 [ "$STEPS" -ge 2 ] || { echo "STEPS must be at least 2 (the first step is warm-up)" >&2; exit 2; }
 
 if [ ! -x bin/driver ]; then
   MANTA_TARBALL=${MANTA_TARBALL:-.devpack/manta.tar.xz}
-  [ -f "$MANTA_TARBALL" ] || { echo "no bin/driver and no $MANTA_TARBALL: run 'bash bench/run_e2e.sh build' here and carry bin (or a tarball of it)" >&2; exit 1; }
+  [ -f "$MANTA_TARBALL" ] || { echo "no bin/driver and no $MANTA_TARBALL: run 'bash bench/run_e2e.sh build' here and carry bin, or a tar.xz of it named by MANTA_TARBALL" >&2; exit 1; }
   mkdir -p bin && tar -xJf "$MANTA_TARBALL" -C bin
 fi
 for b in bin/driver bin/otlp_sink; do
@@ -58,12 +63,12 @@ if [ -z "$TRL_PATH" ]; then   # Manta's runs still go ahead; the script fails at
   trl_rc=1; cat "$OUT/install.log" >&2; echo "TRL install failed (log above); skipping the TRL run" >&2
 fi
 
-E2E_MODEL=/tmp/manta-e2e/qwen3-0.6b   # the path bench/run_e2e.sh uses and rewrites the same way
-python3 bench/py/e2e_model.py assets/tiny-qwen3 "$E2E_MODEL" 2> "$OUT/model.log"
+E2E_MODEL=/tmp/manta-e2e/qwen3-$MODEL_SHAPE   # the path bench/run_e2e.sh uses and rewrites the same way
+python3 bench/py/e2e_model.py assets/tiny-qwen3 "$E2E_MODEL" "$MODEL_SHAPE" 2> "$OUT/model.log"
 
 echo "== TRL GRPOTrainer: $STEPS steps of $BATCH x $N_SAMPLES, <= $MAX_RESPONSE_LEN tokens, micro-batch $MICRO_BATCH"
 [ "$trl_rc" -ne 0 ] || PYTHONPATH="$TRL_PATH${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  PYTHONUNBUFFERED=1 timeout -k 10 "$TRL_TIMEOUT" python3 bench/py/trl_grpo_step.py \
+  PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${TRL_GPU:-0} timeout -k 10 "$TRL_TIMEOUT" python3 bench/py/trl_grpo_step.py \
     --model-dir "$E2E_MODEL" --prompts "$BATCH" --samples "$N_SAMPLES" --max-completion-len "$MAX_RESPONSE_LEN" \
     --steps "$STEPS" --micro-batch "$MICRO_BATCH" --gradient-checkpointing "$GRAD_CKPT" --dtype "$TRL_DTYPE" \
     --out "$OUT/trl.json" > /dev/null 2> "$OUT/trl.log" || trl_rc=$?
@@ -133,9 +138,9 @@ res = {
     "device": os.environ.get("MANTA_DEVICE_KIND", "device machine") + ": " + gpu + ", torch " + torch.__version__,
     "date": datetime.date.today().isoformat(),
     "benchmark": "whole GRPO step (rollout + reward + train + optimizer, one GPU, colocated): TRL GRPOTrainer "
-                 "(transformers generate) vs Manta's colocated loop, random Qwen3-0.6B shape",
+                 "(transformers generate) vs Manta's colocated loop, random Qwen3 weights of MODEL_SHAPE",
     "command": command,
-    "shape": {"steps": int(os.environ["STEPS"]), "prompts": int(os.environ["BATCH"]),
+    "shape": {"model": os.environ["MODEL_SHAPE"], "steps": int(os.environ["STEPS"]), "prompts": int(os.environ["BATCH"]),
               "samples": int(os.environ["N_SAMPLES"]), "max_response_len": int(os.environ["MAX_RESPONSE_LEN"])},
     "trl_step_s": trl_s,
     "manta_step_s": manta and manta["step_s"],

@@ -5,7 +5,7 @@ usage: trl_grpo_step.py --model-dir DIR [--prompts 32] [--samples 8] [--max-comp
                         [--dtype bf16|fp32-master|fp32] [--out FILE]
 
 DIR is a model directory in Hugging Face layout without weights (bench/py/e2e_model.py
-writes the Qwen3-0.6B shape; assets/tiny-qwen3 is a CPU-sized one): the model is built
+writes the Qwen3-0.6B or 8B shape; assets/tiny-qwen3 is a CPU-sized one): the model is built
 from its config.json with random weights (AutoModelForCausalLM.from_config), the
 tokenizer and chat template come from the directory. One optimizer step = one generation
 of PROMPTS x SAMPLES completions with transformers' generate (use_vllm off, TRL's
@@ -16,10 +16,11 @@ extra old-log-prob pass; beta 0, so no reference model).
 
 The task mirrors Manta's built-in single-turn `digits` environment as train_config.yaml
 runs it: the same system and user prompts through the model dir's chat template with
-enable_thinking false, and the same reward rule (per character of the trimmed answer: 1 for the target digit,
-0.5 for another digit, 0 otherwise). The dataset is made here (datasets.Dataset.from_dict);
-nothing is read from the Hub (HF_HUB_OFFLINE=1 and friends are set before any import,
-report_to none).
+enable_thinking false, and the same reward rule (per character of the trimmed answer: 1
+for the target digit, 0.5 for another digit, 0 otherwise). The dataset is made here
+(datasets.Dataset.from_dict); nothing is read from the Hub (HF_HUB_OFFLINE=1 and friends
+are set before any import, report_to none). With the random 0.6B model nearly every reward
+is 0, so advantages are 0; TRL still runs every forward, backward and optimizer step.
 
 Each optimizer step's wall time is taken between successive on_step_end callbacks (the
 first from on_train_begin), after torch.cuda.synchronize(), so it holds everything TRL does

@@ -8,13 +8,13 @@
 #            when its file's path holds "site-packages" (or the interpreter's prefix); from a plain
 #            --target folder it pickles pyarrow by value and Dataset.from_dict fails with
 #            "Can't pickle <class 'MonthDayNano'>".
-# It installs (pip --no-index --no-deps --target SITE) TRL and, of the other carried wheels,
+# It installs (pip --no-index --no-deps --target SITE/site-packages) TRL and, of the other carried wheels,
 # only those that python3's environment lacks or has at a version TRL's requirements
 # (walked through the carried wheels' metadata) do not accept; TRL_INSTALL_ALL=1 installs
 # every carried wheel. It stops, naming them, when a requirement is met neither by the
 # machine nor by the bundle (then repack, e.g. WITH_ARROW=1 bash bench/trl/pack.sh DIR).
-# Afterwards:  source SITE/trl_env.sh   (PYTHONPATH=SITE/site-packages first, the HF offline switches)
-# and HF_HUB_OFFLINE=1 (bench/py/trl_grpo_step.py sets it itself).
+# Afterwards:  source SITE/trl_env.sh   (PYTHONPATH=SITE/site-packages first, and HF_HUB_OFFLINE=1
+# with the other offline switches; bench/py/trl_grpo_step.py sets those itself too).
 set -euo pipefail
 [ $# -ge 1 ] && [ $# -le 2 ] || { echo "usage: bash bench/trl/install.sh TARBALL [SITE]" >&2; exit 2; }
 TARBALL=$1

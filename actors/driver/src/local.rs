@@ -48,6 +48,9 @@ pub struct LocalWorker {
     pub trainer: Option<TrainerHandle>,
     pub rollouts: Vec<ActorRef<RolloutMsg>>,
     pub weight_sync: Option<ActorRef<WeightSyncMsg>>,
+    /// Where the trainer and each engine (by name) live, for the weight-sync routes.
+    pub trainer_at: Endpoint,
+    pub engines_at: Vec<(String, Endpoint)>,
     /// One client per environment, for listing tasks.
     pub env_clients: BTreeMap<String, OrsClient>,
     env_server: Option<manta_envs::ServerHandle>,
@@ -264,9 +267,23 @@ pub async fn start(
         None
     };
     let mut rollouts = Vec::new();
+    let mut engines_at = Vec::new();
+    let trainer_at = Endpoint::in_driver(cluster.trainer.gpus.first().copied());
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
         let gpus = cluster.local_engine_gpus(i);
+        engines_at.push((
+            format!("rollout-{i}"),
+            match cluster.rollout.engine {
+                EngineKind::Native => Endpoint::in_driver(gpus.first().copied()),
+                // The server is a process of its own (crate::local::feed_sglang).
+                EngineKind::Sglang => Endpoint {
+                    process: format!("sglang engine-{i}"),
+                    host: trainer_at.host.clone(),
+                    gpu: gpus.first().copied(),
+                },
+            },
+        ));
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
             EngineKind::Native => {
                 let device = local_device("rollout.gpus_per_engine", &gpus, cuda_devices)?;
@@ -329,6 +346,14 @@ pub async fn start(
                     // Every data-parallel rank holds the same weights.
                     trainer: rank0.clone(),
                     engines: rollouts.clone(),
+                    broadcast_from: route::in_process_broadcast(
+                        &trainer_at,
+                        &engines_at
+                            .iter()
+                            .map(|(_, at)| at.clone())
+                            .collect::<Vec<_>>(),
+                    )
+                    .map(|gpu| gpu as usize),
                 },
             )
             .await
@@ -341,6 +366,8 @@ pub async fn start(
         trainer: trainer.map(|(handle, _)| handle),
         rollouts,
         weight_sync,
+        trainer_at,
+        engines_at,
         env_clients: env_clients.into_iter().map(|(k, (c, _))| (k, c)).collect(),
         env_server,
         upload,

@@ -23,7 +23,6 @@ use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::data_parallel::RankDevices;
 use crate::weight_sync::in_process::InProcessEngines;
 use crate::weight_sync::WeightSync;
-use manta_weight_sync::route::Endpoint;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -158,14 +157,11 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         (Some(t), Some(w)) => (t.clone(), w.clone()),
         _ => anyhow::bail!("local mode started without a trainer"),
     };
-    let engines_at: Vec<(String, Endpoint)> = (0..worker.rollouts.len())
-        .map(|i| (format!("rollout-{i}"), Endpoint::in_driver(None)))
-        .collect();
     let weights = WeightSync::new(
         trainer.clone(),
-        &Endpoint::in_driver(None),
+        &worker.trainer_at,
         InProcessEngines::new(weight_sync, worker.rollouts.clone()),
-        &engines_at,
+        &worker.engines_at,
     )
     .verifying_from_env(verify_log(&settings));
     let actors = StepActors {

@@ -11,7 +11,15 @@ use tracing::Instrument;
 use crate::episode::{
     run_episode, EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings,
 };
-use manta_engine::{EngineError, NamedTensors, PauseMode};
+use manta_engine::{BroadcastFeed, EngineError, NamedTensors, PauseMode, WeightShape};
+
+/// How new weights reach an engine.
+pub enum IncomingWeights {
+    /// Tensors in this process; the engine copies them into its own.
+    Tensors(NamedTensors),
+    /// Broadcast by rank 0 of a weight-update group the engine joins.
+    Broadcast(BroadcastFeed),
+}
 
 /// Messages a rollout actor handles.
 pub enum RolloutMsg {
@@ -28,13 +36,15 @@ pub enum RolloutMsg {
     /// finish, `Abort` ends them with their partial output), load the weights, set the
     /// version, resume. Replies with the pause-to-resume time.
     ApplyWeights(
-        NamedTensors,
+        IncomingWeights,
         u64,
         PauseMode,
         RpcReplyPort<Result<std::time::Duration, EngineError>>,
     ),
     /// A copy of the engine's weights (to verify a sync bit for bit).
     ReadWeights(RpcReplyPort<Result<NamedTensors, EngineError>>),
+    /// Every parameter's name, shape and dtype (what a broadcast must match).
+    WeightShapes(RpcReplyPort<Result<Vec<WeightShape>, EngineError>>),
     /// The engine's current weight version.
     WeightVersion(RpcReplyPort<u64>),
     /// Free the engine's KV cache while a colocated trainer steps (`Ok(false)`: busy).
@@ -130,6 +140,9 @@ impl Actor for RolloutActor {
             RolloutMsg::ReadWeights(reply) => {
                 let _ = reply.send(state.shared.context.engine.read_weights().await);
             }
+            RolloutMsg::WeightShapes(reply) => {
+                let _ = reply.send(state.shared.context.engine.weight_shapes().await);
+            }
             RolloutMsg::WeightVersion(reply) => {
                 let _ = reply.send(state.shared.context.engine.weight_version());
             }
@@ -143,7 +156,7 @@ impl Actor for RolloutActor {
 /// barrier of its own).
 async fn apply_weights(
     engine: &dyn manta_engine::Engine,
-    weights: NamedTensors,
+    weights: IncomingWeights,
     version: u64,
     mode: PauseMode,
 ) -> Result<std::time::Duration, EngineError> {
@@ -153,7 +166,10 @@ async fn apply_weights(
         Err(EngineError::Unsupported(_)) => false,
         Err(e) => return Err(e),
     };
-    let updated = engine.update_weights(weights, version).await;
+    let updated = match weights {
+        IncomingWeights::Tensors(w) => engine.update_weights(w, version).await,
+        IncomingWeights::Broadcast(feed) => engine.update_weights_broadcast(feed, version).await,
+    };
     if paused {
         // Resume even when the update failed: the engine keeps serving the old weights.
         engine.resume().await?;

@@ -15,6 +15,6 @@ pub mod ors;
 pub mod tool_call;
 pub mod upload;
 
-pub use actor::{RolloutActor, RolloutArgs, RolloutMsg};
+pub use actor::{IncomingWeights, RolloutActor, RolloutArgs, RolloutMsg};
 pub use episode::{EnvironmentHandle, EpisodeContext, EpisodeRequest, GenerationSettings, TaskRef};
 pub use upload::{UploadConfig, UploadStats, Uploader};

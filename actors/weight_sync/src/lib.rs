@@ -1,19 +1,23 @@
 //! `WeightSyncActor`: after each training step, moves the trainer's weights into every
-//! in-process engine and bumps the weight version: each engine pauses, copies the
-//! tensors into its own parameters, takes the version and resumes.
+//! in-process engine and bumps the weight version: each engine pauses, takes the
+//! tensors into its own parameters, takes the version and resumes. The tensors travel
+//! by one NCCL broadcast to every engine when the trainer and the engines are on
+//! different GPUs ([`broadcast`]), else each engine copies them.
 //!
 //! [`route`] decides, per trainer/engine pair, which mechanism placement calls for
 //! (in-process, gRPC, CUDA IPC, NCCL) and whether this build can run it.
 
+pub mod broadcast;
 pub mod route;
 
 use std::time::Instant;
 
+use broadcast::{BroadcastError, BroadcastGroup};
 use manta_engine::{NamedTensors, PauseMode};
-use manta_rollout::RolloutMsg;
+use manta_rollout::{IncomingWeights, RolloutMsg};
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// What one sync moved.
 #[derive(Debug, Clone, PartialEq)]
@@ -78,11 +82,16 @@ impl Default for SyncOptions {
 pub struct WeightSyncArgs {
     pub trainer: ActorRef<TrainerMsg>,
     pub engines: Vec<ActorRef<RolloutMsg>>,
+    /// The trainer's CUDA device, when every engine is on another GPU: the weights are
+    /// broadcast over NCCL (one group, every engine) instead of copied by each engine.
+    pub broadcast_from: Option<usize>,
 }
 
 pub struct WeightSyncState {
     args: WeightSyncArgs,
     version: u64,
+    /// Rank 0 of the engines' weight-update group (see [`WeightSyncArgs::broadcast_from`]).
+    broadcast: Option<BroadcastGroup>,
 }
 
 pub struct WeightSyncActor;
@@ -97,7 +106,12 @@ impl Actor for WeightSyncActor {
         _myself: ActorRef<Self::Msg>,
         args: WeightSyncArgs,
     ) -> Result<WeightSyncState, ActorProcessingErr> {
-        Ok(WeightSyncState { args, version: 0 })
+        let broadcast = args.broadcast_from.map(BroadcastGroup::new);
+        Ok(WeightSyncState {
+            args,
+            version: 0,
+            broadcast,
+        })
     }
 
     async fn handle(
@@ -130,7 +144,7 @@ impl Actor for WeightSyncActor {
 }
 
 async fn sync(
-    state: &WeightSyncState,
+    state: &mut WeightSyncState,
     version: u64,
     opts: SyncOptions,
 ) -> Result<SyncReport, WeightSyncError> {
@@ -148,6 +162,38 @@ async fn sync(
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum();
     let tensors = weights.len();
+    let report = |pause_to_resume_s: f64| SyncReport {
+        version,
+        tensors,
+        bytes,
+        engines: state.args.engines.len(),
+        seconds: started.elapsed().as_secs_f64(),
+        pause_to_resume_s,
+    };
+    if let Some(group) = state.broadcast.as_mut() {
+        let sent = weights
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        match group
+            .publish(sent, &state.args.engines, version, opts.pause)
+            .await
+        {
+            Ok(paused) => {
+                let report = report(paused.as_secs_f64());
+                debug!(version, tensors, bytes, seconds = report.seconds, "weights broadcast");
+                return Ok(report);
+            }
+            Err(BroadcastError::Unusable(why)) => {
+                warn!("weight broadcast cannot run ({why}); every engine copies the weights from now on");
+                state.broadcast = None;
+            }
+            Err(BroadcastError::Failed(why)) => warn!(
+                version,
+                "weight broadcast failed ({why}); the engines copy this version, the next sync makes a new group"
+            ),
+        }
+    }
     // Every engine copies at once (each from the trainer's memory into its own GPU), so
     // the sync takes about one engine's copy, not the sum, and the engines pause together.
     let mut copies = tokio::task::JoinSet::new();
@@ -164,9 +210,15 @@ async fn sync(
                 version,
                 message,
             };
-            call!(engine, RolloutMsg::ApplyWeights, copy, version, pause)
-                .map_err(|e| engine_err(e.to_string()))?
-                .map_err(|e| engine_err(e.to_string()))
+            call!(
+                engine,
+                RolloutMsg::ApplyWeights,
+                IncomingWeights::Tensors(copy),
+                version,
+                pause
+            )
+            .map_err(|e| engine_err(e.to_string()))?
+            .map_err(|e| engine_err(e.to_string()))
         });
     }
     let mut pause_to_resume_s = 0f64;
@@ -185,14 +237,7 @@ async fn sync(
     if let Some(e) = first_error {
         return Err(e);
     }
-    let report = SyncReport {
-        version,
-        tensors,
-        bytes,
-        engines: state.args.engines.len(),
-        seconds: started.elapsed().as_secs_f64(),
-        pause_to_resume_s,
-    };
+    let report = report(pause_to_resume_s);
     debug!(
         version,
         tensors,

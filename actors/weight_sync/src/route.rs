@@ -1,6 +1,6 @@
 //! Which mechanism moves weights from a trainer to one engine, chosen by where the two
-//! live: same process → in-memory copy; same GPU, other process → CUDA IPC; other GPU
-//! → NCCL; no GPU on either side → bytes over Manta's gRPC.
+//! live: same process and device → in-memory copy; same GPU, other process → CUDA IPC;
+//! other GPU → NCCL; no GPU on either side → bytes over Manta's gRPC.
 //!
 //! A mechanism this build cannot run yet is reported as [`Unavailable`] (never faked);
 //! the sync then carries the weights over gRPC and says so in the log.
@@ -53,7 +53,7 @@ fn normalize_host(host: &str) -> String {
 /// How weights travel from a trainer to an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Mechanism {
-    /// The engine copies the trainer's tensors in its own process.
+    /// The engine copies the trainer's tensors in its own process (same device, or no GPU).
     InProcess,
     /// Bounded chunks over Manta's gRPC (no shared disk).
     Grpc,
@@ -85,7 +85,10 @@ pub struct Unavailable {
 /// The mechanism placement asks for between `trainer` and `engine`.
 pub fn choose(trainer: &Endpoint, engine: &Endpoint) -> Mechanism {
     if trainer.process == engine.process {
-        return Mechanism::InProcess;
+        return match (trainer.gpu, engine.gpu) {
+            (Some(a), Some(b)) if a != b => Mechanism::Nccl,
+            _ => Mechanism::InProcess,
+        };
     }
     match (trainer.gpu, engine.gpu) {
         (Some(a), Some(b)) if trainer.host == engine.host && a == b => Mechanism::CudaIpc,
@@ -105,9 +108,9 @@ pub fn available(mechanism: Mechanism) -> Result<(), Unavailable> {
         }),
         Mechanism::Nccl => Err(Unavailable {
             mechanism,
-            reason: "NCCL feeds SGLang engines in local mode (manta_cuda::process_group, \
-                     /update_weights_from_distributed); engines on rollout workers do not \
-                     join a weight-update group yet",
+            reason: "NCCL feeds engines in the trainer's process (one broadcast group) and \
+                     SGLang engines in local mode (/update_weights_from_distributed); engines \
+                     on rollout workers do not join a weight-update group yet",
         }),
     }
 }
@@ -116,10 +119,25 @@ pub fn available(mechanism: Mechanism) -> Result<(), Unavailable> {
 /// chosen one is unavailable.
 pub fn resolve(trainer: &Endpoint, engine: &Endpoint) -> (Mechanism, Option<Unavailable>) {
     let wanted = choose(trainer, engine);
+    if wanted == Mechanism::Nccl && trainer.process == engine.process {
+        // Engines in the trainer's process join its broadcast group.
+        return (wanted, None);
+    }
     match available(wanted) {
         Ok(()) => (wanted, None),
         Err(why) => (Mechanism::Grpc, Some(why)),
     }
+}
+
+/// The trainer's GPU when one NCCL group can feed every engine of its process: each
+/// engine on a GPU of its own, none on the trainer's (NCCL allows one rank per GPU).
+pub fn in_process_broadcast(trainer: &Endpoint, engines: &[Endpoint]) -> Option<u32> {
+    let from = trainer.gpu?;
+    let mut seen = std::collections::BTreeSet::from([from]);
+    let all_apart = engines
+        .iter()
+        .all(|e| e.process == trainer.process && e.gpu.is_some_and(|g| seen.insert(g)));
+    (all_apart && !engines.is_empty()).then_some(from)
 }
 
 #[cfg(test)]
@@ -127,11 +145,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn one_group_feeds_in_process_engines_on_gpus_of_their_own() {
+        let on = |gpu: Option<u32>| Endpoint::in_driver(gpu);
+        let trainer = on(Some(0));
+        assert_eq!(
+            in_process_broadcast(&trainer, &[on(Some(2)), on(Some(3))]),
+            Some(0)
+        );
+        // An engine on the trainer's GPU, two engines on one GPU, a CPU engine, an
+        // engine on a worker, no engine: copies.
+        assert_eq!(in_process_broadcast(&trainer, &[on(Some(0))]), None);
+        assert_eq!(
+            in_process_broadcast(&trainer, &[on(Some(2)), on(Some(2))]),
+            None
+        );
+        assert_eq!(in_process_broadcast(&trainer, &[on(None)]), None);
+        let remote = Endpoint::on_worker("10.0.0.2:7000", Some(1));
+        assert_eq!(in_process_broadcast(&trainer, &[remote]), None);
+        assert_eq!(in_process_broadcast(&trainer, &[]), None);
+        assert_eq!(in_process_broadcast(&on(None), &[on(Some(1))]), None);
+    }
+
+    #[test]
     fn placement_picks_the_mechanism() {
         let driver_cpu = Endpoint::in_driver(None);
         assert_eq!(
             choose(&driver_cpu, &Endpoint::in_driver(None)),
             Mechanism::InProcess
+        );
+        // In one process: the same GPU copies, another GPU joins the broadcast group.
+        let driver_gpu0 = Endpoint::in_driver(Some(0));
+        assert_eq!(
+            choose(&driver_gpu0, &Endpoint::in_driver(Some(0))),
+            Mechanism::InProcess
+        );
+        assert_eq!(
+            resolve(&driver_gpu0, &Endpoint::in_driver(Some(2))),
+            (Mechanism::Nccl, None)
         );
         assert_eq!(
             choose(&driver_cpu, &Endpoint::on_worker("10.0.0.2:7000", None)),

@@ -191,6 +191,28 @@ pub enum EngineError {
     Torch(#[from] tch::TchError),
 }
 
+/// A weight-update group an engine receives its weights in: NCCL broadcasts from rank 0
+/// (the trainer), every engine of the run in one group, each at its own rank.
+/// The engine joins on its own CUDA device.
+#[derive(Debug, Clone)]
+pub struct BroadcastFeed {
+    /// The store rank 0 hosts.
+    pub master_address: String,
+    pub master_port: u16,
+    /// This engine's rank (1..world_size).
+    pub rank: usize,
+    pub world_size: usize,
+    /// An engine already in a group of this name stays in it.
+    pub group_name: String,
+    /// Bounds joining and each broadcast.
+    pub timeout: std::time::Duration,
+    /// Every parameter, in the order rank 0 broadcasts them.
+    pub names: Vec<String>,
+}
+
+/// A parameter's name, shape and dtype.
+pub type WeightShape = (String, Vec<i64>, tch::Kind);
+
 /// What rollouts need from an inference engine.
 #[async_trait]
 pub trait Engine: Send + Sync {
@@ -219,6 +241,20 @@ pub trait Engine: Send + Sync {
     }
     async fn resume(&self) -> Result<(), EngineError> {
         Err(EngineError::Unsupported("resume".into()))
+    }
+    /// Receives every parameter by broadcast in `feed`'s group (joined on first use, kept
+    /// for later updates) and sets `version`.
+    async fn update_weights_broadcast(
+        &self,
+        feed: BroadcastFeed,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let _ = (feed, version);
+        Err(EngineError::Unsupported("update_weights_broadcast".into()))
+    }
+    /// Every parameter's name, shape and dtype, sorted by name.
+    async fn weight_shapes(&self) -> Result<Vec<WeightShape>, EngineError> {
+        Err(EngineError::Unsupported("weight_shapes".into()))
     }
     /// A copy of the weights the engine computes with, by name (to verify a sync).
     async fn read_weights(&self) -> Result<NamedTensors, EngineError> {

@@ -13,7 +13,7 @@ use futures::Stream;
 use manta_engine::PauseMode;
 use manta_proto::weight_sync as wpb;
 use manta_proto::weight_sync::weight_sync_server::WeightSync;
-use manta_rollout::RolloutMsg;
+use manta_rollout::{IncomingWeights, RolloutMsg};
 use manta_runtime::WorkerDaemon;
 use manta_trainer::{NamedTensors, TrainerMsg};
 use ractor::call;
@@ -152,9 +152,15 @@ impl WeightSync for WeightSyncService {
                 .iter()
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect();
-            let paused = call!(actor, RolloutMsg::ApplyWeights, copy, req.version, mode)
-                .map_err(|e| Status::unavailable(format!("actor {name}: {e}")))?
-                .map_err(|e| Status::failed_precondition(format!("actor {name}: {e}")))?;
+            let paused = call!(
+                actor,
+                RolloutMsg::ApplyWeights,
+                IncomingWeights::Tensors(copy),
+                req.version,
+                mode
+            )
+            .map_err(|e| Status::unavailable(format!("actor {name}: {e}")))?
+            .map_err(|e| Status::failed_precondition(format!("actor {name}: {e}")))?;
             longest = longest.max(paused.as_secs_f64());
         }
         info!(

@@ -28,7 +28,8 @@ use tokio::sync::oneshot;
 use tracing::{info, warn};
 
 use super::{
-    Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, NamedTensors, PauseMode,
+    BroadcastFeed, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, NamedTensors,
+    PauseMode, WeightShape,
 };
 use scheduler::Scheduler;
 use sequence::Sequence;
@@ -403,6 +404,24 @@ impl Engine for NativeEngine {
         }
         self.send(Command::Generate(Box::new(seq)))?;
         answer(rx).await?
+    }
+
+    async fn update_weights_broadcast(
+        &self,
+        feed: BroadcastFeed,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::UpdateWeights(WeightUpdate {
+            source: WeightSource::Broadcast(feed),
+            version,
+            reply: tx,
+        }))?;
+        answer(rx).await?
+    }
+
+    async fn weight_shapes(&self) -> Result<Vec<WeightShape>, EngineError> {
+        NativeEngine::weight_shapes(self).await
     }
 
     async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {

@@ -18,7 +18,8 @@ use super::sampler::{self, sample, RowSampling};
 use super::scheduler::{Planned, Scheduler};
 use super::sequence::Sequence;
 use super::EngineStats;
-use crate::{EngineError, FinishReason, NamedTensors, PauseMode};
+use crate::{BroadcastFeed, EngineError, FinishReason, NamedTensors, PauseMode};
+use manta_cuda::process_group::{GroupSpec, ProcessGroup};
 
 /// What the engine thread is asked to do; each carries the channel its answer goes to.
 pub enum Command {
@@ -67,6 +68,8 @@ pub enum WeightSource {
     Some(NamedTensors),
     /// A model directory's safetensors.
     Disk(PathBuf),
+    /// Every parameter, broadcast by rank 0 of a weight-update group.
+    Broadcast(BroadcastFeed),
 }
 
 /// A weight change and who waits for it.
@@ -110,6 +113,8 @@ pub struct Worker {
     /// A decode step whose tokens are not read yet (only between steps; commands other
     /// than new requests read it first, see [`Worker::settle`]).
     in_flight: Option<InFlight>,
+    /// The weight-update group this engine receives broadcasts in, once joined.
+    weight_group: Option<ProcessGroup>,
 }
 
 impl Worker {
@@ -156,6 +161,7 @@ impl Worker {
             released_blocks: None,
             overlap: false,
             in_flight: None,
+            weight_group: None,
         }
     }
 
@@ -355,6 +361,7 @@ impl Worker {
                 WeightSource::Disk(dir) => {
                     manta_model::load_weights(&mut self.vs, &dir).map_err(EngineError::from)
                 }
+                WeightSource::Broadcast(feed) => self.receive_broadcast(feed),
             };
             if result.is_ok() {
                 // Cached keys and values were computed by the old weights.
@@ -396,6 +403,54 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// Receives every parameter from rank 0 of `feed`'s group straight into the model's
+    /// memory, joining the group first when this engine is not in it. A failed broadcast
+    /// leaves the group (the next update joins a new one); the parameters may then be
+    /// partly written, so the sender follows with another update.
+    fn receive_broadcast(&mut self, feed: BroadcastFeed) -> Result<(), EngineError> {
+        let vars = self.vs.variables();
+        let mut tensors = Vec::with_capacity(feed.names.len());
+        for name in &feed.names {
+            let t = vars
+                .get(name)
+                .ok_or_else(|| EngineError::Weights(format!("unknown tensor {name}")))?;
+            tensors.push((name.clone(), t.shallow_clone()));
+        }
+        let Device::Cuda(device) = self.device else {
+            return Err(EngineError::Unsupported(
+                "weight broadcast needs an engine on a CUDA device".into(),
+            ));
+        };
+        let joined = self
+            .weight_group
+            .as_ref()
+            .is_some_and(|g| g.spec().group_name == feed.group_name);
+        if !joined {
+            self.weight_group = None;
+            let spec = GroupSpec {
+                master_address: feed.master_address,
+                master_port: feed.master_port,
+                rank: feed.rank,
+                world_size: feed.world_size,
+                group_name: feed.group_name,
+                device,
+                timeout: feed.timeout,
+            };
+            info!(group = %spec.group_name, rank = spec.rank, device, "joining the weight-update group");
+            self.weight_group =
+                Some(ProcessGroup::join(spec).map_err(|e| EngineError::Weights(e.to_string()))?);
+        }
+        let group = self
+            .weight_group
+            .as_mut()
+            .ok_or_else(|| EngineError::Weights("no weight-update group".into()))?;
+        let received = group.broadcast(&tensors, 0);
+        if received.is_err() {
+            self.weight_group = None;
+        }
+        received.map_err(|e| EngineError::Weights(e.to_string()))
     }
 
     /// One model step; a failing step fails its requests and the engine keeps serving.

@@ -1,0 +1,272 @@
+//! One NCCL group for every engine in this process: the trainer is rank 0 and
+//! broadcasts each tensor once; every engine receives it straight into its parameters
+//! at its own rank (SGLang's `/update_weights_from_distributed` protocol, with the
+//! engines as threads of this process). Used when the trainer and the engines sit on
+//! different GPUs; a peer copy per engine reads the trainer's memory once per engine
+//! and runs on the copy engines, where NCCL's kernels move data at NVLink speed.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use manta_cuda::process_group::{GroupSpec, ProcessGroup};
+use manta_engine::{BroadcastFeed, NamedTensors, PauseMode, WeightShape};
+use manta_rollout::{IncomingWeights, RolloutMsg};
+use ractor::{call, ActorRef};
+use tch::{Device, Kind};
+use tracing::info;
+
+/// Bounds the store's waits and each broadcast: an engine that never joins fails the
+/// update instead of hanging it.
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Why a broadcast did not deliver a version.
+#[derive(Debug, thiserror::Error)]
+pub enum BroadcastError {
+    /// These weights or engines cannot take part (another device, dtype or shape):
+    /// broadcasting is given up for the run.
+    #[error("{0}")]
+    Unusable(String),
+    /// This update failed (an engine or the group); the group is left and the next
+    /// update builds a new one.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Rank 0's side of the run's weight-update group.
+pub struct BroadcastGroup {
+    /// The CUDA device the trainer's exported tensors live on.
+    device: usize,
+    group: Option<ProcessGroup>,
+    /// The engines' parameters were found to match the trainer's.
+    checked: bool,
+}
+
+impl BroadcastGroup {
+    pub fn new(trainer_device: usize) -> Self {
+        Self {
+            device: trainer_device,
+            group: None,
+            checked: false,
+        }
+    }
+
+    /// Broadcasts `weights` into every engine as `version`; each engine pauses as
+    /// `pause` says. Returns the longest pause → resume.
+    pub async fn publish(
+        &mut self,
+        weights: NamedTensors,
+        engines: &[ActorRef<RolloutMsg>],
+        version: u64,
+        pause: PauseMode,
+    ) -> Result<Duration, BroadcastError> {
+        // Tensors are not `Sync`: nothing below holds a reference to them across an await.
+        let shapes = shapes_on(&weights, Device::Cuda(self.device))?;
+        self.check(&shapes, engines).await?;
+        if self.group.is_none() {
+            let spec = GroupSpec {
+                master_address: "127.0.0.1".into(),
+                master_port: 0,
+                rank: 0,
+                world_size: 1 + engines.len(),
+                group_name: group_name(),
+                device: self.device,
+                timeout: TIMEOUT,
+            };
+            let group = tokio::task::spawn_blocking(move || ProcessGroup::join(spec))
+                .await
+                .map_err(|e| BroadcastError::Failed(format!("joining the group: {e}")))?
+                .map_err(|e| BroadcastError::Failed(e.to_string()))?;
+            info!(
+                group = %group.spec().group_name,
+                ranks = 1 + engines.len(),
+                device = self.device,
+                "weight-update group made: the trainer broadcasts to every engine at once (NCCL)"
+            );
+            self.group = Some(group);
+        }
+        let Some(mut group) = self.group.take() else {
+            return Err(BroadcastError::Failed("no weight-update group".into()));
+        };
+        let names: Vec<String> = shapes.into_iter().map(|(n, _, _)| n).collect();
+        let port = group.store_port();
+        let mut receivers = tokio::task::JoinSet::new();
+        for (i, engine) in engines.iter().enumerate() {
+            let spec = group.spec();
+            let feed = BroadcastFeed {
+                master_address: spec.master_address.clone(),
+                master_port: port,
+                rank: i + 1,
+                world_size: spec.world_size,
+                group_name: spec.group_name.clone(),
+                timeout: spec.timeout,
+                names: names.clone(),
+            };
+            let engine = engine.clone();
+            receivers.spawn(async move {
+                call!(
+                    engine,
+                    RolloutMsg::ApplyWeights,
+                    IncomingWeights::Broadcast(feed),
+                    version,
+                    pause
+                )
+                .map_err(|e| format!("engine {i}: {e}"))?
+                .map_err(|e| format!("engine {i}: {e}"))
+            });
+        }
+        let aborter = group.aborter();
+        let root = tokio::task::spawn_blocking(move || {
+            let sent = group.broadcast(&weights, 0);
+            (group, sent)
+        });
+        let mut longest = Duration::ZERO;
+        let mut failed: Option<String> = None;
+        while let Some(joined) = receivers.join_next().await {
+            match joined {
+                Ok(Ok(paused)) => longest = longest.max(paused),
+                Ok(Err(e)) => {
+                    // The root would wait for this rank until the timeout: end it now.
+                    let _ = aborter.abort();
+                    failed.get_or_insert(e);
+                }
+                Err(e) => {
+                    let _ = aborter.abort();
+                    failed.get_or_insert(format!("an engine's receive task: {e}"));
+                }
+            }
+        }
+        let (group, sent) = root
+            .await
+            .map_err(|e| BroadcastError::Failed(format!("the broadcast task: {e}")))?;
+        if let Some(e) = failed {
+            return Err(BroadcastError::Failed(e));
+        }
+        sent.map_err(|e| BroadcastError::Failed(e.to_string()))?;
+        self.group = Some(group);
+        Ok(longest)
+    }
+
+    /// Once per run: every engine holds a parameter of each name, shape and dtype the
+    /// trainer sends (a broadcast cannot convert).
+    async fn check(
+        &mut self,
+        sent: &[WeightShape],
+        engines: &[ActorRef<RolloutMsg>],
+    ) -> Result<(), BroadcastError> {
+        if self.checked {
+            return Ok(());
+        }
+        for (i, engine) in engines.iter().enumerate() {
+            let shapes = call!(engine, RolloutMsg::WeightShapes)
+                .map_err(|e| BroadcastError::Unusable(format!("engine {i}: {e}")))?
+                .map_err(|e| BroadcastError::Unusable(format!("engine {i}: {e}")))?;
+            if let Some(why) = mismatch(sent, &shapes) {
+                return Err(BroadcastError::Unusable(format!("engine {i}: {why}")));
+            }
+        }
+        self.checked = true;
+        Ok(())
+    }
+}
+
+/// Each tensor's name, shape and dtype, in order; refused unless every one is dense and
+/// on `device` (NCCL sends device memory as it lies).
+fn shapes_on(weights: &NamedTensors, device: Device) -> Result<Vec<WeightShape>, BroadcastError> {
+    weights
+        .iter()
+        .map(|(name, t)| {
+            if t.device() != device || !t.is_contiguous() {
+                return Err(BroadcastError::Unusable(format!(
+                    "trainer tensor {name} is not a dense tensor on {device:?}"
+                )));
+            }
+            Ok((name.clone(), t.size(), t.kind()))
+        })
+        .collect()
+}
+
+/// The first way `engine` (an engine's parameters) differs from `sent`, named.
+fn mismatch(sent: &[WeightShape], engine: &[WeightShape]) -> Option<String> {
+    if sent.len() != engine.len() {
+        return Some(format!(
+            "{} parameters, the trainer sends {}",
+            engine.len(),
+            sent.len()
+        ));
+    }
+    let by_name: HashMap<&str, (&Vec<i64>, Kind)> = engine
+        .iter()
+        .map(|(n, s, k)| (n.as_str(), (s, *k)))
+        .collect();
+    sent.iter()
+        .find_map(|(name, size, k)| match by_name.get(name.as_str()) {
+            None => Some(format!("no parameter {name}")),
+            Some((shape, kind)) if *shape != size || kind != k => Some(format!(
+                "{name} is {kind:?} {shape:?}, the trainer's is {k:?} {size:?}"
+            )),
+            Some(_) => None,
+        })
+}
+
+/// A name no other group of this host uses.
+fn group_name() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!("manta-weights-{}-{nanos:09}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    #[test]
+    fn trainer_tensors_must_be_dense_on_the_groups_device() {
+        let weights: NamedTensors = vec![(
+            "w".into(),
+            Tensor::zeros([2, 3], (Kind::BFloat16, Device::Cpu)),
+        )];
+        let shapes = shapes_on(&weights, Device::Cpu).unwrap();
+        assert_eq!(shapes, vec![("w".to_string(), vec![2, 3], Kind::BFloat16)]);
+        let why = shapes_on(&weights, Device::Cuda(0))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("tensor w"), "{why}");
+        let strided: NamedTensors = vec![("t".into(), weights[0].1.tr())];
+        assert!(shapes_on(&strided, Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn engines_must_hold_every_tensor_by_name_shape_and_dtype() {
+        let weights = vec![
+            ("a".to_string(), vec![2, 3], Kind::BFloat16),
+            ("b".to_string(), vec![4], Kind::BFloat16),
+        ];
+        let same = vec![
+            ("a".to_string(), vec![2, 3], Kind::BFloat16),
+            ("b".to_string(), vec![4], Kind::BFloat16),
+        ];
+        assert_eq!(mismatch(&weights, &same), None);
+        let mut other_dtype = same.clone();
+        other_dtype[1].2 = Kind::Float;
+        let why = mismatch(&weights, &other_dtype).unwrap();
+        assert!(why.contains("b is Float"), "{why}");
+        let mut other_shape = same.clone();
+        other_shape[0].1 = vec![3, 2];
+        assert!(mismatch(&weights, &other_shape).unwrap().contains("a is"));
+        let missing = vec![same[0].clone(), ("c".to_string(), vec![4], Kind::BFloat16)];
+        assert_eq!(mismatch(&weights, &missing).unwrap(), "no parameter b");
+        assert!(mismatch(&weights, &same[..1])
+            .unwrap()
+            .contains("1 parameters"));
+    }
+
+    #[test]
+    fn group_names_differ_between_groups() {
+        let a = group_name();
+        std::thread::sleep(Duration::from_millis(1));
+        assert_ne!(a, group_name());
+        assert!(a.starts_with("manta-weights-"));
+    }
+}
