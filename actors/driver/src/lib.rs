@@ -16,4 +16,3 @@ pub mod shutdown;
 pub mod step;
 pub mod tasks;
 pub mod trainer_handle;
-pub mod weight_sync;

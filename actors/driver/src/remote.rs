@@ -23,9 +23,9 @@ use crate::rollouts::Rollouts;
 use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
-use crate::weight_sync::workers::WorkerEngines;
-use crate::weight_sync::{trainer_endpoint, WeightSync};
 use manta_weight_sync::route::Endpoint;
+use manta_weight_sync::targets::WorkerEngines;
+use manta_weight_sync::{trainer_endpoint, WeightSync};
 
 /// The trainer actor's name on its worker.
 const TRAINER_NAME: &str = "trainer-0";
@@ -174,7 +174,7 @@ pub async fn train_remote(
         })
         .collect();
     let weights = WeightSync::new(
-        trainer.clone(),
+        Arc::new(trainer.clone()),
         &trainer_at,
         WorkerEngines::new(pool.clone()),
         &engines_at,

@@ -21,8 +21,8 @@ use crate::rollouts::Rollouts;
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::data_parallel::RankDevices;
-use crate::weight_sync::in_process::InProcessEngines;
-use crate::weight_sync::WeightSync;
+use manta_weight_sync::targets::InProcessEngines;
+use manta_weight_sync::WeightSync;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -158,7 +158,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         _ => anyhow::bail!("local mode started without a trainer"),
     };
     let weights = WeightSync::new(
-        trainer.clone(),
+        Arc::new(trainer.clone()),
         &worker.trainer_at,
         InProcessEngines::new(weight_sync, worker.rollouts.clone()),
         &worker.engines_at,
@@ -202,7 +202,7 @@ async fn train_from_debug_data(
     let actors = StepActors {
         trainer: handle.clone(),
         rollouts: Rollouts::none(),
-        weights: WeightSync::none(handle.clone()),
+        weights: WeightSync::none(Arc::new(handle.clone())),
         debug_data: Some(template),
         rollout_only: false,
     };

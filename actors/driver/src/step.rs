@@ -14,7 +14,7 @@ use tracing::warn;
 
 use crate::rollouts::Rollouts;
 use crate::trainer_handle::TrainerHandle;
-use crate::weight_sync::WeightSync;
+use manta_weight_sync::WeightSync;
 
 /// The actors a step talks to.
 pub struct StepActors {

@@ -1,249 +1,28 @@
-//! `WeightSyncActor`: after each training step, moves the trainer's weights into every
-//! in-process engine and bumps the weight version: each engine pauses, takes the
-//! tensors into its own parameters, takes the version and resumes. The tensors travel
-//! by one NCCL broadcast to every engine when the trainer and the engines are on
-//! different GPUs ([`broadcast`]), else each engine copies them.
+//! Weight sync: everything that moves the trainer's weights into the engines, in one
+//! crate the driver calls once.
 //!
-//! [`route`] decides, per trainer/engine pair, which mechanism placement calls for
-//! (in-process, gRPC, CUDA IPC, NCCL) and whether this build can run it.
+//! - [`sync`]: [`WeightSync`], the one call of the step loop, the same in local and
+//!   remote mode, over an [`EngineTargets`] ([`targets`]: engines in this process, or on
+//!   worker daemons over gRPC); verification bit for bit.
+//! - [`route`]: which mechanism placement calls for per trainer/engine pair (in-process
+//!   copy, NCCL broadcast, CUDA IPC, gRPC) and whether this build can run it.
+//! - [`actor`]: the `WeightSyncActor` feeding the engines of this process (copies, or
+//!   one NCCL broadcast group: [`broadcast`]).
+//!
+//! The wire side lives with the actors it serves: the worker's weights service
+//! (manta-hosting) and the SGLang engine's `/update_weights_from_distributed` feed
+//! (manta-engine).
 
+pub mod actor;
 pub mod broadcast;
 pub mod route;
+pub mod sync;
+pub mod targets;
 
-use std::time::Instant;
-
-use broadcast::{BroadcastError, BroadcastGroup};
-use manta_engine::{NamedTensors, PauseMode};
-use manta_rollout::{IncomingWeights, RolloutMsg};
-use manta_trainer::TrainerMsg;
-use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::{debug, warn};
-
-/// What one sync moved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SyncReport {
-    pub version: u64,
-    pub tensors: usize,
-    pub bytes: u64,
-    pub engines: usize,
-    pub seconds: f64,
-    /// Longest pause → resume of an engine, seconds.
-    pub pause_to_resume_s: f64,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum WeightSyncError {
-    #[error("version {requested} is not newer than the current version {current}")]
-    StaleVersion { requested: u64, current: u64 },
-    #[error("trainer did not answer: {0}")]
-    Trainer(String),
-    #[error("an engine's weight copy did not finish: {0}")]
-    CopyTask(String),
-    #[error("engine {engine} did not take version {version}: {message}")]
-    Engine {
-        engine: usize,
-        version: u64,
-        message: String,
-    },
-}
-
-pub enum WeightSyncMsg {
-    /// Push the trainer's current weights to all engines as `version`.
-    Sync(u64, RpcReplyPort<Result<SyncReport, WeightSyncError>>),
-    /// As `Sync`, with how engines pause, and without refusing an older version (a
-    /// rewind to a checkpoint).
-    SyncWith(
-        u64,
-        SyncOptions,
-        RpcReplyPort<Result<SyncReport, WeightSyncError>>,
-    ),
-    /// The last version every engine took.
-    Version(RpcReplyPort<u64>),
-}
-
-/// How one sync runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SyncOptions {
-    /// Drain: running requests finish on the old weights; Abort: they end now.
-    pub pause: PauseMode,
-    /// Accept a version not newer than the current one.
-    pub allow_rewind: bool,
-}
-
-impl Default for SyncOptions {
-    fn default() -> Self {
-        Self {
-            pause: PauseMode::Drain,
-            allow_rewind: false,
-        }
-    }
-}
-
-pub struct WeightSyncArgs {
-    pub trainer: ActorRef<TrainerMsg>,
-    pub engines: Vec<ActorRef<RolloutMsg>>,
-    /// The trainer's CUDA device, when every engine is on another GPU: the weights are
-    /// broadcast over NCCL (one group, every engine) instead of copied by each engine.
-    pub broadcast_from: Option<usize>,
-}
-
-pub struct WeightSyncState {
-    args: WeightSyncArgs,
-    version: u64,
-    /// Rank 0 of the engines' weight-update group (see [`WeightSyncArgs::broadcast_from`]).
-    broadcast: Option<BroadcastGroup>,
-}
-
-pub struct WeightSyncActor;
-
-impl Actor for WeightSyncActor {
-    type Msg = WeightSyncMsg;
-    type State = WeightSyncState;
-    type Arguments = WeightSyncArgs;
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        args: WeightSyncArgs,
-    ) -> Result<WeightSyncState, ActorProcessingErr> {
-        let broadcast = args.broadcast_from.map(BroadcastGroup::new);
-        Ok(WeightSyncState {
-            args,
-            version: 0,
-            broadcast,
-        })
-    }
-
-    async fn handle(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        message: WeightSyncMsg,
-        state: &mut WeightSyncState,
-    ) -> Result<(), ActorProcessingErr> {
-        match message {
-            WeightSyncMsg::Sync(version, reply) => {
-                let result = sync(state, version, SyncOptions::default()).await;
-                if let Ok(report) = &result {
-                    state.version = report.version;
-                }
-                let _ = reply.send(result);
-            }
-            WeightSyncMsg::SyncWith(version, opts, reply) => {
-                let result = sync(state, version, opts).await;
-                if let Ok(report) = &result {
-                    state.version = report.version;
-                }
-                let _ = reply.send(result);
-            }
-            WeightSyncMsg::Version(reply) => {
-                let _ = reply.send(state.version);
-            }
-        }
-        Ok(())
-    }
-}
-
-async fn sync(
-    state: &mut WeightSyncState,
-    version: u64,
-    opts: SyncOptions,
-) -> Result<SyncReport, WeightSyncError> {
-    if version <= state.version && !opts.allow_rewind {
-        return Err(WeightSyncError::StaleVersion {
-            requested: version,
-            current: state.version,
-        });
-    }
-    let started = Instant::now();
-    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights)
-        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
-    let bytes: u64 = weights
-        .iter()
-        .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
-        .sum();
-    let tensors = weights.len();
-    let report = |pause_to_resume_s: f64| SyncReport {
-        version,
-        tensors,
-        bytes,
-        engines: state.args.engines.len(),
-        seconds: started.elapsed().as_secs_f64(),
-        pause_to_resume_s,
-    };
-    if let Some(group) = state.broadcast.as_mut() {
-        let sent = weights
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        match group
-            .publish(sent, &state.args.engines, version, opts.pause)
-            .await
-        {
-            Ok(paused) => {
-                let report = report(paused.as_secs_f64());
-                debug!(version, tensors, bytes, seconds = report.seconds, "weights broadcast");
-                return Ok(report);
-            }
-            Err(BroadcastError::Unusable(why)) => {
-                warn!("weight broadcast cannot run ({why}); every engine copies the weights from now on");
-                state.broadcast = None;
-            }
-            Err(BroadcastError::Failed(why)) => warn!(
-                version,
-                "weight broadcast failed ({why}); the engines copy this version, the next sync makes a new group"
-            ),
-        }
-    }
-    // Every engine copies at once (each from the trainer's memory into its own GPU), so
-    // the sync takes about one engine's copy, not the sum, and the engines pause together.
-    let mut copies = tokio::task::JoinSet::new();
-    for (i, engine) in state.args.engines.iter().enumerate() {
-        let copy: NamedTensors = weights
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        let engine = engine.clone();
-        let pause = opts.pause;
-        copies.spawn(async move {
-            let engine_err = |message: String| WeightSyncError::Engine {
-                engine: i,
-                version,
-                message,
-            };
-            call!(
-                engine,
-                RolloutMsg::ApplyWeights,
-                IncomingWeights::Tensors(copy),
-                version,
-                pause
-            )
-            .map_err(|e| engine_err(e.to_string()))?
-            .map_err(|e| engine_err(e.to_string()))
-        });
-    }
-    let mut pause_to_resume_s = 0f64;
-    let mut first_error = None;
-    while let Some(joined) = copies.join_next().await {
-        match joined {
-            Ok(Ok(paused)) => pause_to_resume_s = pause_to_resume_s.max(paused.as_secs_f64()),
-            Ok(Err(e)) => {
-                first_error.get_or_insert(e);
-            }
-            Err(e) => {
-                first_error.get_or_insert(WeightSyncError::CopyTask(e.to_string()));
-            }
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    let report = report(pause_to_resume_s);
-    debug!(
-        version,
-        tensors,
-        bytes,
-        seconds = report.seconds,
-        "weights synced"
-    );
-    Ok(report)
-}
+pub use actor::{
+    SyncOptions, SyncReport, WeightSyncActor, WeightSyncArgs, WeightSyncError, WeightSyncMsg,
+    WeightSyncState,
+};
+pub use sync::{
+    trainer_endpoint, EngineTargets, Published, SyncOutcome, TrainerWeights, WeightSync, VERIFY_ENV,
+};

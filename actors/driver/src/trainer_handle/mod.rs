@@ -95,3 +95,14 @@ impl TrainerHandle {
         self.0.shutdown().await
     }
 }
+
+#[async_trait::async_trait]
+impl manta_weight_sync::TrainerWeights for TrainerHandle {
+    async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
+        TrainerHandle::weight_set(self).await
+    }
+
+    fn worker_addr(&self) -> Option<&str> {
+        TrainerHandle::worker_addr(self)
+    }
+}

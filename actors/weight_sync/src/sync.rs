@@ -1,19 +1,17 @@
 //! Weight sync as the step loop sees it: one call, [`WeightSync::sync`], the same in
 //! local and remote mode. Placement picks the mechanism per trainer/engine pair
-//! (`manta_weight_sync::route`): engines in the driver copy the trainer's tensors
-//! in-process; engines on workers receive the weights as bounded gRPC chunks (no
-//! shared disk), staged before the engines pause. Mechanisms this build cannot run yet
-//! (CUDA IPC in the loop, NCCL) are named in the log and the weights go over gRPC.
+//! ([`crate::route`]): engines in the driver take the trainer's tensors in-process (a
+//! copy, or one NCCL broadcast group when they sit on GPUs of their own); engines on
+//! workers receive the weights as bounded gRPC chunks (no shared disk), staged before
+//! the engines pause. Mechanisms this build cannot run yet (CUDA IPC between workers,
+//! NCCL to workers) are named in the log and the weights go over gRPC.
 //!
 //! Every sync follows the version protocol: engines pause (running requests finish, or
 //! abort with their partial output), copy, take the new version, resume.
 //!
 //! Where the engines are is an [`EngineTargets`]: engines in this process
-//! ([`in_process`]) or on worker daemons ([`workers`]); [`WeightSync`] has one code path
-//! over either.
-
-pub mod in_process;
-pub mod workers;
+//! ([`crate::targets::in_process`]) or on worker daemons ([`crate::targets::workers`]);
+//! [`WeightSync`] has one code path over either.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -22,12 +20,22 @@ use std::time::Instant;
 
 use anyhow::Context;
 use manta_engine::PauseMode;
+use manta_hosting::weights::WeightSet;
+use manta_hosting::TrainerCallError;
 use manta_proto::weight_sync::{EngineDigest, TensorDigest};
 use manta_telemetry::StepMetrics;
-use manta_weight_sync::route::{self, Endpoint};
 use tracing::{info, warn};
 
-use crate::trainer_handle::TrainerHandle;
+use crate::route::{self, Endpoint};
+
+/// The trainer as weight sync sees it, in this process or on a worker.
+#[async_trait::async_trait]
+pub trait TrainerWeights: Send + Sync {
+    /// Every weight with its bytes and digests (gRPC publication, verification).
+    async fn weight_set(&self) -> Result<WeightSet, TrainerCallError>;
+    /// The worker hosting the trainer (`None`: this process).
+    fn worker_addr(&self) -> Option<&str>;
+}
 
 /// `MANTA_VERIFY_WEIGHT_SYNC=1`: after every sync, read each engine's weights back,
 /// compare them with the trainer's bit for bit (the run fails on a difference), and
@@ -44,7 +52,7 @@ pub trait EngineTargets: Send + Sync {
     /// second time).
     async fn publish(
         &self,
-        trainer: &TrainerHandle,
+        trainer: &dyn TrainerWeights,
         version: u64,
         pause: PauseMode,
         want_digests: bool,
@@ -90,7 +98,7 @@ impl SyncOutcome {
 
 /// Moves the trainer's weights into every engine.
 pub struct WeightSync {
-    trainer: TrainerHandle,
+    trainer: Arc<dyn TrainerWeights>,
     /// `None`: no engine to feed (`--load-debug-rollout-data`).
     targets: Option<Arc<dyn EngineTargets>>,
     pause: PauseMode,
@@ -102,7 +110,7 @@ impl WeightSync {
     /// A sync from `trainer` (living at `trainer_at`) to `targets` (engines at
     /// `engines_at`, by name); logs the mechanism placement picks for each pair.
     pub fn new(
-        trainer: TrainerHandle,
+        trainer: Arc<dyn TrainerWeights>,
         trainer_at: &Endpoint,
         targets: impl EngineTargets + 'static,
         engines_at: &[(String, Endpoint)],
@@ -111,7 +119,7 @@ impl WeightSync {
     }
 
     fn with_targets(
-        trainer: TrainerHandle,
+        trainer: Arc<dyn TrainerWeights>,
         trainer_at: &Endpoint,
         targets: Option<Arc<dyn EngineTargets>>,
         engines_at: &[(String, Endpoint)],
@@ -137,7 +145,7 @@ impl WeightSync {
     }
 
     /// No engine to feed (debug rollout data).
-    pub fn none(trainer: TrainerHandle) -> Self {
+    pub fn none(trainer: Arc<dyn TrainerWeights>) -> Self {
         Self::with_targets(trainer, &Endpoint::in_driver(None), None, &[])
     }
 
@@ -166,7 +174,12 @@ impl WeightSync {
             None => Published::default(),
             Some(targets) => {
                 targets
-                    .publish(&self.trainer, version, self.pause, self.verify.is_some())
+                    .publish(
+                        self.trainer.as_ref(),
+                        version,
+                        self.pause,
+                        self.verify.is_some(),
+                    )
                     .await?
             }
         };
@@ -262,7 +275,7 @@ fn first_difference(expected: &[TensorDigest], got: &[TensorDigest]) -> Option<S
 
 /// Where the trainer lives, for [`route::choose`]: on its worker, or in the driver
 /// (on the first of `gpus`, the CPU when none).
-pub fn trainer_endpoint(trainer: &TrainerHandle, gpus: &[u32]) -> Endpoint {
+pub fn trainer_endpoint(trainer: &dyn TrainerWeights, gpus: &[u32]) -> Endpoint {
     match trainer.worker_addr() {
         Some(addr) => Endpoint::on_worker(addr, gpus.first().copied()),
         None => Endpoint::in_driver(gpus.first().copied()),

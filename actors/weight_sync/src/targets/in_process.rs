@@ -1,16 +1,15 @@
 //! Engines in the driver process: the in-process weight-sync actor hands the
 //! trainer's tensors to each engine, which copies them into its own parameters.
 
+use crate::actor::{SyncOptions, WeightSyncMsg};
 use anyhow::Context;
 use manta_engine::PauseMode;
 use manta_hosting::weights;
 use manta_proto::weight_sync::EngineDigest;
 use manta_rollout::RolloutMsg;
-use manta_weight_sync::{SyncOptions, WeightSyncMsg};
 use ractor::{call, ActorRef};
 
-use super::{EngineTargets, Published};
-use crate::trainer_handle::TrainerHandle;
+use crate::sync::{EngineTargets, Published, TrainerWeights};
 
 /// The driver's engines and the weight-sync actor that feeds them.
 pub struct InProcessEngines {
@@ -29,7 +28,7 @@ impl EngineTargets for InProcessEngines {
     /// The weight-sync actor reads the (in-process) trainer itself; no bytes pass here.
     async fn publish(
         &self,
-        _trainer: &TrainerHandle,
+        _trainer: &dyn TrainerWeights,
         version: u64,
         pause: PauseMode,
         _want_digests: bool,

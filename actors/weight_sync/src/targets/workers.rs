@@ -10,8 +10,7 @@ use manta_hosting::weights;
 use manta_hosting::RemotePool;
 use manta_proto::weight_sync::EngineDigest;
 
-use super::{EngineTargets, Published};
-use crate::trainer_handle::TrainerHandle;
+use crate::sync::{EngineTargets, Published, TrainerWeights};
 
 /// The pool's engines, on its live nodes.
 pub struct WorkerEngines(Arc<RemotePool>);
@@ -26,7 +25,7 @@ impl WorkerEngines {
 impl EngineTargets for WorkerEngines {
     async fn publish(
         &self,
-        trainer: &TrainerHandle,
+        trainer: &dyn TrainerWeights,
         version: u64,
         pause: PauseMode,
         want_digests: bool,
