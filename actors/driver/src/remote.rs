@@ -184,7 +184,6 @@ pub async fn train_remote(
         trainer: trainer.clone(),
         rollouts: Rollouts::remote(pool.clone()),
         weights,
-        debug_data: None,
         rollout_only: settings.debug_rollout_only,
     };
     let recovery = TrainerRecovery {

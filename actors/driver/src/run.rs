@@ -168,7 +168,6 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         trainer,
         rollouts: Rollouts::local(worker.rollouts.clone(), cluster.rollout.colocate),
         weights,
-        debug_data: None,
         rollout_only: settings.debug_rollout_only,
     };
     let result = run_with_actors(
@@ -194,6 +193,13 @@ async fn train_from_debug_data(
     ranks: usize,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<RunSummary> {
+    // Saved group k of a rollout is group k of its step: a filter that drops groups
+    // would shift every later step onto the wrong file's groups.
+    if let Some(filter) = &settings.sampling.dynamic_sampling_filter {
+        anyhow::bail!(
+            "--load-debug-rollout-data trains on the saved groups as they are: drop              --dynamic-sampling-filter-path ({filter})"
+        );
+    }
     let (handle, _) = local::start_trainer(
         local::trainer_options(settings, tch::Device::Cpu),
         &RankDevices::Cpu(ranks),
@@ -201,9 +207,8 @@ async fn train_from_debug_data(
     .await?;
     let actors = StepActors {
         trainer: handle.clone(),
-        rollouts: Rollouts::none(),
+        rollouts: Rollouts::saved(template, settings.rollout_batch_size),
         weights: WeightSync::none(Arc::new(handle.clone())),
-        debug_data: Some(template),
         rollout_only: false,
     };
     let result = run_with_actors(

@@ -176,11 +176,6 @@ impl GroupQueue {
         }
     }
 
-    /// Samples a full step trains on (`rollout_batch_size × n_samples`).
-    pub fn samples_per_step(&self) -> u64 {
-        (self.rollout_batch_size * self.n_samples) as u64
-    }
-
     /// Whether the next step's groups start before this step trains.
     pub fn overlaps(&self) -> bool {
         self.opts.max_weight_staleness > 0

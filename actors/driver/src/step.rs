@@ -23,9 +23,6 @@ pub struct StepActors {
     pub rollouts: Rollouts,
     /// Moves the trainer's weights into every engine (one call, any placement).
     pub weights: WeightSync,
-    /// `--load-debug-rollout-data`: each step's samples come from this file template
-    /// instead of rollouts.
-    pub debug_data: Option<String>,
     /// `--debug-rollout-only`: steps end after their rollouts (no training, no sync).
     pub rollout_only: bool,
 }
@@ -75,17 +72,8 @@ pub async fn run_step(
     save_debug: Option<&str>,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
-    let (samples, collected) = match &actors.debug_data {
-        Some(template) => {
-            let per_step = queue.samples_per_step();
-            let first_id = (step - 1) * per_step;
-            (crate::debug_data::load(template, step - 1, first_id)?, None)
-        }
-        None => {
-            let mut c = queue.collect(step, version).await?;
-            (std::mem::take(&mut c.samples), Some(c))
-        }
-    };
+    let mut collected = queue.collect(step, version).await?;
+    let samples = std::mem::take(&mut collected.samples);
     if let Some(template) = save_debug {
         crate::debug_data::save(template, step - 1, &samples)
             .context("--save-debug-rollout-data")?;
@@ -94,11 +82,11 @@ pub async fn run_step(
 
     let mut m = rollout_metrics(&samples);
     let (batch, trained_ids, zero_std) = build_batch(samples, n_samples, advantages);
-    let dropped = collected.as_ref().map_or(0, |c| c.dropped);
-    m.insert("rollout/zero_std/count".into(), (zero_std + dropped) as f64);
-    if let Some(c) = collected {
-        m.extend(c.metrics);
-    }
+    m.insert(
+        "rollout/zero_std/count".into(),
+        (zero_std + collected.dropped) as f64,
+    );
+    m.extend(collected.metrics);
 
     if actors.rollout_only {
         let step_time = started.elapsed().as_secs_f64();

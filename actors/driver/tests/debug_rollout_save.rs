@@ -152,3 +152,50 @@ fn debug_rollout_only_runs_rollouts_and_trains_nothing() {
     assert!(!ckpt.exists(), "no checkpoint is written without training");
     assert!(String::from_utf8_lossy(&out.stdout).contains("step     2/2"));
 }
+
+#[test]
+fn replaying_more_groups_than_were_saved_names_the_file_and_group() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
+    let template = tmp.path().join("debug/rollout_{rollout_id}.jsonl");
+    let base = |run: &'static str, batch: &'static str| {
+        vec![
+            "--cluster".to_string(),
+            "cluster.toml".into(),
+            "--runs-dir".into(),
+            runs.to_str().unwrap().into(),
+            "--run-name".into(),
+            run.into(),
+            "--rollout-batch-size".into(),
+            batch.into(),
+            "--n-samples".into(),
+            "2".into(),
+            "--num-rollout".into(),
+            "1".into(),
+        ]
+    };
+    let mut save = base("live", "2");
+    save.extend([
+        "--save-debug-rollout-data".into(),
+        template.to_str().unwrap().into(),
+    ]);
+    driver(&save.iter().map(String::as_str).collect::<Vec<_>>());
+    // Three groups a step from a file of two.
+    let mut replay = base("replay", "3");
+    replay.extend([
+        "--load-debug-rollout-data".into(),
+        template.to_str().unwrap().into(),
+    ]);
+    let out = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(&replay)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("driver runs");
+    assert!(!out.status.success(), "a short file must fail the run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rollout_0.jsonl") && err.contains("group 2"),
+        "{err}"
+    );
+}

@@ -1,11 +1,13 @@
 //! The rollout actors as the step loop sees them: one handle, [`Rollouts`], whatever
 //! their placement. Each placement implements [`RolloutBackend`] — in-process actors
-//! ([`local`]) or actors on worker daemons ([`remote`]) — so the step loop and the
-//! group queue (crate::sampling) have one code path.
+//! ([`local`]), actors on worker daemons ([`remote`]), or saved rollouts read back
+//! ([`saved`], `--load-debug-rollout-data`) — so the step loop and the group queue
+//! (crate::sampling) have one code path.
 
 pub mod balance;
 pub mod local;
 pub mod remote;
+pub mod saved;
 
 use std::sync::Arc;
 
@@ -65,11 +67,6 @@ impl Rollouts {
         Self(Arc::new(backend))
     }
 
-    /// No rollout actor (`--load-debug-rollout-data`: samples come from files).
-    pub fn none() -> Self {
-        Self::new(NoRollouts)
-    }
-
     pub async fn run_episodes(
         &self,
         requests: Vec<EpisodeRequest>,
@@ -88,19 +85,5 @@ impl Rollouts {
 
     pub fn live_nodes(&self) -> Option<usize> {
         self.0.live_nodes()
-    }
-}
-
-/// The backend of [`Rollouts::none`]: it runs no episode.
-struct NoRollouts;
-
-#[async_trait::async_trait]
-impl RolloutBackend for NoRollouts {
-    async fn run_episodes(
-        &self,
-        _requests: Vec<EpisodeRequest>,
-        _generation: GenerationSettings,
-    ) -> anyhow::Result<Vec<Sample>> {
-        anyhow::bail!("no episodes run with --load-debug-rollout-data")
     }
 }
