@@ -6,6 +6,7 @@ pub mod debug_data;
 pub mod driver_actor;
 pub mod generate;
 pub mod local;
+pub mod placement;
 pub mod prepare_tasks;
 pub mod remote;
 pub mod rollouts;

@@ -32,8 +32,14 @@ use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
 
+use crate::placement::{Placed, Teardown};
+use crate::rollouts::Rollouts;
+use crate::run::TrainerRecovery;
+use crate::step::StepActors;
 use crate::trainer_handle::data_parallel::{spawn_ranks, RankDevices};
 use crate::trainer_handle::TrainerHandle;
+use manta_weight_sync::targets::InProcessEngines;
+use manta_weight_sync::WeightSync;
 
 /// The native engine's share of GPU memory (weights + KV cache) when it shares the
 /// trainer's GPU and `rollout.mem_fraction_static` is not set.
@@ -476,6 +482,72 @@ fn engine_mem_fraction(rollout: &manta_config::RolloutSection, default: f64) -> 
         COLOCATED_MEM_FRACTION
     } else {
         default
+    })
+}
+
+/// Local mode: the trainer, the engines and the environments in this process
+/// (crate::placement).
+pub async fn place(
+    cluster: &ClusterConfig,
+    train: &TrainConfig,
+    settings: &TrainSettings,
+) -> anyhow::Result<Placed> {
+    let worker = start(cluster, train, settings, true).await?;
+    let (trainer, weight_sync) = match (&worker.trainer, &worker.weight_sync) {
+        (Some(t), Some(w)) => (t.clone(), w.clone()),
+        _ => anyhow::bail!("local mode started without a trainer"),
+    };
+    let weights = WeightSync::new(
+        Arc::new(trainer.clone()),
+        &worker.trainer_at,
+        InProcessEngines::new(weight_sync, worker.rollouts.clone()),
+        &worker.engines_at,
+    )
+    .verifying_from_env(crate::run::verify_log(settings));
+    Ok(Placed {
+        actors: StepActors {
+            trainer,
+            rollouts: Rollouts::local(worker.rollouts.clone(), cluster.rollout.colocate),
+            weights,
+            rollout_only: settings.debug_rollout_only,
+        },
+        env_clients: worker.env_clients.clone(),
+        recovery: TrainerRecovery::default(),
+        teardown: Teardown::Local(worker),
+    })
+}
+
+/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32, as `ranks`
+/// data-parallel ranks: `[trainer]`'s rank count, GPUs or not); each step trains on the
+/// saved samples of that rollout, read back in place of engines (crate::rollouts::saved).
+pub async fn place_saved(
+    template: String,
+    settings: &TrainSettings,
+    ranks: usize,
+) -> anyhow::Result<Placed> {
+    // Saved group k of a rollout is group k of its step: a filter that drops groups
+    // would shift every later step onto the wrong file's groups.
+    if let Some(filter) = &settings.sampling.dynamic_sampling_filter {
+        anyhow::bail!(
+            "--load-debug-rollout-data trains on the saved groups as they are: drop \
+             --dynamic-sampling-filter-path ({filter})"
+        );
+    }
+    let (handle, _) = start_trainer(
+        trainer_options(settings, tch::Device::Cpu),
+        &RankDevices::Cpu(ranks),
+    )
+    .await?;
+    Ok(Placed {
+        actors: StepActors {
+            trainer: handle.clone(),
+            rollouts: Rollouts::saved(template, settings.rollout_batch_size),
+            weights: WeightSync::none(Arc::new(handle.clone())),
+            rollout_only: false,
+        },
+        env_clients: BTreeMap::new(),
+        recovery: TrainerRecovery::default(),
+        teardown: Teardown::Trainer(handle),
     })
 }
 

@@ -4,7 +4,6 @@
 //! anything starts. Every placer holds a lease its heartbeats renew, so workers stop
 //! the actors of a driver that died without saying so.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,10 +16,10 @@ use manta_hosting::{
 use manta_runtime::{load_token, ClientTls, Lease, WorkerClient};
 use tracing::info;
 
-use crate::driver_actor::RunSummary;
 use crate::local;
+use crate::placement::{Placed, Teardown};
 use crate::rollouts::Rollouts;
-use crate::run::{default_run_name, run_with_actors, TrainerRecovery};
+use crate::run::{default_run_name, TrainerRecovery};
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
 use manta_weight_sync::route::Endpoint;
@@ -34,14 +33,14 @@ fn absolute(path: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
     std::fs::canonicalize(path).with_context(|| format!("resolving {}", path.display()))
 }
 
-/// Runs a training job with rollouts (and optionally the trainer) on worker daemons.
-pub async fn train_remote(
-    cluster: ClusterConfig,
-    train: TrainConfig,
-    mut settings: TrainSettings,
-    stop: Arc<AtomicBool>,
-) -> anyhow::Result<RunSummary> {
-    local::check_true_on_policy(&cluster.rollout, &settings, true)?;
+/// Remote mode (crate::placement): rollouts, and the trainer when `[trainer] node` says
+/// so, on worker daemons; task listing here. Makes `settings`' paths absolute.
+pub async fn place(
+    cluster: &ClusterConfig,
+    train: &TrainConfig,
+    settings: &mut TrainSettings,
+) -> anyhow::Result<Placed> {
+    local::check_true_on_policy(&cluster.rollout, settings, true)?;
     let token = load_token().context("remote mode needs the cluster token")?;
     let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
     settings.run_name = Some(run_name.clone());
@@ -71,8 +70,8 @@ pub async fn train_remote(
             .with_context(|| format!("reading {}", train.path.display()))?,
         max_concurrent_episodes: cluster.rollout.max_concurrent_episodes,
         max_batch_size: cluster.rollout.max_batch_size,
-        openreward: OpenRewardAccess::from_env(&train),
-        sglang: sglang_spawn(&cluster, &settings),
+        openreward: OpenRewardAccess::from_env(train),
+        sglang: sglang_spawn(cluster, settings),
     };
     let opts = PoolOptions {
         heartbeat_interval: Duration::from_millis(cluster.heartbeat_interval_ms),
@@ -131,12 +130,12 @@ pub async fn train_remote(
     // Task listing (and the trainer, unless a worker hosts it) stays here.
     let mut local_cluster = cluster.clone();
     local_cluster.rollout.engines = 0;
-    let worker = local::start(&local_cluster, &train, &settings, trainer_client.is_none()).await?;
+    let worker = local::start(&local_cluster, train, settings, trainer_client.is_none()).await?;
     let trainer = match (trainer_client, &worker.trainer) {
         (Some(client), _) => {
             let options = manta_trainer::TrainerOptions {
                 bf16: cluster.trainer.bf16,
-                ..local::trainer_options(&settings, tch::Device::Cpu)
+                ..local::trainer_options(settings, tch::Device::Cpu)
             };
             let remote = RemoteTrainer::start(
                 client,
@@ -163,7 +162,6 @@ pub async fn train_remote(
         .into_iter()
         .enumerate()
         .flat_map(|(i, node)| {
-            let cluster = &cluster;
             (0..cluster.rollout.engines).map(move |k| {
                 let gpu = cluster.engine_gpus(node, k).first().copied();
                 (
@@ -179,32 +177,26 @@ pub async fn train_remote(
         WorkerEngines::new(pool.clone()),
         &engines_at,
     )
-    .verifying_from_env(crate::run::verify_log(&settings));
+    .verifying_from_env(crate::run::verify_log(settings));
     let actors = StepActors {
         trainer: trainer.clone(),
         rollouts: Rollouts::remote(pool.clone()),
         weights,
         rollout_only: settings.debug_rollout_only,
     };
-    let recovery = TrainerRecovery {
-        policy: cluster.trainer.on_failure,
-        restart_timeout: Duration::from_secs(cluster.trainer.restart_timeout_s),
-    };
-    let result = run_with_actors(
-        &worker.env_clients,
+    Ok(Placed {
         actors,
-        &train,
-        &settings,
-        recovery,
-        stop,
-    )
-    .await;
-    trainer.shutdown().await;
-    worker.shutdown().await;
-    if let Ok(pool) = Arc::try_unwrap(pool) {
-        pool.shutdown().await;
-    }
-    result
+        env_clients: worker.env_clients.clone(),
+        recovery: TrainerRecovery {
+            policy: cluster.trainer.on_failure,
+            restart_timeout: Duration::from_secs(cluster.trainer.restart_timeout_s),
+        },
+        teardown: Teardown::Remote {
+            trainer,
+            worker,
+            pool,
+        },
+    })
 }
 
 /// What workers need to launch SGLang engines (`None` for the native engine): the

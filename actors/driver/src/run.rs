@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings, TrainerFailurePolicy};
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings, TrainerFailurePolicy};
 use manta_rollout::ors::OrsClient;
 use manta_rollout::TaskRef;
 use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
@@ -16,13 +16,8 @@ use tracing::info;
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
-use crate::local;
-use crate::rollouts::Rollouts;
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
-use crate::trainer_handle::data_parallel::RankDevices;
-use manta_weight_sync::targets::InProcessEngines;
-use manta_weight_sync::WeightSync;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -140,87 +135,17 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         mode = ?cluster.mode,
         "starting training"
     );
-    // Debug data needs no engine or environment, local or remote: the trainer runs here.
-    if let Some(template) = settings.load_debug_rollout_data.clone() {
-        // Data-parallel ranks are a local-mode setting (remote ranks are not built yet).
-        let ranks = match cluster.mode {
-            ClusterMode::Local => cluster.trainer.data_parallel_world(),
-            ClusterMode::Remote => 1,
-        };
-        return train_from_debug_data(template, &train, &settings, ranks, stop).await;
-    }
-    if cluster.mode == ClusterMode::Remote {
-        return crate::remote::train_remote(cluster, train, settings, stop).await;
-    }
-    let worker = local::start(&cluster, &train, &settings, true).await?;
-    let (trainer, weight_sync) = match (&worker.trainer, &worker.weight_sync) {
-        (Some(t), Some(w)) => (t.clone(), w.clone()),
-        _ => anyhow::bail!("local mode started without a trainer"),
-    };
-    let weights = WeightSync::new(
-        Arc::new(trainer.clone()),
-        &worker.trainer_at,
-        InProcessEngines::new(weight_sync, worker.rollouts.clone()),
-        &worker.engines_at,
-    )
-    .verifying_from_env(verify_log(&settings));
-    let actors = StepActors {
-        trainer,
-        rollouts: Rollouts::local(worker.rollouts.clone(), cluster.rollout.colocate),
-        weights,
-        rollout_only: settings.debug_rollout_only,
-    };
+    let placed = crate::placement::place(&cluster, &train, &mut settings).await?;
     let result = run_with_actors(
-        &worker.env_clients,
-        actors,
+        &placed.env_clients,
+        placed.actors,
         &train,
         &settings,
-        TrainerRecovery::default(),
+        placed.recovery,
         stop,
     )
     .await;
-    worker.shutdown().await;
-    result
-}
-
-/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32, as `ranks`
-/// data-parallel ranks: `[trainer]`'s rank count, GPUs or not); each step trains on the
-/// saved samples of that rollout.
-async fn train_from_debug_data(
-    template: String,
-    train: &TrainConfig,
-    settings: &TrainSettings,
-    ranks: usize,
-    stop: Arc<AtomicBool>,
-) -> anyhow::Result<RunSummary> {
-    // Saved group k of a rollout is group k of its step: a filter that drops groups
-    // would shift every later step onto the wrong file's groups.
-    if let Some(filter) = &settings.sampling.dynamic_sampling_filter {
-        anyhow::bail!(
-            "--load-debug-rollout-data trains on the saved groups as they are: drop              --dynamic-sampling-filter-path ({filter})"
-        );
-    }
-    let (handle, _) = local::start_trainer(
-        local::trainer_options(settings, tch::Device::Cpu),
-        &RankDevices::Cpu(ranks),
-    )
-    .await?;
-    let actors = StepActors {
-        trainer: handle.clone(),
-        rollouts: Rollouts::saved(template, settings.rollout_batch_size),
-        weights: WeightSync::none(Arc::new(handle.clone())),
-        rollout_only: false,
-    };
-    let result = run_with_actors(
-        &Default::default(),
-        actors,
-        train,
-        settings,
-        TrainerRecovery::default(),
-        stop,
-    )
-    .await;
-    handle.shutdown().await;
+    placed.teardown.run().await;
     result
 }
 
