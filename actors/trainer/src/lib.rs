@@ -12,6 +12,7 @@ pub mod actor;
 pub mod batch;
 pub mod data_parallel;
 pub mod loss;
+pub mod memory_plan;
 pub mod optimizer;
 pub mod schedule;
 pub mod trainer;

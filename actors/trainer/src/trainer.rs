@@ -16,6 +16,7 @@ use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ZeroAdamW
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
 };
+use crate::memory_plan;
 use crate::optimizer::{AdamW, AdamWConfig};
 use crate::schedule::LrSchedule;
 
@@ -40,6 +41,8 @@ pub enum TrainerError {
     Recompute(#[from] RecomputeError),
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    DoesNotFit(#[from] crate::memory_plan::DoesNotFit),
 }
 
 /// Everything the trainer needs to start.
@@ -248,6 +251,50 @@ impl Packed {
     }
 }
 
+/// On a GPU: logs what a rank will hold and refuses, before anything is allocated, a
+/// run whose weights and optimizer state alone exceed the GPU (crate::memory_plan).
+fn check_memory(
+    cfg: &ModelConfig,
+    opts: &TrainerOptions,
+    ranks: usize,
+) -> Result<(), TrainerError> {
+    let Device::Cuda(index) = opts.device else {
+        return Ok(());
+    };
+    let plan = memory_plan::plan(
+        cfg,
+        &memory_plan::MemoryInputs {
+            tokens_per_gpu: opts.max_tokens_per_gpu,
+            data_parallel: ranks,
+            bf16: opts.bf16.unwrap_or(true),
+            recompute: opts.recompute,
+            reference: opts.algo.loss.use_kl_loss,
+            logprob_chunk: opts.logprob_chunk.max(1) as usize,
+        },
+    );
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    info!(
+        device = index,
+        static_gib = gib(plan.static_bytes()),
+        activations_gib = gib(plan.activations + plan.logits),
+        peak_gib = gib(plan.peak()),
+        "trainer memory plan per GPU"
+    );
+    let Ok(capacity) = manta_cuda::total_memory(index) else {
+        return Ok(());
+    };
+    memory_plan::check(&plan, capacity as u64)?;
+    if plan.peak() > capacity as u64 {
+        tracing::warn!(
+            peak_gib = gib(plan.peak()),
+            capacity_gib = gib(capacity as u64),
+            "the planned peak exceeds the GPU: micro-batches that run out of memory are split \
+             (slower); lower --max-tokens-per-gpu or recompute more layers (--recompute-num-layers)"
+        );
+    }
+    Ok(())
+}
+
 impl Trainer {
     /// Builds the model from `model_dir/config.json` and loads its weights, or draws
     /// random ones from `seed` when the directory has none.
@@ -272,6 +319,8 @@ impl Trainer {
         group: Option<(Box<dyn Collective>, usize)>,
     ) -> Result<Self, TrainerError> {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
+        let ranks = group.as_ref().map_or(1, |(comm, _)| comm.world_size());
+        check_memory(&cfg, &opts, ranks)?;
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
         let mut model = CausalLm::new(&vs.root(), &cfg);
