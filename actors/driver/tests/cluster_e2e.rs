@@ -661,7 +661,13 @@ fn ctrl_c_stops_the_actors_on_every_worker() {
             assert!(stderr.contains("stopped on request"), "{stderr}");
         } else {
             assert_eq!(status.code(), Some(130), "{stderr}");
-            assert!(stderr.contains("stopped 2 remote actors"), "{stderr}");
+            // Both actors, or the one left when the second press came while the run was
+            // already stopping its trainer: either way the workers end with none (below).
+            assert!(
+                stderr.contains("stopped 2 remote actors")
+                    || stderr.contains("stopped 1 remote actors"),
+                "{stderr}"
+            );
         }
         assert_eq!(
             hosted(ports),

@@ -9,6 +9,7 @@
 //! - [`upload`]: trajectory upload to OpenReward, in the background.
 
 pub mod actor;
+pub mod balance;
 pub mod chat;
 pub mod episode;
 pub mod ors;

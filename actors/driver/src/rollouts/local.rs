@@ -3,15 +3,15 @@
 use anyhow::Context;
 use futures::future::join_all;
 use manta_core::Sample;
+use manta_rollout::balance::LoadBalancer;
 use manta_rollout::{EpisodeRequest, GenerationSettings, RolloutMsg};
 use ractor::{call, ActorRef};
 use tracing::{debug, warn};
 
-use super::balance::LoadBalancer;
 use super::{Released, RolloutBackend, Rollouts};
 
 /// In-process rollout actors; each group goes whole to the actor with the fewest
-/// episodes in flight (crate::rollouts::balance).
+/// episodes in flight (manta_rollout::balance).
 pub struct LocalRollouts {
     actors: Vec<ActorRef<RolloutMsg>>,
     balancer: LoadBalancer,

@@ -4,7 +4,6 @@
 //! ([`saved`], `--load-debug-rollout-data`) — so the step loop and the group queue
 //! (crate::sampling) have one code path.
 
-pub mod balance;
 pub mod local;
 pub mod remote;
 pub mod saved;

@@ -2,7 +2,7 @@
 //! dead node's episodes to a live one (de-duplicated by sample id), and rejoin.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,6 +10,7 @@ use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use manta_core::Sample;
+use manta_rollout::balance::{Assignment, LoadBalancer};
 use manta_rollout::{EpisodeRequest, GenerationSettings};
 use manta_runtime::{ClientTls, Lease, RuntimeError, WorkerClient};
 use tokio::sync::watch;
@@ -58,7 +59,11 @@ struct Shared {
     /// Check a rejoined node's engines against the published weights, bit for bit.
     verify_rejoins: std::sync::atomic::AtomicBool,
     opts: PoolOptions,
-    next: AtomicUsize,
+    /// Episodes in flight per rollout actor (indices into `slots`): a group goes to
+    /// the least-loaded actor of a live node.
+    balancer: LoadBalancer,
+    /// (node, actor) of each balancer index.
+    slots: Vec<(usize, usize)>,
 }
 
 /// The current weights as last published: a rejoining node gets exactly these.
@@ -161,14 +166,20 @@ impl RemotePool {
                 live,
             });
         }
+        let slots: Vec<(usize, usize)> = built
+            .iter()
+            .enumerate()
+            .flat_map(|(n, node)| (0..node.actors.len()).map(move |a| (n, a)))
+            .collect();
         let shared = Arc::new(Shared {
+            balancer: LoadBalancer::new(slots.len()),
+            slots,
             nodes: built,
             spawn,
             weights: Mutex::new(None),
             publish: tokio::sync::Mutex::new(()),
             verify_rejoins: std::sync::atomic::AtomicBool::new(false),
             opts,
-            next: AtomicUsize::new(0),
         });
         let heartbeats = (0..shared.nodes.len())
             .map(|i| tokio::spawn(heartbeat_loop(shared.clone(), i)))
@@ -313,9 +324,16 @@ impl RemotePool {
         }
         let mut done: BTreeMap<u64, Sample> = BTreeMap::new();
         let mut running = FuturesUnordered::new();
-        for share in groups.into_values() {
-            let (node, actor) = self.pick(None).await?;
-            running.push(run_share(self.shared.clone(), node, actor, share, settings));
+        for (group, share) in groups {
+            let (node, actor, load) = self.pick(None, group, share.len()).await?;
+            running.push(run_share(
+                self.shared.clone(),
+                node,
+                actor,
+                share,
+                settings,
+                load,
+            ));
         }
         while let Some((node, share, samples, result)) = running.next().await {
             for s in samples {
@@ -333,13 +351,15 @@ impl RemotePool {
                     "rollout share failed; re-queueing its episodes on another node"
                 );
                 if !missing.is_empty() {
-                    let (other, actor) = self.pick(Some(node)).await?;
+                    let group = missing[0].group_index;
+                    let (other, actor, load) = self.pick(Some(node), group, missing.len()).await?;
                     running.push(run_share(
                         self.shared.clone(),
                         other,
                         actor,
                         missing,
                         settings,
+                        load,
                     ));
                 }
             }
@@ -354,26 +374,27 @@ impl RemotePool {
             .collect()
     }
 
-    /// A live node (preferring one other than `avoid`) and one of its actors, round robin;
-    /// waits for a node to come back when none is live.
-    async fn pick(&self, avoid: Option<usize>) -> Result<(usize, String), RuntimeError> {
+    /// The actor of a live node (preferring nodes other than `avoid`) with the fewest
+    /// episodes in flight, counted against it for `episodes` until the returned
+    /// [`Assignment`] drops; waits for a node to come back when none is live.
+    async fn pick(
+        &self,
+        avoid: Option<usize>,
+        group: u32,
+        episodes: usize,
+    ) -> Result<(usize, String, Assignment), RuntimeError> {
         let started = Instant::now();
+        let shared = &self.shared;
         loop {
-            let live: Vec<usize> = (0..self.shared.nodes.len())
-                .filter(|&i| *self.shared.nodes[i].live.borrow())
-                .collect();
-            let preferred: Vec<usize> =
-                live.iter().copied().filter(|&i| Some(i) != avoid).collect();
-            let choices = if preferred.is_empty() {
-                &live
-            } else {
-                &preferred
+            let live = |node: usize| *shared.nodes[node].live.borrow();
+            let other_live = (0..shared.nodes.len()).any(|n| live(n) && Some(n) != avoid);
+            let allowed = |slot: usize| {
+                let node = shared.slots[slot].0;
+                live(node) && (!other_live || Some(node) != avoid)
             };
-            if !choices.is_empty() {
-                let k = self.shared.next.fetch_add(1, Ordering::Relaxed);
-                let node = choices[k % choices.len()];
-                let actors = &self.shared.nodes[node].actors;
-                return Ok((node, actors[(k / choices.len()) % actors.len()].clone()));
+            if let Some(load) = shared.balancer.assign_among(group, episodes, allowed) {
+                let (node, actor) = shared.slots[load.engine()];
+                return Ok((node, shared.nodes[node].actors[actor].clone(), load));
             }
             if started.elapsed() > self.shared.opts.no_live_node_timeout {
                 return Err(RuntimeError::Placement(format!(
@@ -400,12 +421,15 @@ impl RemotePool {
 
 /// Streams one share from one node; ends early with an error when the stream breaks or
 /// the node is declared dead. Returns what arrived either way.
+/// Runs `share` on `actor` of `node`; `load` counts its episodes against the actor
+/// until the share ends.
 async fn run_share(
     shared: Arc<Shared>,
     node: usize,
     actor: String,
     share: Vec<EpisodeRequest>,
     settings: GenerationSettings,
+    load: Assignment,
 ) -> (
     usize,
     Vec<EpisodeRequest>,
@@ -435,6 +459,7 @@ async fn run_share(
         }
     }
     .await;
+    drop(load);
     (node, share, samples, result)
 }
 

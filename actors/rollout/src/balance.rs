@@ -1,7 +1,8 @@
-//! Which engine a group of episodes goes to: the one with the fewest episodes in
-//! flight. A whole group goes to one engine, and each episode runs every turn on the
-//! engine it started on, so the group's shared prompt and each episode's earlier turns
-//! are in that engine's prefix cache when the next request comes (prefix affinity).
+//! Which rollout actor a group of episodes goes to: the one with the fewest episodes in
+//! flight (in this process, or among a pool's live worker actors). A whole group goes
+//! to one actor, and each episode runs every turn on the engine it started on, so the
+//! group's shared prompt and each episode's earlier turns are in that engine's prefix
+//! cache when the next request comes (prefix affinity).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -47,17 +48,33 @@ impl LoadBalancer {
     /// Counts `episodes` of group `group_index` against the least-loaded engine; equal
     /// loads are broken by the group index, so an idle pool takes groups round robin.
     pub fn assign(&self, group_index: u32, episodes: usize) -> Assignment {
+        self.assign_among(group_index, episodes, |_| true)
+            .unwrap_or_else(|| Assignment {
+                engine: 0,
+                episodes: 0,
+                in_flight: self.in_flight.clone(),
+            })
+    }
+
+    /// As [`LoadBalancer::assign`], among the engines `allowed` accepts (say, those of
+    /// live nodes); `None` when it accepts none.
+    pub fn assign_among(
+        &self,
+        group_index: u32,
+        episodes: usize,
+        allowed: impl Fn(usize) -> bool,
+    ) -> Option<Assignment> {
         let mut loads = self
             .in_flight
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let engine = least_loaded(&loads, group_index);
+        let engine = least_loaded(&loads, group_index, allowed)?;
         loads[engine] += episodes;
-        Assignment {
+        Some(Assignment {
             engine,
             episodes,
             in_flight: self.in_flight.clone(),
-        }
+        })
     }
 
     /// Episodes in flight per engine.
@@ -69,14 +86,21 @@ impl LoadBalancer {
     }
 }
 
-/// The engine with the smallest load, searching from `group_index % engines`.
-fn least_loaded(loads: &[usize], group_index: u32) -> usize {
+/// The allowed engine with the smallest load, searching from `group_index % engines`.
+fn least_loaded(
+    loads: &[usize],
+    group_index: u32,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<usize> {
     let n = loads.len();
+    if n == 0 {
+        return None;
+    }
     let start = group_index as usize % n;
     (0..n)
         .map(|k| (start + k) % n)
+        .filter(|&i| allowed(i))
         .min_by_key(|&i| loads[i])
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -105,6 +129,17 @@ mod tests {
         // Engine 0's group finishes: it is the emptier one now.
         drop(big);
         assert_eq!(lb.assign(3, 1).engine(), 0);
+    }
+
+    #[test]
+    fn only_allowed_engines_are_chosen() {
+        let lb = LoadBalancer::new(3);
+        let _busy = lb.assign(0, 10); // engine 0
+                                      // Engine 1 is out (a dead node): the least loaded of the rest is engine 2.
+        let a = lb.assign_among(1, 1, |i| i != 1).unwrap();
+        assert_eq!(a.engine(), 2);
+        assert!(lb.assign_among(2, 1, |_| false).is_none());
+        assert!(LoadBalancer::new(0).assign_among(0, 1, |_| true).is_none());
     }
 
     #[test]
