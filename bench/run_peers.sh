@@ -40,8 +40,11 @@
 #   SIDES ("native sglang"), SGLANG_ENV (/tmp/site/sglang_env.sh, sourced if present),
 #   SGLANG_MEM_FRACTION (0.7: weights + KV pool; leaves room for the 131k-token prefill
 #   of B=256 at 8B, which bench_one_batch runs in one forward), SGLANG_PASSES (2),
-#   SGLANG_GRAPH_BS (exact: capture decode CUDA graphs for the batch list only, a faster
-#   start with no padding for these sizes; "default" keeps SGLang's ~36 sizes),
+#   SGLANG_GRAPH_BS (exact: CUDA graphs captured only for the sizes run — decode graphs of
+#   the batch list, prefill graphs of the B*PROMPT token counts up to 8192 — the buckets
+#   SGLang's defaults would use for them, minus the ~90 others; a shorter start.
+#   "default" keeps SGLang's lists), SGLANG_ATTENTION_BACKEND (flashinfer; FA3 is not in
+#   the offline bundle),
 #   SGLANG_EXTRA_ARGS (appended to bench_one_batch's arguments, word-split),
 #   NATIVE_TIMEOUT_S (240 per shape), SGLANG_TIMEOUT_S (420 per shape), BUDGET_S (550:
 #   the whole call; each run gets at most what is left minus 15 s for the report),
@@ -65,14 +68,17 @@
 # $OUT/rollout_native/ and $OUT/rollout_sglang/; peers_report.py reads their
 # e2e_<mode>.json (rollout_s, rollout_tokens_per_s) and writes
 # rollout_step_native_over_sglang = sglang rollout_s / native rollout_s and
-# rollout_tokens_per_s_native_over_sglang. ~7 minutes (SGLang's server start ~4 of them);
-# ROLLOUT_TIMEOUT_S (300 per mode), ROLLOUT_SHAPE (0.6b; MODEL_SHAPE of run_e2e.sh).
+# rollout_tokens_per_s_native_over_sglang. ~7-8 minutes: native ~2, SGLang ~5.5 (its server's
+# first start ~4 of them); ROLLOUT_TIMEOUT_S (420 per mode; BUDGET_S still bounds the call),
+# ROLLOUT_SHAPE (0.6b; MODEL_SHAPE of run_e2e.sh). A run cut before run_e2e.sh's own report
+# is summarised from its runs/MODE/metrics.jsonl (e2e_report.py's summarise()).
 #
 # Device call (one GPU; SGLang installed earlier on the same warm machine with
 # `bash .whl/sgb/install.sh /tmp/sgb_parts`, see bench/sglang/README.md; carry ["bin"]):
 #   MANTA_DEVICE_KIND=nvidia-h100-x1 bash bench/run_peers.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1   # complete logs from a python process that timeout stops
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-550}
 SHAPES=${SHAPES:-0.6b 8b}
@@ -188,8 +194,17 @@ fi
 if [ "$DECODE" = 1 ] && has "$SIDES" sglang; then
   passes=()
   for _ in $(seq 1 "${SGLANG_PASSES:-2}"); do passes+=("${BLIST[@]}"); done
-  graph=(--cuda-graph-bs-decode "${BLIST[@]}")
-  [ "${SGLANG_GRAPH_BS:-exact}" = exact ] || graph=()
+  # CUDA graphs for exactly the sizes these runs use: decode graphs of the batch sizes, and
+  # the prefill (breakable) graphs of the batches' token counts that SGLang would graph at
+  # all (<= chunked_prefill_size, 8192 on H100/H200); the same buckets the defaults pick
+  # for these sizes, without capturing the ~90 others (a shorter start).
+  graph=()
+  if [ "${SGLANG_GRAPH_BS:-exact}" = exact ]; then
+    pre=()
+    for b in "${BLIST[@]}"; do [ $(( b * PROMPT )) -gt 8192 ] || pre+=($(( b * PROMPT ))); done
+    graph=(--cuda-graph-bs-decode "${BLIST[@]}")
+    if [ ${#pre[@]} -gt 0 ]; then graph+=(--cuda-graph-bs-prefill "${pre[@]}"); else graph+=(--disable-prefill-cuda-graph); fi
+  fi
   read -r -a extra <<< "${SGLANG_EXTRA_ARGS:-}"
   for shape in $SHAPES; do
     k=$(key_of "$shape")
@@ -200,7 +215,7 @@ if [ "$DECODE" = 1 ] && has "$SIDES" sglang; then
     rm -f "$OUT/sglang_$k.jsonl"   # bench_one_batch appends
     run sglang "$shape" "${SGLANG_TIMEOUT_S:-420}" "$OUT/sglang_$k.log" "$OUT/sglang_$k.log" \
       python3 -m sglang.bench_one_batch --model-path "$model" --load-format dummy \
-        --attention-backend flashinfer --dtype bfloat16 \
+        --attention-backend "${SGLANG_ATTENTION_BACKEND:-flashinfer}" --dtype bfloat16 \
         --mem-fraction-static "${SGLANG_MEM_FRACTION:-0.7}" "${graph[@]}" \
         --batch-size "${passes[@]}" --input-len "$PROMPT" --output-len "$NEW" \
         --run-name "peers_$k" --result-filename "$OUT/sglang_$k.jsonl" "${extra[@]}"
@@ -217,7 +232,7 @@ if [ "$ROLLOUT" = 1 ]; then
     for side in native sglang; do
       mode=disagg-sync; [ "$side" = sglang ] && mode=sglang-disagg
       mkdir -p "$OUT/rollout_$side"
-      run "rollout_$side" "$mode" "${ROLLOUT_TIMEOUT_S:-300}" "$OUT/rollout_$side/run.log" "$OUT/rollout_$side/run.log" \
+      run "rollout_$side" "$mode" "${ROLLOUT_TIMEOUT_S:-420}" "$OUT/rollout_$side/run.log" "$OUT/rollout_$side/run.log" \
         env OUT="$OUT/rollout_$side" STEPS="${ROLLOUT_STEPS:-10}" MODEL_SHAPE="${ROLLOUT_SHAPE:-0.6b}" \
         bash bench/run_e2e.sh "$mode"
       tail -n 4 "$OUT/rollout_$side/run.log" || true
