@@ -26,6 +26,7 @@ for line in sys.stdin:
   build -p manta-engine --test native_engine_cuda
   build -p manta-trainer --test collectives
   build -p manta-driver --test serve_weights_nccl
+  build -p manta-weight-sync --test sync_engines
   strip bin/tests/*
   ls -la bin/tests
   exit 0

@@ -22,6 +22,8 @@ pub struct SyncReport {
     pub seconds: f64,
     /// Longest pause → resume of an engine, seconds.
     pub pause_to_resume_s: f64,
+    /// The weights went by one NCCL broadcast (else each engine copied them).
+    pub broadcast: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,13 +157,14 @@ async fn sync(
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum();
     let tensors = weights.len();
-    let report = |pause_to_resume_s: f64| SyncReport {
+    let report = |pause_to_resume_s: f64, broadcast: bool| SyncReport {
         version,
         tensors,
         bytes,
         engines: state.args.engines.len(),
         seconds: started.elapsed().as_secs_f64(),
         pause_to_resume_s,
+        broadcast,
     };
     if let Some(group) = state.broadcast.as_mut() {
         let sent = weights
@@ -173,7 +176,7 @@ async fn sync(
             .await
         {
             Ok(paused) => {
-                let report = report(paused.as_secs_f64());
+                let report = report(paused.as_secs_f64(), true);
                 debug!(version, tensors, bytes, seconds = report.seconds, "weights broadcast");
                 return Ok(report);
             }
@@ -230,7 +233,7 @@ async fn sync(
     if let Some(e) = first_error {
         return Err(e);
     }
-    let report = report(pause_to_resume_s);
+    let report = report(pause_to_resume_s, false);
     debug!(
         version,
         tensors,

@@ -2,8 +2,8 @@
 //! CPU (the tiny model; trainer and engines drawn from different seeds): every engine
 //! takes each version bit for bit, and a broadcast route that cannot run here (CPU
 //! tensors: NCCL moves device memory) gives way to copies instead of failing the sync.
-//! The broadcast itself needs GPUs: the four-GPU runs check it bit for bit
-//! (`MANTA_VERIFY_WEIGHT_SYNC=1 bench/run_e2e.sh dp2-disagg`).
+//! With two GPUs (`bench/run_gpu_tests.sh`), the same against an engine on the other GPU
+//! through the NCCL broadcast group, bit for bit.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,15 +21,34 @@ use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{call, Actor, ActorRef};
 use tch::Device;
 
-fn tiny_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
+/// The tiny model's files (assets/tiny-qwen3, no weights), written to a directory of
+/// their own: the test binary also runs on the GPU machine, away from this checkout.
+fn tiny_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [
+        (
+            "config.json",
+            include_str!("../../../assets/tiny-qwen3/config.json"),
+        ),
+        (
+            "tokenizer.json",
+            include_str!("../../../assets/tiny-qwen3/tokenizer.json"),
+        ),
+        (
+            "tokenizer_config.json",
+            include_str!("../../../assets/tiny-qwen3/tokenizer_config.json"),
+        ),
+    ] {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
+    dir
 }
 
-fn trainer_options(seed: u64) -> TrainerOptions {
+fn trainer_options(model: &Path, seed: u64, device: Device) -> TrainerOptions {
     TrainerOptions {
-        model_dir: tiny_model(),
+        model_dir: model.to_path_buf(),
         seed,
-        device: Device::Cpu,
+        device,
         adam: AdamWConfig {
             lr: 1e-2,
             beta1: 0.9,
@@ -53,12 +72,18 @@ fn trainer_options(seed: u64) -> TrainerOptions {
     }
 }
 
-async fn engine_actor(i: u64, tokenizer: &Arc<Tokenizer>) -> ActorRef<RolloutMsg> {
+async fn engine_actor(
+    model: &Path,
+    i: u64,
+    device: Device,
+    tokenizer: &Arc<Tokenizer>,
+) -> ActorRef<RolloutMsg> {
     let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
         seed: 100 + i,
-        ..NativeEngineOptions::new(tiny_model(), Device::Cpu)
+        max_total_tokens: Some(4096),
+        ..NativeEngineOptions::new(model, device)
     })
-    .expect("the tiny model starts on the CPU");
+    .expect("the tiny model's engine starts");
     // An environment is named (the config requires one); no episode runs here.
     let yaml = "environments:\n  manta/Digits:\n    url: builtin\n    variant: digits\n";
     let train =
@@ -85,13 +110,18 @@ fn identical(a: &NamedTensors, b: &NamedTensors) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_back() {
-    let (trainer, _) = Actor::spawn(None, TrainerActor, trainer_options(5))
-        .await
-        .expect("trainer starts");
-    let tokenizer = Arc::new(Tokenizer::from_dir(&tiny_model()).expect("tokenizer"));
+    let model = tiny_model();
+    let (trainer, _) = Actor::spawn(
+        None,
+        TrainerActor,
+        trainer_options(model.path(), 5, Device::Cpu),
+    )
+    .await
+    .expect("trainer starts");
+    let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
     let engines = vec![
-        engine_actor(0, &tokenizer).await,
-        engine_actor(1, &tokenizer).await,
+        engine_actor(model.path(), 0, Device::Cpu, &tokenizer).await,
+        engine_actor(model.path(), 1, Device::Cpu, &tokenizer).await,
     ];
     let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
     let before = call!(engines[0], RolloutMsg::ReadWeights).unwrap().unwrap();
@@ -116,6 +146,10 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
             .unwrap()
             .unwrap_or_else(|e| panic!("sync {version}: {e}"));
         assert_eq!((report.version, report.engines), (version, 2));
+        assert!(
+            !report.broadcast,
+            "CPU tensors cannot be broadcast over NCCL"
+        );
         for (i, engine) in engines.iter().enumerate() {
             let got = call!(engine, RolloutMsg::ReadWeights).unwrap().unwrap();
             assert!(
@@ -128,4 +162,55 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
     // An older version is refused by name unless the sync allows a rewind.
     let stale = call!(sync, WeightSyncMsg::Sync, 1).unwrap().unwrap_err();
     assert!(stale.to_string().contains("not newer"), "{stale}");
+}
+
+/// The trainer on GPU `MANTA_TEST_GPU` (0 or 1), an engine on the other: one NCCL group,
+/// the trainer as rank 0, the engine receiving into its parameters, bit for bit.
+#[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_broadcast_group_feeds_an_engine_on_another_gpu_bit_for_bit() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: fewer than two CUDA devices");
+        return;
+    }
+    let trainer_gpu = manta_cuda::test_gpu().expect("a CUDA device");
+    assert!(
+        trainer_gpu < 2,
+        "MANTA_TEST_GPU={trainer_gpu}: this test uses GPUs 0 and 1"
+    );
+    let engine_gpu = 1 - trainer_gpu;
+    let model = tiny_model();
+    let (trainer, _) = Actor::spawn(
+        None,
+        TrainerActor,
+        trainer_options(model.path(), 5, Device::Cuda(trainer_gpu)),
+    )
+    .await
+    .expect("trainer starts");
+    let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
+    let engine = engine_actor(model.path(), 0, Device::Cuda(engine_gpu), &tokenizer).await;
+    let (sync, _) = Actor::spawn(
+        None,
+        WeightSyncActor,
+        WeightSyncArgs {
+            trainer: trainer.clone(),
+            engines: vec![engine.clone()],
+            broadcast_from: Some(trainer_gpu),
+        },
+    )
+    .await
+    .unwrap();
+    let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
+    for version in 1..=2 {
+        let report = call!(sync, WeightSyncMsg::Sync, version)
+            .unwrap()
+            .unwrap_or_else(|e| panic!("sync {version}: {e}"));
+        assert!(
+            report.broadcast,
+            "version {version} went by copies, not the group"
+        );
+        let got = call!(engine, RolloutMsg::ReadWeights).unwrap().unwrap();
+        assert!(identical(&weights, &got), "engine after version {version}");
+        assert_eq!(call!(engine, RolloutMsg::WeightVersion).unwrap(), version);
+    }
 }
