@@ -6,7 +6,7 @@
 //! through the NCCL broadcast group, bit for bit.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use manta_config::TrainConfig;
