@@ -89,13 +89,7 @@ pub async fn run_step(
     m.extend(collected.metrics);
 
     if actors.rollout_only {
-        let step_time = started.elapsed().as_secs_f64();
-        m.insert("perf/rollout_time".into(), rollout_time);
-        m.insert("perf/step_time".into(), step_time);
-        m.insert(
-            "perf/wait_time_ratio".into(),
-            rollout_time / step_time.max(1e-9),
-        );
+        record_step_time(&mut m, started, rollout_time);
         return Ok(StepOutcome {
             metrics: m,
             trained_ids: Vec::new(),
@@ -130,6 +124,15 @@ pub async fn run_step(
     if let Some(live) = actors.rollouts.live_nodes() {
         m.insert("cluster/live_nodes".into(), live as f64);
     }
+    record_step_time(&mut m, started, rollout_time);
+    Ok(StepOutcome {
+        metrics: m,
+        trained_ids,
+    })
+}
+
+/// `perf/step_time` (since `started`), `perf/rollout_time` and their ratio.
+fn record_step_time(m: &mut StepMetrics, started: Instant, rollout_time: f64) {
     let step_time = started.elapsed().as_secs_f64();
     m.insert("perf/rollout_time".into(), rollout_time);
     m.insert("perf/step_time".into(), step_time);
@@ -137,10 +140,6 @@ pub async fn run_step(
         "perf/wait_time_ratio".into(),
         rollout_time / step_time.max(1e-9),
     );
-    Ok(StepOutcome {
-        metrics: m,
-        trained_ids,
-    })
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> f64 {
