@@ -227,7 +227,7 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
     }
     state.steps_done += 1;
     state.next_step += 1;
-    if let (Some(dir), true) = (&plan.save, trained) {
+    if let Some(dir) = plan.save.as_ref().filter(|_| trained) {
         if plan.save_interval > 0
             && step.is_multiple_of(plan.save_interval as u64)
             && step < plan.last_step
@@ -265,7 +265,8 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
     }
     let plan = &state.plan;
     let last_done = state.next_step - 1;
-    if let (Some(dir), false) = (&plan.save, plan.actors.rollout_only) {
+    // --debug-rollout-only trains nothing: no checkpoint to write.
+    if let Some(dir) = plan.save.as_ref().filter(|_| !plan.actors.rollout_only) {
         if state.steps_done > 0 {
             save_checkpoint(&plan.actors.trainer, dir, last_done).await?;
         }

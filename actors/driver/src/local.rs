@@ -278,18 +278,15 @@ pub async fn start(
     let env_clients = environment_clients(train, builtin_url.as_deref())?;
     for i in 0..cluster.rollout.engines {
         let gpus = cluster.local_engine_gpus(i);
-        engines_at.push((
-            format!("rollout-{i}"),
-            match cluster.rollout.engine {
-                EngineKind::Native => Endpoint::in_driver(gpus.first().copied()),
-                // The server is a process of its own (crate::local::feed_sglang).
-                EngineKind::Sglang => Endpoint {
-                    process: format!("sglang engine-{i}"),
-                    host: trainer_at.host.clone(),
-                    gpu: gpus.first().copied(),
-                },
+        let engine_at = match cluster.rollout.engine {
+            EngineKind::Native => Endpoint::in_driver(gpus.first().copied()),
+            // The server is a process of its own.
+            EngineKind::Sglang => Endpoint {
+                process: format!("sglang engine-{i}"),
+                host: trainer_at.host.clone(),
+                gpu: gpus.first().copied(),
             },
-        ));
+        };
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
             EngineKind::Native => {
                 let device = local_device("rollout.gpus_per_engine", &gpus, cuda_devices)?;
@@ -320,13 +317,13 @@ pub async fn start(
                 let engine = SglangEngine::launch(opts).await.with_context(|| {
                     format!("starting SGLang engine {i} (rollout.engine = \"sglang\")")
                 })?;
-                let trainer_gpu = cluster.trainer.gpus.first().copied();
-                if let Some(device) = trainer_gpu.filter(|_| trainer.is_some()) {
-                    feed_sglang(&engine, i, device, &gpus).await?;
+                if let Some(device) = trainer_at.gpu.filter(|_| trainer.is_some()) {
+                    feed_sglang(&engine, i, device, &engine_at).await?;
                 }
                 engine
             }
         };
+        engines_at.push((format!("rollout-{i}"), engine_at));
         let clients = environment_clients(train, builtin_url.as_deref())?
             .into_iter()
             .map(|(name, (client, _))| (name, client))
@@ -388,15 +385,10 @@ async fn feed_sglang(
     engine: &SglangEngine,
     index: usize,
     trainer_gpu: u32,
-    gpus: &[u32],
+    engine_at: &Endpoint,
 ) -> anyhow::Result<()> {
     let trainer_at = Endpoint::in_driver(Some(trainer_gpu));
-    let engine_at = Endpoint {
-        process: format!("sglang engine-{index}"),
-        host: trainer_at.host.clone(),
-        gpu: gpus.first().copied(),
-    };
-    if route::choose(&trainer_at, &engine_at) != Mechanism::Nccl {
+    if route::choose(&trainer_at, engine_at) != Mechanism::Nccl {
         info!(
             engine = index,
             "weight sync route: SGLang engine fed through /update_weights_from_disk"
@@ -411,7 +403,8 @@ async fn feed_sglang(
         .await
         .with_context(|| {
             format!(
-                "SGLang engine {index} on GPU {gpus:?}: joining the NCCL weight-update group with the trainer on GPU {trainer_gpu}"
+                "SGLang engine {index} on GPU {:?}: joining the NCCL weight-update group with the trainer on GPU {trainer_gpu}",
+                engine_at.gpu
             )
         })?;
     info!(

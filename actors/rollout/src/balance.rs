@@ -47,13 +47,9 @@ impl LoadBalancer {
 
     /// Counts `episodes` of group `group_index` against the least-loaded engine; equal
     /// loads are broken by the group index, so an idle pool takes groups round robin.
-    pub fn assign(&self, group_index: u32, episodes: usize) -> Assignment {
+    /// `None` without engines.
+    pub fn assign(&self, group_index: u32, episodes: usize) -> Option<Assignment> {
         self.assign_among(group_index, episodes, |_| true)
-            .unwrap_or_else(|| Assignment {
-                engine: 0,
-                episodes: 0,
-                in_flight: self.in_flight.clone(),
-            })
     }
 
     /// As [`LoadBalancer::assign`], among the engines `allowed` accepts (say, those of
@@ -110,7 +106,7 @@ mod tests {
     #[test]
     fn idle_engines_take_groups_round_robin() {
         let lb = LoadBalancer::new(3);
-        let held: Vec<_> = (0..3).map(|g| lb.assign(g, 8)).collect();
+        let held: Vec<_> = (0..3).map(|g| lb.assign(g, 8).unwrap()).collect();
         let engines: Vec<_> = held.iter().map(Assignment::engine).collect();
         assert_eq!(engines, vec![0, 1, 2]);
         assert_eq!(lb.loads(), vec![8, 8, 8]);
@@ -119,23 +115,23 @@ mod tests {
     #[test]
     fn a_group_goes_to_the_engine_with_fewest_episodes_in_flight() {
         let lb = LoadBalancer::new(2);
-        let big = lb.assign(0, 16); // engine 0
-        let small = lb.assign(1, 2); // engine 1
+        let big = lb.assign(0, 16).unwrap(); // engine 0
+        let small = lb.assign(1, 2).unwrap(); // engine 1
         assert_eq!((big.engine(), small.engine()), (0, 1));
         // Group 2 would be engine 0 round robin; engine 1 has fewer episodes.
-        let next = lb.assign(2, 4);
+        let next = lb.assign(2, 4).unwrap();
         assert_eq!(next.engine(), 1);
         assert_eq!(lb.loads(), vec![16, 6]);
         // Engine 0's group finishes: it is the emptier one now.
         drop(big);
-        assert_eq!(lb.assign(3, 1).engine(), 0);
+        assert_eq!(lb.assign(3, 1).unwrap().engine(), 0);
     }
 
     #[test]
     fn only_allowed_engines_are_chosen() {
         let lb = LoadBalancer::new(3);
-        let _busy = lb.assign(0, 10); // engine 0
-                                      // Engine 1 is out (a dead node): the least loaded of the rest is engine 2.
+        let _busy = lb.assign(0, 10).unwrap(); // engine 0
+                                               // Engine 1 is out (a dead node): the least loaded of the rest is engine 2.
         let a = lb.assign_among(1, 1, |i| i != 1).unwrap();
         assert_eq!(a.engine(), 2);
         assert!(lb.assign_among(2, 1, |_| false).is_none());
@@ -146,8 +142,8 @@ mod tests {
     fn finished_groups_release_their_count() {
         let lb = LoadBalancer::new(2);
         {
-            let _a = lb.assign(0, 5);
-            let _b = lb.assign(1, 7);
+            let _a = lb.assign(0, 5).unwrap();
+            let _b = lb.assign(1, 7).unwrap();
             assert_eq!(lb.loads(), vec![5, 7]);
         }
         assert_eq!(lb.loads(), vec![0, 0]);

@@ -256,6 +256,7 @@ impl Packed {
 fn check_memory(
     cfg: &ModelConfig,
     opts: &TrainerOptions,
+    bf16: bool,
     ranks: usize,
 ) -> Result<(), TrainerError> {
     let Device::Cuda(index) = opts.device else {
@@ -266,7 +267,7 @@ fn check_memory(
         &memory_plan::MemoryInputs {
             tokens_per_gpu: opts.max_tokens_per_gpu,
             data_parallel: ranks,
-            bf16: opts.bf16.unwrap_or(true),
+            bf16,
             recompute: opts.recompute,
             reference: opts.algo.loss.use_kl_loss,
             logprob_chunk: opts.logprob_chunk.max(1) as usize,
@@ -319,8 +320,9 @@ impl Trainer {
         group: Option<(Box<dyn Collective>, usize)>,
     ) -> Result<Self, TrainerError> {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
+        let bf16 = opts.bf16.unwrap_or(opts.device.is_cuda());
         let ranks = group.as_ref().map_or(1, |(comm, _)| comm.world_size());
-        check_memory(&cfg, &opts, ranks)?;
+        check_memory(&cfg, &opts, bf16, ranks)?;
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
         let mut model = CausalLm::new(&vs.root(), &cfg);
@@ -331,7 +333,6 @@ impl Trainer {
         } else {
             info!(dir = %opts.model_dir.display(), seed = opts.seed, "no weights in model directory: random init");
         }
-        let bf16 = opts.bf16.unwrap_or(opts.device.is_cuda());
         if bf16 {
             // The optimizer keeps fp32 masters of these (AdamW::new).
             vs.bfloat16();

@@ -115,27 +115,29 @@ impl Actor for WeightSyncActor {
         message: WeightSyncMsg,
         state: &mut WeightSyncState,
     ) -> Result<(), ActorProcessingErr> {
-        match message {
-            WeightSyncMsg::Sync(version, reply) => {
-                let result = sync(state, version, SyncOptions::default()).await;
-                if let Ok(report) = &result {
-                    state.version = report.version;
-                }
-                let _ = reply.send(result);
-            }
-            WeightSyncMsg::SyncWith(version, opts, reply) => {
-                let result = sync(state, version, opts).await;
-                if let Ok(report) = &result {
-                    state.version = report.version;
-                }
-                let _ = reply.send(result);
-            }
+        let (version, opts, reply) = match message {
+            WeightSyncMsg::Sync(version, reply) => (version, SyncOptions::default(), reply),
+            WeightSyncMsg::SyncWith(version, opts, reply) => (version, opts, reply),
             WeightSyncMsg::Version(reply) => {
                 let _ = reply.send(state.version);
+                return Ok(());
             }
+        };
+        let result = sync(state, version, opts).await;
+        if let Ok(report) = &result {
+            state.version = report.version;
         }
+        let _ = reply.send(result);
         Ok(())
     }
+}
+
+/// Handles on the same tensors (no copy), for another engine or the broadcast.
+fn shallow(weights: &NamedTensors) -> NamedTensors {
+    weights
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
 }
 
 async fn sync(
@@ -167,12 +169,8 @@ async fn sync(
         broadcast,
     };
     if let Some(group) = state.broadcast.as_mut() {
-        let sent = weights
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
         match group
-            .publish(sent, &state.args.engines, version, opts.pause)
+            .publish(shallow(&weights), &state.args.engines, version, opts.pause)
             .await
         {
             Ok(paused) => {
@@ -194,10 +192,7 @@ async fn sync(
     // the sync takes about one engine's copy, not the sum, and the engines pause together.
     let mut copies = tokio::task::JoinSet::new();
     for (i, engine) in state.args.engines.iter().enumerate() {
-        let copy: NamedTensors = weights
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
+        let copy = shallow(&weights);
         let engine = engine.clone();
         let pause = opts.pause;
         copies.spawn(async move {

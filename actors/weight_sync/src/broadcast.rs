@@ -2,8 +2,8 @@
 //! broadcasts each tensor once; every engine receives it straight into its parameters
 //! at its own rank (SGLang's `/update_weights_from_distributed` protocol, with the
 //! engines as threads of this process). Used when the trainer and the engines sit on
-//! different GPUs; a peer copy per engine reads the trainer's memory once per engine
-//! and runs on the copy engines, where NCCL's kernels move data at NVLink speed.
+//! different GPUs: the trainer's memory is read once for all engines, where peer copies
+//! read it once per engine.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -62,30 +62,9 @@ impl BroadcastGroup {
         // Tensors are not `Sync`: nothing below holds a reference to them across an await.
         let shapes = shapes_on(&weights, Device::Cuda(self.device))?;
         self.check(&shapes, engines).await?;
-        if self.group.is_none() {
-            let spec = GroupSpec {
-                master_address: "127.0.0.1".into(),
-                master_port: 0,
-                rank: 0,
-                world_size: 1 + engines.len(),
-                group_name: group_name(),
-                device: self.device,
-                timeout: TIMEOUT,
-            };
-            let group = tokio::task::spawn_blocking(move || ProcessGroup::join(spec))
-                .await
-                .map_err(|e| BroadcastError::Failed(format!("joining the group: {e}")))?
-                .map_err(|e| BroadcastError::Failed(e.to_string()))?;
-            info!(
-                group = %group.spec().group_name,
-                ranks = 1 + engines.len(),
-                device = self.device,
-                "weight-update group made: the trainer broadcasts to every engine at once (NCCL)"
-            );
-            self.group = Some(group);
-        }
-        let Some(mut group) = self.group.take() else {
-            return Err(BroadcastError::Failed("no weight-update group".into()));
+        let mut group = match self.group.take() {
+            Some(group) => group,
+            None => make_group(self.device, engines.len()).await?,
         };
         let names: Vec<String> = shapes.into_iter().map(|(n, _, _)| n).collect();
         let port = group.store_port();
@@ -167,6 +146,30 @@ impl BroadcastGroup {
         self.checked = true;
         Ok(())
     }
+}
+
+/// Joins a new group as rank 0 (hosting its store) for the trainer and `engines`.
+async fn make_group(device: usize, engines: usize) -> Result<ProcessGroup, BroadcastError> {
+    let spec = GroupSpec {
+        master_address: "127.0.0.1".into(),
+        master_port: 0,
+        rank: 0,
+        world_size: 1 + engines,
+        group_name: group_name(),
+        device,
+        timeout: TIMEOUT,
+    };
+    let group = tokio::task::spawn_blocking(move || ProcessGroup::join(spec))
+        .await
+        .map_err(|e| BroadcastError::Failed(format!("joining the group: {e}")))?
+        .map_err(|e| BroadcastError::Failed(e.to_string()))?;
+    info!(
+        group = %group.spec().group_name,
+        ranks = 1 + engines,
+        device = device,
+        "weight-update group made: the trainer broadcasts to every engine at once (NCCL)"
+    );
+    Ok(group)
 }
 
 /// Each tensor's name, shape and dtype, in order; refused unless every one is dense and

@@ -38,9 +38,6 @@ impl RolloutBackend for LocalRollouts {
         requests: Vec<EpisodeRequest>,
         generation: GenerationSettings,
     ) -> anyhow::Result<Vec<Sample>> {
-        if self.actors.is_empty() {
-            anyhow::bail!("no rollout actor to run episodes on");
-        }
         // Requests come in whole groups (the sampler sends one call per group).
         let mut groups: Vec<(u32, Vec<EpisodeRequest>)> = Vec::new();
         for request in requests {
@@ -49,15 +46,19 @@ impl RolloutBackend for LocalRollouts {
                 None => groups.push((request.group_index, vec![request])),
             }
         }
-        let calls = groups.into_iter().map(|(group, share)| {
-            let assignment = self.balancer.assign(group, share.len());
+        let mut calls = Vec::with_capacity(groups.len());
+        for (group, share) in groups {
+            let assignment = self
+                .balancer
+                .assign(group, share.len())
+                .context("no rollout actor to run episodes on")?;
             let actor = &self.actors[assignment.engine()];
-            async move {
-                let result = call!(actor, RolloutMsg::RunEpisodes, share, generation);
-                drop(assignment);
-                result
-            }
-        });
+            calls.push(async move {
+                // Counted against the actor until it answers.
+                let _assignment = assignment;
+                call!(actor, RolloutMsg::RunEpisodes, share, generation)
+            });
+        }
         let mut samples: Vec<Sample> = Vec::new();
         for result in join_all(calls).await {
             samples.extend(result.context("a rollout actor failed")?);

@@ -419,17 +419,16 @@ impl RemotePool {
     }
 }
 
-/// Streams one share from one node; ends early with an error when the stream breaks or
-/// the node is declared dead. Returns what arrived either way.
-/// Runs `share` on `actor` of `node`; `load` counts its episodes against the actor
-/// until the share ends.
+/// Streams one share from `actor` of `node`; ends early with an error when the stream
+/// breaks or the node is declared dead. Returns what arrived either way. `_load` counts
+/// the share's episodes against the actor until it ends.
 async fn run_share(
     shared: Arc<Shared>,
     node: usize,
     actor: String,
     share: Vec<EpisodeRequest>,
     settings: GenerationSettings,
-    load: Assignment,
+    _load: Assignment,
 ) -> (
     usize,
     Vec<EpisodeRequest>,
@@ -459,7 +458,6 @@ async fn run_share(
         }
     }
     .await;
-    drop(load);
     (node, share, samples, result)
 }
 

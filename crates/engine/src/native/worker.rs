@@ -423,29 +423,26 @@ impl Worker {
                 "weight broadcast needs an engine on a CUDA device".into(),
             ));
         };
-        let joined = self
-            .weight_group
-            .as_ref()
-            .is_some_and(|g| g.spec().group_name == feed.group_name);
-        if !joined {
-            self.weight_group = None;
-            let spec = GroupSpec {
-                master_address: feed.master_address,
-                master_port: feed.master_port,
-                rank: feed.rank,
-                world_size: feed.world_size,
-                group_name: feed.group_name,
-                device,
-                timeout: feed.timeout,
-            };
-            info!(group = %spec.group_name, rank = spec.rank, device, "joining the weight-update group");
-            self.weight_group =
-                Some(ProcessGroup::join(spec).map_err(|e| EngineError::Weights(e.to_string()))?);
-        }
-        let group = self
-            .weight_group
-            .as_mut()
-            .ok_or_else(|| EngineError::Weights("no weight-update group".into()))?;
+        let group = match self.weight_group.take() {
+            Some(group) if group.spec().group_name == feed.group_name => {
+                self.weight_group.insert(group)
+            }
+            _ => {
+                let spec = GroupSpec {
+                    master_address: feed.master_address,
+                    master_port: feed.master_port,
+                    rank: feed.rank,
+                    world_size: feed.world_size,
+                    group_name: feed.group_name,
+                    device,
+                    timeout: feed.timeout,
+                };
+                info!(group = %spec.group_name, rank = spec.rank, device, "joining the weight-update group");
+                let joined =
+                    ProcessGroup::join(spec).map_err(|e| EngineError::Weights(e.to_string()))?;
+                self.weight_group.insert(joined)
+            }
+        };
         let received = group.broadcast(&tensors, 0);
         if received.is_err() {
             self.weight_group = None;
