@@ -17,6 +17,13 @@
 #   sglang-disagg configs/gpu-sglang-disagg.toml: trainer GPU 0, an SGLang server on GPU 1
 #                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/);
 #                 SGLANG_LOG_LEVEL=debug adds `--log-level debug` to the server's arguments
+#   sglang-colocated configs/gpu-sglang-colocated.toml: trainer and an SGLang server share
+#                 GPU 0, weights through a safetensors file each step
+#                 For both SGLang modes: SGLANG_KILL_AT_STEP=K sends SIGKILL to the server
+#                 1 s after step K is reported (the run must go on, no episode lost);
+#                 a run that reports no step for HANG_S seconds (default 120) gets a
+#                 py-spy dump of every SGLang process in MODE/pyspy.txt (py-spy comes
+#                 with the bundle) and the server log's tail in MODE/engine_tail.log
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
 #                 served by the real `openreward` SDK (configs/sdk-counter.yaml); the
 #                 SDK must be importable by python3 (docs/gpu.md, "The whole loop on a GPU node")
@@ -54,6 +61,30 @@ TINY=(--config train_config.yaml --lr 0.003 --rollout-batch-size 8 --n-samples 8
       --max-response-len 8 --max-tokens-per-gpu 8192)
 ASYNC=(--max-weight-staleness 1 --partial-rollout)
 port=4317
+# Beside an SGLang run: kills the server after step SGLANG_KILL_AT_STEP, and dumps every
+# SGLang process's Python stacks once when no step is reported for HANG_S seconds.
+sglang_watch() {
+  local mode=$1 progress=$OUT/$1/progress.txt pidfile=$OUT/runs/$1/engines/0.pid
+  local killed= dumped= last=0 quiet_since=$SECONDS
+  while sleep 2; do
+    local steps; steps=$(grep -c '^step ' "$progress" 2>/dev/null || true)
+    if [ "${steps:-0}" != "$last" ]; then last=$steps; quiet_since=$SECONDS; fi
+    if [ -n "${SGLANG_KILL_AT_STEP:-}" ] && [ -z "$killed" ] && [ "${steps:-0}" -ge "$SGLANG_KILL_AT_STEP" ] && [ -f "$pidfile" ]; then
+      sleep 1; killed=$(cat "$pidfile")
+      echo "[watch] step $steps: kill -9 $killed (the SGLang server)" | tee -a "$OUT/$mode/watch.log"
+      kill -9 "$killed" || true
+    fi
+    if [ -z "$dumped" ] && [ "${steps:-0}" -ge 1 ] && [ $((SECONDS - quiet_since)) -ge "${HANG_S:-120}" ]; then
+      dumped=1
+      echo "[watch] no step for ${HANG_S:-120} s after step $steps: dumping stacks" | tee -a "$OUT/$mode/watch.log"
+      for p in $(pgrep -f 'sglang' || true); do
+        echo "=== pid $p: $(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null | cut -c1-160)"
+        timeout 30 "$(command -v py-spy || echo /tmp/site/bin/py-spy)" dump --pid "$p" 2>&1 || true
+      done >"$OUT/$mode/pyspy.txt" 2>&1
+      tail -n 200 "$OUT/runs/$mode/engines/0.log" >"$OUT/$mode/engine_tail.log" 2>/dev/null || true
+    fi
+  done
+}
 for mode in "${MODES[@]}"; do
   MODEL=$E2E_MODEL; steps=$STEPS; shape=(--rollout-batch-size "$BATCH" --n-samples "$N" --max-response-len "$LEN")
   case $mode in
@@ -77,10 +108,10 @@ for mode in "${MODES[@]}"; do
                   sed -e 's/^engines = 2/engines = 1/' -e 's/^max_concurrent_episodes = 128 /max_concurrent_episodes = 256 /' \
                       -e 's/^max_batch_size = 128/max_batch_size = 256/' configs/gpu4-dp2-disagg.toml > "$cluster"
                   grep -q '^engines = 1' "$cluster" || { echo "configs/gpu4-dp2-disagg.toml: no 'engines = 2' line to change" >&2; exit 2; } ;;
-    sglang-disagg) cluster=configs/gpu-sglang-disagg.toml; extra=()
+    sglang-disagg|sglang-colocated) cluster=configs/gpu-$mode.toml; extra=()
                   if [ -n "${SGLANG_LOG_LEVEL:-}" ]; then
                     # A copy of the config beside the original (train_config is relative to it).
-                    debug_cluster=configs/.gpu-sglang-disagg.$SGLANG_LOG_LEVEL.toml
+                    debug_cluster=configs/.gpu-$mode.$SGLANG_LOG_LEVEL.toml
                     python3 - "$cluster" "$debug_cluster" "$SGLANG_LOG_LEVEL" <<'PY'
 import re, sys
 src, dst, level = sys.argv[1:]
@@ -97,7 +128,7 @@ PY
                   MODEL=assets/tiny-qwen3; steps=${LEARN_STEPS:-120}; shape=()
                   cluster=configs/gpu-disagg.toml; [ "$mode" = learn-colocated ] && cluster=configs/gpu-colocated.toml
                   extra=("${TINY[@]}"); [ "$mode" = learn-disagg-async ] && extra+=("${ASYNC[@]}") ;;
-    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, dp2-disagg-1engine, rollout-2engines, rollout-1engine, sglang-disagg, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (disagg-sync, disagg-async, colocated, colocated-on-policy, dp2-colocated, dp2-disagg, dp2-disagg-async, dp2-disagg-1engine, rollout-2engines, rollout-1engine, sglang-disagg, sglang-colocated, ors-sdk, learn-colocated, learn-disagg-sync, learn-disagg-async)" >&2; exit 2 ;;
   esac
   env_server=
   if [ "$mode" = ors-sdk ]; then
@@ -110,11 +141,17 @@ PY
   ./bin/otlp_sink "127.0.0.1:$port" "$OUT/$mode/traces.jsonl" 2>"$OUT/$mode/otlp_sink.log" &
   sink=$!
   echo "== $mode ($cluster ${extra[*]:-})"
+  watcher=
+  case $mode in sglang-*)
+    : >"$OUT/$mode/progress.txt"
+    sglang_watch "$mode" & watcher=$! ;;
+  esac
   status=0
   OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$port" RUST_LOG=${RUST_LOG:-info} \
     ./bin/driver --cluster "$cluster" --model "$MODEL" --runs-dir "$OUT/runs" \
       --run-name "$mode" --num-rollout "$steps" "${shape[@]}" "${extra[@]}" \
       2>"$OUT/$mode/driver.log" | tee "$OUT/$mode/progress.txt" || status=$?
+  [ -z "$watcher" ] || { kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true; }
   sleep 2   # the last spans' export
   kill "$sink" $env_server 2>/dev/null || true
   wait "$sink" $env_server 2>/dev/null || true

@@ -16,8 +16,9 @@ use manta_core::advantage::is_zero_std;
 use manta_core::{Sample, SampleStatus};
 use manta_rollout::{EpisodeRequest, GenerationSettings, TaskRef};
 use manta_telemetry::StepMetrics;
+use manta_weight_sync::WeightSync;
 use tokio::sync::mpsc;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::rollouts::Rollouts;
 use crate::tasks::TaskSampler;
@@ -97,6 +98,13 @@ pub fn judge(group: &[Sample], version: u64, opts: &SamplingSettings) -> Verdict
         }
     }
     Verdict::Keep
+}
+
+/// Whether a successful sample of the group began on weights older than `version`.
+fn older_than(group: &[Sample], version: u64) -> bool {
+    group
+        .iter()
+        .any(|s| s.status != SampleStatus::Failed && s.weight_version < version)
 }
 
 /// The newest weight version among a sample's tokens.
@@ -244,8 +252,15 @@ impl GroupQueue {
 
     /// Collects `rollout_batch_size` kept groups for `step`, judged against the
     /// trainer's weight `version`. In asynchronous mode it then starts the next step's
-    /// groups, so they generate while this step trains.
-    pub async fn collect(&mut self, step: u64, version: u64) -> anyhow::Result<StepRollouts> {
+    /// groups, so they generate while this step trains. A group regenerated for old
+    /// weights first has `weights` re-feed any engine that lost the last sync's weights
+    /// (a restarted server), so its task does not come back stale again.
+    pub async fn collect(
+        &mut self,
+        step: u64,
+        version: u64,
+        weights: &WeightSync,
+    ) -> anyhow::Result<StepRollouts> {
         let started = Instant::now();
         let carried = self.in_flight + self.ready.len();
         let launched_before = self.next_group;
@@ -290,6 +305,15 @@ impl GroupQueue {
                 }
                 Verdict::Regenerate => {
                     regenerated += 1;
+                    if older_than(samples, version) {
+                        let fed = weights
+                            .refresh_lagging()
+                            .await
+                            .context("re-sending weights to an engine that lost them")?;
+                        if !fed.is_empty() {
+                            warn!(step, version, engines = ?fed, "engines had lost the current weights (restarted); they have them again");
+                        }
+                    }
                     self.retry.push_back(group.task);
                 }
             }

@@ -72,7 +72,7 @@ pub async fn run_step(
     save_debug: Option<&str>,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
-    let mut collected = queue.collect(step, version).await?;
+    let mut collected = queue.collect(step, version, &actors.weights).await?;
     let samples = std::mem::take(&mut collected.samples);
     if let Some(template) = save_debug {
         crate::debug_data::save(template, step - 1, &samples)

@@ -54,6 +54,11 @@ pub enum WeightSyncMsg {
     ),
     /// The last version every engine took.
     Version(RpcReplyPort<u64>),
+    /// Engines that hold an older version than the last sync (a restarted SGLang server
+    /// loses weights sent over NCCL) get the trainer's current weights again; answers
+    /// their indices. Only between training steps, when the trainer's weights are the
+    /// last version synced.
+    Refresh(RpcReplyPort<Result<Vec<usize>, WeightSyncError>>),
 }
 
 /// How one sync runs.
@@ -122,6 +127,10 @@ impl Actor for WeightSyncActor {
                 let _ = reply.send(state.version);
                 return Ok(());
             }
+            WeightSyncMsg::Refresh(reply) => {
+                let _ = reply.send(refresh(state).await);
+                return Ok(());
+            }
         };
         let result = sync(state, version, opts).await;
         if let Ok(report) = &result {
@@ -130,6 +139,58 @@ impl Actor for WeightSyncActor {
         let _ = reply.send(result);
         Ok(())
     }
+}
+
+/// Sends the trainer's weights, as the last version synced, to every engine that holds
+/// an older one. A restarted engine must not serve (and be judged stale on) its model
+/// directory's weights until the next sync: in synchronous mode its regenerated groups
+/// would come back to it, stale again, and the step would never fill.
+async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncError> {
+    if state.version == 0 {
+        return Ok(Vec::new());
+    }
+    let mut lagging = Vec::new();
+    for (i, engine) in state.args.engines.iter().enumerate() {
+        let held =
+            call!(engine, RolloutMsg::WeightVersion).map_err(|e| WeightSyncError::Engine {
+                engine: i,
+                version: state.version,
+                message: e.to_string(),
+            })?;
+        if held < state.version {
+            lagging.push((i, held));
+        }
+    }
+    if lagging.is_empty() {
+        return Ok(Vec::new());
+    }
+    let version = state.version;
+    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights)
+        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
+    for &(i, held) in &lagging {
+        warn!(
+            engine = i,
+            held,
+            version,
+            "engine holds older weights than the last sync (it restarted); sending version {version} again"
+        );
+        let copy = IncomingWeights::Tensors(shallow(&weights));
+        call!(
+            state.args.engines[i],
+            RolloutMsg::ApplyWeights,
+            copy,
+            version,
+            PauseMode::Drain
+        )
+        .map_err(|e| e.to_string())
+        .and_then(|r| r.map_err(|e| e.to_string()))
+        .map_err(|message| WeightSyncError::Engine {
+            engine: i,
+            version,
+            message,
+        })?;
+    }
+    Ok(lagging.into_iter().map(|(i, _)| i).collect())
 }
 
 /// Handles on the same tensors (no copy), for another engine or the broadcast.

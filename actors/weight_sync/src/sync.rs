@@ -63,6 +63,13 @@ pub trait EngineTargets: Send + Sync {
 
     /// Verification is on: engines that rejoin later are checked too (where they can).
     fn verify_rejoins(&self) {}
+
+    /// Gives every engine that holds an older version than the last sync (it restarted
+    /// and lost weights no file holds) the trainer's current weights; names them. Engines
+    /// on workers are re-fed when their node rejoins, so the default finds none.
+    async fn refresh_lagging(&self) -> anyhow::Result<Vec<String>> {
+        Ok(Vec::new())
+    }
 }
 
 /// What one publication did.
@@ -193,6 +200,16 @@ impl WeightSync {
             self.verify(path, version, published.sent).await?;
         }
         Ok(outcome)
+    }
+
+    /// Re-sends the last synced weights to engines that lost them (see
+    /// [`EngineTargets::refresh_lagging`]); names the engines it fed. Call it between
+    /// training steps only: the trainer's weights must be the last version synced.
+    pub async fn refresh_lagging(&self) -> anyhow::Result<Vec<String>> {
+        match &self.targets {
+            None => Ok(Vec::new()),
+            Some(targets) => targets.refresh_lagging().await,
+        }
     }
 
     /// Compares every engine's weights with the trainer's, bit for bit, and records them.

@@ -72,33 +72,43 @@ fn trainer_options(model: &Path, seed: u64, device: Device) -> TrainerOptions {
     }
 }
 
+fn native_engine(model: &Path, i: u64, device: Device) -> Arc<dyn Engine> {
+    NativeEngine::start(NativeEngineOptions {
+        seed: 100 + i,
+        max_total_tokens: Some(4096),
+        ..NativeEngineOptions::new(model, device)
+    })
+    .expect("the tiny model's engine starts")
+}
+
 async fn engine_actor(
     model: &Path,
     i: u64,
     device: Device,
     tokenizer: &Arc<Tokenizer>,
 ) -> ActorRef<RolloutMsg> {
-    let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
-        seed: 100 + i,
-        max_total_tokens: Some(4096),
-        ..NativeEngineOptions::new(model, device)
-    })
-    .expect("the tiny model's engine starts");
+    rollout_actor(
+        native_engine(model, i, device),
+        &format!("rollout-{i}"),
+        tokenizer,
+    )
+    .await
+}
+
+/// `name` is global to the process (ractor's registry): tests running at once use
+/// names of their own.
+async fn rollout_actor(
+    engine: Arc<dyn Engine>,
+    name: &str,
+    tokenizer: &Arc<Tokenizer>,
+) -> ActorRef<RolloutMsg> {
     // An environment is named (the config requires one); no episode runs here.
     let yaml = "environments:\n  manta/Digits:\n    url: builtin\n    variant: digits\n";
     let train =
         TrainConfig::from_yaml_str(yaml, Path::new("inline.yaml")).expect("train config parses");
-    start_rollout_actor(
-        &format!("rollout-{i}"),
-        engine,
-        tokenizer,
-        &train,
-        BTreeMap::new(),
-        None,
-        4,
-    )
-    .await
-    .expect("rollout actor starts")
+    start_rollout_actor(name, engine, tokenizer, &train, BTreeMap::new(), None, 4)
+        .await
+        .expect("rollout actor starts")
 }
 
 fn identical(a: &NamedTensors, b: &NamedTensors) -> bool {
@@ -162,6 +172,129 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
     // An older version is refused by name unless the sync allows a rewind.
     let stale = call!(sync, WeightSyncMsg::Sync, 1).unwrap().unwrap_err();
     assert!(stale.to_string().contains("not newer"), "{stale}");
+}
+
+/// An engine that can lose its weights as a restarted SGLang server fed over NCCL does:
+/// after [`Restarting::restart`] it holds other weights (its own model directory's,
+/// here its first seed's) and reports version 0 until the next update.
+struct Restarting {
+    inner: Arc<dyn Engine>,
+    /// The weights it started with: what a restarted server loads again.
+    initial: std::sync::Mutex<NamedTensors>,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl Restarting {
+    async fn restart(&self) {
+        let initial: NamedTensors = self
+            .initial
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.copy()))
+            .collect();
+        self.inner
+            .update_weights(initial, 0)
+            .await
+            .expect("reload the initial weights");
+        self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl Engine for Restarting {
+    async fn generate(
+        &self,
+        request: manta_engine::GenerateRequest,
+    ) -> Result<manta_engine::GenerateOutput, manta_engine::EngineError> {
+        self.inner.generate(request).await
+    }
+    async fn update_weights(
+        &self,
+        weights: NamedTensors,
+        version: u64,
+    ) -> Result<(), manta_engine::EngineError> {
+        self.lost.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.inner.update_weights(weights, version).await
+    }
+    fn weight_version(&self) -> u64 {
+        self.inner.weight_version()
+    }
+    async fn update_weights_from_disk(
+        &self,
+        dir: std::path::PathBuf,
+        version: u64,
+    ) -> Result<(), manta_engine::EngineError> {
+        self.inner.update_weights_from_disk(dir, version).await
+    }
+    async fn read_weights(&self) -> Result<NamedTensors, manta_engine::EngineError> {
+        self.inner.read_weights().await
+    }
+}
+
+/// A restarted engine that lost the last sync's weights gets them again on `Refresh`,
+/// bit for bit and at the last version, while engines that kept them are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_lost_its_weights_gets_the_last_version_again() {
+    let model = tiny_model();
+    let (trainer, _) = Actor::spawn(
+        None,
+        TrainerActor,
+        trainer_options(model.path(), 5, Device::Cpu),
+    )
+    .await
+    .expect("trainer starts");
+    let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
+    let inner = native_engine(model.path(), 0, Device::Cpu);
+    let initial = inner
+        .read_weights()
+        .await
+        .expect("read the initial weights");
+    let restarting = Arc::new(Restarting {
+        inner,
+        initial: std::sync::Mutex::new(initial),
+        lost: Default::default(),
+    });
+    let engines = vec![
+        rollout_actor(restarting.clone(), "restarting-0", &tokenizer).await,
+        rollout_actor(
+            native_engine(model.path(), 1, Device::Cpu),
+            "restarting-1",
+            &tokenizer,
+        )
+        .await,
+    ];
+    let (sync, _) = Actor::spawn(
+        None,
+        WeightSyncActor,
+        WeightSyncArgs {
+            trainer: trainer.clone(),
+            engines: engines.clone(),
+            broadcast_from: None,
+        },
+    )
+    .await
+    .unwrap();
+    let fed = call!(sync, WeightSyncMsg::Refresh).unwrap().unwrap();
+    assert!(fed.is_empty(), "nothing synced yet, nothing to re-send");
+    call!(sync, WeightSyncMsg::Sync, 3).unwrap().unwrap();
+    let fed = call!(sync, WeightSyncMsg::Refresh).unwrap().unwrap();
+    assert!(fed.is_empty(), "every engine holds version 3: {fed:?}");
+
+    restarting.restart().await;
+    assert_eq!(call!(engines[0], RolloutMsg::WeightVersion).unwrap(), 0);
+    let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
+    let lost = call!(engines[0], RolloutMsg::ReadWeights).unwrap().unwrap();
+    assert!(!identical(&weights, &lost), "the restart lost the weights");
+
+    let fed = call!(sync, WeightSyncMsg::Refresh).unwrap().unwrap();
+    assert_eq!(fed, vec![0], "only the restarted engine is re-fed");
+    for (i, engine) in engines.iter().enumerate() {
+        let got = call!(engine, RolloutMsg::ReadWeights).unwrap().unwrap();
+        assert!(identical(&weights, &got), "engine {i} after the refresh");
+        assert_eq!(call!(engine, RolloutMsg::WeightVersion).unwrap(), 3);
+    }
+    assert!(!restarting.lost.load(std::sync::atomic::Ordering::SeqCst));
 }
 
 /// The trainer on GPU `MANTA_TEST_GPU` (0 or 1), an engine on the other: one NCCL group,

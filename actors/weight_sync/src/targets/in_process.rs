@@ -47,6 +47,13 @@ impl EngineTargets for InProcessEngines {
         })
     }
 
+    async fn refresh_lagging(&self) -> anyhow::Result<Vec<String>> {
+        let fed = call!(self.actor, WeightSyncMsg::Refresh)
+            .context("the weight-sync actor did not answer")?
+            .context("re-sending weights to a restarted engine")?;
+        Ok(fed.into_iter().map(|i| format!("rollout-{i}")).collect())
+    }
+
     async fn engine_digests(&self) -> anyhow::Result<Vec<(String, EngineDigest)>> {
         let mut found = Vec::new();
         for (i, engine) in self.engines.iter().enumerate() {

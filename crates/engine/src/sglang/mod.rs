@@ -194,6 +194,12 @@ impl SglangEngine {
         Ok(Arc::new(Self { inner, supervisor }))
     }
 
+    /// The running server's address (`http://127.0.0.1:PORT`), for calls Manta does not
+    /// make itself (tests, `/weights_checker`).
+    pub fn base_url(&self) -> String {
+        self.inner.lock_running().base_url.clone()
+    }
+
     /// The pid of the server process running now.
     pub fn pid(&self) -> Option<u32> {
         self.inner.lock_running().child.as_ref().map(|c| c.id())
@@ -420,8 +426,11 @@ impl Inner {
         version: u64,
         retry: bool,
     ) -> Result<(), EngineError> {
+        // The format is named: without it SGLang uses the server's `--load-format`, and a
+        // server started with `dummy` (random weights) cannot load files at all.
         let body = json!({
             "model_path": dir.display().to_string(),
+            "load_format": "safetensors",
             "weight_version": version.to_string(),
         });
         let (status, answer) = self

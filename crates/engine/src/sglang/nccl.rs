@@ -11,7 +11,8 @@
 //!
 //! A restarted server has left the group: the next update joins a new one. The weights it
 //! was sent over NCCL died with it, so until then it serves its model directory's weights
-//! and reports version 0.
+//! and reports version 0; the step loop sees its first stale group and has the weight
+//! sync send the current version again (`WeightSync::refresh_lagging`).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -258,7 +259,7 @@ impl Inner {
     /// After a restart: weights sent over NCCL died with the old process.
     pub(super) fn forget_nccl_weights(&self) {
         if self.nccl_fed.swap(false, Ordering::Relaxed) {
-            warn!(engine = %self.opts.name, "the restarted engine lost the weights sent over NCCL: it serves its model directory's weights (version 0) until the next sync");
+            warn!(engine = %self.opts.name, "the restarted engine lost the weights sent over NCCL: it serves its model directory's weights (version 0) until the weight sync sends the current version again");
             self.version.store(0, Ordering::Relaxed);
         }
     }
