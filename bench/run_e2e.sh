@@ -16,7 +16,8 @@
 #                 more episodes than one engine holds, the rate two engines add
 #   sglang-disagg configs/gpu-sglang-disagg.toml: trainer GPU 0, an SGLang server on GPU 1
 #                 fed over NCCL; needs SGLang importable by python3 (bench/sglang/);
-#                 SGLANG_LOG_LEVEL=debug adds `--log-level debug` to the server's arguments
+#                 SGLANG_LOG_LEVEL=debug adds `--log-level debug` to the server's arguments,
+#                 SGLANG_EXTRA="--mem-fraction-static 0.4" any other flags
 #   sglang-colocated configs/gpu-sglang-colocated.toml: trainer and an SGLang server share
 #                 GPU 0, weights through a safetensors file each step
 #                 For both SGLang modes: SGLANG_KILL_AT_STEP=K sends SIGKILL to the server
@@ -77,9 +78,12 @@ sglang_watch() {
     if [ -z "$dumped" ] && [ "${steps:-0}" -ge 1 ] && [ $((SECONDS - quiet_since)) -ge "${HANG_S:-120}" ]; then
       dumped=1
       echo "[watch] no step for ${HANG_S:-120} s after step $steps: dumping stacks" | tee -a "$OUT/$mode/watch.log"
-      for p in $(pgrep -f 'sglang' || true); do
+      # The bundle unpacks wheels as they are: py-spy's binary sits in its .data folder.
+      local pyspy; pyspy=$(command -v py-spy || find /tmp/site -name py-spy -type f 2>/dev/null | head -n 1)
+      chmod +x "$pyspy" 2>/dev/null || true
+      for p in $(pgrep -f 'sglang::|sglang.launch_server|bin/driver' || true); do
         echo "=== pid $p: $(tr '\0' ' ' </proc/$p/cmdline 2>/dev/null | cut -c1-160)"
-        timeout 30 "$(command -v py-spy || echo /tmp/site/bin/py-spy)" dump --pid "$p" 2>&1 || true
+        timeout 30 "$pyspy" dump --pid "$p" 2>&1 || true
       done >"$OUT/$mode/pyspy.txt" 2>&1
       tail -n 200 "$OUT/runs/$mode/engines/0.log" >"$OUT/$mode/engine_tail.log" 2>/dev/null || true
     fi
@@ -109,14 +113,16 @@ for mode in "${MODES[@]}"; do
                       -e 's/^max_batch_size = 128/max_batch_size = 256/' configs/gpu4-dp2-disagg.toml > "$cluster"
                   grep -q '^engines = 1' "$cluster" || { echo "configs/gpu4-dp2-disagg.toml: no 'engines = 2' line to change" >&2; exit 2; } ;;
     sglang-disagg|sglang-colocated) cluster=configs/gpu-$mode.toml; extra=()
-                  if [ -n "${SGLANG_LOG_LEVEL:-}" ]; then
+                  words=${SGLANG_LOG_LEVEL:+--log-level $SGLANG_LOG_LEVEL}${SGLANG_EXTRA:+ $SGLANG_EXTRA}
+                  if [ -n "$words" ]; then
                     # A copy of the config beside the original (train_config is relative to it).
-                    debug_cluster=configs/.gpu-$mode.$SGLANG_LOG_LEVEL.toml
-                    python3 - "$cluster" "$debug_cluster" "$SGLANG_LOG_LEVEL" <<'PY'
-import re, sys
-src, dst, level = sys.argv[1:]
+                    debug_cluster=configs/.gpu-$mode.extra.toml
+                    python3 - "$cluster" "$debug_cluster" "$words" <<'PY'
+import json, re, sys
+src, dst, words = sys.argv[1:]
 text = open(src).read()
-text, n = re.subn(r'^extra_args = \[(.*?)\]', lambda m: f'extra_args = [{m.group(1)}, "--log-level", "{level}"]', text, count=1, flags=re.M)
+more = ", ".join(json.dumps(w) for w in words.split())
+text, n = re.subn(r'^extra_args = \[(.*?)\]', lambda m: f'extra_args = [{m.group(1)}, {more}]', text, count=1, flags=re.M)
 assert n == 1, f"{src}: no extra_args line to extend"
 open(dst, "w").write(text)
 PY

@@ -22,7 +22,7 @@ for line in sys.stdin:
   strip bin/tests/sglang_real
   exit 0
 fi
-python3 -c 'import sglang' 2>/dev/null || { echo "error: SGLang is not importable (install bench/sglang/'"'"'s bundle and source /tmp/site/sglang_env.sh)" >&2; exit 1; }
+python3 -c 'import sglang' 2>/dev/null || { echo "error: SGLang is not importable: install the bundle of bench/sglang/ and source /tmp/site/sglang_env.sh" >&2; exit 1; }
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -237,40 +237,47 @@ async fn real_sglang_takes_manta_weights_and_survives_pauses_and_a_kill() {
     assert_eq!(g_disk.weight_version, 2);
     log(started, "NCCL weights equal disk weights bit for bit");
 
-    // The drain pause as SGLang does it: `retract` puts running requests back in the
-    // queue; after the update and the resume they finish, whole, on the new weights.
+    // The drain pause: SGLang has none (its `retract` re-queues running requests, and an
+    // update that flushes the cache then kills its scheduler), so Manta drains on its
+    // side: running requests finish on the old weights, a request that comes during the
+    // pause waits and runs on the new ones.
     let w2 = random_weights(&cfg, 2, Device::Cuda(trainer_gpu));
-    let running = start_many(&engine, 32, 256);
+    let running = start_many(&engine, 32, 1024);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    engine
-        .pause(PauseMode::Drain)
-        .await
-        .expect("pause (retract)");
+    let pausing = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.pause(PauseMode::Drain).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.generate(request(99, 16, true)).await })
+    };
+    pausing.await.expect("pause task").expect("drain");
+    let outs = finished(running).await;
+    for o in &outs {
+        assert_eq!(o.finish, FinishReason::Length, "a drained request finishes");
+        assert_eq!(o.output_ids.len(), 1024);
+        assert_eq!(o.logprobs.len(), 1024);
+        assert_eq!(o.weight_version, 2, "on the old weights");
+    }
+    assert!(!late.is_finished(), "a request during the pause waits");
     engine
         .update_weights(named(&w2), 3)
         .await
-        .expect("update while paused");
-    engine.resume().await.expect("continue_generation");
-    let outs = finished(running).await;
-    for o in &outs {
-        assert_eq!(
-            o.finish,
-            FinishReason::Length,
-            "a retracted request finishes"
-        );
-        assert_eq!(o.output_ids.len(), 256);
-        assert_eq!(o.logprobs.len(), 256);
-    }
+        .expect("update while drained");
+    engine.resume().await.expect("resume");
+    let late = late.await.expect("late task").expect("late request");
+    assert_eq!(
+        late.weight_version, 3,
+        "the late request runs on the new weights"
+    );
+    assert_eq!(engine.restarts(), 0, "no restart so far");
     let w2_sum = checksum(&engine).await;
     assert_ne!(w2_sum, over_nccl);
     log(
         started,
-        &format!(
-            "retract: 32 requests finished; versions {:?}",
-            outs.iter()
-                .map(|o| o.weight_version)
-                .collect::<std::collections::BTreeSet<_>>()
-        ),
+        "drain: 32 requests finished on version 2, the late one on 3",
     );
 
     // The abort pause: running requests end now with what they generated.
@@ -293,7 +300,7 @@ async fn real_sglang_takes_manta_weights_and_survives_pauses_and_a_kill() {
     // flight again; the NCCL weights died with the process (version 0) and the next
     // update joins a new group.
     let pid = engine.pid().expect("server pid");
-    let running = start_many(&engine, 16, 128);
+    let running = start_many(&engine, 16, 2048);
     tokio::time::sleep(Duration::from_millis(800)).await;
     let killed = std::process::Command::new("kill")
         .args(["-9", &pid.to_string()])
@@ -304,7 +311,7 @@ async fn real_sglang_takes_manta_weights_and_survives_pauses_and_a_kill() {
     let outs = finished(running).await;
     assert_eq!(outs.len(), 16);
     for o in &outs {
-        assert_eq!(o.output_ids.len(), 128, "every request answered in full");
+        assert_eq!(o.output_ids.len(), 2048, "every request answered in full");
     }
     assert_eq!(engine.restarts(), 1);
     assert_ne!(engine.pid(), Some(pid));

@@ -10,7 +10,7 @@ use manta_engine::{NamedTensors, PauseMode};
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// What one sync moved.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,7 +144,8 @@ impl Actor for WeightSyncActor {
 /// Sends the trainer's weights, as the last version synced, to every engine that holds
 /// an older one. A restarted engine must not serve (and be judged stale on) its model
 /// directory's weights until the next sync: in synchronous mode its regenerated groups
-/// would come back to it, stale again, and the step would never fill.
+/// would come back to it, stale again, and the step would never fill. Its running
+/// requests are aborted, not drained: they run on weights no step trains on.
 async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncError> {
     if state.version == 0 {
         return Ok(Vec::new());
@@ -175,12 +176,13 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
             "engine holds older weights than the last sync (it restarted); sending version {version} again"
         );
         let copy = IncomingWeights::Tensors(shallow(&weights));
+        let started = Instant::now();
         call!(
             state.args.engines[i],
             RolloutMsg::ApplyWeights,
             copy,
             version,
-            PauseMode::Drain
+            PauseMode::Abort
         )
         .map_err(|e| e.to_string())
         .and_then(|r| r.map_err(|e| e.to_string()))
@@ -189,6 +191,12 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
             version,
             message,
         })?;
+        info!(
+            engine = i,
+            version,
+            seconds = started.elapsed().as_secs_f64(),
+            "engine has the current weights again"
+        );
     }
     Ok(lagging.into_iter().map(|(i, _)| i).collect())
 }

@@ -151,6 +151,92 @@ struct Inner {
     nccl_feed: Mutex<Option<nccl::Feed>>,
     /// The server holds weights sent over NCCL (lost if it restarts).
     nccl_fed: AtomicBool,
+    /// Which `/generate` calls may start (the drain pause is Manta's own).
+    admission: Admission,
+    /// The server itself was paused (`abort`, `in_place`) and needs `/continue_generation`.
+    paused_on_server: AtomicBool,
+}
+
+/// Admission of `/generate` calls, for the drain pause. SGLang has no drain: its
+/// `retract` mode puts running requests back in the queue, and a weight update that then
+/// flushes the prefix cache fails an assertion and takes the scheduler down (seen with
+/// 0.5.17). Manta is the server's only client, so it drains on its side: no new call
+/// starts, the running ones finish on the old weights, then the update runs on an idle
+/// server.
+struct Admission {
+    open: tokio::sync::watch::Sender<bool>,
+    running: tokio::sync::watch::Sender<usize>,
+}
+
+/// One admitted call; leaving lets a drain finish.
+struct Admitted<'a>(&'a Admission);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.running.send_modify(|n| *n -= 1);
+    }
+}
+
+impl Admission {
+    fn new() -> Self {
+        Self {
+            open: tokio::sync::watch::Sender::new(true),
+            running: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// Waits until calls are admitted. Counted before the gate is read, so a drain that
+    /// closes the gate sees every call that got past it.
+    async fn enter(&self) -> Admitted<'_> {
+        loop {
+            self.running.send_modify(|n| *n += 1);
+            let admitted = Admitted(self);
+            if *self.open.borrow() {
+                return admitted;
+            }
+            drop(admitted);
+            let mut open = self.open.subscribe();
+            let _ = open.wait_for(|o| *o).await;
+        }
+    }
+
+    /// Closes the gate and waits (at most `limit`) for the running calls to finish,
+    /// saying every 30 s how many are left.
+    async fn drain(&self, name: &str, limit: Duration) -> Result<(), EngineError> {
+        self.open.send_replace(false);
+        let mut running = self.running.subscribe();
+        let drained = tokio::time::timeout(limit, async {
+            loop {
+                let waited = tokio::time::timeout(
+                    Duration::from_secs(30),
+                    running.wait_for(|n| *n == 0),
+                )
+                .await;
+                match waited {
+                    Err(_) => {
+                        info!(engine = %name, running = *self.running.borrow(), "drain: waiting for running requests")
+                    }
+                    Ok(_) => return,
+                }
+            }
+        })
+        .await;
+        match drained {
+            Ok(()) => Ok(()),
+            Err(_) => {
+                let left = *self.running.borrow();
+                self.open.send_replace(true);
+                Err(EngineError::Stopped(format!(
+                    "drain: {left} requests still running after {} s",
+                    limit.as_secs()
+                )))
+            }
+        }
+    }
+
+    fn reopen(&self) {
+        self.open.send_replace(true);
+    }
 }
 
 /// An SGLang-compatible server process behind [`Engine`].
@@ -187,6 +273,8 @@ impl SglangEngine {
             nccl_target: Mutex::new(None),
             nccl_feed: Mutex::new(None),
             nccl_fed: AtomicBool::new(false),
+            admission: Admission::new(),
+            paused_on_server: AtomicBool::new(false),
             opts,
         });
         inner.start_once().await?;
@@ -427,11 +515,13 @@ impl Inner {
         retry: bool,
     ) -> Result<(), EngineError> {
         // The format is named: without it SGLang uses the server's `--load-format`, and a
-        // server started with `dummy` (random weights) cannot load files at all.
+        // server started with `dummy` (random weights) cannot load files at all. The cache
+        // is flushed afterwards, by request (see [`Inner::flush_after_update`]).
         let body = json!({
             "model_path": dir.display().to_string(),
             "load_format": "safetensors",
             "weight_version": version.to_string(),
+            "flush_cache": false,
         });
         let (status, answer) = self
             .post_with(
@@ -457,7 +547,33 @@ impl Inner {
             Some((dir.to_path_buf(), version));
         self.nccl_fed.store(false, Ordering::Relaxed);
         self.version.store(version, Ordering::Relaxed);
+        self.flush_after_update().await;
         Ok(())
+    }
+
+    /// Drops the prefix cache after a weight update, so no new request reuses keys and
+    /// values computed with the old weights. Asked for apart from the update: an update
+    /// with `flush_cache: true` on a server that still holds queued requests fails an
+    /// assertion inside SGLang and kills its scheduler; `/flush_cache` waits a while for
+    /// the queue to empty and otherwise answers 400, which is logged.
+    pub(super) async fn flush_after_update(&self) {
+        match self
+            .post_with(
+                "/flush_cache?timeout=30",
+                &json!({}),
+                Duration::from_secs(60),
+                false,
+            )
+            .await
+        {
+            Ok((200, _)) => {}
+            Ok((status, answer)) => {
+                warn!(engine = %self.opts.name, status, answer = %answer, "the prefix cache was not flushed after a weight update: requests queued on the server may reuse keys and values of the old weights")
+            }
+            Err(e) => {
+                warn!(engine = %self.opts.name, error = %e, "flushing the prefix cache after a weight update failed")
+            }
+        }
     }
 }
 
@@ -512,6 +628,7 @@ impl Engine for SglangEngine {
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         let body = client::generate_body(&request, &rid);
+        let _admitted = self.inner.admission.enter().await;
         let (status, answer) = self
             .inner
             .post("/generate", &body, self.inner.opts.request_timeout)
@@ -586,9 +703,16 @@ impl Engine for SglangEngine {
             .map(|_| ())
     }
 
+    /// Drain is Manta's own (see [`Admission`]); `abort` and `in_place` are the server's.
     async fn pause(&self, mode: PauseMode) -> Result<(), EngineError> {
         let mode = match mode {
-            PauseMode::Drain => "retract",
+            PauseMode::Drain => {
+                return self
+                    .inner
+                    .admission
+                    .drain(&self.inner.opts.name, self.inner.opts.request_timeout)
+                    .await
+            }
             PauseMode::Abort => "abort",
             PauseMode::InPlace => "in_place",
         };
@@ -605,10 +729,15 @@ impl Engine for SglangEngine {
                 "/pause_generation: HTTP {status}: {answer}"
             )));
         }
+        self.inner.paused_on_server.store(true, Ordering::SeqCst);
         Ok(())
     }
 
     async fn resume(&self) -> Result<(), EngineError> {
+        self.inner.admission.reopen();
+        if !self.inner.paused_on_server.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
         self.inner
             .post("/continue_generation", &json!({}), Duration::from_secs(60))
             .await
@@ -653,5 +782,50 @@ impl Engine for SglangEngine {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drain waits for the running call, holds a later one at the gate until the
+    /// gate reopens, and gives up (reopening) after its limit.
+    #[tokio::test]
+    async fn a_drain_waits_for_running_calls_and_holds_new_ones() {
+        let admission = Arc::new(Admission::new());
+        let running = admission.enter().await;
+        let drain = {
+            let a = admission.clone();
+            tokio::spawn(async move { a.drain("engine-0", Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!drain.is_finished(), "the drain waits for the running call");
+        let late = {
+            let a = admission.clone();
+            tokio::spawn(async move {
+                let _in = a.enter().await;
+            })
+        };
+        drop(running);
+        drain.await.unwrap().expect("drained");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !late.is_finished(),
+            "a call after the drain waits at the gate"
+        );
+        admission.reopen();
+        late.await.unwrap();
+
+        let _stuck = admission.enter().await;
+        let err = admission
+            .drain("engine-0", Duration::from_millis(50))
+            .await
+            .expect_err("a call that never ends");
+        assert!(
+            err.to_string().contains("1 requests still running"),
+            "{err}"
+        );
+        assert!(*admission.open.borrow(), "a failed drain reopens the gate");
     }
 }

@@ -170,7 +170,17 @@ impl Inner {
             .take();
         let feed = match held {
             Some(f) if f.generation == generation => f,
-            _ => self.join_group(target).await?,
+            stale => {
+                // The server that joined it is gone: abort, so dropping the group does not
+                // wait on a peer that will never answer.
+                if let Some(old) = stale {
+                    info!(engine = %self.opts.name, group = %old.group.spec().group_name, "the server left its weight-update group (restarted); joining a new one");
+                    if let Err(e) = old.group.aborter().abort() {
+                        warn!(engine = %self.opts.name, error = %e, "aborting the old weight-update group failed");
+                    }
+                }
+                self.join_group(target).await?
+            }
         };
         let device = Device::Cuda(target.device);
         let mut names = Vec::with_capacity(weights.len());
@@ -193,7 +203,8 @@ impl Inner {
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": feed.group.spec().group_name,
-            "flush_cache": true,
+            // Flushed afterwards, by request: see `Inner::flush_after_update`.
+            "flush_cache": false,
             "weight_version": version.to_string(),
         });
         let mut group = feed.group;
@@ -253,6 +264,7 @@ impl Inner {
         *self.last_weights.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.nccl_fed.store(true, Ordering::Relaxed);
         self.version.store(version, Ordering::Relaxed);
+        self.flush_after_update().await;
         Ok(())
     }
 
