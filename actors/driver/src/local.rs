@@ -281,11 +281,7 @@ pub async fn start(
         let engine_at = match cluster.rollout.engine {
             EngineKind::Native => Endpoint::in_driver(gpus.first().copied()),
             // The server is a process of its own.
-            EngineKind::Sglang => Endpoint {
-                process: format!("sglang engine-{i}"),
-                host: trainer_at.host.clone(),
-                gpu: gpus.first().copied(),
-            },
+            EngineKind::Sglang => Endpoint::sglang_server(i, gpus.first().copied()),
         };
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
             EngineKind::Native => {

@@ -167,7 +167,11 @@ fn assert_every_episode_trained(run_dir: &Path, steps: u64, per_step: u64) {
 #[test]
 fn three_steps_through_a_launched_driver_serve() {
     let s = Setup::driver_serve("");
-    let out = s.driver(3).output().unwrap();
+    let out = s
+        .driver(3)
+        .env("RUST_LOG", "warn,manta_weight_sync=info")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", describe(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
@@ -183,6 +187,13 @@ fn three_steps_through_a_launched_driver_serve() {
         assert_eq!(m["rollout/engine_restarts"], 0.0);
     }
     assert_every_episode_trained(&s.run_dir(), 3, 16);
+    // The route the log names is the one taken: a file the server loads, not gRPC.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let route = stderr
+        .lines()
+        .find(|l| l.contains("weight sync route"))
+        .unwrap_or_else(|| panic!("no route line: {}", describe(&out)));
+    assert!(route.contains("safetensors file"), "{route}");
     // The engine's output went to its log, which names the command Manta built.
     let log = std::fs::read_to_string(s.run_dir().join("engines/0.log")).unwrap();
     assert!(log.contains("--- manta: starting"), "{log}");

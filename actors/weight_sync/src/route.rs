@@ -16,6 +16,9 @@ pub struct Endpoint {
     pub host: String,
     /// The CUDA device index on that machine, `None` on the CPU.
     pub gpu: Option<u32>,
+    /// An SGLang server the trainer's process launched on its own host: it takes weights
+    /// through its HTTP API (`/update_weights_from_distributed`, `_from_disk`).
+    pub sglang_server: bool,
 }
 
 impl Endpoint {
@@ -25,6 +28,17 @@ impl Endpoint {
             process: "driver".into(),
             host: "localhost".into(),
             gpu,
+            sglang_server: false,
+        }
+    }
+
+    /// SGLang engine `index`'s server, launched by the driver on its host.
+    pub fn sglang_server(index: usize, gpu: Option<u32>) -> Self {
+        Self {
+            process: format!("sglang engine-{index}"),
+            host: "localhost".into(),
+            gpu,
+            sglang_server: true,
         }
     }
 
@@ -38,6 +52,7 @@ impl Endpoint {
             process: address.to_string(),
             host: normalize_host(&host),
             gpu,
+            sglang_server: false,
         }
     }
 }
@@ -61,6 +76,8 @@ pub enum Mechanism {
     CudaIpc,
     /// Broadcast from the trainer's GPU into the engine's (other GPU or node).
     Nccl,
+    /// A safetensors file the engine's server loads (`/update_weights_from_disk`).
+    File,
 }
 
 impl fmt::Display for Mechanism {
@@ -70,6 +87,7 @@ impl fmt::Display for Mechanism {
             Mechanism::Grpc => "gRPC chunks",
             Mechanism::CudaIpc => "CUDA IPC",
             Mechanism::Nccl => "NCCL broadcast",
+            Mechanism::File => "safetensors file",
         })
     }
 }
@@ -100,7 +118,7 @@ pub fn choose(trainer: &Endpoint, engine: &Endpoint) -> Mechanism {
 /// Whether this build can run `mechanism` in the training loop.
 pub fn available(mechanism: Mechanism) -> Result<(), Unavailable> {
     match mechanism {
-        Mechanism::InProcess | Mechanism::Grpc => Ok(()),
+        Mechanism::InProcess | Mechanism::Grpc | Mechanism::File => Ok(()),
         Mechanism::CudaIpc => Err(Unavailable {
             mechanism,
             reason: "manta-cuda exports and maps IPC handles (bench weight_sync_ipc), \
@@ -122,6 +140,21 @@ pub fn resolve(trainer: &Endpoint, engine: &Endpoint) -> (Mechanism, Option<Unav
     if wanted == Mechanism::Nccl && trainer.process == engine.process {
         // Engines in the trainer's process join its broadcast group.
         return (wanted, None);
+    }
+    if engine.sglang_server && trainer.host == engine.host {
+        // The trainer's process hosts a group the server joins
+        // (`/init_weights_update_group`), or writes a file the server loads.
+        return match wanted {
+            Mechanism::Nccl => (wanted, None),
+            Mechanism::CudaIpc => (
+                Mechanism::File,
+                Some(Unavailable {
+                    mechanism: wanted,
+                    reason: "SGLang servers on the trainer's GPU take weights by file:                              /update_weights_from_tensor with CUDA IPC handles is not wired",
+                }),
+            ),
+            _ => (Mechanism::File, None),
+        };
     }
     match available(wanted) {
         Ok(()) => (wanted, None),
@@ -213,6 +246,28 @@ mod tests {
                 &Endpoint::on_worker("localhost:2", Some(0))
             ),
             Mechanism::CudaIpc
+        );
+    }
+
+    #[test]
+    fn sglang_servers_of_the_driver_take_nccl_or_a_file() {
+        let trainer = Endpoint::in_driver(Some(0));
+        assert_eq!(
+            resolve(&trainer, &Endpoint::sglang_server(0, Some(1))),
+            (Mechanism::Nccl, None)
+        );
+        let (used, why) = resolve(&trainer, &Endpoint::sglang_server(0, Some(0)));
+        assert_eq!(used, Mechanism::File);
+        assert_eq!(
+            why.expect("CUDA IPC is named").mechanism,
+            Mechanism::CudaIpc
+        );
+        assert_eq!(
+            resolve(
+                &Endpoint::in_driver(None),
+                &Endpoint::sglang_server(0, None)
+            ),
+            (Mechanism::File, None)
         );
     }
 
