@@ -27,7 +27,7 @@ use manta_trainer::{
     AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerMsg, TrainerOptions,
 };
 use manta_weight_sync::route::{self, Endpoint, Mechanism};
-use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
+use manta_weight_sync::{BroadcastRoot, WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
@@ -352,7 +352,7 @@ pub async fn start(
                             .map(|(_, at)| at.clone())
                             .collect::<Vec<_>>(),
                     )
-                    .map(|gpu| gpu as usize),
+                    .map(|gpu| BroadcastRoot::Cuda(gpu as usize)),
                 },
             )
             .await

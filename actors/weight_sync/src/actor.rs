@@ -82,9 +82,19 @@ impl Default for SyncOptions {
 pub struct WeightSyncArgs {
     pub trainer: ActorRef<TrainerMsg>,
     pub engines: Vec<ActorRef<RolloutMsg>>,
-    /// The trainer's CUDA device, when every engine is on another GPU: the weights are
-    /// broadcast over NCCL (one group, every engine) instead of copied by each engine.
-    pub broadcast_from: Option<usize>,
+    /// Where the trainer's tensors are broadcast from, when one group feeds every engine
+    /// (`None`: each engine copies them).
+    pub broadcast_from: Option<BroadcastRoot>,
+}
+
+/// Rank 0 of a weight-update group in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BroadcastRoot {
+    /// The trainer's CUDA device, every engine on another GPU: NCCL.
+    Cuda(usize),
+    /// Trainer and engines on the CPU: broadcasts through a `TCPStore` (for tests of the
+    /// group protocol; copies are faster in one process).
+    Cpu,
 }
 
 pub struct WeightSyncState {

@@ -8,12 +8,15 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use manta_cuda::process_group::{GroupSpec, ProcessGroup};
+use manta_cuda::process_group::GroupSpec;
+use manta_cuda::weight_group::{Backend, WeightGroup};
 use manta_engine::{BroadcastFeed, NamedTensors, PauseMode, WeightShape};
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use ractor::{call, ActorRef};
 use tch::{Device, Kind};
 use tracing::info;
+
+use crate::actor::BroadcastRoot;
 
 /// Bounds the store's waits and each broadcast: an engine that never joins fails the
 /// update instead of hanging it.
@@ -34,19 +37,26 @@ pub enum BroadcastError {
 
 /// Rank 0's side of the run's weight-update group.
 pub struct BroadcastGroup {
-    /// The CUDA device the trainer's exported tensors live on.
-    device: usize,
-    group: Option<ProcessGroup>,
+    root: BroadcastRoot,
+    group: Option<WeightGroup>,
     /// The engines' parameters were found to match the trainer's.
     checked: bool,
 }
 
 impl BroadcastGroup {
-    pub fn new(trainer_device: usize) -> Self {
+    pub fn new(root: BroadcastRoot) -> Self {
         Self {
-            device: trainer_device,
+            root,
             group: None,
             checked: false,
+        }
+    }
+
+    /// Where the trainer's tensors must be, and how the group moves them.
+    fn placement(&self) -> (Device, Backend, usize) {
+        match self.root {
+            BroadcastRoot::Cuda(gpu) => (Device::Cuda(gpu), Backend::Nccl, gpu),
+            BroadcastRoot::Cpu => (Device::Cpu, Backend::Store, 0),
         }
     }
 
@@ -60,11 +70,12 @@ impl BroadcastGroup {
         pause: PauseMode,
     ) -> Result<Duration, BroadcastError> {
         // Tensors are not `Sync`: nothing below holds a reference to them across an await.
-        let shapes = shapes_on(&weights, Device::Cuda(self.device))?;
+        let (device, backend, index) = self.placement();
+        let shapes = shapes_on(&weights, device)?;
         self.check(&shapes, engines).await?;
         let mut group = match self.group.take() {
             Some(group) => group,
-            None => make_group(self.device, engines.len()).await?,
+            None => make_group(index, backend, engines.len()).await?,
         };
         let names: Vec<String> = shapes.into_iter().map(|(n, _, _)| n).collect();
         let port = group.store_port();
@@ -72,6 +83,7 @@ impl BroadcastGroup {
         for (i, engine) in engines.iter().enumerate() {
             let spec = group.spec();
             let feed = BroadcastFeed {
+                backend,
                 master_address: spec.master_address.clone(),
                 master_port: port,
                 rank: i + 1,
@@ -149,7 +161,11 @@ impl BroadcastGroup {
 }
 
 /// Joins a new group as rank 0 (hosting its store) for the trainer and `engines`.
-async fn make_group(device: usize, engines: usize) -> Result<ProcessGroup, BroadcastError> {
+async fn make_group(
+    device: usize,
+    backend: Backend,
+    engines: usize,
+) -> Result<WeightGroup, BroadcastError> {
     let spec = GroupSpec {
         master_address: "127.0.0.1".into(),
         master_port: 0,
@@ -159,7 +175,7 @@ async fn make_group(device: usize, engines: usize) -> Result<ProcessGroup, Broad
         device,
         timeout: TIMEOUT,
     };
-    let group = tokio::task::spawn_blocking(move || ProcessGroup::join(spec))
+    let group = tokio::task::spawn_blocking(move || WeightGroup::join(spec, backend))
         .await
         .map_err(|e| BroadcastError::Failed(format!("joining the group: {e}")))?
         .map_err(|e| BroadcastError::Failed(e.to_string()))?;
@@ -167,7 +183,8 @@ async fn make_group(device: usize, engines: usize) -> Result<ProcessGroup, Broad
         group = %group.spec().group_name,
         ranks = 1 + engines,
         device = device,
-        "weight-update group made: the trainer broadcasts to every engine at once (NCCL)"
+        backend = ?backend,
+        "weight-update group made: the trainer broadcasts to every engine at once"
     );
     Ok(group)
 }

@@ -20,8 +20,8 @@ pub mod sync;
 pub mod targets;
 
 pub use actor::{
-    SyncOptions, SyncReport, WeightSyncActor, WeightSyncArgs, WeightSyncError, WeightSyncMsg,
-    WeightSyncState,
+    BroadcastRoot, SyncOptions, SyncReport, WeightSyncActor, WeightSyncArgs, WeightSyncError,
+    WeightSyncMsg, WeightSyncState,
 };
 pub use sync::{
     trainer_endpoint, EngineTargets, Published, SyncOutcome, TrainerWeights, WeightSync, VERIFY_ENV,

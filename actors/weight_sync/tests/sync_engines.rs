@@ -17,7 +17,7 @@ use manta_tokenizer::Tokenizer;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainerActor, TrainerMsg, TrainerOptions};
-use manta_weight_sync::{WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
+use manta_weight_sync::{BroadcastRoot, WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{call, Actor, ActorRef};
 use tch::Device;
 
@@ -146,7 +146,7 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
         WeightSyncArgs {
             trainer: trainer.clone(),
             engines: engines.clone(),
-            broadcast_from: Some(0),
+            broadcast_from: Some(BroadcastRoot::Cuda(0)),
         },
     )
     .await
@@ -172,6 +172,62 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
     // An older version is refused by name unless the sync allows a rewind.
     let stale = call!(sync, WeightSyncMsg::Sync, 1).unwrap().unwrap_err();
     assert!(stale.to_string().contains("not newer"), "{stale}");
+}
+
+/// The group protocol on the CPU: the weight-sync actor hosts a store-backed group as
+/// rank 0, both engines join at their ranks and receive every tensor into their
+/// parameters, bit for bit, version after version through the same group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_group_feeds_cpu_engines_through_the_store_backend() {
+    let model = tiny_model();
+    let (trainer, _) = Actor::spawn(
+        None,
+        TrainerActor,
+        trainer_options(model.path(), 5, Device::Cpu),
+    )
+    .await
+    .expect("trainer starts");
+    let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
+    let engines = vec![
+        rollout_actor(
+            native_engine(model.path(), 0, Device::Cpu),
+            "store-0",
+            &tokenizer,
+        )
+        .await,
+        rollout_actor(
+            native_engine(model.path(), 1, Device::Cpu),
+            "store-1",
+            &tokenizer,
+        )
+        .await,
+    ];
+    let (sync, _) = Actor::spawn(
+        None,
+        WeightSyncActor,
+        WeightSyncArgs {
+            trainer: trainer.clone(),
+            engines: engines.clone(),
+            broadcast_from: Some(BroadcastRoot::Cpu),
+        },
+    )
+    .await
+    .unwrap();
+    let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
+    for version in 1..=3 {
+        let report = call!(sync, WeightSyncMsg::Sync, version)
+            .unwrap()
+            .unwrap_or_else(|e| panic!("sync {version}: {e}"));
+        assert!(report.broadcast, "version {version} went by copies");
+        for (i, engine) in engines.iter().enumerate() {
+            let got = call!(engine, RolloutMsg::ReadWeights).unwrap().unwrap();
+            assert!(
+                identical(&weights, &got),
+                "engine {i} after version {version}"
+            );
+            assert_eq!(call!(engine, RolloutMsg::WeightVersion).unwrap(), version);
+        }
+    }
 }
 
 /// An engine that can lose its weights as a restarted SGLang server fed over NCCL does:
@@ -328,7 +384,7 @@ async fn one_broadcast_group_feeds_an_engine_on_another_gpu_bit_for_bit() {
         WeightSyncArgs {
             trainer: trainer.clone(),
             engines: vec![engine.clone()],
-            broadcast_from: Some(trainer_gpu),
+            broadcast_from: Some(BroadcastRoot::Cuda(trainer_gpu)),
         },
     )
     .await

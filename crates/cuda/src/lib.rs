@@ -13,6 +13,7 @@ pub mod ipc;
 pub mod process_group;
 pub mod rendezvous;
 pub mod sampling;
+pub mod weight_group;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 

@@ -191,11 +191,13 @@ pub enum EngineError {
     Torch(#[from] tch::TchError),
 }
 
-/// A weight-update group an engine receives its weights in: NCCL broadcasts from rank 0
-/// (the trainer), every engine of the run in one group, each at its own rank.
-/// The engine joins on its own CUDA device.
+/// A weight-update group an engine receives its weights in: broadcasts from rank 0
+/// (the trainer), every engine of the run in one group, each at its own rank. Over NCCL
+/// the engine joins on its own CUDA device; over the store backend (CPU engines) it
+/// receives into host memory.
 #[derive(Debug, Clone)]
 pub struct BroadcastFeed {
+    pub backend: manta_cuda::weight_group::Backend,
     /// The store rank 0 hosts.
     pub master_address: String,
     pub master_port: u16,

@@ -19,7 +19,8 @@ use super::scheduler::{Planned, Scheduler};
 use super::sequence::Sequence;
 use super::EngineStats;
 use crate::{BroadcastFeed, EngineError, FinishReason, NamedTensors, PauseMode};
-use manta_cuda::process_group::{GroupSpec, ProcessGroup};
+use manta_cuda::process_group::GroupSpec;
+use manta_cuda::weight_group::{Backend, WeightGroup};
 
 /// What the engine thread is asked to do; each carries the channel its answer goes to.
 pub enum Command {
@@ -114,7 +115,7 @@ pub struct Worker {
     /// than new requests read it first, see [`Worker::settle`]).
     in_flight: Option<InFlight>,
     /// The weight-update group this engine receives broadcasts in, once joined.
-    weight_group: Option<ProcessGroup>,
+    weight_group: Option<WeightGroup>,
 }
 
 impl Worker {
@@ -418,13 +419,21 @@ impl Worker {
                 .ok_or_else(|| EngineError::Weights(format!("unknown tensor {name}")))?;
             tensors.push((name.clone(), t.shallow_clone()));
         }
-        let Device::Cuda(device) = self.device else {
-            return Err(EngineError::Unsupported(
-                "weight broadcast needs an engine on a CUDA device".into(),
-            ));
+        let device = match (feed.backend, self.device) {
+            (Backend::Nccl, Device::Cuda(device)) => device,
+            (Backend::Store, Device::Cpu) => 0,
+            (backend, device) => {
+                return Err(EngineError::Unsupported(format!(
+                    "a {backend:?} weight broadcast cannot feed an engine on {device:?} \
+                     (NCCL needs a CUDA device, the store backend host memory)"
+                )))
+            }
         };
         let group = match self.weight_group.take() {
-            Some(group) if group.spec().group_name == feed.group_name => {
+            Some(group)
+                if group.spec().group_name == feed.group_name
+                    && group.backend() == feed.backend =>
+            {
                 self.weight_group.insert(group)
             }
             _ => {
@@ -437,9 +446,9 @@ impl Worker {
                     device,
                     timeout: feed.timeout,
                 };
-                info!(group = %spec.group_name, rank = spec.rank, device, "joining the weight-update group");
-                let joined =
-                    ProcessGroup::join(spec).map_err(|e| EngineError::Weights(e.to_string()))?;
+                info!(group = %spec.group_name, rank = spec.rank, backend = ?feed.backend, device, "joining the weight-update group");
+                let joined = WeightGroup::join(spec, feed.backend)
+                    .map_err(|e| EngineError::Weights(e.to_string()))?;
                 self.weight_group.insert(joined)
             }
         };
