@@ -223,6 +223,96 @@ async fn published_weights_reach_the_engine_bit_for_bit() {
     handle.await.unwrap();
 }
 
+/// The group protocol across processes' boundary (gRPC): the test is rank 0 of a
+/// store-backed weight-update group; `ReceiveBroadcast` tells the worker's engine the
+/// group's address, name and its rank, the engine joins and receives every tensor while
+/// rank 0 broadcasts, bit for bit; a second version goes through the same group, and a
+/// request naming an actor the worker does not host is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
+    use manta_cuda::process_group::GroupSpec;
+    use manta_cuda::weight_group::{Backend, WeightGroup};
+    use manta_hosting::weights::WeightSyncCalls;
+    use manta_proto::weight_sync as wpb;
+
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    let (client, actors) = pool.placed().remove(0);
+    let before = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let mut root = WeightGroup::join(
+        GroupSpec {
+            master_address: "127.0.0.1".into(),
+            master_port: 0,
+            rank: 0,
+            world_size: 2,
+            group_name: "pool-test-group".into(),
+            device: 0,
+            timeout: Duration::from_secs(30),
+        },
+        Backend::Store,
+    )
+    .unwrap();
+    let port = u32::from(root.store_port());
+    let request = |version: u64, actors: Vec<String>| wpb::ReceiveBroadcastRequest {
+        version,
+        pause: wpb::PauseMode::Drain as i32,
+        backend: wpb::GroupBackend::Store as i32,
+        master_address: "127.0.0.1".into(),
+        master_port: port,
+        group_name: "pool-test-group".into(),
+        world_size: 2,
+        actors,
+        ranks: vec![1],
+        names: before.tensors.iter().map(|d| d.name.clone()).collect(),
+        timeout_s: 30,
+    };
+    let wrong = client
+        .receive_broadcast(request(1, vec!["rollout-9-9".into()]))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(wrong.contains("no rollout actor rollout-9-9"), "{wrong}");
+    for (version, seed) in [(1u64, 21i64), (2, 22)] {
+        tch::manual_seed(seed);
+        let tensors: Vec<(String, tch::Tensor)> = before
+            .tensors
+            .iter()
+            .map(|d| {
+                let t =
+                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+                (d.name.clone(), t)
+            })
+            .collect();
+        let digests = weights::digest_tensors(&tensors).unwrap();
+        let receiving = client.receive_broadcast(request(version, actors.clone()));
+        let sending = tokio::task::spawn_blocking(move || {
+            let sent = root.broadcast(&tensors, 0);
+            (root, sent)
+        });
+        let (received, sent) = tokio::join!(receiving, sending);
+        let (back, sent) = sent.unwrap();
+        root = back;
+        sent.unwrap();
+        let reply = received.unwrap();
+        assert_eq!((reply.version, reply.engines), (version, 1));
+        let after = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+        assert_eq!(after.version, version);
+        assert_eq!(after.tensors, digests, "version {version} bit for bit");
+        assert_ne!(after.tensors, before.tensors);
+    }
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_worker_is_declared_dead_and_rejoins() {
     let _serial = SERIAL.lock().await;

@@ -38,6 +38,13 @@ pub trait WeightSyncCalls {
     fn engine_digests(
         &self,
     ) -> impl Future<Output = Result<Vec<wpb::EngineDigest>, RuntimeError>> + Send;
+
+    /// Has the worker's engines named in `request` join its group and receive one
+    /// version by broadcast (rank 0 broadcasts meanwhile).
+    fn receive_broadcast(
+        &self,
+        request: wpb::ReceiveBroadcastRequest,
+    ) -> impl Future<Output = Result<wpb::ApplyWeightsReply, RuntimeError>> + Send;
 }
 
 fn weight_sync_rpc(client: &WorkerClient) -> WeightSyncRpc<AuthedChannel> {
@@ -97,6 +104,18 @@ impl WeightSyncCalls for WorkerClient {
                 version,
                 pause: pause as i32,
             })
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
+    }
+
+    async fn receive_broadcast(
+        &self,
+        request: wpb::ReceiveBroadcastRequest,
+    ) -> Result<wpb::ApplyWeightsReply, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .receive_broadcast(request)
             .await
             .map_err(|s| self.rpc_error(s))?;
         Ok(reply.into_inner())

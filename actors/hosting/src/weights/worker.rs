@@ -10,7 +10,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use manta_engine::PauseMode;
+use manta_cuda::weight_group::Backend;
+use manta_engine::{BroadcastFeed, PauseMode};
 use manta_proto::weight_sync as wpb;
 use manta_proto::weight_sync::weight_sync_server::WeightSync;
 use manta_rollout::{IncomingWeights, RolloutMsg};
@@ -122,16 +123,7 @@ impl WeightSync for WeightSyncService {
         request: Request<wpb::ApplyWeightsRequest>,
     ) -> Result<Response<wpb::ApplyWeightsReply>, Status> {
         let req = request.into_inner();
-        let mode = match wpb::PauseMode::try_from(req.pause) {
-            Ok(wpb::PauseMode::Drain) => PauseMode::Drain,
-            Ok(wpb::PauseMode::Abort) => PauseMode::Abort,
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "pause mode {} is not PAUSE_MODE_DRAIN or PAUSE_MODE_ABORT",
-                    req.pause
-                )))
-            }
-        };
+        let mode = pause_mode(req.pause)?;
         let tensors = {
             let mut staged = self.staged.lock().await;
             let Some(tensors) = staged.remove(&req.version) else {
@@ -176,6 +168,109 @@ impl WeightSync for WeightSyncService {
         }))
     }
 
+    async fn receive_broadcast(
+        &self,
+        request: Request<wpb::ReceiveBroadcastRequest>,
+    ) -> Result<Response<wpb::ApplyWeightsReply>, Status> {
+        let req = request.into_inner();
+        let mode = pause_mode(req.pause)?;
+        let backend = match wpb::GroupBackend::try_from(req.backend) {
+            Ok(wpb::GroupBackend::Nccl) => Backend::Nccl,
+            Ok(wpb::GroupBackend::Store) => Backend::Store,
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "backend {} is not GROUP_BACKEND_NCCL or GROUP_BACKEND_STORE",
+                    req.backend
+                )))
+            }
+        };
+        if req.actors.is_empty() || req.actors.len() != req.ranks.len() {
+            return Err(Status::invalid_argument(format!(
+                "{} actors and {} ranks: one rank per actor, at least one",
+                req.actors.len(),
+                req.ranks.len()
+            )));
+        }
+        let master_port = u16::try_from(req.master_port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                Status::invalid_argument(format!("master_port {} is not a port", req.master_port))
+            })?;
+        let world_size = req.world_size as usize;
+        if let Some(rank) = req
+            .ranks
+            .iter()
+            .find(|r| **r == 0 || **r as usize >= world_size)
+        {
+            return Err(Status::invalid_argument(format!(
+                "rank {rank} is not in 1..{world_size} (rank 0 is the sender)"
+            )));
+        }
+        let hosted: BTreeMap<String, ractor::ActorRef<RolloutMsg>> =
+            self.rollout_actors().await.into_iter().collect();
+        // Every member must be in the broadcast at once: all engines receive together.
+        let mut receivers = tokio::task::JoinSet::new();
+        for (name, rank) in req.actors.iter().zip(&req.ranks) {
+            let actor = hosted.get(name).cloned().ok_or_else(|| {
+                Status::not_found(format!(
+                    "no rollout actor {name} on this worker (hosted: {:?})",
+                    hosted.keys().collect::<Vec<_>>()
+                ))
+            })?;
+            let feed = BroadcastFeed {
+                backend,
+                master_address: req.master_address.clone(),
+                master_port,
+                rank: *rank as usize,
+                world_size,
+                group_name: req.group_name.clone(),
+                timeout: std::time::Duration::from_secs(u64::from(req.timeout_s.max(1))),
+                names: req.names.clone(),
+            };
+            let (name, version) = (name.clone(), req.version);
+            receivers.spawn(async move {
+                call!(
+                    actor,
+                    RolloutMsg::ApplyWeights,
+                    IncomingWeights::Broadcast(feed),
+                    version,
+                    mode
+                )
+                .map_err(|e| Status::unavailable(format!("actor {name}: {e}")))?
+                .map_err(|e| Status::failed_precondition(format!("actor {name}: {e}")))
+            });
+        }
+        let mut longest = 0f64;
+        let mut first_error = None;
+        while let Some(joined) = receivers.join_next().await {
+            match joined {
+                Ok(Ok(paused)) => longest = longest.max(paused.as_secs_f64()),
+                Ok(Err(status)) => {
+                    first_error.get_or_insert(status);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(Status::internal(e.to_string()));
+                }
+            }
+        }
+        if let Some(status) = first_error {
+            return Err(status);
+        }
+        info!(
+            version = req.version,
+            group = %req.group_name,
+            engines = req.actors.len(),
+            pause_to_resume_s = longest,
+            "weights received by broadcast"
+        );
+        Ok(Response::new(wpb::ApplyWeightsReply {
+            version: req.version,
+            engines: req.actors.len() as u32,
+            pause_to_resume_s: longest,
+        }))
+    }
+
     async fn engine_digests(
         &self,
         _request: Request<wpb::EngineDigestsRequest>,
@@ -195,5 +290,15 @@ impl WeightSync for WeightSyncService {
             });
         }
         Ok(Response::new(wpb::EngineDigestsReply { engines }))
+    }
+}
+
+fn pause_mode(wire: i32) -> Result<PauseMode, Status> {
+    match wpb::PauseMode::try_from(wire) {
+        Ok(wpb::PauseMode::Drain) => Ok(PauseMode::Drain),
+        Ok(wpb::PauseMode::Abort) => Ok(PauseMode::Abort),
+        Err(_) => Err(Status::invalid_argument(format!(
+            "pause mode {wire} is not PAUSE_MODE_DRAIN or PAUSE_MODE_ABORT"
+        ))),
     }
 }
