@@ -111,6 +111,34 @@ async fn rollout_actor(
         .expect("rollout actor starts")
 }
 
+/// The trainer actor on `device` (seed 5: other weights than the engines').
+async fn trainer_actor(model: &Path, device: Device) -> ActorRef<TrainerMsg> {
+    let (trainer, _) = Actor::spawn(None, TrainerActor, trainer_options(model, 5, device))
+        .await
+        .expect("trainer starts");
+    trainer
+}
+
+/// The weight-sync actor from `trainer` to `engines`, rooted as `broadcast_from` says.
+async fn sync_actor(
+    trainer: &ActorRef<TrainerMsg>,
+    engines: &[ActorRef<RolloutMsg>],
+    broadcast_from: Option<BroadcastRoot>,
+) -> ActorRef<WeightSyncMsg> {
+    let (sync, _) = Actor::spawn(
+        None,
+        WeightSyncActor,
+        WeightSyncArgs {
+            trainer: trainer.clone(),
+            engines: engines.to_vec(),
+            broadcast_from,
+        },
+    )
+    .await
+    .expect("weight-sync actor starts");
+    sync
+}
+
 fn identical(a: &NamedTensors, b: &NamedTensors) -> bool {
     let by_name: BTreeMap<_, _> = b.iter().map(|(n, t)| (n.clone(), t)).collect();
     a.len() == b.len()
@@ -121,13 +149,7 @@ fn identical(a: &NamedTensors, b: &NamedTensors) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_back() {
     let model = tiny_model();
-    let (trainer, _) = Actor::spawn(
-        None,
-        TrainerActor,
-        trainer_options(model.path(), 5, Device::Cpu),
-    )
-    .await
-    .expect("trainer starts");
+    let trainer = trainer_actor(model.path(), Device::Cpu).await;
     let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
     let engines = vec![
         engine_actor(model.path(), 0, Device::Cpu, &tokenizer).await,
@@ -140,17 +162,7 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
         "engines start from other weights than the trainer's (seeds differ)"
     );
     // Asking for a broadcast from GPU 0 with the trainer on the CPU: the route cannot run.
-    let (sync, _) = Actor::spawn(
-        None,
-        WeightSyncActor,
-        WeightSyncArgs {
-            trainer: trainer.clone(),
-            engines: engines.clone(),
-            broadcast_from: Some(BroadcastRoot::Cuda(0)),
-        },
-    )
-    .await
-    .unwrap();
+    let sync = sync_actor(&trainer, &engines, Some(BroadcastRoot::Cuda(0))).await;
     for version in 1..=2 {
         let report = call!(sync, WeightSyncMsg::Sync, version)
             .unwrap()
@@ -180,13 +192,7 @@ async fn engines_take_each_version_bit_for_bit_and_an_unusable_broadcast_falls_b
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_group_feeds_cpu_engines_through_the_store_backend() {
     let model = tiny_model();
-    let (trainer, _) = Actor::spawn(
-        None,
-        TrainerActor,
-        trainer_options(model.path(), 5, Device::Cpu),
-    )
-    .await
-    .expect("trainer starts");
+    let trainer = trainer_actor(model.path(), Device::Cpu).await;
     let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
     let engines = vec![
         rollout_actor(
@@ -202,17 +208,7 @@ async fn one_group_feeds_cpu_engines_through_the_store_backend() {
         )
         .await,
     ];
-    let (sync, _) = Actor::spawn(
-        None,
-        WeightSyncActor,
-        WeightSyncArgs {
-            trainer: trainer.clone(),
-            engines: engines.clone(),
-            broadcast_from: Some(BroadcastRoot::Cpu),
-        },
-    )
-    .await
-    .unwrap();
+    let sync = sync_actor(&trainer, &engines, Some(BroadcastRoot::Cpu)).await;
     let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
     for version in 1..=3 {
         let report = call!(sync, WeightSyncMsg::Sync, version)
@@ -293,13 +289,7 @@ impl Engine for Restarting {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_lost_its_weights_gets_the_last_version_again() {
     let model = tiny_model();
-    let (trainer, _) = Actor::spawn(
-        None,
-        TrainerActor,
-        trainer_options(model.path(), 5, Device::Cpu),
-    )
-    .await
-    .expect("trainer starts");
+    let trainer = trainer_actor(model.path(), Device::Cpu).await;
     let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
     let inner = native_engine(model.path(), 0, Device::Cpu);
     let initial = inner
@@ -320,17 +310,7 @@ async fn an_engine_that_lost_its_weights_gets_the_last_version_again() {
         )
         .await,
     ];
-    let (sync, _) = Actor::spawn(
-        None,
-        WeightSyncActor,
-        WeightSyncArgs {
-            trainer: trainer.clone(),
-            engines: engines.clone(),
-            broadcast_from: None,
-        },
-    )
-    .await
-    .unwrap();
+    let sync = sync_actor(&trainer, &engines, None).await;
     let fed = call!(sync, WeightSyncMsg::Refresh).unwrap().unwrap();
     assert!(fed.is_empty(), "nothing synced yet, nothing to re-send");
     call!(sync, WeightSyncMsg::Sync, 3).unwrap().unwrap();
@@ -369,26 +349,15 @@ async fn one_broadcast_group_feeds_an_engine_on_another_gpu_bit_for_bit() {
     );
     let engine_gpu = 1 - trainer_gpu;
     let model = tiny_model();
-    let (trainer, _) = Actor::spawn(
-        None,
-        TrainerActor,
-        trainer_options(model.path(), 5, Device::Cuda(trainer_gpu)),
-    )
-    .await
-    .expect("trainer starts");
+    let trainer = trainer_actor(model.path(), Device::Cuda(trainer_gpu)).await;
     let tokenizer = Arc::new(Tokenizer::from_dir(model.path()).expect("tokenizer"));
     let engine = engine_actor(model.path(), 0, Device::Cuda(engine_gpu), &tokenizer).await;
-    let (sync, _) = Actor::spawn(
-        None,
-        WeightSyncActor,
-        WeightSyncArgs {
-            trainer: trainer.clone(),
-            engines: vec![engine.clone()],
-            broadcast_from: Some(BroadcastRoot::Cuda(trainer_gpu)),
-        },
+    let sync = sync_actor(
+        &trainer,
+        std::slice::from_ref(&engine),
+        Some(BroadcastRoot::Cuda(trainer_gpu)),
     )
-    .await
-    .unwrap();
+    .await;
     let weights = call!(trainer, TrainerMsg::ExportWeights).unwrap();
     for version in 1..=2 {
         let report = call!(sync, WeightSyncMsg::Sync, version)
