@@ -313,6 +313,137 @@ async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
     handle.await.unwrap();
 }
 
+/// Handles on the same tensors.
+fn shallow(tensors: &[(String, tch::Tensor)]) -> Vec<(String, tch::Tensor)> {
+    tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect()
+}
+
+/// Every live node's engine holds `version` with exactly `tensors`; answers how many
+/// nodes were read.
+async fn holds(pool: &RemotePool, version: u64, tensors: &[(String, tch::Tensor)]) -> usize {
+    let want = weights::digest_tensors(&shallow(tensors)).unwrap();
+    let mut nodes = 0;
+    for (addr, engines) in pool.engine_digests().await {
+        for e in engines.unwrap() {
+            assert_eq!(e.version, version, "{addr}");
+            assert_eq!(e.tensors, want, "{addr}: version {version} bit for bit");
+        }
+        nodes += 1;
+    }
+    nodes
+}
+
+/// Broadcasts to the pool across worker daemons over gRPC: one group for both nodes'
+/// engines; a node that dies leaves it (the next broadcast makes a group of the live
+/// one); the node back on its port waits, not live, until the next broadcast makes a
+/// group with it in and gives it the weights. Every engine that took a version holds it
+/// bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
+    use manta_cuda::weight_group::Backend;
+    use manta_hosting::rollout::pool::GroupRoot;
+
+    let _serial = SERIAL.lock().await;
+    let (a, b) = (free_addr(), free_addr());
+    let (stop_a, handle_a) = start_worker(a).await;
+    let (stop_b, handle_b) = start_worker(b).await;
+    let nodes: Vec<NodeSpec> = [a, b]
+        .iter()
+        .map(|addr| NodeSpec {
+            address: addr.to_string(),
+            gpus: vec![],
+        })
+        .collect();
+    let pool = RemotePool::start(&nodes, TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    let shapes = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let root = GroupRoot {
+        backend: Backend::Store,
+        master_address: "127.0.0.1".into(),
+        device: 0,
+        timeout: Duration::from_secs(30),
+    };
+    let version_weights = |seed: i64| -> Vec<(String, tch::Tensor)> {
+        tch::manual_seed(seed);
+        shapes
+            .tensors
+            .iter()
+            .map(|d| {
+                let t =
+                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+                (d.name.clone(), t)
+            })
+            .collect()
+    };
+
+    let w1 = version_weights(31);
+    let sync = pool
+        .publish_broadcast(&root, shallow(&w1), 1, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (2, 2));
+    assert_eq!(holds(&pool, 1, &w1).await, 2);
+    let first = pool.group_name().await.expect("a group");
+    let w2 = version_weights(32);
+    pool.publish_broadcast(&root, shallow(&w2), 2, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!(
+        pool.group_name().await.as_deref(),
+        Some(first.as_str()),
+        "same members, same group"
+    );
+
+    // Node b goes: the next broadcast is a group of a alone.
+    let _ = stop_b.send(());
+    handle_b.await.unwrap();
+    wait_for(&pool, 1, HANG).await;
+    let w3 = version_weights(33);
+    let sync = pool
+        .publish_broadcast(&root, shallow(&w3), 3, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    let second = pool.group_name().await.expect("a group");
+    assert_ne!(second, first, "a member left: a new group");
+    assert_eq!(holds(&pool, 3, &w3).await, 1);
+
+    // b comes back: its actors are spawned again, but it waits for the weights.
+    let (stop_b, handle_b) = start_worker(b).await;
+    let started = Instant::now();
+    while !pool.awaiting_weights() {
+        assert!(started.elapsed() < HANG, "node b never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        pool.live_nodes(),
+        1,
+        "a rejoined node is not live before it has the weights"
+    );
+    let w4 = version_weights(34);
+    let sync = pool
+        .publish_broadcast(&root, shallow(&w4), 4, PauseMode::Drain)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (2, 2));
+    assert_ne!(
+        pool.group_name().await.expect("a group"),
+        second,
+        "a member joined: a new group"
+    );
+    assert_eq!(pool.live_nodes(), 2);
+    assert_eq!(holds(&pool, 4, &w4).await, 2);
+    pool.shutdown().await;
+    for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {
+        let _ = stop.send(());
+        handle.await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_worker_is_declared_dead_and_rejoins() {
     let _serial = SERIAL.lock().await;

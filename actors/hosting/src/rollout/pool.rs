@@ -1,8 +1,14 @@
 //! Remote rollout actors across worker nodes: placement, heartbeats, failover of a
 //! dead node's episodes to a live one (de-duplicated by sample id), and rejoin.
+//!
+//! Weights reach the nodes as gRPC chunks ([`RemotePool::publish_weights`]) or by one
+//! broadcast over a weight-update group whose rank 0 is this process
+//! ([`RemotePool::publish_broadcast`]): the group is made again whenever its members
+//! change (a node died, rejoined or re-spawned an actor), and once broadcasts are in use
+//! a rejoining node waits, not live, until the next broadcast gives it the weights.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,6 +22,11 @@ use manta_runtime::{ClientTls, Lease, RuntimeError, WorkerClient};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
+
+use manta_cuda::process_group::GroupSpec;
+use manta_cuda::weight_group::{Backend, WeightGroup};
+use manta_proto::weight_sync as wpb;
+use manta_trainer::NamedTensors;
 
 use super::client::RolloutCalls;
 use super::spawn::RolloutSpawnConfig;
@@ -46,6 +57,11 @@ struct Node {
     client: WorkerClient,
     actors: Vec<String>,
     live: watch::Sender<bool>,
+    /// Bumped whenever the node's actors were spawned again: a weight-update group
+    /// made before holds none of them.
+    incarnation: AtomicU64,
+    /// Rejoined while broadcasts are in use: goes live when the next broadcast reached it.
+    awaiting_weights: AtomicBool,
 }
 
 struct Shared {
@@ -58,6 +74,10 @@ struct Shared {
     publish: tokio::sync::Mutex<()>,
     /// Check a rejoined node's engines against the published weights, bit for bit.
     verify_rejoins: std::sync::atomic::AtomicBool,
+    /// Weights go by broadcast (rejoining nodes wait for the next one).
+    broadcasting: AtomicBool,
+    /// The weight-update group of the last broadcast and who was in it.
+    group: tokio::sync::Mutex<Option<PoolGroup>>,
     opts: PoolOptions,
     /// Episodes in flight per rollout actor (indices into `slots`): a group goes to
     /// the least-loaded actor of a live node.
@@ -73,6 +93,24 @@ struct Published {
     version: u64,
     chunk_bytes: usize,
     pause: PauseMode,
+}
+
+/// Rank 0 of the pool's weight-update group: this process.
+#[derive(Debug, Clone)]
+pub struct GroupRoot {
+    pub backend: Backend,
+    /// The address the workers reach this process's store at.
+    pub master_address: String,
+    /// The CUDA device the tensors are broadcast from (NCCL; unused by the store).
+    pub device: usize,
+    /// Bounds joining and each broadcast.
+    pub timeout: Duration,
+}
+
+/// A weight-update group and its members: (node, incarnation) each.
+struct PoolGroup {
+    group: WeightGroup,
+    members: Vec<(usize, u64)>,
 }
 
 /// What one publication of weights did.
@@ -164,6 +202,8 @@ impl RemotePool {
                 client,
                 actors,
                 live,
+                incarnation: AtomicU64::new(0),
+                awaiting_weights: AtomicBool::new(false),
             });
         }
         let slots: Vec<(usize, usize)> = built
@@ -179,6 +219,8 @@ impl RemotePool {
             weights: Mutex::new(None),
             publish: tokio::sync::Mutex::new(()),
             verify_rejoins: std::sync::atomic::AtomicBool::new(false),
+            broadcasting: AtomicBool::new(false),
+            group: tokio::sync::Mutex::new(None),
             opts,
         });
         let heartbeats = (0..shared.nodes.len())
@@ -281,6 +323,190 @@ impl RemotePool {
             )));
         }
         Ok(sync)
+    }
+
+    /// Sends `tensors` (rank 0's, on `root`'s device) as `version` to every engine of the
+    /// live nodes, and of nodes waiting to go live, by one broadcast: each node is told
+    /// over gRPC which group to join at which ranks (`ReceiveBroadcast`) while this
+    /// process broadcasts. The group is kept while its members stay the same and made
+    /// again when they change. A node that fails is marked dead (refused weights are an
+    /// error); the group is then aborted and dropped, and the version is not applied.
+    pub async fn publish_broadcast(
+        &self,
+        root: &GroupRoot,
+        tensors: NamedTensors,
+        version: u64,
+        pause: PauseMode,
+    ) -> Result<PoolSync, RuntimeError> {
+        let _publishing = self.shared.publish.lock().await;
+        self.shared.broadcasting.store(true, Ordering::SeqCst);
+        // Bytes published before are not current any more: rejoins wait for a broadcast.
+        if let Ok(mut w) = self.shared.weights.lock() {
+            *w = None;
+        }
+        let nodes = &self.shared.nodes;
+        let members: Vec<usize> = (0..nodes.len())
+            .filter(|&i| {
+                *nodes[i].live.borrow() || nodes[i].awaiting_weights.load(Ordering::SeqCst)
+            })
+            .collect();
+        if members.is_empty() {
+            return Err(RuntimeError::Placement(format!(
+                "no live node to take weights version {version}"
+            )));
+        }
+        let key: Vec<(usize, u64)> = members
+            .iter()
+            .map(|&i| (i, nodes[i].incarnation.load(Ordering::SeqCst)))
+            .collect();
+        let mut slot = self.shared.group.lock().await;
+        let held = slot.take().filter(|g| {
+            let same = g.members == key;
+            if !same {
+                let _ = g.group.aborter().abort();
+            }
+            same
+        });
+        let group = match held {
+            Some(g) => g.group,
+            None => {
+                let world = 1 + members
+                    .iter()
+                    .map(|&i| nodes[i].actors.len())
+                    .sum::<usize>();
+                let spec = GroupSpec {
+                    master_address: root.master_address.clone(),
+                    master_port: 0,
+                    rank: 0,
+                    world_size: world,
+                    group_name: pool_group_name(),
+                    device: root.device,
+                    timeout: root.timeout,
+                };
+                let backend = root.backend;
+                let group = tokio::task::spawn_blocking(move || WeightGroup::join(spec, backend))
+                    .await
+                    .map_err(|e| RuntimeError::Placement(format!("joining the group: {e}")))?
+                    .map_err(|e| RuntimeError::Placement(e.to_string()))?;
+                info!(
+                    group = %group.spec().group_name,
+                    ranks = world,
+                    backend = ?backend,
+                    nodes = members.len(),
+                    "weight-update group made for the workers' engines"
+                );
+                group
+            }
+        };
+        let spec = group.spec().clone();
+        let backend = match group.backend() {
+            Backend::Nccl => wpb::GroupBackend::Nccl,
+            Backend::Store => wpb::GroupBackend::Store,
+        };
+        let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+        let mut next_rank = 1u32;
+        let requests: Vec<wpb::ReceiveBroadcastRequest> = members
+            .iter()
+            .map(|&i| {
+                let actors = nodes[i].actors.clone();
+                let ranks = (0..actors.len() as u32).map(|k| next_rank + k).collect();
+                next_rank += actors.len() as u32;
+                wpb::ReceiveBroadcastRequest {
+                    version,
+                    pause: pause as i32,
+                    backend: backend as i32,
+                    master_address: spec.master_address.clone(),
+                    master_port: u32::from(group.store_port()),
+                    group_name: spec.group_name.clone(),
+                    world_size: spec.world_size as u32,
+                    actors,
+                    ranks,
+                    names: names.clone(),
+                    timeout_s: spec.timeout.as_secs().max(1) as u32,
+                }
+            })
+            .collect();
+        let aborter = group.aborter();
+        let receiving = async {
+            let replies = join_all(
+                members
+                    .iter()
+                    .zip(requests)
+                    .map(|(&i, req)| nodes[i].client.receive_broadcast(req)),
+            )
+            .await;
+            // A member that gave up leaves rank 0 waiting for it: end the wait.
+            if replies.iter().any(Result::is_err) {
+                let _ = aborter.abort();
+            }
+            replies
+        };
+        let sending = tokio::task::spawn_blocking(move || {
+            let mut group = group;
+            let sent = group.broadcast(&tensors, 0);
+            (group, sent)
+        });
+        let (replies, sent) = tokio::join!(receiving, sending);
+        let (group, sent) =
+            sent.map_err(|e| RuntimeError::Placement(format!("the broadcast task: {e}")))?;
+        let mut sync = PoolSync {
+            nodes: 0,
+            engines: 0,
+            pause_to_resume_s: 0.0,
+        };
+        let mut failed = false;
+        for (&i, reply) in members.iter().zip(replies) {
+            match reply {
+                Ok(reply) => {
+                    sync.nodes += 1;
+                    sync.engines += reply.engines as usize;
+                    sync.pause_to_resume_s = sync.pause_to_resume_s.max(reply.pause_to_resume_s);
+                }
+                Err(e) => {
+                    failed = true;
+                    node_failed(&nodes[i], e, version)?;
+                }
+            }
+        }
+        if failed || sent.is_err() {
+            // The group is aborted or broken: the next broadcast makes a new one.
+            return Err(RuntimeError::Placement(format!(
+                "weights version {version} did not reach every node by broadcast{}",
+                sent.err().map(|e| format!(": {e}")).unwrap_or_default()
+            )));
+        }
+        for &i in &members {
+            if nodes[i].awaiting_weights.swap(false, Ordering::SeqCst) {
+                nodes[i].live.send_replace(true);
+                info!(
+                    node = nodes[i].client.addr(),
+                    version, "rejoined node live with the broadcast weights"
+                );
+            }
+        }
+        *slot = Some(PoolGroup {
+            group,
+            members: key,
+        });
+        Ok(sync)
+    }
+
+    /// The name of the weight-update group the last broadcast used (`None`: none kept).
+    pub async fn group_name(&self) -> Option<String> {
+        self.shared
+            .group
+            .lock()
+            .await
+            .as_ref()
+            .map(|g| g.group.spec().group_name.clone())
+    }
+
+    /// Whether a rejoined node waits for the next broadcast to go live.
+    pub fn awaiting_weights(&self) -> bool {
+        self.shared
+            .nodes
+            .iter()
+            .any(|n| n.awaiting_weights.load(Ordering::SeqCst))
     }
 
     /// From now on, a rejoined node's engines are read back after their sync and must
@@ -496,7 +722,8 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
                     .filter(|a| !reply.actors.contains(a))
                     .collect();
                 let was_live = *node.live.borrow();
-                if missing.is_empty() && was_live {
+                let awaiting = node.awaiting_weights.load(Ordering::SeqCst);
+                if missing.is_empty() && (was_live || awaiting) {
                     continue;
                 }
                 node.live.send_replace(false);
@@ -575,6 +802,16 @@ async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(),
     }
     // Publishing waits for this: the node goes live holding the newest version.
     let _publishing = shared.publish.lock().await;
+    if shared.broadcasting.load(Ordering::SeqCst) {
+        // Its actors are new: the next broadcast makes a group with them in it.
+        node.incarnation.fetch_add(1, Ordering::SeqCst);
+        node.awaiting_weights.store(true, Ordering::SeqCst);
+        info!(
+            node = node.client.addr(),
+            "rejoined node waits for the next weight broadcast before it goes live"
+        );
+        return Ok(());
+    }
     let current = shared.weights.lock().ok().and_then(|w| w.clone());
     if let Some(p) = current {
         node.client
@@ -593,4 +830,12 @@ async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(),
     }
     node.live.send_replace(true);
     Ok(())
+}
+
+/// A name no other group of this host uses.
+fn pool_group_name() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("manta-pool-{}-{nanos}", std::process::id())
 }
