@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, TrainConfig, TrainSettings};
+use manta_config::{ClusterConfig, TrainConfig, TrainSettings, WorkerWeights};
+use manta_cuda::weight_group::Backend;
+use manta_hosting::rollout::pool::GroupRoot;
 use manta_hosting::{
     NodeSpec, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
     ShippedTrainConfig, TrainerSpawnConfig,
@@ -171,13 +173,19 @@ pub async fn place(
             })
         })
         .collect();
-    let weights = WeightSync::new(
-        Arc::new(trainer.clone()),
-        &trainer_at,
-        WorkerEngines::new(pool.clone()),
-        &engines_at,
-    )
-    .verifying_from_env(crate::run::verify_log(settings));
+    let mut targets = WorkerEngines::new(pool.clone());
+    let mut routes = engines_at.as_slice();
+    if let Some(root) = worker_group_root(cluster) {
+        info!(
+            backend = ?root.backend,
+            store = %root.master_address,
+            "weights to workers: one broadcast group for every engine, rank 0 in the driver (cluster.worker_weights)"
+        );
+        targets = targets.broadcasting(root);
+        routes = &[];
+    }
+    let weights = WeightSync::new(Arc::new(trainer.clone()), &trainer_at, targets, routes)
+        .verifying_from_env(crate::run::verify_log(settings));
     let actors = StepActors {
         trainer: trainer.clone(),
         rollouts: Rollouts::remote(pool.clone()),
@@ -224,5 +232,21 @@ fn sglang_spawn(
         max_restarts: r.max_restarts,
         gpus,
         run_name: settings.run_name.clone().unwrap_or_default(),
+    })
+}
+
+/// Rank 0 of the broadcast to the workers' engines, when `cluster.worker_weights` asks
+/// for one (validated: the trainer is in the driver; NCCL on its first GPU).
+fn worker_group_root(cluster: &ClusterConfig) -> Option<GroupRoot> {
+    let backend = match cluster.worker_weights {
+        WorkerWeights::Grpc => return None,
+        WorkerWeights::Nccl => Backend::Nccl,
+        WorkerWeights::Store => Backend::Store,
+    };
+    Some(GroupRoot {
+        backend,
+        master_address: cluster.driver_address.clone(),
+        device: cluster.trainer.gpus.first().copied().unwrap_or(0) as usize,
+        timeout: Duration::from_secs(120),
     })
 }

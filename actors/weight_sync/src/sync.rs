@@ -33,6 +33,11 @@ use crate::route::{self, Endpoint};
 pub trait TrainerWeights: Send + Sync {
     /// Every weight with its bytes and digests (gRPC publication, verification).
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError>;
+    /// The weights as tensors where the trainer is, for a broadcast rooted in this
+    /// process (`None`: the trainer is elsewhere).
+    async fn tensors(&self) -> Result<Option<manta_engine::NamedTensors>, TrainerCallError> {
+        Ok(None)
+    }
     /// The worker hosting the trainer (`None`: this process).
     fn worker_addr(&self) -> Option<&str>;
 }

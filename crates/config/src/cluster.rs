@@ -53,6 +53,32 @@ struct ClusterSection {
     tls_ca: Option<PathBuf>,
     /// Remote mode: the name the workers' certificates must carry (default: each node's host).
     tls_domain: Option<String>,
+    /// Remote mode: how weights reach the engines on workers.
+    #[serde(default)]
+    worker_weights: WorkerWeights,
+    /// Remote mode: the address workers reach the driver at, for the weight-update
+    /// group's store (`worker_weights` "nccl" or "store").
+    #[serde(default = "default_driver_address")]
+    driver_address: String,
+}
+
+/// `cluster.worker_weights`: how the trainer's weights reach engines on workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerWeights {
+    /// Bounded chunks over Manta's gRPC (any placement; no shared disk).
+    #[default]
+    Grpc,
+    /// One NCCL broadcast group, rank 0 the trainer in the driver on its GPU, every
+    /// engine on a worker GPU a member.
+    Nccl,
+    /// The same group protocol through the driver's TCPStore, for engines without GPUs
+    /// (small models, tests).
+    Store,
+}
+
+fn default_driver_address() -> String {
+    "127.0.0.1".into()
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -204,6 +230,8 @@ impl Default for ClusterSection {
             lease_timeout_ms: default_lease_timeout_ms(),
             tls_ca: None,
             tls_domain: None,
+            worker_weights: WorkerWeights::Grpc,
+            driver_address: default_driver_address(),
         }
     }
 }
@@ -293,6 +321,10 @@ pub struct ClusterConfig {
     pub lease_timeout_ms: u64,
     /// Remote mode: TLS to the workers (`cluster.tls_ca`); `None` is plaintext.
     pub tls: Option<ClusterTls>,
+    /// Remote mode: how weights reach the workers' engines (`cluster.worker_weights`).
+    pub worker_weights: WorkerWeights,
+    /// Remote mode: where workers reach the driver's weight-update store.
+    pub driver_address: String,
 }
 
 impl ClusterConfig {
@@ -345,6 +377,7 @@ impl ClusterConfig {
         raw.train.validate(path, "train.")?;
         let base = path.parent().unwrap_or(Path::new("."));
         let tls = cluster_tls(&raw, path, base)?;
+        validate_worker_weights(&raw, path)?;
         Ok(ClusterConfig {
             path: path.to_path_buf(),
             mode: raw.cluster.mode,
@@ -358,8 +391,55 @@ impl ClusterConfig {
             spawn_timeout_s: raw.cluster.spawn_timeout_s,
             lease_timeout_ms: raw.cluster.lease_timeout_ms,
             tls,
+            worker_weights: raw.cluster.worker_weights,
+            driver_address: raw.cluster.driver_address,
         })
     }
+}
+
+/// `cluster.worker_weights`: a broadcast group needs remote mode and the trainer in the
+/// driver (rank 0 is this process); NCCL also needs the trainer on a GPU.
+fn validate_worker_weights(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
+    let c = &raw.cluster;
+    let key = "cluster.worker_weights";
+    let shown = match c.worker_weights {
+        WorkerWeights::Grpc => return Ok(()),
+        WorkerWeights::Nccl => "\"nccl\"",
+        WorkerWeights::Store => "\"store\"",
+    };
+    if c.mode != ClusterMode::Remote {
+        return Err(ConfigError::invalid(
+            path,
+            key,
+            shown,
+            "weights go to workers only with cluster.mode = \"remote\"",
+        ));
+    }
+    if raw.trainer.node.is_some() {
+        return Err(ConfigError::invalid(
+            path,
+            key,
+            shown,
+            "the broadcast's rank 0 is the driver: leave trainer.node unset (the trainer in the driver), or use \"grpc\"",
+        ));
+    }
+    if c.worker_weights == WorkerWeights::Nccl && raw.trainer.gpus.is_empty() {
+        return Err(ConfigError::invalid(
+            path,
+            key,
+            shown,
+            "NCCL broadcasts from the trainer's GPU: set trainer.gpus, or use \"store\" on CPUs",
+        ));
+    }
+    if c.driver_address.trim().is_empty() || c.driver_address.contains(char::is_whitespace) {
+        return Err(ConfigError::invalid(
+            path,
+            "cluster.driver_address",
+            format!("{:?}", c.driver_address),
+            "must be a host name or address the workers reach the driver at",
+        ));
+    }
+    Ok(())
 }
 
 /// `cluster.tls_ca` / `cluster.tls_domain`: remote mode only; the CA file must exist and
@@ -893,6 +973,44 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("only used with"), "{err}");
+    }
+
+    #[test]
+    fn worker_weights_by_broadcast_need_the_trainer_in_the_driver() {
+        let remote = "[cluster]\nmode = \"remote\"\n";
+        let node = "[[nodes]]\naddress = \"w:7100\"\n";
+        let c = parse(&format!("{remote}{node}")).unwrap();
+        assert_eq!(c.worker_weights, WorkerWeights::Grpc);
+        let c = parse(&format!(
+            "{remote}worker_weights = \"store\"\ndriver_address = \"10.0.0.1\"\n{node}"
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.worker_weights, c.driver_address.as_str()),
+            (WorkerWeights::Store, "10.0.0.1")
+        );
+        let err = parse("[cluster]\nworker_weights = \"store\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cluster.worker_weights") && err.contains("remote"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{remote}worker_weights = \"nccl\"\n\n[trainer]\nnode = 0\ngpus = [0]\n\n\
+             [[nodes]]\naddress = \"w:7100\"\ngpus = [0]\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("trainer.node"), "{err}");
+        let err = parse(&format!("{remote}worker_weights = \"nccl\"\n{node}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("trainer.gpus"), "{err}");
+        let err = parse(&format!("{remote}worker_weights = \"udp\"\n{node}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("udp"), "{err}");
     }
 
     #[test]

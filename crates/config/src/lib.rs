@@ -16,7 +16,7 @@ mod train;
 
 pub use cluster::{
     ClusterConfig, ClusterMode, ClusterTls, EngineKind, NodeConfig, RolloutSection,
-    TrainerFailurePolicy, TrainerSection,
+    TrainerFailurePolicy, TrainerSection, WorkerWeights,
 };
 pub use error::ConfigError;
 pub use settings::{

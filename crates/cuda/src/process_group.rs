@@ -42,7 +42,7 @@ extern "C" {
 /// A refused or failed group operation (`op`: join, broadcast), with the reason: bad
 /// parameters, no CUDA device, libtorch's or NCCL's message.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("NCCL process group {op}: {message}")]
+#[error("weight-update group {op}: {message}")]
 pub struct GroupError {
     pub op: &'static str,
     pub message: String,

@@ -12,6 +12,8 @@
 //! the same rank count.
 
 use std::collections::BTreeMap;
+
+use manta_trainer::NamedTensors;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -245,6 +247,10 @@ impl TrainerBackend for RankGroup {
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
         // Every rank ends each step with the same weights.
         self.ranks[0].weight_set().await
+    }
+
+    async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
+        self.ranks[0].tensors().await
     }
 
     async fn shutdown(&self) {

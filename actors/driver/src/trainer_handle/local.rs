@@ -63,6 +63,12 @@ impl TrainerBackend for LocalTrainer {
             .map_err(failed)
     }
 
+    async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
+        call!(self.0, TrainerMsg::ExportWeights)
+            .map(Some)
+            .map_err(|e| failed(format!("the trainer did not answer: {e}")))
+    }
+
     async fn shutdown(&self) {
         self.0.stop(None);
     }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use manta_hosting::weights::WeightSet;
 use manta_hosting::TrainerCallError;
-use manta_trainer::TrainBatch;
+use manta_trainer::{NamedTensors, TrainBatch};
 
 /// What the step loop asks of the trainer, wherever it lives.
 #[async_trait::async_trait]
@@ -32,6 +32,12 @@ pub trait TrainerBackend: Send + Sync {
 
     /// The current weights as bytes, for engines in other processes.
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError>;
+
+    /// The current weights as tensors, when the trainer is in this process (a broadcast
+    /// to workers is rooted here).
+    async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
+        Ok(None)
+    }
 
     /// The worker hosting the trainer (`None`: this process), for weight-sync routing.
     fn worker_addr(&self) -> Option<&str> {
@@ -104,5 +110,9 @@ impl manta_weight_sync::TrainerWeights for TrainerHandle {
 
     fn worker_addr(&self) -> Option<&str> {
         TrainerHandle::worker_addr(self)
+    }
+
+    async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
+        self.0.tensors().await
     }
 }

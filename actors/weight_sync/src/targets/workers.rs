@@ -1,23 +1,78 @@
 //! Engines on worker daemons: the trainer's weights go to every live node as bounded
-//! gRPC chunks (no shared disk), staged there before the engines pause.
+//! gRPC chunks (no shared disk), staged there before the engines pause; or, with the
+//! trainer in this process and `cluster.worker_weights` "nccl" or "store", by one
+//! broadcast to every engine through a weight-update group rooted here
+//! ([`RemotePool::publish_broadcast`]). A broadcast that fails falls back to chunks for
+//! that version.
 
 use std::sync::Arc;
 
 use anyhow::Context;
 use manta_engine::PauseMode;
-use manta_hosting::rollout::pool::PauseMode as WirePause;
+use manta_hosting::rollout::pool::{GroupRoot, PauseMode as WirePause};
 use manta_hosting::weights;
 use manta_hosting::RemotePool;
 use manta_proto::weight_sync::EngineDigest;
+use tracing::warn;
 
 use crate::sync::{EngineTargets, Published, TrainerWeights};
 
 /// The pool's engines, on its live nodes.
-pub struct WorkerEngines(Arc<RemotePool>);
+pub struct WorkerEngines {
+    pool: Arc<RemotePool>,
+    /// Rank 0 of the broadcast to the workers (`None`: gRPC chunks).
+    broadcast: Option<GroupRoot>,
+}
 
 impl WorkerEngines {
     pub fn new(pool: Arc<RemotePool>) -> Self {
-        Self(pool)
+        Self {
+            pool,
+            broadcast: None,
+        }
+    }
+
+    /// Weights go by broadcast from a group rooted in this process, as `root` says.
+    pub fn broadcasting(mut self, root: GroupRoot) -> Self {
+        self.broadcast = Some(root);
+        self
+    }
+
+    /// One broadcast of the trainer's tensors; `Ok(None)` when the trainer is not in
+    /// this process.
+    async fn publish_by_broadcast(
+        &self,
+        root: &GroupRoot,
+        trainer: &dyn TrainerWeights,
+        version: u64,
+        pause: WirePause,
+        want_digests: bool,
+    ) -> anyhow::Result<Option<Published>> {
+        let Some(tensors) = trainer
+            .tensors()
+            .await
+            .context("reading the trainer's weights")?
+        else {
+            return Ok(None);
+        };
+        let sent = if want_digests {
+            let copy: manta_engine::NamedTensors = tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), t.to_device(tch::Device::Cpu)))
+                .collect();
+            Some(tokio::task::spawn_blocking(move || weights::digest_tensors(&copy)).await??)
+        } else {
+            None
+        };
+        let synced = self
+            .pool
+            .publish_broadcast(root, tensors, version, pause)
+            .await?;
+        Ok(Some(Published {
+            pause_to_resume_s: synced.pause_to_resume_s,
+            engines: synced.engines,
+            sent,
+        }))
     }
 }
 
@@ -41,8 +96,22 @@ impl EngineTargets for WorkerEngines {
             PauseMode::Abort => WirePause::Abort,
             _ => WirePause::Drain,
         };
+        if let Some(root) = &self.broadcast {
+            match self
+                .publish_by_broadcast(root, trainer, version, pause, want_digests)
+                .await
+            {
+                Ok(Some(published)) => return Ok(published),
+                Ok(None) => {}
+                Err(e) => warn!(
+                    version,
+                    error = %format!("{e:#}"),
+                    "weights by broadcast failed; sending this version as gRPC chunks"
+                ),
+            }
+        }
         let synced = self
-            .0
+            .pool
             .publish_weights(set.clone(), version, chunk, pause)
             .await
             .with_context(|| format!("sending weights version {version} to the workers"))?;
@@ -55,7 +124,7 @@ impl EngineTargets for WorkerEngines {
 
     async fn engine_digests(&self) -> anyhow::Result<Vec<(String, EngineDigest)>> {
         let mut found = Vec::new();
-        for (node, digests) in self.0.engine_digests().await {
+        for (node, digests) in self.pool.engine_digests().await {
             for d in digests? {
                 found.push((node.clone(), d));
             }
@@ -64,6 +133,6 @@ impl EngineTargets for WorkerEngines {
     }
 
     fn verify_rejoins(&self) {
-        self.0.verify_rejoins();
+        self.pool.verify_rejoins();
     }
 }
