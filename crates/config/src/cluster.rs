@@ -622,12 +622,12 @@ fn validate_placement(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> 
                 format!("GPU {g} is not among nodes[{node}].gpus {offered:?}"),
             ));
         }
-    } else if !t.gpus.is_empty() {
+    } else if !t.gpus.is_empty() && raw.cluster.worker_weights != WorkerWeights::Nccl {
         return Err(ConfigError::invalid(
             path,
             "trainer.gpus",
             format!("{:?}", t.gpus),
-            "the trainer runs in the driver (no trainer.node); GPUs there are not placed",
+            "the trainer runs in the driver (no trainer.node); the driver's GPUs are used only as the root of cluster.worker_weights = \"nccl\"",
         ));
     }
     if t.restart_timeout_s == 0 {

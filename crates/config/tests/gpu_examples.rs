@@ -90,3 +90,24 @@ fn sglang_disaggregated_example_puts_the_server_on_gpu1() {
     assert!(!c.rollout.colocate);
     assert_eq!(c.local_engine_gpus(0), vec![1]);
 }
+
+#[test]
+fn sglang_colocated_example_shares_gpu0_and_caps_the_server() {
+    let c = load_with("gpu-sglang-colocated.toml", EngineKind::Sglang, 1);
+    assert_eq!(c.trainer.gpus, vec![0]);
+    assert!(c.rollout.colocate);
+    assert_eq!(c.local_engine_gpus(0), vec![0]);
+    assert_eq!(c.rollout.mem_fraction_static, Some(0.3));
+}
+
+#[test]
+fn worker_example_keeps_the_trainer_in_the_driver_and_broadcasts_over_nccl() {
+    let name = "gpu2-worker-nccl.toml";
+    let c = ClusterConfig::from_file(&config(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(c.mode, ClusterMode::Remote);
+    assert_eq!(c.worker_weights, manta_config::WorkerWeights::Nccl);
+    assert_eq!((c.trainer.node, c.trainer.gpus.clone()), (None, vec![0]));
+    assert_eq!(c.engine_gpus(0, 0), vec![1]);
+    let train = c.train_config.clone().expect("train_config");
+    TrainConfig::from_file(&train).unwrap_or_else(|e| panic!("{}: {e}", train.display()));
+}
