@@ -129,6 +129,10 @@ impl BroadcastGroup {
         let (group, sent) = root
             .await
             .map_err(|e| BroadcastError::Failed(format!("the broadcast task: {e}")))?;
+        if failed.is_some() || sent.is_err() {
+            // Freed below without waiting on peers that will not come.
+            let _ = group.aborter().abort();
+        }
         if let Some(e) = failed {
             return Err(BroadcastError::Failed(e));
         }

@@ -454,6 +454,11 @@ impl RemotePool {
             engines: 0,
             pause_to_resume_s: 0.0,
         };
+        let failed_anywhere = sent.is_err() || replies.iter().any(Result::is_err);
+        if failed_anywhere {
+            // Dropped below: an aborted group is freed without waiting on its peers.
+            let _ = group.aborter().abort();
+        }
         let mut failed = false;
         for (&i, reply) in members.iter().zip(replies) {
             match reply {

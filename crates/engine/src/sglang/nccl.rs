@@ -252,8 +252,11 @@ impl Inner {
         let (group, sent) =
             sent.map_err(|e| EngineError::Weights(format!("broadcast panicked: {e}")))?;
         // The server's answer says more than the aborted broadcast; either way the group
-        // is dropped (a failed collective leaves it unusable) and the next update joins a
-        // new one.
+        // is aborted and dropped (a failed collective leaves it unusable; an aborted one is
+        // freed without waiting on its peer) and the next update joins a new one.
+        if posted.is_err() || sent.is_err() {
+            let _ = group.aborter().abort();
+        }
         posted?;
         sent.map_err(|e| EngineError::Weights(format!("{}: {e}", self.opts.name)))?;
         *self.nccl_feed.lock().unwrap_or_else(|p| p.into_inner()) = Some(Feed {
