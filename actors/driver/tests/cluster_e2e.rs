@@ -142,11 +142,26 @@ fn callers_without_the_token_are_refused() {
     });
 }
 
-#[test]
-fn two_workers_train_through_a_killed_and_restarted_worker() {
-    // Enough steps after the kill for the restarted worker to rejoin: a step of the tiny
-    // model takes a fraction of a second, a worker's start and first heartbeat longer.
-    const STEPS: u64 = 12;
+/// A remote run on two real workers in which worker 1 is SIGKILLed as step 2's
+/// rollouts start and restarted on the same port.
+struct KilledWorkerRun {
+    /// Kept for the run's files (the workers stopped when the run ended).
+    _tmp: tempfile::TempDir,
+    runs: PathBuf,
+    save: PathBuf,
+    logs: [PathBuf; 2],
+    lines: Vec<String>,
+    stderr: String,
+}
+
+/// Trains `steps` steps as run `run` with `cluster_lines` added under `[cluster]` and
+/// `env` set for the driver; fails the test if the driver fails.
+fn train_through_a_killed_worker(
+    steps: u64,
+    run: &str,
+    cluster_lines: &str,
+    env: &[(&str, &str)],
+) -> KilledWorkerRun {
     let tmp = tempfile::tempdir().unwrap();
     let ports = free_ports::<2>();
     let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
@@ -157,7 +172,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     std::fs::write(
         &cluster,
         format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n{cluster_lines}\n\
              [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
              [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
              [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
@@ -171,32 +186,20 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     let runs = tmp.path().join("runs");
     let save = tmp.path().join("ckpt");
     let driver_log = tmp.path().join("driver.log");
-    let mut driver = Command::new(env!("CARGO_BIN_EXE_driver"))
+    let mut driver = Command::new(env!("CARGO_BIN_EXE_driver"));
+    driver
         .current_dir(&ws)
-        .args([
-            "--cluster",
-            cluster.to_str().unwrap(),
-            "--runs-dir",
-            runs.to_str().unwrap(),
-            "--save",
-            save.to_str().unwrap(),
-            "--save-interval",
-            "0",
-            "--rollout-batch-size",
-            "8",
-            "--n-samples",
-            "4",
-            "--num-rollout",
-            &STEPS.to_string(),
-            "--run-name",
-            "remote",
-        ])
+        .args(["--cluster", cluster.to_str().unwrap()])
+        .args(["--runs-dir", runs.to_str().unwrap()])
+        .args(["--save", save.to_str().unwrap(), "--save-interval", "0"])
+        .args(["--rollout-batch-size", "8", "--n-samples", "4"])
+        .args(["--num-rollout", &steps.to_string(), "--run-name", run])
         .env("MANTA_CLUSTER_TOKEN", TOKEN)
         .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&driver_log).unwrap())
-        .spawn()
-        .expect("driver starts");
+        .stderr(std::fs::File::create(&driver_log).unwrap());
+    let mut driver = driver.spawn().expect("driver starts");
     let stdout = driver.stdout.take().unwrap();
     let mut lines = Vec::new();
     for line in BufReader::new(stdout).lines() {
@@ -217,28 +220,32 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     );
     assert_eq!(
         lines.iter().filter(|l| l.starts_with("step ")).count(),
-        STEPS as usize
+        steps as usize
     );
+    KilledWorkerRun {
+        _tmp: tmp,
+        runs,
+        save,
+        logs,
+        lines,
+        stderr,
+    }
+}
+
+#[test]
+fn two_workers_train_through_a_killed_and_restarted_worker() {
+    // Enough steps after the kill for the restarted worker to rejoin: a step of the tiny
+    // model takes a fraction of a second, a worker's start and first heartbeat longer.
+    const STEPS: u64 = 12;
+    let r = train_through_a_killed_worker(STEPS, "remote", "", &[]);
+    let stderr = &r.stderr;
 
     // Every sample id of every step trained exactly once.
-    let text = std::fs::read_to_string(runs.join("remote/trained_ids.jsonl")).unwrap();
-    let mut ids: Vec<u64> = text
-        .lines()
-        .flat_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    ids.sort_unstable();
+    let (_, ids) = trained(&r.runs.join("remote"));
     assert_eq!(ids, (0..STEPS * 32).collect::<Vec<u64>>(), "{stderr}");
 
     // Weights reached the workers each step; the restarted worker came back.
-    let rows = read_metrics(&runs.join("remote/metrics.jsonl")).unwrap();
+    let rows = read_metrics(&r.runs.join("remote/metrics.jsonl")).unwrap();
     assert_eq!(rows[0].1["cluster/live_nodes"], 2.0);
     for (step, m) in &rows {
         assert_eq!(m["weights/version"], *step as f64);
@@ -251,14 +258,16 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
         "{stderr}"
     );
     assert!(
-        std::fs::read_to_string(&logs[1])
+        std::fs::read_to_string(&r.logs[1])
             .unwrap()
             .matches("weights applied")
             .count()
             >= 1
     );
     assert_eq!(
-        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        std::fs::read_to_string(r.save.join("latest"))
+            .unwrap()
+            .trim(),
         format!("step_{STEPS:06}")
     );
 }
@@ -266,81 +275,20 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
 /// `cluster.worker_weights = "store"`: the driver hosts one weight-update group (torch's
 /// TCPStore: CPU engines) and every worker's engine joins it over gRPC each sync; every
 /// sync is verified bit for bit (`MANTA_VERIFY_WEIGHT_SYNC`). Worker 1 is SIGKILLed
-/// mid-run and restarted: the group is made again without it, and again with it once it
-/// is back, and it goes live only with the broadcast weights. No sample is lost or
-/// trained twice.
+/// mid-run and restarted: the group is made again once it is back, and it goes live
+/// only with the broadcast weights. No sample is lost or trained twice.
 #[test]
 fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() {
     // More steps than the kill test: the returning worker must also meet a broadcast.
     const STEPS: u64 = 16;
-    let tmp = tempfile::tempdir().unwrap();
-    let ports = free_ports::<2>();
-    let logs = [tmp.path().join("w0.log"), tmp.path().join("w1.log")];
-    let _w0 = start_worker(ports[0], &logs[0]);
-    let mut w1 = Some(start_worker(ports[1], &logs[1]));
-    let ws = workspace();
-    let cluster = tmp.path().join("cluster.toml");
-    std::fs::write(
-        &cluster,
-        format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n\
-             worker_weights = \"store\"\ndriver_address = \"127.0.0.1\"\n\n\
-             [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
-             [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
-             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
-            ws.join("train_config.yaml").display(),
-            ws.join("assets/tiny-qwen3").display(),
-            ports[0],
-            ports[1]
-        ),
-    )
-    .unwrap();
-    let runs = tmp.path().join("runs");
-    let driver_log = tmp.path().join("driver.log");
-    let mut driver = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .current_dir(&ws)
-        .args(["--cluster", cluster.to_str().unwrap()])
-        .args(["--runs-dir", runs.to_str().unwrap(), "--save-interval", "0"])
-        .args(["--rollout-batch-size", "8", "--n-samples", "4"])
-        .args(["--num-rollout", &STEPS.to_string(), "--run-name", "bcast"])
-        .env("MANTA_CLUSTER_TOKEN", TOKEN)
-        .env("MANTA_VERIFY_WEIGHT_SYNC", "1")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&driver_log).unwrap())
-        .spawn()
-        .expect("driver starts");
-    let stdout = driver.stdout.take().unwrap();
-    let mut lines = Vec::new();
-    for line in BufReader::new(stdout).lines() {
-        let line = line.unwrap();
-        if line.starts_with("step ") && lines.iter().all(|l: &String| !l.starts_with("step ")) {
-            drop(w1.take());
-            w1 = Some(start_worker(ports[1], &logs[1]));
-        }
-        lines.push(line);
-    }
-    let status = driver.wait().unwrap();
-    let stderr = std::fs::read_to_string(&driver_log).unwrap();
-    assert!(
-        status.success(),
-        "driver failed\nstdout:\n{}\nstderr:\n{stderr}",
-        lines.join("\n")
+    let r = train_through_a_killed_worker(
+        STEPS,
+        "bcast",
+        "worker_weights = \"store\"\ndriver_address = \"127.0.0.1\"\n",
+        &[("MANTA_VERIFY_WEIGHT_SYNC", "1")],
     );
-    let text = std::fs::read_to_string(runs.join("bcast/trained_ids.jsonl")).unwrap();
-    let mut ids: Vec<u64> = text
-        .lines()
-        .flat_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    ids.sort_unstable();
+    let stderr = &r.stderr;
+    let (_, ids) = trained(&r.runs.join("bcast"));
     assert_eq!(ids, (0..STEPS * 32).collect::<Vec<u64>>(), "{stderr}");
     assert!(
         stderr.contains("weights to workers: one broadcast group"),
@@ -361,9 +309,9 @@ fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() 
         stderr.contains("rejoined node live with the broadcast weights"),
         "{stderr}"
     );
-    // Every sync was checked bit for bit against the trainer's weights.
-    // (A difference would have failed the run; the record has one line per engine.)
-    let verified = std::fs::read_to_string(runs.join("bcast/weight_sync.jsonl")).unwrap();
+    // Every sync was checked bit for bit against the trainer's weights (a difference
+    // would have failed the run; the record has one line per engine).
+    let verified = std::fs::read_to_string(r.runs.join("bcast/weight_sync.jsonl")).unwrap();
     let versions: std::collections::BTreeSet<u64> = verified
         .lines()
         .map(|l| {
@@ -373,13 +321,18 @@ fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() 
         })
         .collect();
     assert_eq!(versions, (1..=STEPS).collect(), "{verified}");
-    let w0 = std::fs::read_to_string(&logs[0]).unwrap();
+    let w0 = std::fs::read_to_string(&r.logs[0]).unwrap();
     assert!(
         w0.matches("weights received by broadcast").count() >= STEPS as usize / 2,
         "{w0}"
     );
-    let rows = read_metrics(&runs.join("bcast/metrics.jsonl")).unwrap();
-    assert_eq!(rows.last().unwrap().1["cluster/live_nodes"], 2.0);
+    let rows = read_metrics(&r.runs.join("bcast/metrics.jsonl")).unwrap();
+    assert_eq!(
+        rows.last().unwrap().1["cluster/live_nodes"],
+        2.0,
+        "{}",
+        r.lines.join("\n")
+    );
 }
 
 #[test]
@@ -480,8 +433,8 @@ fn driver_command(
 }
 
 /// Steps recorded in trained_ids.jsonl, and every id in them.
-fn trained(runs: &Path) -> (Vec<u64>, Vec<u64>) {
-    let text = std::fs::read_to_string(runs.join("remote/trained_ids.jsonl")).unwrap_or_default();
+fn trained(run_dir: &Path) -> (Vec<u64>, Vec<u64>) {
+    let text = std::fs::read_to_string(run_dir.join("trained_ids.jsonl")).unwrap_or_default();
     let mut steps = Vec::new();
     let mut ids = Vec::new();
     for line in text.lines() {
@@ -605,7 +558,7 @@ fn a_lost_trainer_restarts_from_its_last_checkpoint() {
     );
     assert!(stderr.contains("trainer re-created"), "{stderr}");
     // Each step's samples were trained exactly once in the surviving record.
-    let (steps, ids) = trained(&runs);
+    let (steps, ids) = trained(&runs.join("remote"));
     assert_eq!(steps, vec![1, 2, 3], "{stderr}");
     assert_eq!(ids, (0..96).collect::<Vec<u64>>());
     assert_eq!(
@@ -673,7 +626,7 @@ fn a_rewind_past_a_logged_step_keeps_each_step_once_in_the_metrics() {
         manta_telemetry::read_event_steps(&events[0]).unwrap(),
         vec![1, 2, 3, 4]
     );
-    assert_eq!(trained(&runs).0, vec![1, 2, 3, 4]);
+    assert_eq!(trained(&runs.join("remote")).0, vec![1, 2, 3, 4]);
 }
 
 #[test]
@@ -702,7 +655,7 @@ fn a_lost_trainer_stops_the_run_when_configured_to() {
         "{stderr}"
     );
     // Nothing after the lost step was recorded as trained; the checkpoint is intact.
-    let (steps, _) = trained(&runs);
+    let (steps, _) = trained(&runs.join("remote"));
     assert_eq!(steps, vec![1], "{stderr}");
     assert_eq!(
         std::fs::read_to_string(save.join("latest")).unwrap().trim(),
