@@ -6,10 +6,10 @@
 //! read it once per engine.
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use manta_cuda::process_group::GroupSpec;
-use manta_cuda::weight_group::{Backend, WeightGroup};
+use manta_cuda::weight_group::{unique_name, Backend, WeightGroup};
 use manta_engine::{BroadcastFeed, NamedTensors, PauseMode, WeightShape};
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use ractor::{call, ActorRef};
@@ -175,7 +175,7 @@ async fn make_group(
         master_port: 0,
         rank: 0,
         world_size: 1 + engines,
-        group_name: group_name(),
+        group_name: unique_name("manta-weights"),
         device,
         timeout: TIMEOUT,
     };
@@ -232,14 +232,6 @@ fn mismatch(sent: &[WeightShape], engine: &[WeightShape]) -> Option<String> {
         })
 }
 
-/// A name no other group of this host uses.
-fn group_name() -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("manta-weights-{}-{nanos:09}", std::process::id())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,13 +276,5 @@ mod tests {
         assert!(mismatch(&weights, &same[..1])
             .unwrap()
             .contains("1 parameters"));
-    }
-
-    #[test]
-    fn group_names_differ_between_groups() {
-        let a = group_name();
-        std::thread::sleep(Duration::from_millis(1));
-        assert_ne!(a, group_name());
-        assert!(a.starts_with("manta-weights-"));
     }
 }

@@ -12,7 +12,7 @@
 //! last, so the store holds one copy of the weights. Meant for CPU members and tests: it
 //! is not a fast path.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,17 @@ use tch::{Device, Tensor};
 
 use crate::process_group::{Aborter, GroupError, GroupSpec, ProcessGroup};
 use crate::rendezvous::TcpStore;
+
+/// A group name no other group of this host uses: `prefix`, the process id, the time
+/// and a per-process count.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = COUNT.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{}-{nanos}-{n}", std::process::id())
+}
 
 /// How the group moves tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -336,6 +347,13 @@ mod tests {
         aborter.abort().unwrap();
         let why = sending.join().unwrap();
         assert!(why.contains("aborted"), "{why}");
+    }
+
+    #[test]
+    fn group_names_differ_between_groups() {
+        let a = unique_name("manta-weights");
+        assert_ne!(a, unique_name("manta-weights"));
+        assert!(a.starts_with("manta-weights-"));
     }
 
     #[test]

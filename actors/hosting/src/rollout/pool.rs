@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use manta_cuda::process_group::GroupSpec;
-use manta_cuda::weight_group::{Backend, WeightGroup};
+use manta_cuda::weight_group::{unique_name, Backend, WeightGroup};
 use manta_proto::weight_sync as wpb;
 use manta_trainer::NamedTensors;
 
@@ -379,7 +379,7 @@ impl RemotePool {
                     master_port: 0,
                     rank: 0,
                     world_size: world,
-                    group_name: pool_group_name(),
+                    group_name: unique_name("manta-pool"),
                     device: root.device,
                     timeout: root.timeout,
                 };
@@ -835,12 +835,4 @@ async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(),
     }
     node.live.send_replace(true);
     Ok(())
-}
-
-/// A name no other group of this host uses.
-fn pool_group_name() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("manta-pool-{}-{nanos}", std::process::id())
 }
