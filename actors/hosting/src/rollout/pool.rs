@@ -360,16 +360,13 @@ impl RemotePool {
             .map(|&i| (i, nodes[i].incarnation.load(Ordering::SeqCst)))
             .collect();
         let mut slot = self.shared.group.lock().await;
-        let held = slot.take().filter(|g| {
-            let same = g.members == key;
-            if !same {
-                let _ = g.group.aborter().abort();
-            }
-            same
-        });
-        let group = match held {
-            Some(g) => g.group,
-            None => {
+        let group = match slot.take() {
+            Some(g) if g.members == key => g.group,
+            stale => {
+                // Its members changed: abort it, so dropping it waits on nobody.
+                if let Some(old) = stale {
+                    let _ = old.group.aborter().abort();
+                }
                 let world = 1 + members
                     .iter()
                     .map(|&i| nodes[i].actors.len())
