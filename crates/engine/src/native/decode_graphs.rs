@@ -18,8 +18,8 @@ use manta_model::{CausalLm, PagedBatch, PagedKvCache};
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, warn};
 
+use super::model_runner::{cache_block, cache_slot};
 use super::sampler;
-use super::worker::{cache_block, cache_slot};
 
 /// The fixed input buffers a captured step reads.
 enum Inputs {

@@ -9,12 +9,13 @@
 
 mod block_pool;
 mod decode_graphs;
+mod event_loop;
+mod model_runner;
 mod prefix_cache;
 mod sampler;
 mod scheduler;
 mod sequence;
 mod stop;
-mod worker;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,10 +32,11 @@ use super::{
     BroadcastFeed, Engine, EngineError, EngineInfo, GenerateOutput, GenerateRequest, NamedTensors,
     PauseMode, WeightShape,
 };
+use event_loop::{Command, EngineLoop, WeightSource, WeightUpdate};
+use model_runner::ModelRunner;
 use scheduler::Scheduler;
 use sequence::Sequence;
 use stop::StopCheck;
-use worker::{Command, WeightSource, WeightUpdate, Worker};
 
 /// How to start a native engine. `NativeEngineOptions::new` gives the defaults.
 #[derive(Debug, Clone)]
@@ -209,7 +211,7 @@ impl NativeEngine {
         let thread = std::thread::Builder::new()
             .name("manta-native-engine".into())
             .spawn(move || {
-                let built = (|| -> Result<Worker, EngineError> {
+                let built = (|| -> Result<EngineLoop, EngineError> {
                     // Everything this thread launches (kernels, cuBLASLt, graphs, events)
                     // goes to the engine's GPU, not to whichever device is current by
                     // default (GPU 0, where a trainer may sit).
@@ -248,13 +250,22 @@ impl NativeEngine {
                         thread_opts.max_running_requests,
                         thread_opts.chunked_prefill_size,
                     );
-                    Ok(Worker::new(
+                    // A sequence alone must always fit the pool, so preemption can
+                    // always make progress.
+                    let context_length = context_length.min(sched.capacity_tokens());
+                    let runner = ModelRunner::new(
                         vs,
                         model,
                         kv,
+                        thread_opts.device,
+                        thread_opts.block_size,
+                        sched.max_running(),
+                        context_length,
+                    );
+                    Ok(EngineLoop::new(
+                        runner,
                         sched,
                         thread_tokenizer,
-                        thread_opts.device,
                         context_length,
                         thread_version,
                         thread_stats,
@@ -262,9 +273,9 @@ impl NativeEngine {
                     .overlap_schedule(!thread_opts.disable_overlap_schedule))
                 })();
                 match built {
-                    Ok(worker) => {
+                    Ok(engine_loop) => {
                         let _ = ready_tx.send(Ok(()));
-                        worker.serve(rx);
+                        engine_loop.serve(rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));

@@ -57,11 +57,6 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
-    /// Tokens per KV block.
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
     /// Most sequences running at once.
     pub fn max_running(&self) -> usize {
         self.max_running
