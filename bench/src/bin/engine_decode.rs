@@ -3,7 +3,9 @@
 //! (ignore_eos). Also measures the device's copy bandwidth, for the bound. Prints one
 //! JSON object; bench/py/engine_decode_hf.py is the transformers baseline.
 //!
-//! usage: engine_decode SHAPE(0.6b|8b) BATCHES(1,16,64) [PROMPT] [NEW]
+//! usage: engine_decode SHAPE(0.6b|8b) BATCHES(1,16,64) [PROMPT] [NEW] [CHUNK]
+//! CHUNK: the engine's `chunked_prefill_size` (most tokens one step computes; default
+//! the engine's own), to see what prefill gains from larger chunks.
 //! `MANTA_DISABLE_OVERLAP_SCHEDULE=1` runs every decode step after the host has read the
 //! one before (the engine's `disable_overlap_schedule`), for A/B runs.
 
@@ -46,6 +48,7 @@ async fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let prompt_len: usize = args.get(3).map_or(Ok(512), |s| s.parse())?;
     let new_tokens: usize = args.get(4).map_or(Ok(256), |s| s.parse())?;
+    let chunk: Option<usize> = args.get(5).map(|s| s.parse()).transpose()?;
     let config = manta_bench::decode_config(shape)?;
     anyhow::ensure!(
         tch::Cuda::is_available(),
@@ -61,13 +64,16 @@ async fn main() -> anyhow::Result<()> {
 
     let bandwidth = copy_bandwidth(device);
     let t_load = Instant::now();
+    let defaults = NativeEngineOptions::new(&dir, device);
+    let chunked_prefill_size = chunk.unwrap_or(defaults.chunked_prefill_size);
     let engine = NativeEngine::start(NativeEngineOptions {
         seed: 1,
+        chunked_prefill_size,
         max_running_requests: max_batch,
         max_total_tokens: Some(max_batch * (ctx + 16) + 1024),
         context_length: Some(ctx + 16),
         disable_overlap_schedule: !manta_knobs::overlap_schedule(),
-        ..NativeEngineOptions::new(&dir, device)
+        ..defaults
     })?;
     let load_s = t_load.elapsed().as_secs_f64();
     // Bytes a decode step reads: every layer's matrices and the LM head (tied or not, a
@@ -163,6 +169,7 @@ async fn main() -> anyhow::Result<()> {
         "{}",
         json!({
             "shape": shape, "prompt": prompt_len, "new_tokens": new_tokens,
+            "chunked_prefill_size": chunked_prefill_size,
             "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
             "kv_bytes_per_token": kv_bytes_per_token, "load_s": load_s, "results": rows,
         })
