@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use manta_config::{ClusterConfig, TrainConfig, TrainSettings, WorkerWeights};
 use manta_cuda::weight_group::Backend;
-use manta_hosting::rollout::pool::GroupRoot;
+use manta_hosting::rollout::pool::{GroupRoot, RootAt};
 use manta_hosting::{
     NodeSpec, OpenRewardAccess, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig,
     ShippedTrainConfig, TrainerSpawnConfig,
@@ -24,7 +24,7 @@ use crate::rollouts::Rollouts;
 use crate::run::{default_run_name, TrainerRecovery};
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
-use manta_weight_sync::route::Endpoint;
+use manta_weight_sync::route::{Endpoint, WorkerGroupRoute};
 use manta_weight_sync::targets::WorkerEngines;
 use manta_weight_sync::{trainer_endpoint, WeightSync};
 
@@ -133,6 +133,7 @@ pub async fn place(
     let mut local_cluster = cluster.clone();
     local_cluster.rollout.engines = 0;
     let worker = local::start(&local_cluster, train, settings, trainer_client.is_none()).await?;
+    let mut on_worker = None;
     let trainer = match (trainer_client, &worker.trainer) {
         (Some(client), _) => {
             let options = manta_trainer::TrainerOptions {
@@ -152,12 +153,15 @@ pub async fn place(
             .map_err(in_cluster)?;
             let (client, name) = remote.placed();
             crate::shutdown::register(client, vec![name]);
-            TrainerHandle::remote(Arc::new(remote))
+            let remote = Arc::new(remote);
+            on_worker = Some(remote.clone());
+            TrainerHandle::remote(remote)
         }
         (None, Some(local)) => local.clone(),
         (None, None) => anyhow::bail!("no trainer was started"),
     };
-    // Engines on workers get the weights over gRPC: no disk is shared with them.
+    // Engines on workers get the weights over gRPC, or by one broadcast from the trainer
+    // (cluster.worker_weights): no disk is shared with them.
     let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.gpus);
     let engines_at: Vec<(String, Endpoint)> = cluster
         .rollout_nodes()
@@ -173,19 +177,29 @@ pub async fn place(
             })
         })
         .collect();
-    let mut targets = WorkerEngines::new(pool.clone());
-    let mut routes = engines_at.as_slice();
-    if let Some(root) = worker_group_root(cluster) {
-        info!(
-            backend = ?root.backend,
-            store = %root.master_address,
-            "weights to workers: one broadcast group for every engine, rank 0 in the driver (cluster.worker_weights)"
-        );
-        targets = targets.broadcasting(root);
-        routes = &[];
+    let targets = WorkerEngines::new(pool.clone());
+    let trainer_weights = Arc::new(trainer.clone());
+    let weights = match worker_group_root(cluster, on_worker) {
+        Some(root) => {
+            info!(
+                backend = ?root.backend,
+                rank0 = %root.describe(),
+                "weights to workers: one broadcast group for every engine (cluster.worker_weights)"
+            );
+            let group = WorkerGroupRoute {
+                rank0: trainer_at,
+                nccl: root.backend == Backend::Nccl,
+            };
+            WeightSync::over_worker_group(
+                trainer_weights,
+                &group,
+                targets.broadcasting(root),
+                &engines_at,
+            )
+        }
+        None => WeightSync::new(trainer_weights, &trainer_at, targets, &engines_at),
     }
-    let weights = WeightSync::new(Arc::new(trainer.clone()), &trainer_at, targets, routes)
-        .verifying_from_env(crate::run::verify_log(settings));
+    .verifying_from_env(crate::run::verify_log(settings));
     let actors = StepActors {
         trainer: trainer.clone(),
         rollouts: Rollouts::remote(pool.clone()),
@@ -236,17 +250,52 @@ fn sglang_spawn(
 }
 
 /// Rank 0 of the broadcast to the workers' engines, when `cluster.worker_weights` asks
-/// for one (validated: the trainer is in the driver; NCCL on its first GPU).
-fn worker_group_root(cluster: &ClusterConfig) -> Option<GroupRoot> {
+/// for one (validated: NCCL has the trainer's GPUs). The trainer's worker when it hosts
+/// the trainer (`on_worker`): its store at its node's host from cluster.toml, the port
+/// chosen there (only that node knows which are free); else this process, its store at
+/// `cluster.driver_address`, NCCL from the trainer's first GPU.
+fn worker_group_root(
+    cluster: &ClusterConfig,
+    on_worker: Option<Arc<RemoteTrainer>>,
+) -> Option<GroupRoot> {
     let backend = match cluster.worker_weights {
         WorkerWeights::Grpc => return None,
         WorkerWeights::Nccl => Backend::Nccl,
         WorkerWeights::Store => Backend::Store,
     };
+    let at = match (on_worker, cluster.trainer.node) {
+        (Some(trainer), Some(node)) => RootAt::Trainer {
+            trainer,
+            master_address: node_host(&cluster.nodes[node].address),
+        },
+        _ => RootAt::Here {
+            master_address: cluster.driver_address.clone(),
+            device: cluster.trainer.gpus.first().copied().unwrap_or(0) as usize,
+        },
+    };
     Some(GroupRoot {
         backend,
-        master_address: cluster.driver_address.clone(),
-        device: cluster.trainer.gpus.first().copied().unwrap_or(0) as usize,
         timeout: Duration::from_secs(120),
+        at,
     })
+}
+
+/// The host of a node's `host:port` address (brackets of an IPv6 literal dropped).
+fn node_host(address: &str) -> String {
+    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::node_host;
+
+    #[test]
+    fn a_node_host_is_its_address_without_the_port() {
+        assert_eq!(node_host("10.0.0.2:7100"), "10.0.0.2");
+        assert_eq!(node_host("gpu-a.example:7100"), "gpu-a.example");
+        assert_eq!(node_host("[::1]:7100"), "::1");
+    }
 }

@@ -154,12 +154,16 @@ struct KilledWorkerRun {
     stderr: String,
 }
 
-/// Trains `steps` steps as run `run` with `cluster_lines` added under `[cluster]` and
-/// `env` set for the driver; fails the test if the driver fails.
+/// Trains `steps` steps as run `run` with `cluster_lines` added under `[cluster]`,
+/// `sections` (e.g. `[trainer]`) before `[rollout]`, `rollout_lines` under `[rollout]`
+/// and `env` set for the driver; kills worker 1 after the first step and restarts it.
+/// Fails the test if the driver fails.
 fn train_through_a_killed_worker(
     steps: u64,
     run: &str,
     cluster_lines: &str,
+    sections: &str,
+    rollout_lines: &str,
     env: &[(&str, &str)],
 ) -> KilledWorkerRun {
     let tmp = tempfile::tempdir().unwrap();
@@ -172,8 +176,8 @@ fn train_through_a_killed_worker(
     std::fs::write(
         &cluster,
         format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n{cluster_lines}\n\
-             [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
+            "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n{cluster_lines}\n{sections}\
+             [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n{rollout_lines}\n\
              [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
              [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
             ws.join("train_config.yaml").display(),
@@ -237,7 +241,7 @@ fn two_workers_train_through_a_killed_and_restarted_worker() {
     // Enough steps after the kill for the restarted worker to rejoin: a step of the tiny
     // model takes a fraction of a second, a worker's start and first heartbeat longer.
     const STEPS: u64 = 12;
-    let r = train_through_a_killed_worker(STEPS, "remote", "", &[]);
+    let r = train_through_a_killed_worker(STEPS, "remote", "", "", "", &[]);
     let stderr = &r.stderr;
 
     // Every sample id of every step trained exactly once.
@@ -285,6 +289,8 @@ fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() 
         STEPS,
         "bcast",
         "worker_weights = \"store\"\ndriver_address = \"127.0.0.1\"\n",
+        "",
+        "",
         &[("MANTA_VERIFY_WEIGHT_SYNC", "1")],
     );
     let stderr = &r.stderr;
@@ -333,6 +339,80 @@ fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() 
         "{}",
         r.lines.join("\n")
     );
+}
+
+/// The acceptance layout on CPUs: the trainer on worker 0, the only engine on worker 1,
+/// `worker_weights = "store"`, no shared directory (each worker runs in its own). Worker
+/// 0 roots the weight-update group and broadcasts its trainer's parameters itself; the
+/// driver only names the members. Every sync is verified bit for bit against the
+/// digests rank 0 sent. Worker 1 is SIGKILLed after the first step and restarted: it is
+/// the only rollout node, so the trainer's worker feeds it at once through a new group,
+/// and the run completes with every sample id trained once.
+#[test]
+fn the_trainers_worker_roots_the_broadcast_to_the_engines_worker() {
+    const STEPS: u64 = 8;
+    let r = train_through_a_killed_worker(
+        STEPS,
+        "rooted",
+        "worker_weights = \"store\"\n",
+        "[trainer]\nnode = 0\n\n",
+        "nodes = [1]\n",
+        &[("MANTA_VERIFY_WEIGHT_SYNC", "1")],
+    );
+    let stderr = &r.stderr;
+    let (_, ids) = trained(&r.runs.join("rooted"));
+    assert_eq!(ids, (0..STEPS * 32).collect::<Vec<u64>>(), "{stderr}");
+    let trainer_worker = {
+        let w0 = std::fs::read_to_string(&r.logs[0]).unwrap();
+        assert!(w0.contains("trainer spawned"), "{w0}");
+        w0
+    };
+    // The route line names the trainer's worker as rank 0, and why.
+    let route = stderr
+        .lines()
+        .find(|l| l.contains("weight sync route") && l.contains("rollout-0-0"))
+        .unwrap_or_else(|| panic!("no route line:\n{stderr}"));
+    assert!(
+        route.contains("TCPStore broadcast")
+            && route.contains("the trainer on worker 127.0.0.1:")
+            && route.contains("(rank 0)")
+            && route.contains("cluster.worker_weights"),
+        "{route}"
+    );
+    // A group for the engine, and a new one once its worker is back.
+    let groups = trainer_worker
+        .matches("weight-update group rooted at the trainer")
+        .count();
+    assert!(groups >= 2, "{groups} groups rooted:\n{trainer_worker}");
+    assert!(
+        stderr.contains("rejoined node live with the broadcast weights"),
+        "{stderr}"
+    );
+    let w1 = std::fs::read_to_string(&r.logs[1]).unwrap();
+    assert!(
+        w1.matches("weights received by broadcast").count() >= STEPS as usize / 2,
+        "{w1}"
+    );
+    // Every version was verified against the digests of what rank 0 sent — but for a
+    // version synced while the only engine's worker was down (the kill can land after
+    // step 2's rollouts): no engine held it, and the returning worker got it later.
+    let verified = std::fs::read_to_string(r.runs.join("rooted/weight_sync.jsonl")).unwrap();
+    let versions: std::collections::BTreeSet<u64> = verified
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["engine_version"], v["version"], "{l}");
+            v["version"].as_u64().unwrap()
+        })
+        .collect();
+    let missed = stderr.matches("reached no node (none is live)").count() as u64;
+    assert!(missed <= 1, "{stderr}");
+    assert!(
+        versions.iter().all(|v| (1..=STEPS).contains(v)) && versions.len() as u64 == STEPS - missed,
+        "{verified}"
+    );
+    let rows = read_metrics(&r.runs.join("rooted/metrics.jsonl")).unwrap();
+    assert_eq!(rows.last().unwrap().1["cluster/live_nodes"], 1.0);
 }
 
 #[test]

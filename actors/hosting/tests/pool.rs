@@ -7,8 +7,13 @@ use std::time::{Duration, Instant};
 
 use manta_hosting::rollout::pool::{NodeSpec, PauseMode};
 use manta_hosting::weights::{self, WeightSet};
-use manta_hosting::{serve, PoolOptions, RemotePool, RolloutSpawnConfig, ShippedTrainConfig};
-use manta_runtime::WorkerDaemon;
+use manta_hosting::{
+    serve, PoolOptions, RemotePool, RemoteTrainer, RolloutSpawnConfig, ShippedTrainConfig,
+    TrainerSpawnConfig,
+};
+use manta_proto::weight_sync::TensorDigest;
+use manta_runtime::{Lease, WorkerClient, WorkerDaemon};
+use std::sync::Arc;
 use tokio::sync::oneshot;
 
 const TOKEN: &str = "pool-test-token";
@@ -344,7 +349,7 @@ async fn holds(pool: &RemotePool, version: u64, tensors: &[(String, tch::Tensor)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     use manta_cuda::weight_group::Backend;
-    use manta_hosting::rollout::pool::GroupRoot;
+    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
 
     let _serial = SERIAL.lock().await;
     let (a, b) = (free_addr(), free_addr());
@@ -363,9 +368,11 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     let shapes = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
     let root = GroupRoot {
         backend: Backend::Store,
-        master_address: "127.0.0.1".into(),
-        device: 0,
         timeout: Duration::from_secs(30),
+        at: RootAt::Here {
+            master_address: "127.0.0.1".into(),
+            device: 0,
+        },
     };
     let version_weights = |seed: i64| -> Vec<(String, tch::Tensor)> {
         tch::manual_seed(seed);
@@ -382,14 +389,15 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
 
     let w1 = version_weights(31);
     let sync = pool
-        .publish_broadcast(&root, shallow(&w1), 1, PauseMode::Drain)
+        .publish_broadcast(&root, Some(shallow(&w1)), 1, PauseMode::Drain, false)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!((sync.nodes, sync.engines), (2, 2));
     assert_eq!(holds(&pool, 1, &w1).await, 2);
     let first = pool.group_name().await.expect("a group");
     let w2 = version_weights(32);
-    pool.publish_broadcast(&root, shallow(&w2), 2, PauseMode::Drain)
+    pool.publish_broadcast(&root, Some(shallow(&w2)), 2, PauseMode::Drain, false)
         .await
         .unwrap();
     assert_eq!(
@@ -404,9 +412,10 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     wait_for(&pool, 1, HANG).await;
     let w3 = version_weights(33);
     let sync = pool
-        .publish_broadcast(&root, shallow(&w3), 3, PauseMode::Drain)
+        .publish_broadcast(&root, Some(shallow(&w3)), 3, PauseMode::Drain, false)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!((sync.nodes, sync.engines), (1, 1));
     let second = pool.group_name().await.expect("a group");
     assert_ne!(second, first, "a member left: a new group");
@@ -426,9 +435,10 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     );
     let w4 = version_weights(34);
     let sync = pool
-        .publish_broadcast(&root, shallow(&w4), 4, PauseMode::Drain)
+        .publish_broadcast(&root, Some(shallow(&w4)), 4, PauseMode::Drain, false)
         .await
-        .unwrap();
+        .unwrap()
+        .0;
     assert_eq!((sync.nodes, sync.engines), (2, 2));
     assert_ne!(
         pool.group_name().await.expect("a group"),
@@ -438,6 +448,186 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     assert_eq!(pool.live_nodes(), 2);
     assert_eq!(holds(&pool, 4, &w4).await, 2);
     pool.shutdown().await;
+    for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {
+        let _ = stop.send(());
+        handle.await.unwrap();
+    }
+}
+
+/// The trainer's digests as its worker serves them (the reference), by name.
+async fn trainer_digests(trainer: &RemoteTrainer) -> Vec<TensorDigest> {
+    by_name(trainer.pull_weights().await.unwrap().digests())
+}
+
+fn by_name(mut d: Vec<TensorDigest>) -> Vec<TensorDigest> {
+    d.sort_by(|a, b| a.name.cmp(&b.name));
+    d
+}
+
+/// Every live node's engine holds `version` with exactly `want`; how many engines.
+async fn engines_hold(pool: &RemotePool, version: u64, want: &[TensorDigest]) -> usize {
+    let mut engines = 0;
+    for (addr, found) in pool.engine_digests().await {
+        for e in found.unwrap() {
+            assert_eq!(e.version, version, "{addr}");
+            assert_eq!(
+                by_name(e.tensors),
+                want,
+                "{addr}: version {version} bit for bit"
+            );
+            engines += 1;
+        }
+    }
+    engines
+}
+
+/// A batch the tiny model trains on (token ids below its vocabulary of 265).
+fn batch() -> manta_trainer::TrainBatch {
+    let sample = |id: u64, tokens: Vec<u32>, mask: Vec<u8>| manta_core::Sample {
+        id,
+        group_index: 0,
+        index: id as u32,
+        response_length: mask.len(),
+        rollout_log_probs: vec![-5.5; mask.len()],
+        tokens,
+        loss_mask: mask,
+        reward: 0.0,
+        status: manta_core::SampleStatus::Completed,
+        weight_version: 0,
+        metadata: Default::default(),
+    };
+    manta_trainer::TrainBatch {
+        samples: vec![
+            sample(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1]),
+            sample(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1]),
+        ],
+        advantages: vec![1.0, -0.5],
+        global_samples: 2,
+    }
+}
+
+/// Rank 0 on the trainer's worker: worker A hosts the trainer and roots a store group
+/// (`OpenWeightGroup`, `BroadcastWeights`), worker B's engine receives, and the driver
+/// side (this test) only decides the members and holds no weights. Two versions (a
+/// training step between them) arrive bit for bit in one kept group; B stopped and
+/// back gets a new group — fed at once from the trainer's worker, since no other node
+/// is live — and the next version keeps that group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trainers_worker_roots_the_group_and_rebuilds_it_when_the_engine_node_returns() {
+    use manta_cuda::weight_group::Backend;
+    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
+
+    let _serial = SERIAL.lock().await;
+    let (a, b) = (free_addr(), free_addr());
+    let (stop_a, handle_a) = start_worker(a).await;
+    let (stop_b, handle_b) = start_worker(b).await;
+    let client = WorkerClient::connect(&a.to_string(), TOKEN, None)
+        .unwrap()
+        .with_lease(Lease::new(OPTS.lease_timeout));
+    let options = manta_trainer::TrainerOptions {
+        model_dir: workspace().join("assets/tiny-qwen3"),
+        seed: 1,
+        device: tch::Device::Cpu,
+        adam: manta_trainer::optimizer::AdamWConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+        clip: manta_trainer::loss::ClipRange {
+            eps_clip: 0.2,
+            eps_clip_high: 0.2,
+        },
+        clip_grad: 1.0,
+        temperature: 1.0,
+        max_tokens_per_gpu: 1000,
+        layout: Default::default(),
+        bf16: None,
+        use_rollout_logprobs: true,
+        logprob_chunk: 8,
+        recompute: None,
+        algo: Default::default(),
+    };
+    let trainer = Arc::new(
+        RemoteTrainer::start(
+            client,
+            "trainer-0",
+            TrainerSpawnConfig::from_options(&options),
+            vec![],
+            Duration::from_secs(30),
+            OPTS.heartbeat_interval,
+            OPTS.dead_after,
+        )
+        .await
+        .unwrap(),
+    );
+    let pool = RemotePool::start(
+        &[NodeSpec {
+            address: b.to_string(),
+            gpus: vec![],
+        }],
+        TOKEN,
+        spawn_config(),
+        1,
+        OPTS,
+    )
+    .await
+    .unwrap();
+    let root = GroupRoot {
+        backend: Backend::Store,
+        timeout: Duration::from_secs(30),
+        at: RootAt::Trainer {
+            trainer: trainer.clone(),
+            master_address: "127.0.0.1".into(),
+        },
+    };
+
+    // Version 1: the trainer's initial weights; rank 0 sends their digests back.
+    let want1 = trainer_digests(&trainer).await;
+    let (sync, sent) = pool
+        .publish_broadcast(&root, None, 1, PauseMode::Drain, true)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    assert_eq!(by_name(sent.expect("rank 0's digests")), want1);
+    assert_eq!(engines_hold(&pool, 1, &want1).await, 1);
+    let first = pool.group_name().await.expect("a group");
+
+    // Version 2 after a training step: new weights, same members, same group.
+    trainer.train_step(1, &batch()).await.unwrap();
+    let want2 = trainer_digests(&trainer).await;
+    assert_ne!(want1, want2, "the step changed the weights");
+    pool.publish_broadcast(&root, None, 2, PauseMode::Drain, false)
+        .await
+        .unwrap();
+    assert_eq!(pool.group_name().await.as_deref(), Some(first.as_str()));
+    assert_eq!(engines_hold(&pool, 2, &want2).await, 1);
+
+    // B goes and comes back on its port: it is the only rollout node, so the trainer's
+    // worker broadcasts version 2 to it at once, through a new group.
+    let _ = stop_b.send(());
+    handle_b.await.unwrap();
+    wait_for(&pool, 0, HANG).await;
+    let (stop_b, handle_b) = start_worker(b).await;
+    wait_for(&pool, 1, HANG).await;
+    let second = pool.group_name().await.expect("a group");
+    assert_ne!(second, first, "the engine node returned: a new group");
+    assert_eq!(engines_hold(&pool, 2, &want2).await, 1);
+
+    // Version 3: the same members again, the same group.
+    trainer.train_step(2, &batch()).await.unwrap();
+    let want3 = trainer_digests(&trainer).await;
+    let (sync, _) = pool
+        .publish_broadcast(&root, None, 3, PauseMode::Drain, false)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    assert_eq!(pool.group_name().await.as_deref(), Some(second.as_str()));
+    assert_eq!(engines_hold(&pool, 3, &want3).await, 1);
+
+    pool.shutdown().await;
+    trainer.shutdown().await;
     for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {
         let _ = stop.send(());
         handle.await.unwrap();

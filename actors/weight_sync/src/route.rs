@@ -126,9 +126,9 @@ pub fn available(mechanism: Mechanism) -> Result<(), Unavailable> {
         }),
         Mechanism::Nccl => Err(Unavailable {
             mechanism,
-            reason: "NCCL feeds engines in the trainer's process (one broadcast group) and \
-                     SGLang engines in local mode (/update_weights_from_distributed); engines \
-                     on rollout workers do not join a weight-update group yet",
+            reason: "NCCL feeds engines in the trainer's process (one broadcast group), \
+                     SGLang engines in local mode (/update_weights_from_distributed), and \
+                     engines on rollout workers only with cluster.worker_weights = \"nccl\"",
         }),
     }
 }
@@ -159,6 +159,47 @@ pub fn resolve(trainer: &Endpoint, engine: &Endpoint) -> (Mechanism, Option<Unav
     match available(wanted) {
         Ok(()) => (wanted, None),
         Err(why) => (Mechanism::Grpc, Some(why)),
+    }
+}
+
+/// Engines on workers fed by the one weight-update group `cluster.worker_weights` asks
+/// for: where its rank 0 (the trainer) is and how it moves tensors. Placement, not this
+/// table, decided it, so the route log names rank 0 and the key instead of
+/// [`resolve`]'s reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerGroupRoute {
+    /// The trainer: in the driver, or on its worker.
+    pub rank0: Endpoint,
+    /// NCCL between GPUs; else the TCPStore backend (CPU engines).
+    pub nccl: bool,
+}
+
+impl WorkerGroupRoute {
+    /// The mechanism's name for the route log.
+    pub fn mechanism(&self) -> &'static str {
+        if self.nccl {
+            "NCCL broadcast"
+        } else {
+            "TCPStore broadcast"
+        }
+    }
+
+    /// Who rank 0 is, for the route log.
+    pub fn rank0(&self) -> String {
+        if self.rank0.process == "driver" {
+            "the trainer in the driver".into()
+        } else {
+            format!("the trainer on worker {}", self.rank0.process)
+        }
+    }
+
+    /// Why this mechanism: the key and value that asked for it.
+    pub fn why(&self) -> &'static str {
+        if self.nccl {
+            "cluster.worker_weights = \"nccl\""
+        } else {
+            "cluster.worker_weights = \"store\""
+        }
     }
 }
 
@@ -269,6 +310,23 @@ mod tests {
             ),
             (Mechanism::File, None)
         );
+    }
+
+    #[test]
+    fn a_worker_group_route_names_rank_0_and_the_key() {
+        let on_worker = WorkerGroupRoute {
+            rank0: Endpoint::on_worker("10.0.0.2:7000", Some(0)),
+            nccl: true,
+        };
+        assert_eq!(on_worker.rank0(), "the trainer on worker 10.0.0.2:7000");
+        assert_eq!(on_worker.mechanism(), "NCCL broadcast");
+        assert_eq!(on_worker.why(), "cluster.worker_weights = \"nccl\"");
+        let in_driver = WorkerGroupRoute {
+            rank0: Endpoint::in_driver(None),
+            nccl: false,
+        };
+        assert_eq!(in_driver.rank0(), "the trainer in the driver");
+        assert_eq!(in_driver.mechanism(), "TCPStore broadcast");
     }
 
     #[test]

@@ -130,6 +130,31 @@ impl WeightSync {
         Self::with_targets(trainer, trainer_at, Some(Arc::new(targets)), engines_at)
     }
 
+    /// A sync from `trainer` to engines on workers (at `engines_at`) through the one
+    /// weight-update group `group` describes; logs each pair's mechanism, rank 0 and why.
+    pub fn over_worker_group(
+        trainer: Arc<dyn TrainerWeights>,
+        group: &route::WorkerGroupRoute,
+        targets: impl EngineTargets + 'static,
+        engines_at: &[(String, Endpoint)],
+    ) -> Self {
+        for (name, at) in engines_at {
+            info!(
+                engine = %name,
+                node = %at.process,
+                mechanism = group.mechanism(),
+                rank0 = %group.rank0(),
+                why = group.why(),
+                "weight sync route: {} from {} (rank 0) into engine {name} on {}, as {} asks",
+                group.mechanism(),
+                group.rank0(),
+                at.process,
+                group.why()
+            );
+        }
+        Self::with_targets(trainer, &group.rank0, Some(Arc::new(targets)), &[])
+    }
+
     fn with_targets(
         trainer: Arc<dyn TrainerWeights>,
         trainer_at: &Endpoint,

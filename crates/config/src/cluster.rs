@@ -397,8 +397,10 @@ impl ClusterConfig {
     }
 }
 
-/// `cluster.worker_weights`: a broadcast group needs remote mode and the trainer in the
-/// driver (rank 0 is this process); NCCL also needs the trainer on a GPU.
+/// `cluster.worker_weights`: a broadcast group needs remote mode. Its rank 0 is the
+/// trainer: in the driver (its store at `driver_address`), or on `trainer.node`'s worker.
+/// NCCL needs the trainer on a GPU (its first) and no engine on that GPU (one rank per
+/// GPU); the store backend moves CPU tensors, so a trainer on a worker has no GPUs.
 fn validate_worker_weights(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
     let c = &raw.cluster;
     let key = "cluster.worker_weights";
@@ -415,13 +417,29 @@ fn validate_worker_weights(raw: &RawCluster, path: &Path) -> Result<(), ConfigEr
             "weights go to workers only with cluster.mode = \"remote\"",
         ));
     }
-    if raw.trainer.node.is_some() {
-        return Err(ConfigError::invalid(
-            path,
-            key,
-            shown,
-            "the broadcast's rank 0 is the driver: leave trainer.node unset (the trainer in the driver), or use \"grpc\"",
-        ));
+    if let Some(node) = raw.trainer.node {
+        if c.worker_weights == WorkerWeights::Store && !raw.trainer.gpus.is_empty() {
+            return Err(ConfigError::invalid(
+                path,
+                key,
+                shown,
+                format!(
+                    "the store backend moves CPU tensors, but trainer.gpus = {:?} puts the trainer on GPUs: use \"nccl\"",
+                    raw.trainer.gpus
+                ),
+            ));
+        }
+        let engines_here = raw.rollout.nodes.as_ref().is_none_or(|n| n.contains(&node));
+        if c.worker_weights == WorkerWeights::Nccl && raw.rollout.colocate && engines_here {
+            return Err(ConfigError::invalid(
+                path,
+                key,
+                shown,
+                format!(
+                    "NCCL takes one rank per GPU, but rollout.colocate = true puts engines on the trainer's GPUs of node {node}: leave colocate off, or use \"grpc\""
+                ),
+            ));
+        }
     }
     if c.worker_weights == WorkerWeights::Nccl && raw.trainer.gpus.is_empty() {
         return Err(ConfigError::invalid(
@@ -976,7 +994,7 @@ mod tests {
     }
 
     #[test]
-    fn worker_weights_by_broadcast_need_the_trainer_in_the_driver() {
+    fn worker_weights_by_broadcast_root_at_the_trainer_in_the_driver_or_on_its_worker() {
         let remote = "[cluster]\nmode = \"remote\"\n";
         let node = "[[nodes]]\naddress = \"w:7100\"\n";
         let c = parse(&format!("{remote}{node}")).unwrap();
@@ -996,13 +1014,56 @@ mod tests {
             err.contains("cluster.worker_weights") && err.contains("remote"),
             "{err}"
         );
-        let err = parse(&format!(
+        // Rank 0 on the trainer's worker: NCCL from its GPU, the store from its CPU.
+        let two_nodes = "[[nodes]]\naddress = \"a:7100\"\ngpus = [0]\n\n\
+                         [[nodes]]\naddress = \"b:7100\"\ngpus = [0]\n";
+        let c = parse(&format!(
             "{remote}worker_weights = \"nccl\"\n\n[trainer]\nnode = 0\ngpus = [0]\n\n\
-             [[nodes]]\naddress = \"w:7100\"\ngpus = [0]\n"
+             [rollout]\nnodes = [1]\ngpus_per_engine = 1\n\n{two_nodes}"
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.worker_weights, c.trainer.node),
+            (WorkerWeights::Nccl, Some(0))
+        );
+        let c = parse(&format!(
+            "{remote}worker_weights = \"store\"\n\n[trainer]\nnode = 0\n\n{node}"
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.worker_weights, c.trainer.node),
+            (WorkerWeights::Store, Some(0))
+        );
+        let err = parse(&format!(
+            "{remote}worker_weights = \"nccl\"\n\n[trainer]\nnode = 0\n\n{two_nodes}"
         ))
         .unwrap_err()
         .to_string();
-        assert!(err.contains("trainer.node"), "{err}");
+        assert!(
+            err.contains("trainer.gpus") && err.contains("\"nccl\""),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{remote}worker_weights = \"store\"\n\n[trainer]\nnode = 0\ngpus = [0]\n\n{two_nodes}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.worker_weights")
+                && err.contains("\"store\"")
+                && err.contains("CPU tensors"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            "{remote}worker_weights = \"nccl\"\n\n[trainer]\nnode = 0\ngpus = [0]\n\n\
+             [rollout]\ncolocate = true\ngpus_per_engine = 1\n\n{two_nodes}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.worker_weights") && err.contains("rollout.colocate"),
+            "{err}"
+        );
         let err = parse(&format!("{remote}worker_weights = \"nccl\"\n{node}"))
             .unwrap_err()
             .to_string();

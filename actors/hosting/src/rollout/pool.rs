@@ -2,10 +2,13 @@
 //! dead node's episodes to a live one (de-duplicated by sample id), and rejoin.
 //!
 //! Weights reach the nodes as gRPC chunks ([`RemotePool::publish_weights`]) or by one
-//! broadcast over a weight-update group whose rank 0 is this process
-//! ([`RemotePool::publish_broadcast`]): the group is made again whenever its members
-//! change (a node died, rejoined or re-spawned an actor), and once broadcasts are in use
-//! a rejoining node waits, not live, until the next broadcast gives it the weights.
+//! broadcast over a weight-update group whose rank 0 is this process or the trainer's
+//! worker ([`RemotePool::publish_broadcast`], [`super::rank0`]): the group is made again
+//! whenever its members change (a node died, rejoined or re-spawned an actor), and once
+//! broadcasts are in use a rejoining node waits, not live, until a broadcast gives it the
+//! weights: the next sync's, or — rank 0 on the trainer's worker, no other node live, the
+//! trainer's weights untouched since the last sync — one made for it at once, so a run
+//! whose only rollout node returns does not wait for a sync that needs that node first.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,12 +26,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use manta_cuda::process_group::GroupSpec;
-use manta_cuda::weight_group::{unique_name, Backend, WeightGroup};
 use manta_proto::weight_sync as wpb;
 use manta_trainer::NamedTensors;
 
 use super::client::RolloutCalls;
+use super::rank0::{wire_backend, Rank0};
+pub use super::rank0::{GroupRoot, RootAt};
 use super::spawn::RolloutSpawnConfig;
 use crate::weights::{WeightSet, WeightSyncCalls};
 pub use manta_proto::weight_sync::PauseMode;
@@ -78,6 +81,8 @@ struct Shared {
     broadcasting: AtomicBool,
     /// The weight-update group of the last broadcast and who was in it.
     group: tokio::sync::Mutex<Option<PoolGroup>>,
+    /// The last broadcast rooted at the trainer's worker, for a rejoin broadcast.
+    last_root: Mutex<Option<RootBroadcast>>,
     opts: PoolOptions,
     /// Episodes in flight per rollout actor (indices into `slots`): a group goes to
     /// the least-loaded actor of a live node.
@@ -95,22 +100,20 @@ struct Published {
     pause: PauseMode,
 }
 
-/// Rank 0 of the pool's weight-update group: this process.
-#[derive(Debug, Clone)]
-pub struct GroupRoot {
-    pub backend: Backend,
-    /// The address the workers reach this process's store at.
-    pub master_address: String,
-    /// The CUDA device the tensors are broadcast from (NCCL; unused by the store).
-    pub device: usize,
-    /// Bounds joining and each broadcast.
-    pub timeout: Duration,
+/// A weight-update group's rank 0 and its members: (node, incarnation) each.
+struct PoolGroup {
+    rank0: Rank0,
+    members: Vec<(usize, u64)>,
 }
 
-/// A weight-update group and its members: (node, incarnation) each.
-struct PoolGroup {
-    group: WeightGroup,
-    members: Vec<(usize, u64)>,
+/// A version last broadcast from the trainer's worker, and the trainer's weights
+/// generation then ([`crate::RemoteTrainer::weights_generation`]).
+#[derive(Clone)]
+struct RootBroadcast {
+    root: GroupRoot,
+    version: u64,
+    pause: PauseMode,
+    generation: u64,
 }
 
 /// What one publication of weights did.
@@ -221,6 +224,7 @@ impl RemotePool {
             verify_rejoins: std::sync::atomic::AtomicBool::new(false),
             broadcasting: AtomicBool::new(false),
             group: tokio::sync::Mutex::new(None),
+            last_root: Mutex::new(None),
             opts,
         });
         let heartbeats = (0..shared.nodes.len())
@@ -325,172 +329,70 @@ impl RemotePool {
         Ok(sync)
     }
 
-    /// Sends `tensors` (rank 0's, on `root`'s device) as `version` to every engine of the
-    /// live nodes, and of nodes waiting to go live, by one broadcast: each node is told
-    /// over gRPC which group to join at which ranks (`ReceiveBroadcast`) while this
-    /// process broadcasts. The group is kept while its members stay the same and made
-    /// again when they change. A node that fails is marked dead (refused weights are an
-    /// error); the group is then aborted and dropped, and the version is not applied.
+    /// Sends the trainer's weights as `version` to every engine of the live nodes, and of
+    /// nodes waiting to go live, by one broadcast: each node is told over gRPC which group
+    /// to join at which ranks (`ReceiveBroadcast`) while rank 0 broadcasts — this process
+    /// sending `tensors` (on `root`'s device), or the trainer's worker sending its
+    /// trainer's parameters (`tensors` is `None`; with `want_digests` their digests come
+    /// back). The group is kept while its members stay the same and made again when they
+    /// change. A node that fails is marked dead (refused weights are an error); the group
+    /// is then aborted on every side and dropped, and the version is not applied — but
+    /// with rank 0 on the trainer's worker and no node live after it, the version is kept
+    /// for the node that returns (`Ok`, no node synced).
     pub async fn publish_broadcast(
         &self,
         root: &GroupRoot,
-        tensors: NamedTensors,
+        tensors: Option<NamedTensors>,
         version: u64,
         pause: PauseMode,
-    ) -> Result<PoolSync, RuntimeError> {
+        want_digests: bool,
+    ) -> Result<(PoolSync, Option<Vec<wpb::TensorDigest>>), RuntimeError> {
         let _publishing = self.shared.publish.lock().await;
         self.shared.broadcasting.store(true, Ordering::SeqCst);
         // Bytes published before are not current any more: rejoins wait for a broadcast.
         if let Ok(mut w) = self.shared.weights.lock() {
             *w = None;
         }
-        let nodes = &self.shared.nodes;
-        let members: Vec<usize> = (0..nodes.len())
-            .filter(|&i| {
-                *nodes[i].live.borrow() || nodes[i].awaiting_weights.load(Ordering::SeqCst)
-            })
-            .collect();
-        if members.is_empty() {
-            return Err(RuntimeError::Placement(format!(
-                "no live node to take weights version {version}"
-            )));
-        }
-        let key: Vec<(usize, u64)> = members
-            .iter()
-            .map(|&i| (i, nodes[i].incarnation.load(Ordering::SeqCst)))
-            .collect();
-        let mut slot = self.shared.group.lock().await;
-        let group = match slot.take() {
-            Some(g) if g.members == key => g.group,
-            stale => {
-                // Its members changed: abort it, so dropping it waits on nobody.
-                if let Some(old) = stale {
-                    let _ = old.group.aborter().abort();
-                }
-                let world = 1 + members
-                    .iter()
-                    .map(|&i| nodes[i].actors.len())
-                    .sum::<usize>();
-                let spec = GroupSpec {
-                    master_address: root.master_address.clone(),
-                    master_port: 0,
-                    rank: 0,
-                    world_size: world,
-                    group_name: unique_name("manta-pool"),
-                    device: root.device,
-                    timeout: root.timeout,
-                };
-                let backend = root.backend;
-                let group = tokio::task::spawn_blocking(move || WeightGroup::join(spec, backend))
-                    .await
-                    .map_err(|e| RuntimeError::Placement(format!("joining the group: {e}")))?
-                    .map_err(|e| RuntimeError::Placement(e.to_string()))?;
-                info!(
-                    group = %group.spec().group_name,
-                    ranks = world,
-                    backend = ?backend,
-                    nodes = members.len(),
-                    "weight-update group made for the workers' engines"
-                );
-                group
-            }
+        let generation = match &root.at {
+            RootAt::Trainer { trainer, .. } => Some(trainer.weights_generation().await),
+            RootAt::Here { .. } => None,
         };
-        let spec = group.spec().clone();
-        let backend = match group.backend() {
-            Backend::Nccl => wpb::GroupBackend::Nccl,
-            Backend::Store => wpb::GroupBackend::Store,
-        };
-        let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
-        let mut next_rank = 1u32;
-        let requests: Vec<wpb::ReceiveBroadcastRequest> = members
-            .iter()
-            .map(|&i| {
-                let actors = nodes[i].actors.clone();
-                let ranks = (0..actors.len() as u32).map(|k| next_rank + k).collect();
-                next_rank += actors.len() as u32;
-                wpb::ReceiveBroadcastRequest {
+        let sent =
+            broadcast_locked(&self.shared, root, tensors, version, pause, want_digests).await;
+        // No node live now (the only rollout node died before or during the broadcast):
+        // with rank 0 on the trainer's worker the version is not lost — the node that
+        // returns gets it from there — so the sync has reached every live engine.
+        let none_live = !self.shared.nodes.iter().any(|n| *n.live.borrow());
+        let sent = match sent {
+            Err(e) if generation.is_some() && none_live && !refused(&e) => {
+                warn!(
                     version,
-                    pause: pause as i32,
-                    backend: backend as i32,
-                    master_address: spec.master_address.clone(),
-                    master_port: u32::from(group.store_port()),
-                    group_name: spec.group_name.clone(),
-                    world_size: spec.world_size as u32,
-                    actors,
-                    ranks,
-                    names: names.clone(),
-                    timeout_s: spec.timeout.as_secs().max(1) as u32,
-                }
-            })
-            .collect();
-        let aborter = group.aborter();
-        let receiving = async {
-            let replies = join_all(
-                members
-                    .iter()
-                    .zip(requests)
-                    .map(|(&i, req)| nodes[i].client.receive_broadcast(req)),
-            )
-            .await;
-            // A member that gave up leaves rank 0 waiting for it: end the wait.
-            if replies.iter().any(Result::is_err) {
-                let _ = aborter.abort();
-            }
-            replies
-        };
-        let sending = tokio::task::spawn_blocking(move || {
-            let mut group = group;
-            let sent = group.broadcast(&tensors, 0);
-            (group, sent)
-        });
-        let (replies, sent) = tokio::join!(receiving, sending);
-        let (group, sent) =
-            sent.map_err(|e| RuntimeError::Placement(format!("the broadcast task: {e}")))?;
-        let mut sync = PoolSync {
-            nodes: 0,
-            engines: 0,
-            pause_to_resume_s: 0.0,
-        };
-        let failed_anywhere = sent.is_err() || replies.iter().any(Result::is_err);
-        if failed_anywhere {
-            // Dropped below: an aborted group is freed without waiting on its peers.
-            let _ = group.aborter().abort();
-        }
-        let mut failed = false;
-        for (&i, reply) in members.iter().zip(replies) {
-            match reply {
-                Ok(reply) => {
-                    sync.nodes += 1;
-                    sync.engines += reply.engines as usize;
-                    sync.pause_to_resume_s = sync.pause_to_resume_s.max(reply.pause_to_resume_s);
-                }
-                Err(e) => {
-                    failed = true;
-                    node_failed(&nodes[i], e, version)?;
-                }
-            }
-        }
-        if failed || sent.is_err() {
-            // The group is aborted or broken: the next broadcast makes a new one.
-            return Err(RuntimeError::Placement(format!(
-                "weights version {version} did not reach every node by broadcast{}",
-                sent.err().map(|e| format!(": {e}")).unwrap_or_default()
-            )));
-        }
-        for &i in &members {
-            if nodes[i].awaiting_weights.swap(false, Ordering::SeqCst) {
-                nodes[i].live.send_replace(true);
-                info!(
-                    node = nodes[i].client.addr(),
-                    version, "rejoined node live with the broadcast weights"
+                    error = %e,
+                    "weights version {version} reached no node (none is live); a node that returns gets it from the trainer's worker"
                 );
+                Ok((
+                    PoolSync {
+                        nodes: 0,
+                        engines: 0,
+                        pause_to_resume_s: 0.0,
+                    },
+                    None,
+                ))
             }
+            sent => sent,
+        };
+        if let Ok(mut last) = self.shared.last_root.lock() {
+            *last = match (&sent, generation) {
+                (Ok(_), Some(generation)) => Some(RootBroadcast {
+                    root: root.clone(),
+                    version,
+                    pause,
+                    generation,
+                }),
+                _ => None,
+            };
         }
-        *slot = Some(PoolGroup {
-            group,
-            members: key,
-        });
-        Ok(sync)
+        sent
     }
 
     /// The name of the weight-update group the last broadcast used (`None`: none kept).
@@ -500,7 +402,7 @@ impl RemotePool {
             .lock()
             .await
             .as_ref()
-            .map(|g| g.group.spec().group_name.clone())
+            .map(|g| g.rank0.group_name().to_string())
     }
 
     /// Whether a rejoined node waits for the next broadcast to go live.
@@ -699,6 +601,9 @@ async fn renew_lease(client: WorkerClient, interval: Duration) {
     }
 }
 
+/// How often a node waiting for broadcast weights asks for a rejoin broadcast again.
+const REJOIN_RETRY: Duration = Duration::from_secs(1);
+
 /// Heartbeats one node; marks it dead after `dead_after` without an answer, and on
 /// its return re-spawns missing actors and reloads the current weights.
 async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
@@ -707,6 +612,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
     let mut ticker = tokio::time::interval(shared.opts.heartbeat_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_ok = Instant::now();
+    let mut last_try = Instant::now();
     let mut sequence = 0;
     loop {
         ticker.tick().await;
@@ -725,6 +631,18 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
                     .collect();
                 let was_live = *node.live.borrow();
                 let awaiting = node.awaiting_weights.load(Ordering::SeqCst);
+                let none_live = !shared.nodes.iter().any(|n| *n.live.borrow());
+                if missing.is_empty() && awaiting && none_live && last_try.elapsed() >= REJOIN_RETRY
+                {
+                    // The rejoin broadcast was not possible then (a step was changing
+                    // the weights); a sync may not come while no node is live.
+                    last_try = Instant::now();
+                    let _publishing = shared.publish.lock().await;
+                    if node.awaiting_weights.load(Ordering::SeqCst) {
+                        rejoin_broadcast(&shared).await;
+                    }
+                    continue;
+                }
                 if missing.is_empty() && (was_live || awaiting) {
                     continue;
                 }
@@ -744,16 +662,20 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
     }
 }
 
+/// Whether a node or rank 0 refused the weights (wrong shapes, bad request): an error
+/// for the caller, never a lost node.
+fn refused(e: &RuntimeError) -> bool {
+    matches!(e, RuntimeError::Rpc { status, .. } if matches!(
+        status.code(),
+        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
+    ))
+}
+
 /// A node that could not take `version`: refused weights are an error for the caller;
 /// anything else marks the node dead (it gets the weights when it rejoins).
 fn node_failed(node: &Node, e: RuntimeError, version: u64) -> Result<(), RuntimeError> {
-    if let RuntimeError::Rpc { status, .. } = &e {
-        if matches!(
-            status.code(),
-            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition
-        ) {
-            return Err(e);
-        }
+    if refused(&e) {
+        return Err(e);
     }
     warn!(node = node.client.addr(), version, error = %e, "weight sync failed; marking the node dead");
     node.live.send_replace(false);
@@ -812,6 +734,7 @@ async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(),
             node = node.client.addr(),
             "rejoined node waits for the next weight broadcast before it goes live"
         );
+        rejoin_broadcast(shared).await;
         return Ok(());
     }
     let current = shared.weights.lock().ok().and_then(|w| w.clone());
@@ -832,4 +755,187 @@ async fn rejoin(shared: &Shared, node: &Node, missing: &[&String]) -> Result<(),
     }
     node.live.send_replace(true);
     Ok(())
+}
+
+/// [`RemotePool::publish_broadcast`]'s work, under the publish lock the caller holds.
+async fn broadcast_locked(
+    shared: &Shared,
+    root: &GroupRoot,
+    tensors: Option<NamedTensors>,
+    version: u64,
+    pause: PauseMode,
+    want_digests: bool,
+) -> Result<(PoolSync, Option<Vec<wpb::TensorDigest>>), RuntimeError> {
+    let nodes = &shared.nodes;
+    let members: Vec<usize> = (0..nodes.len())
+        .filter(|&i| *nodes[i].live.borrow() || nodes[i].awaiting_weights.load(Ordering::SeqCst))
+        .collect();
+    if members.is_empty() {
+        return Err(RuntimeError::Placement(format!(
+            "no live node to take weights version {version}"
+        )));
+    }
+    let key: Vec<(usize, u64)> = members
+        .iter()
+        .map(|&i| (i, nodes[i].incarnation.load(Ordering::SeqCst)))
+        .collect();
+    let mut slot = shared.group.lock().await;
+    let rank0 = match slot.take() {
+        Some(g) if g.members == key => g.rank0,
+        stale => {
+            // Its members changed: abort it, so dropping it waits on nobody.
+            if let Some(old) = stale {
+                old.rank0.abort().await;
+            }
+            let world = 1 + members
+                .iter()
+                .map(|&i| nodes[i].actors.len())
+                .sum::<usize>();
+            let rank0 = Rank0::make(root, world).await?;
+            info!(
+                group = %rank0.group_name(),
+                ranks = world,
+                backend = ?root.backend,
+                nodes = members.len(),
+                rank0 = %root.describe(),
+                "weight-update group made for the workers' engines"
+            );
+            rank0
+        }
+    };
+    let (master_address, master_port) = rank0.store();
+    let backend = wire_backend(rank0.backend());
+    let names = rank0.names(tensors.as_ref());
+    let (group_name, world_size) = (rank0.group_name().to_string(), rank0.world_size());
+    let timeout_s = rank0.timeout().as_secs().max(1) as u32;
+    let mut next_rank = 1u32;
+    let requests: Vec<wpb::ReceiveBroadcastRequest> = members
+        .iter()
+        .map(|&i| {
+            let actors = nodes[i].actors.clone();
+            let ranks = (0..actors.len() as u32).map(|k| next_rank + k).collect();
+            next_rank += actors.len() as u32;
+            wpb::ReceiveBroadcastRequest {
+                version,
+                pause: pause as i32,
+                backend: backend as i32,
+                master_address: master_address.clone(),
+                master_port: u32::from(master_port),
+                group_name: group_name.clone(),
+                world_size: world_size as u32,
+                actors,
+                ranks,
+                names: names.clone(),
+                timeout_s,
+            }
+        })
+        .collect();
+    let aborter = rank0.aborter();
+    let receiving = async {
+        let replies = join_all(
+            members
+                .iter()
+                .zip(requests)
+                .map(|(&i, req)| nodes[i].client.receive_broadcast(req)),
+        )
+        .await;
+        // A member that gave up leaves rank 0 waiting for it: end the wait.
+        if replies.iter().any(Result::is_err) {
+            aborter.abort().await;
+        }
+        replies
+    };
+    let sending = rank0.broadcast(tensors, want_digests);
+    let (replies, (rank0, sent)) = tokio::join!(receiving, sending);
+    let failed_anywhere = sent.is_err() || replies.iter().any(Result::is_err);
+    let rank0 = match rank0 {
+        // Dropped below: an aborted group is freed without waiting on its peers.
+        Some(r) if failed_anywhere => {
+            r.abort().await;
+            None
+        }
+        kept => kept,
+    };
+    let mut sync = PoolSync {
+        nodes: 0,
+        engines: 0,
+        pause_to_resume_s: 0.0,
+    };
+    let mut failed = false;
+    for (&i, reply) in members.iter().zip(replies) {
+        match reply {
+            Ok(reply) => {
+                sync.nodes += 1;
+                sync.engines += reply.engines as usize;
+                sync.pause_to_resume_s = sync.pause_to_resume_s.max(reply.pause_to_resume_s);
+            }
+            Err(e) => {
+                failed = true;
+                node_failed(&nodes[i], e, version)?;
+            }
+        }
+    }
+    let digests = match sent {
+        Ok(d) if !failed => d,
+        sent => {
+            // The group is aborted or broken: the next broadcast makes a new one.
+            return Err(RuntimeError::Placement(format!(
+                "weights version {version} did not reach every node by broadcast{}",
+                sent.err()
+                    .map(|e| format!(" (rank 0, {}: {e})", root.describe()))
+                    .unwrap_or_default()
+            )));
+        }
+    };
+    for &i in &members {
+        if nodes[i].awaiting_weights.swap(false, Ordering::SeqCst) {
+            nodes[i].live.send_replace(true);
+            info!(
+                node = nodes[i].client.addr(),
+                version, "rejoined node live with the broadcast weights"
+            );
+        }
+    }
+    *slot = rank0.map(|rank0| PoolGroup {
+        rank0,
+        members: key,
+    });
+    Ok((sync, digests))
+}
+
+/// Gives a rejoined node the current weights by a broadcast from the trainer's worker at
+/// once, when it is the only node that could go live (else the step waiting for rollouts
+/// would wait for it forever) and the trainer's weights are still the version last
+/// broadcast. Called under the publish lock; `false`: not possible now.
+async fn rejoin_broadcast(shared: &Shared) -> bool {
+    if shared.nodes.iter().any(|n| *n.live.borrow()) {
+        return false;
+    }
+    let Some(last) = shared.last_root.lock().ok().and_then(|l| l.clone()) else {
+        return false;
+    };
+    let RootAt::Trainer { trainer, .. } = &last.root.at else {
+        return false;
+    };
+    // No step or checkpoint load may change the weights while they go out.
+    let Some(generation) = trainer.hold_weights() else {
+        return false;
+    };
+    if *generation != last.generation {
+        return false;
+    }
+    match broadcast_locked(shared, &last.root, None, last.version, last.pause, false).await {
+        Ok((sync, _)) => {
+            info!(
+                version = last.version,
+                engines = sync.engines,
+                "rejoined node fed by a broadcast from the trainer's worker (no other node live)"
+            );
+            true
+        }
+        Err(e) => {
+            warn!(version = last.version, error = %e, "rejoin broadcast failed; the node waits for the next sync");
+            false
+        }
+    }
 }

@@ -34,6 +34,10 @@ pub struct RemoteTrainer {
     spawn_timeout: Duration,
     live: watch::Sender<bool>,
     heartbeat: JoinHandle<()>,
+    /// Counts calls that may change the trainer's weights (steps, checkpoint loads,
+    /// re-creation), held for writing while one runs: a broadcast rooted at the trainer
+    /// outside a sync checks that nothing changed them since the version it re-sends.
+    weights: tokio::sync::RwLock<u64>,
 }
 
 impl RemoteTrainer {
@@ -89,6 +93,7 @@ impl RemoteTrainer {
             spawn_timeout,
             live,
             heartbeat,
+            weights: tokio::sync::RwLock::new(0),
         })
     }
 
@@ -145,6 +150,8 @@ impl RemoteTrainer {
         step: u64,
         batch: &TrainBatch,
     ) -> Result<BTreeMap<String, f64>, TrainerCallError> {
+        let mut generation = self.weights.write().await;
+        *generation += 1;
         self.guarded(self.client.train_step(&self.name, step, batch))
             .await
     }
@@ -158,6 +165,8 @@ impl RemoteTrainer {
     }
 
     pub async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
+        let mut generation = self.weights.write().await;
+        *generation += 1;
         self.guarded(
             self.client
                 .load_checkpoint(&self.name, &dir.to_string_lossy()),
@@ -170,9 +179,22 @@ impl RemoteTrainer {
         self.guarded(self.client.pull_weights(&self.name)).await
     }
 
+    /// How many calls that may change the weights have started (waits for one running).
+    pub async fn weights_generation(&self) -> u64 {
+        *self.weights.read().await
+    }
+
+    /// Keeps the weights as they are while the guard lives (`None`: a call that may
+    /// change them is running).
+    pub fn hold_weights(&self) -> Option<tokio::sync::RwLockReadGuard<'_, u64>> {
+        self.weights.try_read().ok()
+    }
+
     /// Waits (up to `timeout`) for the node to answer, then re-creates the trainer from
     /// its spawn config (initial weights); the caller restores a checkpoint after.
     pub async fn restart(&self, timeout: Duration) -> Result<(), RuntimeError> {
+        let mut generation = self.weights.write().await;
+        *generation += 1;
         let started = Instant::now();
         loop {
             match self.client.describe(Duration::from_secs(2)).await {

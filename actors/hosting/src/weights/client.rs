@@ -45,6 +45,26 @@ pub trait WeightSyncCalls {
         &self,
         request: wpb::ReceiveBroadcastRequest,
     ) -> impl Future<Output = Result<wpb::ApplyWeightsReply, RuntimeError>> + Send;
+
+    /// Has the worker root a weight-update group for its trainer (see
+    /// `OpenWeightGroup`): the store's port and the tensor order come back.
+    fn open_weight_group(
+        &self,
+        request: wpb::OpenWeightGroupRequest,
+    ) -> impl Future<Output = Result<wpb::OpenWeightGroupReply, RuntimeError>> + Send;
+
+    /// Has the worker broadcast its trainer's parameters through the group it roots.
+    fn broadcast_weights(
+        &self,
+        request: wpb::BroadcastWeightsRequest,
+    ) -> impl Future<Output = Result<wpb::BroadcastWeightsReply, RuntimeError>> + Send;
+
+    /// Aborts and drops the group the worker roots for trainer `actor`, if it is `group`.
+    fn close_weight_group(
+        &self,
+        actor: &str,
+        group: &str,
+    ) -> impl Future<Output = Result<bool, RuntimeError>> + Send;
 }
 
 fn weight_sync_rpc(client: &WorkerClient) -> WeightSyncRpc<AuthedChannel> {
@@ -119,6 +139,42 @@ impl WeightSyncCalls for WorkerClient {
             .await
             .map_err(|s| self.rpc_error(s))?;
         Ok(reply.into_inner())
+    }
+
+    async fn open_weight_group(
+        &self,
+        request: wpb::OpenWeightGroupRequest,
+    ) -> Result<wpb::OpenWeightGroupReply, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .open_weight_group(request)
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
+    }
+
+    async fn broadcast_weights(
+        &self,
+        request: wpb::BroadcastWeightsRequest,
+    ) -> Result<wpb::BroadcastWeightsReply, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .broadcast_weights(request)
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
+    }
+
+    async fn close_weight_group(&self, actor: &str, group: &str) -> Result<bool, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .close_weight_group(wpb::CloseWeightGroupRequest {
+                actor: actor.to_string(),
+                group_name: group.to_string(),
+            })
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner().closed)
     }
 
     async fn engine_digests(&self) -> Result<Vec<wpb::EngineDigest>, RuntimeError> {

@@ -4,6 +4,10 @@
 //! A push only stages a version (checked, in memory); `ApplyWeights` then pauses each
 //! engine on the node, copies the weights in, bumps its version and resumes it. The
 //! transfer happens while engines still run, so the pause covers the copy alone.
+//!
+//! Broadcasts: the worker's engines join a group (`ReceiveBroadcast`), and a trainer's
+//! worker roots one (`OpenWeightGroup`, `BroadcastWeights`, `CloseWeightGroup`:
+//! [`super::root`]).
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -22,6 +26,7 @@ use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use super::root::TrainerRoots;
 use super::wire::{self as weights, Assembler, WeightChunk, WeightSet, WeightsError};
 use crate::rollout::worker::HostedRollout;
 use crate::trainer::worker::hosted_trainer;
@@ -47,6 +52,8 @@ pub struct WeightSyncService {
     daemon: WorkerDaemon,
     /// Weights pushed for `ApplyWeights`, by version (CPU tensors; the newest two).
     staged: Arc<Mutex<BTreeMap<u64, NamedTensors>>>,
+    /// Groups this worker roots for its trainers (`OpenWeightGroup`).
+    roots: TrainerRoots,
 }
 
 impl WeightSyncService {
@@ -54,6 +61,7 @@ impl WeightSyncService {
         Self {
             daemon,
             staged: Arc::default(),
+            roots: TrainerRoots::default(),
         }
     }
 
@@ -269,6 +277,34 @@ impl WeightSync for WeightSyncService {
             engines: req.actors.len() as u32,
             pause_to_resume_s: longest,
         }))
+    }
+
+    async fn open_weight_group(
+        &self,
+        request: Request<wpb::OpenWeightGroupRequest>,
+    ) -> Result<Response<wpb::OpenWeightGroupReply>, Status> {
+        let reply = self.roots.open(&self.daemon, request.into_inner()).await?;
+        Ok(Response::new(reply))
+    }
+
+    async fn broadcast_weights(
+        &self,
+        request: Request<wpb::BroadcastWeightsRequest>,
+    ) -> Result<Response<wpb::BroadcastWeightsReply>, Status> {
+        let reply = self
+            .roots
+            .broadcast(&self.daemon, request.into_inner())
+            .await?;
+        Ok(Response::new(reply))
+    }
+
+    async fn close_weight_group(
+        &self,
+        request: Request<wpb::CloseWeightGroupRequest>,
+    ) -> Result<Response<wpb::CloseWeightGroupReply>, Status> {
+        let req = request.into_inner();
+        let closed = self.roots.close(&req.actor, &req.group_name).await;
+        Ok(Response::new(wpb::CloseWeightGroupReply { closed }))
     }
 
     async fn engine_digests(

@@ -1,15 +1,16 @@
 //! Engines on worker daemons: the trainer's weights go to every live node as bounded
-//! gRPC chunks (no shared disk), staged there before the engines pause; or, with the
-//! trainer in this process and `cluster.worker_weights` "nccl" or "store", by one
-//! broadcast to every engine through a weight-update group rooted here
-//! ([`RemotePool::publish_broadcast`]). A broadcast that fails falls back to chunks for
-//! that version.
+//! gRPC chunks (no shared disk), staged there before the engines pause; or, with
+//! `cluster.worker_weights` "nccl" or "store", by one broadcast to every engine through
+//! a weight-update group rooted where the trainer is — in this process, or on the
+//! trainer's worker, which sends its parameters itself ([`RemotePool::publish_broadcast`]).
+//! A broadcast that fails falls back to chunks for that version, with a warning naming
+//! the cause; the bytes are read off the trainer only then.
 
 use std::sync::Arc;
 
 use anyhow::Context;
 use manta_engine::PauseMode;
-use manta_hosting::rollout::pool::{GroupRoot, PauseMode as WirePause};
+use manta_hosting::rollout::pool::{GroupRoot, PauseMode as WirePause, RootAt};
 use manta_hosting::weights;
 use manta_hosting::RemotePool;
 use manta_proto::weight_sync::EngineDigest;
@@ -32,14 +33,15 @@ impl WorkerEngines {
         }
     }
 
-    /// Weights go by broadcast from a group rooted in this process, as `root` says.
+    /// Weights go by broadcast from a group rooted where `root` says.
     pub fn broadcasting(mut self, root: GroupRoot) -> Self {
         self.broadcast = Some(root);
         self
     }
 
-    /// One broadcast of the trainer's tensors; `Ok(None)` when the trainer is not in
-    /// this process.
+    /// One broadcast of the trainer's weights: its tensors from this process, or its
+    /// parameters from its worker. `Ok(None)`: the root is this process but the trainer
+    /// is not.
     async fn publish_by_broadcast(
         &self,
         root: &GroupRoot,
@@ -48,30 +50,45 @@ impl WorkerEngines {
         pause: WirePause,
         want_digests: bool,
     ) -> anyhow::Result<Option<Published>> {
-        let Some(tensors) = trainer
-            .tensors()
-            .await
-            .context("reading the trainer's weights")?
-        else {
-            return Ok(None);
+        let (tensors, sent) = match &root.at {
+            RootAt::Trainer { .. } => (None, None),
+            RootAt::Here { .. } => {
+                let Some(tensors) = trainer
+                    .tensors()
+                    .await
+                    .context("reading the trainer's weights")?
+                else {
+                    return Ok(None);
+                };
+                let sent = if want_digests {
+                    let copy: manta_engine::NamedTensors = tensors
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.to_device(tch::Device::Cpu)))
+                        .collect();
+                    Some(
+                        tokio::task::spawn_blocking(move || weights::digest_tensors(&copy))
+                            .await??,
+                    )
+                } else {
+                    None
+                };
+                (Some(tensors), sent)
+            }
         };
-        let sent = if want_digests {
-            let copy: manta_engine::NamedTensors = tensors
-                .iter()
-                .map(|(n, t)| (n.clone(), t.to_device(tch::Device::Cpu)))
-                .collect();
-            Some(tokio::task::spawn_blocking(move || weights::digest_tensors(&copy)).await??)
-        } else {
-            None
-        };
-        let synced = self
+        let (synced, digests) = self
             .pool
-            .publish_broadcast(root, tensors, version, pause)
+            .publish_broadcast(
+                root,
+                tensors,
+                version,
+                pause,
+                want_digests && sent.is_none(),
+            )
             .await?;
         Ok(Some(Published {
             pause_to_resume_s: synced.pause_to_resume_s,
             engines: synced.engines,
-            sent,
+            sent: sent.or(digests),
         }))
     }
 }
@@ -85,12 +102,6 @@ impl EngineTargets for WorkerEngines {
         pause: PauseMode,
         want_digests: bool,
     ) -> anyhow::Result<Published> {
-        let set = Arc::new(
-            trainer
-                .weight_set()
-                .await
-                .context("reading the trainer's weights")?,
-        );
         let chunk = weights::chunk_bytes()?;
         let pause = match pause {
             PauseMode::Abort => WirePause::Abort,
@@ -105,11 +116,19 @@ impl EngineTargets for WorkerEngines {
                 Ok(None) => {}
                 Err(e) => warn!(
                     version,
+                    rank0 = %root.describe(),
                     error = %format!("{e:#}"),
                     "weights by broadcast failed; sending this version as gRPC chunks"
                 ),
             }
         }
+        // Read only now: with the trainer on a worker this streams its weights here.
+        let set = Arc::new(
+            trainer
+                .weight_set()
+                .await
+                .context("reading the trainer's weights")?,
+        );
         let synced = self
             .pool
             .publish_weights(set.clone(), version, chunk, pause)
