@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# Remote mode on one two-GPU host (configs/gpu2-worker-nccl.toml): the trainer in the
-# driver on GPU 0, a `worker` daemon hosting a native engine on GPU 1, STEPS steps of the
-# multi-turn loop per MODE, every sync verified bit for bit (MANTA_VERIFY_WEIGHT_SYNC=1):
-#   nccl   cluster.worker_weights = "nccl": one broadcast group rooted in the driver
-#   grpc   the same layout with weights as gRPC chunks (the baseline)
-# Writes $OUT/workers_MODE/ (driver.log, worker.log, progress.txt, runs/) and prints each
-# mode's median sync time (perf/update_weights_time) and step time.
+# Remote mode on one two-GPU host, STEPS steps of the multi-turn loop per MODE, every
+# sync verified bit for bit (MANTA_VERIFY_WEIGHT_SYNC=1). Two layouts:
+#   driver-rooted (configs/gpu2-worker-nccl.toml): the trainer in the driver on GPU 0,
+#   one `worker` daemon hosting a native engine on GPU 1:
+#     nccl           cluster.worker_weights = "nccl": one broadcast group rooted in the driver
+#     grpc           the same layout with weights as gRPC chunks (the baseline)
+#   trainer on a worker (configs/gpu2-workers-trainer-nccl.toml): worker A hosts the
+#   trainer on GPU 0, worker B the engine on GPU 1, each worker in a directory of its own:
+#     trainer-nccl   worker A roots the group and broadcasts its trainer's parameters
+#     trainer-grpc   the same layout with weights as gRPC chunks (the baseline)
+#     trainer-store  the CPU analogue (no GPU): the store backend, CPU trainer and engine,
+#                    the tiny model unless MODEL_SHAPE is set, a small batch (DRIVER_ARGS)
+# Writes $OUT/workers_MODE/ (driver.log, worker*.log, progress.txt, sync_per_step.tsv:
+# step, perf/update_weights_time, perf/pause_to_resume_time; runs/) and prints each
+# mode's median sync time and step time.
 #
 # Here (no GPU needed):  bench/run_workers.sh build   # release driver + worker into bin/
-# There (device tool, 2 GPUs, carry ["bin"]):  bench/run_workers.sh nccl grpc
+#                        STEPS=4 bench/run_workers.sh trainer-store
+#                        (BIN=$PWD/target/debug: the debug binaries instead of bin/)
+# There (device tool, 2 GPUs, carry ["bin"]):  bench/run_workers.sh trainer-nccl trainer-grpc nccl grpc
 # MODEL_SHAPE=8b gives the random model Qwen3-8B's shape.
 set -euo pipefail
 if [ "${1:-}" = build ]; then
@@ -19,30 +29,85 @@ fi
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-20}; SHAPE=${MODEL_SHAPE:-0.6b}
-MODEL=/tmp/manta-e2e/qwen3-$SHAPE
-python3 bench/py/e2e_model.py assets/tiny-qwen3 "$MODEL" "$SHAPE"
+STEPS=${STEPS:-20}
 export MANTA_CLUSTER_TOKEN=${MANTA_CLUSTER_TOKEN:-bench-workers-token}
 MODES=("$@"); [ ${#MODES[@]} -gt 0 ] || MODES=(nccl grpc)
+ROOT=$PWD
+BIN=${BIN:-$ROOT/bin}   # where driver and worker are (BIN=target/debug: a debug build)
+
+# The random model of MODEL_SHAPE (default 0.6b; the CPU mode: the tiny model as is).
+model_for() {
+  local shape=${MODEL_SHAPE:-$1}
+  if [ "$shape" = tiny ]; then echo "$ROOT/assets/tiny-qwen3"; return; fi
+  python3 bench/py/e2e_model.py assets/tiny-qwen3 "/tmp/manta-e2e/qwen3-$shape" "$shape" >&2
+  echo "/tmp/manta-e2e/qwen3-$shape"
+}
+
+# Starts `worker --listen 127.0.0.1:PORT [--gpus G]` in DIR (its own working directory),
+# logging to LOG; waits until it listens. Prints its pid.
+start_worker() {
+  local dir=$1 log=$2 port=$3 gpus=$4
+  mkdir -p "$dir"
+  (cd "$dir" && RUST_LOG=info exec "$BIN/worker" --listen "127.0.0.1:$port" ${gpus:+--gpus "$gpus"}) >"$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/"$port") 2>/dev/null && break; sleep 0.1; done
+  echo "$pid"
+}
+
 for mode in "${MODES[@]}"; do
-  case $mode in nccl|grpc) ;; *) echo "unknown mode $mode (nccl, grpc)" >&2; exit 2 ;; esac
-  dir=$OUT/workers_$mode; mkdir -p "$dir/worker"
-  cluster=configs/.gpu2-worker-$mode.toml
-  sed -e "s/^worker_weights = .*/worker_weights = \"$mode\"/" configs/gpu2-worker-nccl.toml > "$cluster"
-  (cd "$dir/worker" && RUST_LOG=info exec "$OLDPWD/bin/worker" --listen 127.0.0.1:7101) >"$dir/worker.log" 2>&1 &
-  worker=$!
-  for _ in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/7101) 2>/dev/null && break; sleep 0.1; done
+  dir=$OUT/workers_$mode; rm -rf "$dir"; mkdir -p "$dir"
+  extra=()
+  case $mode in
+    nccl|grpc)
+      model=$(model_for 0.6b)
+      cluster=configs/.gpu2-worker-$mode.toml
+      sed -e "s/^worker_weights = .*/worker_weights = \"$mode\"/" configs/gpu2-worker-nccl.toml > "$cluster"
+      pids=("$(start_worker "$dir/worker" "$dir/worker.log" 7101 1)")
+      ;;
+    trainer-nccl|trainer-grpc)
+      model=$(model_for 0.6b)
+      cluster=configs/.gpu2-workers-$mode.toml
+      sed -e "s/^worker_weights = .*/worker_weights = \"${mode#trainer-}\"/" \
+        configs/gpu2-workers-trainer-nccl.toml > "$cluster"
+      pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 0)"
+            "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 1)")
+      ;;
+    trainer-store)
+      model=$(model_for tiny)
+      cluster=configs/.gpu2-workers-$mode.toml
+      # Same layout without GPUs: no `gpus` keys, CPU engines, the store backend.
+      sed -e 's/^worker_weights = .*/worker_weights = "store"/' -e '/^gpus = /d' \
+        -e 's/^gpus_per_engine = .*/gpus_per_engine = 0/' \
+        configs/gpu2-workers-trainer-nccl.toml > "$cluster"
+      pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 "")"
+            "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 "")")
+      read -r -a extra <<< "${DRIVER_ARGS:---rollout-batch-size 8 --n-samples 4 --max-response-len 8 --max-tokens-per-gpu 8192}"
+      ;;
+    *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store)" >&2; exit 2 ;;
+  esac
   status=0
-  MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info ./bin/driver --cluster "$cluster" --model "$MODEL" \
-    --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" \
+  MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
+    --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
-  kill "$worker" 2>/dev/null || true; wait "$worker" 2>/dev/null || true
-  [ "$status" -eq 0 ] || { echo "$mode failed (exit $status)"; tail -n 20 "$dir/driver.log"; }
-  python3 - "$dir/runs/$mode/metrics.jsonl" "$mode" <<'PY'
+  # The workers are not this shell's children (started in a subshell): poll until gone,
+  # so the next mode can take their ports.
+  for pid in "${pids[@]}"; do
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  done
+  rm -f "$cluster"
+  [ "$status" -eq 0 ] || { echo "$mode failed (exit $status)"; tail -n 20 "$dir/driver.log"; continue; }
+  grep -m1 "weight sync route" "$dir/driver.log" | sed 's/\x1b\[[0-9;]*m//g' || true
+  python3 - "$dir/runs/$mode/metrics.jsonl" "$mode" "$dir/sync_per_step.tsv" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+with open(sys.argv[3], "w") as f:
+    f.write("step\tupdate_weights_time_s\tpause_to_resume_time_s\n")
+    for r in rows:
+        f.write(f"{r['step']}\t{r['perf/update_weights_time']:.6f}\t{r['perf/pause_to_resume_time']:.6f}\n")
 med = lambda k: statistics.median(r[k] for r in rows[1:] if k in r)
 print(f"{sys.argv[2]}: {len(rows)} steps, median step {med('perf/step_time'):.3f} s, "
-      f"sync {med('perf/update_weights_time'):.4f} s, pause {med('perf/pause_to_resume_time'):.4f} s")
+      f"sync {med('perf/update_weights_time'):.4f} s, pause {med('perf/pause_to_resume_time'):.4f} s "
+      f"(per step: {sys.argv[3]})")
 PY
 done

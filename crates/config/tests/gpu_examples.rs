@@ -111,3 +111,22 @@ fn worker_example_keeps_the_trainer_in_the_driver_and_broadcasts_over_nccl() {
     let train = c.train_config.clone().expect("train_config");
     TrainConfig::from_file(&train).unwrap_or_else(|e| panic!("{}: {e}", train.display()));
 }
+
+#[test]
+fn two_worker_example_roots_the_broadcast_at_the_trainers_worker() {
+    let name = "gpu2-workers-trainer-nccl.toml";
+    let c = ClusterConfig::from_file(&config(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(c.mode, ClusterMode::Remote);
+    assert_eq!(c.worker_weights, manta_config::WorkerWeights::Nccl);
+    // Worker A: the trainer (and rank 0) on GPU 0; worker B: the only engine, on GPU 1.
+    assert_eq!((c.trainer.node, c.trainer.gpus.clone()), (Some(0), vec![0]));
+    assert_eq!(c.rollout_nodes(), vec![1]);
+    assert_eq!(c.engine_gpus(1, 0), vec![1]);
+    let train = c.train_config.clone().expect("train_config");
+    TrainConfig::from_file(&train).unwrap_or_else(|e| panic!("{}: {e}", train.display()));
+    let s = c.train.clone().resolve();
+    assert_eq!(
+        (s.rollout_batch_size, s.n_samples, s.num_rollout),
+        (32, 8, 20)
+    );
+}
