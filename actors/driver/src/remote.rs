@@ -74,6 +74,8 @@ pub async fn place(
         max_batch_size: cluster.rollout.max_batch_size,
         openreward: OpenRewardAccess::from_env(train),
         sglang: sglang_spawn(cluster, settings),
+        engine_gpus: engine_gpus(cluster),
+        mem_fraction_static: cluster.rollout.mem_fraction_static,
     };
     let opts = PoolOptions {
         heartbeat_interval: Duration::from_millis(cluster.heartbeat_interval_ms),
@@ -222,7 +224,7 @@ pub async fn place(
 }
 
 /// What workers need to launch SGLang engines (`None` for the native engine): the
-/// `[rollout]` keys, and each rollout actor's GPUs from placement.
+/// `[rollout]` keys (each actor's GPUs travel in `RolloutSpawnConfig::engine_gpus`).
 fn sglang_spawn(
     cluster: &manta_config::ClusterConfig,
     settings: &manta_config::TrainSettings,
@@ -231,12 +233,6 @@ fn sglang_spawn(
     if r.engine != manta_config::EngineKind::Sglang {
         return None;
     }
-    let mut gpus = std::collections::BTreeMap::new();
-    for (i, node) in cluster.rollout_nodes().into_iter().enumerate() {
-        for k in 0..r.engines {
-            gpus.insert(format!("rollout-{i}-{k}"), cluster.engine_gpus(node, k));
-        }
-    }
     Some(manta_hosting::SglangSpawn {
         command: r.command.clone(),
         mem_fraction_static: r.mem_fraction_static,
@@ -244,9 +240,23 @@ fn sglang_spawn(
         health_timeout_s: r.health_timeout_s,
         health_interval_ms: r.health_interval_ms,
         max_restarts: r.max_restarts,
-        gpus,
         run_name: settings.run_name.clone().unwrap_or_default(),
     })
+}
+
+/// Each rollout actor's GPUs by name (`rollout-<i>-<k>`: engine k of the i-th rollout
+/// node), from placement; empty lists (CPU nodes) are left out.
+fn engine_gpus(cluster: &ClusterConfig) -> std::collections::BTreeMap<String, Vec<u32>> {
+    let mut gpus = std::collections::BTreeMap::new();
+    for (i, node) in cluster.rollout_nodes().into_iter().enumerate() {
+        for k in 0..cluster.rollout.engines {
+            let of_engine = cluster.engine_gpus(node, k);
+            if !of_engine.is_empty() {
+                gpus.insert(format!("rollout-{i}-{k}"), of_engine);
+            }
+        }
+    }
+    gpus
 }
 
 /// Rank 0 of the broadcast to the workers' engines, when `cluster.worker_weights` asks
@@ -290,7 +300,36 @@ fn node_host(address: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::node_host;
+    use super::{engine_gpus, node_host};
+
+    #[test]
+    fn native_engines_on_workers_get_the_gpus_placement_gives_them() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let two_workers = manta_config::ClusterConfig::from_file(
+            &root.join("configs/gpu2-workers-trainer-nccl.toml"),
+        )
+        .expect("configs/gpu2-workers-trainer-nccl.toml");
+        // Worker B (node 1) is the only rollout node: its engine takes its GPU 1.
+        assert_eq!(
+            engine_gpus(&two_workers),
+            [("rollout-0-0".to_string(), vec![1])].into()
+        );
+        // CPU nodes (no `gpus`): nothing is shipped, the engines run on the CPU.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cluster.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[cluster]\nmode = \"remote\"\ntrain_config = \"{}\"\n\n\
+                 [rollout]\nengines = 2\n\n\
+                 [[nodes]]\naddress = \"127.0.0.1:7101\"\n",
+                root.join("train_config.yaml").display()
+            ),
+        )
+        .expect("writing the config");
+        let cpu = manta_config::ClusterConfig::from_file(&path).expect("a CPU remote config");
+        assert!(engine_gpus(&cpu).is_empty());
+    }
 
     #[test]
     fn a_node_host_is_its_address_without_the_port() {

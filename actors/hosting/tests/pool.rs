@@ -39,6 +39,8 @@ fn spawn_config() -> RolloutSpawnConfig {
         max_batch_size: 4,
         openreward: Default::default(),
         sglang: None,
+        engine_gpus: Default::default(),
+        mem_fraction_static: None,
     }
 }
 

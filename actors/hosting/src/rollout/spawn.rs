@@ -45,6 +45,13 @@ pub struct RolloutSpawnConfig {
     /// (the native engine when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sglang: Option<SglangSpawn>,
+    /// The GPUs of each rollout actor by name (`rollout-<node>-<k>`), from placement.
+    /// An actor with none runs its native engine on the CPU.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub engine_gpus: BTreeMap<String, Vec<u32>>,
+    /// `rollout.mem_fraction_static` for native engines (the engine's default if unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_fraction_static: Option<f64>,
 }
 
 /// cluster.toml's SGLang keys as shipped to workers, plus each engine's GPUs.
@@ -57,8 +64,6 @@ pub struct SglangSpawn {
     pub health_timeout_s: u64,
     pub health_interval_ms: u64,
     pub max_restarts: u32,
-    /// GPUs of each rollout actor by name (`rollout-<node>-<k>`), from placement.
-    pub gpus: BTreeMap<String, Vec<u32>>,
     /// Engine logs go to `runs/<run_name>/engines/<actor>.log` under the worker's folder.
     pub run_name: String,
 }
@@ -225,7 +230,8 @@ pub fn stop_token_ids(tokenizer: &Tokenizer) -> Vec<u32> {
     ids
 }
 
-/// Starts a rollout actor with a native CPU engine, its own ORS clients and, when
+/// Starts a rollout actor with its engine — native, on the GPU placement gave it (the
+/// CPU without one), or an SGLang server on those GPUs — its own ORS clients and, when
 /// upload is on, its own trajectory uploader (returned for flushing at stop).
 pub async fn spawn_rollout(
     name: &str,
@@ -237,15 +243,34 @@ pub async fn spawn_rollout(
         Tokenizer::from_dir(&cfg.model_dir)
             .with_context(|| format!("loading the tokenizer from {}", cfg.model_dir.display()))?,
     );
+    let gpus = cfg.engine_gpus.get(name).cloned().unwrap_or_default();
     let engine: Arc<dyn Engine> = match &cfg.sglang {
-        None => NativeEngine::start(NativeEngineOptions {
-            seed: cfg.seed,
-            max_running_requests: cfg.max_batch_size.max(1),
-            ..NativeEngineOptions::new(&cfg.model_dir, tch::Device::Cpu)
-        })
-        .with_context(|| format!("starting the native engine on {}", cfg.model_dir.display()))?,
+        None => {
+            let device = match gpus.as_slice() {
+                [] => tch::Device::Cpu,
+                [gpu] => tch::Device::Cuda(*gpu as usize),
+                more => anyhow::bail!(
+                    "{name}: a native engine runs on one GPU, placement gave it {more:?} \
+                     (rollout.gpus_per_engine)"
+                ),
+            };
+            let defaults = NativeEngineOptions::new(&cfg.model_dir, device);
+            NativeEngine::start(NativeEngineOptions {
+                seed: cfg.seed,
+                max_running_requests: cfg.max_batch_size.max(1),
+                mem_fraction_static: cfg
+                    .mem_fraction_static
+                    .unwrap_or(defaults.mem_fraction_static),
+                ..defaults
+            })
+            .with_context(|| {
+                format!(
+                    "{name}: starting the native engine on {device:?} from {}",
+                    cfg.model_dir.display()
+                )
+            })?
+        }
         Some(sglang) => {
-            let gpus = sglang.gpus.get(name).cloned().unwrap_or_default();
             let log = Path::new("runs")
                 .join(&sglang.run_name)
                 .join("engines")
