@@ -22,7 +22,8 @@
 #                 GPU 0, weights through a safetensors file each step
 #                 For both SGLang modes: SGLANG_KILL_AT_STEP=K sends SIGKILL to the server
 #                 1 s after step K is reported (the run must go on, no episode lost);
-#                 a run that reports no step for HANG_S seconds (default 120) gets a
+#                 a run whose server logs SGLang's "Health check failed" (a stalled
+#                 scheduler), or that reports no step for HANG_S seconds (default 120), gets a
 #                 py-spy dump of every SGLang process in MODE/pyspy.txt (py-spy comes
 #                 with the bundle) and the server log's tail in MODE/engine_tail.log
 #   ors-sdk       disagg-sync against bench/py/ors_load_env.py, a counter environment
@@ -75,9 +76,13 @@ sglang_watch() {
       echo "[watch] step $steps: kill -9 $killed (the SGLang server)" | tee -a "$OUT/$mode/watch.log"
       kill -9 "$killed" || true
     fi
-    if [ -z "$dumped" ] && [ "${steps:-0}" -ge 1 ] && [ $((SECONDS - quiet_since)) -ge "${HANG_S:-120}" ]; then
+    # SGLang's own health check reports a stalled scheduler ~20 s in, before Manta's
+    # /health probes restart the server: dump then, while the stalled process lives.
+    local stalled=
+    grep -q "Health check failed" "$OUT/runs/$mode/engines/0.log" 2>/dev/null && stalled=1
+    if [ -z "$dumped" ] && { [ -n "$stalled" ] || { [ "${steps:-0}" -ge 1 ] && [ $((SECONDS - quiet_since)) -ge "${HANG_S:-120}" ]; }; }; then
       dumped=1
-      echo "[watch] no step for ${HANG_S:-120} s after step $steps: dumping stacks" | tee -a "$OUT/$mode/watch.log"
+      echo "[watch] ${stalled:+SGLang reports a stalled scheduler; }no step for $((SECONDS - quiet_since)) s after step $steps: dumping stacks" | tee -a "$OUT/$mode/watch.log"
       # The bundle unpacks wheels as they are: py-spy's binary sits in its .data folder.
       local pyspy; pyspy=$(command -v py-spy || find /tmp/site -name py-spy -type f 2>/dev/null | head -n 1)
       chmod +x "$pyspy" 2>/dev/null || true
