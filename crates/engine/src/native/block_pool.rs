@@ -55,6 +55,17 @@ impl BlockPool {
     }
 }
 
+/// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache
+/// block 0 is the scratch block that padding rows of decode graphs write to).
+pub(super) fn cache_block(block: u32) -> i64 {
+    block as i64 + 1
+}
+
+/// The KV-cache slot of position `pos` of a sequence holding pool `blocks`.
+pub(super) fn cache_slot(blocks: &[u32], pos: usize, block_size: usize) -> i64 {
+    cache_block(blocks[pos / block_size]) * block_size as i64 + (pos % block_size) as i64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

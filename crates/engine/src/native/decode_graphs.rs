@@ -18,7 +18,7 @@ use manta_model::{CausalLm, PagedBatch, PagedKvCache};
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, warn};
 
-use super::model_runner::{cache_block, cache_slot};
+use super::block_pool::{cache_block, cache_slot};
 use super::sampler;
 
 /// The fixed input buffers a captured step reads.

@@ -18,7 +18,7 @@ use super::model_runner::{FedRow, ModelRunner, StepOutput, StepRow};
 use super::sampler::RowSampling;
 use super::scheduler::{Planned, Scheduler};
 use super::sequence::Sequence;
-use super::EngineStats;
+use super::stats::EngineStats;
 use crate::{BroadcastFeed, EngineError, FinishReason, NamedTensors, PauseMode};
 
 /// What the engine thread is asked to do; each carries the channel its answer goes to.

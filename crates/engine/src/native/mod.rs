@@ -5,7 +5,9 @@
 //! - [`block_pool`] / [`prefix_cache`]: KV blocks and the radix cache of computed prefixes.
 //! - [`sampler`]: temperature, top-k, top-p, min-p and per-request seeds on the device.
 //! - [`stop`]: stop ids, stop strings, length limits.
-//! - [`worker`]: the engine thread.
+//! - [`event_loop`]: the engine thread (receive, schedule, launch, process).
+//! - [`model_runner`]: the device side of a step (inputs, decode graphs, sampling, weights).
+//! - [`decode_graphs`]: CUDA graphs of decode steps.
 
 mod block_pool;
 mod decode_graphs;
@@ -15,6 +17,7 @@ mod prefix_cache;
 mod sampler;
 mod scheduler;
 mod sequence;
+mod stats;
 mod stop;
 
 use std::path::PathBuf;
@@ -36,6 +39,7 @@ use event_loop::{Command, EngineLoop, WeightSource, WeightUpdate};
 use model_runner::ModelRunner;
 use scheduler::Scheduler;
 use sequence::Sequence;
+pub use stats::EngineStats;
 use stop::StopCheck;
 
 /// How to start a native engine. `NativeEngineOptions::new` gives the defaults.
@@ -86,29 +90,6 @@ impl NativeEngineOptions {
             true_on_policy: false,
             disable_overlap_schedule: false,
         }
-    }
-}
-
-/// Counters the engine keeps (read by benchmarks and `/get_server_info`).
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    pub steps: AtomicU64,
-    pub tokens_computed: AtomicU64,
-    pub tokens_sampled: AtomicU64,
-    /// Running requests sent back to the queue to free KV blocks (recomputed later).
-    pub preemptions: AtomicU64,
-    /// Decode steps launched before the host had read the step before them (overlap
-    /// scheduling; see `NativeEngineOptions::disable_overlap_schedule`).
-    pub steps_ahead: AtomicU64,
-}
-
-impl EngineStats {
-    fn add_step(&self, computed: usize, sampled: usize) {
-        self.steps.fetch_add(1, Ordering::Relaxed);
-        self.tokens_computed
-            .fetch_add(computed as u64, Ordering::Relaxed);
-        self.tokens_sampled
-            .fetch_add(sampled as u64, Ordering::Relaxed);
     }
 }
 

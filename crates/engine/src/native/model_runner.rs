@@ -13,9 +13,10 @@ use manta_model::{CausalLm, PagedKvCache, PagedSeq};
 use tch::{nn, Device, Tensor};
 use tracing::{info, warn};
 
+use super::block_pool::cache_slot;
 use super::decode_graphs::{DecodeGraphs, DecodeRow};
 use super::sampler::{self, sample, RowSampling};
-use super::EngineStats;
+use super::stats::EngineStats;
 use crate::{BroadcastFeed, EngineError, NamedTensors};
 
 /// One row of a step: a sequence's `tokens`, at positions `start..start + tokens.len()`,
@@ -446,17 +447,6 @@ impl Pending {
 /// read once).
 fn graph_samples(rows: &[RowSampling], steps: usize, vocab: i64) -> bool {
     manta_knobs::graph_sampling() && rows.len() == steps && sampler::kernel_handles(rows, vocab)
-}
-
-/// The KV cache's block for pool block `block`: pool block b is cache block b + 1 (cache
-/// block 0 is the scratch block that padding rows write to).
-pub(super) fn cache_block(block: u32) -> i64 {
-    block as i64 + 1
-}
-
-/// The KV-cache slot of position `pos` of a sequence holding pool `blocks`.
-pub(super) fn cache_slot(blocks: &[u32], pos: usize, block_size: usize) -> i64 {
-    cache_block(blocks[pos / block_size]) * block_size as i64 + (pos % block_size) as i64
 }
 
 /// Where a step's time goes: host-side preparation, the model, sampling.
