@@ -15,7 +15,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::field::Empty;
 use tracing::{error, info, info_span, warn, Instrument};
 
-use crate::run::TrainerRecovery;
+use crate::placement::TrainerRecovery;
 use crate::sampling::GroupQueue;
 use crate::step::{run_step, StepActors};
 use crate::trainer_handle::TrainerHandle;

@@ -32,9 +32,8 @@ use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::info;
 
-use crate::placement::{Placed, Teardown};
+use crate::placement::{Placed, Stoppable, Teardown, TrainerRecovery};
 use crate::rollouts::Rollouts;
-use crate::run::TrainerRecovery;
 use crate::step::StepActors;
 use crate::trainer_handle::data_parallel::{spawn_ranks, RankDevices};
 use crate::trainer_handle::TrainerHandle;
@@ -66,6 +65,13 @@ pub struct LocalWorker {
 
 /// How long shutdown waits for the last trajectories to upload.
 const UPLOAD_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[async_trait::async_trait]
+impl Stoppable for LocalWorker {
+    async fn stop(self: Box<Self>) {
+        self.shutdown().await;
+    }
+}
 
 impl LocalWorker {
     /// Stops actors and the environment server.
@@ -492,7 +498,7 @@ pub async fn place(
         InProcessEngines::new(weight_sync, worker.rollouts.clone()),
         &worker.engines_at,
     )
-    .verifying_from_env(crate::run::verify_log(settings));
+    .verifying_from_env(crate::run_dir::verify_log(settings));
     Ok(Placed {
         actors: StepActors {
             trainer,
@@ -502,7 +508,7 @@ pub async fn place(
         },
         env_clients: worker.env_clients.clone(),
         recovery: TrainerRecovery::default(),
-        teardown: Teardown::Local(worker),
+        teardown: Teardown::default().then(worker),
     })
 }
 
@@ -536,7 +542,7 @@ pub async fn place_saved(
         },
         env_clients: BTreeMap::new(),
         recovery: TrainerRecovery::default(),
-        teardown: Teardown::Trainer(handle),
+        teardown: Teardown::default().then(handle),
     })
 }
 

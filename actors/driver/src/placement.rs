@@ -1,18 +1,17 @@
-//! Placement as data: cluster.toml and the run's settings in, the actors the step loop
-//! drives out. One call, [`place`], whatever the layout — the trainer alone over saved
-//! rollouts (`--load-debug-rollout-data`), everything in this process (local mode, the
-//! simplest placement), or actors on worker daemons (remote mode) — and one
-//! [`Teardown::run`], so `run::train` has a single path from placement to shutdown.
+//! Placement as data: what a placement started — the actors the step loop drives, the
+//! environment clients, the trainer-recovery policy, and the teardown that stops them —
+//! whatever the layout: the trainer alone over saved rollouts (`--load-debug-rollout-data`,
+//! `local::place_saved`), everything in this process (local mode, `local::place`), or
+//! actors on worker daemons (remote mode, `remote::place`). `run::train` picks the
+//! placement and has a single path from there to shutdown.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
+use manta_config::TrainerFailurePolicy;
 use manta_hosting::RemotePool;
 use manta_rollout::ors::OrsClient;
 
-use crate::local::LocalWorker;
-use crate::run::TrainerRecovery;
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
 
@@ -28,59 +27,60 @@ pub struct Placed {
     pub teardown: Teardown,
 }
 
-/// The actors, servers and worker connections a placement stops at the end.
-pub enum Teardown {
-    /// The trainer alone (saved rollouts).
-    Trainer(TrainerHandle),
-    /// This process's worker: trainer, engines, environment server, uploader.
-    Local(LocalWorker),
-    /// A trainer (here or on a worker), this process's worker (task listing) and the
-    /// rollout pool on the workers.
-    Remote {
-        trainer: TrainerHandle,
-        worker: LocalWorker,
-        pool: Arc<RemotePool>,
-    },
+/// What the driver does when a remote trainer is lost (cluster.toml `[trainer]`).
+#[derive(Debug, Clone, Copy)]
+pub struct TrainerRecovery {
+    pub policy: TrainerFailurePolicy,
+    pub restart_timeout: std::time::Duration,
 }
 
-impl Teardown {
-    pub async fn run(self) {
-        match self {
-            Teardown::Trainer(trainer) => trainer.shutdown().await,
-            Teardown::Local(worker) => worker.shutdown().await,
-            Teardown::Remote {
-                trainer,
-                worker,
-                pool,
-            } => {
-                trainer.shutdown().await;
-                worker.shutdown().await;
-                if let Ok(pool) = Arc::try_unwrap(pool) {
-                    pool.shutdown().await;
-                }
-            }
+impl Default for TrainerRecovery {
+    fn default() -> Self {
+        Self {
+            policy: TrainerFailurePolicy::Stop,
+            restart_timeout: std::time::Duration::from_secs(120),
         }
     }
 }
 
-/// Starts the actors `cluster` places for this run. Remote mode makes the paths in
-/// `settings` absolute (workers read and write them).
-pub async fn place(
-    cluster: &ClusterConfig,
-    train: &TrainConfig,
-    settings: &mut TrainSettings,
-) -> anyhow::Result<Placed> {
-    // Debug data needs no engine or environment, local or remote: the trainer runs here.
-    if let Some(template) = settings.load_debug_rollout_data.clone() {
-        // Data-parallel ranks are a local-mode setting (remote ranks are not built yet).
-        let ranks = match cluster.mode {
-            ClusterMode::Local => cluster.trainer.data_parallel_world(),
-            ClusterMode::Remote => 1,
-        };
-        return crate::local::place_saved(template, settings, ranks).await;
+/// Something a placement started that must be stopped when the run ends.
+#[async_trait::async_trait]
+pub trait Stoppable: Send {
+    async fn stop(self: Box<Self>);
+}
+
+/// The actors, servers and worker connections a placement stops at the end, in the
+/// order they were added.
+#[derive(Default)]
+pub struct Teardown(Vec<Box<dyn Stoppable>>);
+
+impl Teardown {
+    /// Stops `part` after what was added before it.
+    pub fn then(mut self, part: impl Stoppable + 'static) -> Self {
+        self.0.push(Box::new(part));
+        self
     }
-    match cluster.mode {
-        ClusterMode::Local => crate::local::place(cluster, train, settings).await,
-        ClusterMode::Remote => crate::remote::place(cluster, train, settings).await,
+
+    pub async fn run(self) {
+        for part in self.0 {
+            part.stop().await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Stoppable for TrainerHandle {
+    async fn stop(self: Box<Self>) {
+        self.shutdown().await;
+    }
+}
+
+/// The rollout pool stops once the last handle to it is this one.
+#[async_trait::async_trait]
+impl Stoppable for Arc<RemotePool> {
+    async fn stop(self: Box<Self>) {
+        if let Ok(pool) = Arc::try_unwrap(*self) {
+            pool.shutdown().await;
+        }
     }
 }

@@ -19,9 +19,10 @@ use manta_runtime::{load_token, ClientTls, Lease, WorkerClient};
 use tracing::info;
 
 use crate::local;
+use crate::placement::TrainerRecovery;
 use crate::placement::{Placed, Teardown};
 use crate::rollouts::Rollouts;
-use crate::run::{default_run_name, TrainerRecovery};
+use crate::run_dir::default_run_name;
 use crate::step::StepActors;
 use crate::trainer_handle::TrainerHandle;
 use manta_weight_sync::route::{Endpoint, WorkerGroupRoute};
@@ -201,7 +202,7 @@ pub async fn place(
         }
         None => WeightSync::new(trainer_weights, &trainer_at, targets, &engines_at),
     }
-    .verifying_from_env(crate::run::verify_log(settings));
+    .verifying_from_env(crate::run_dir::verify_log(settings));
     let actors = StepActors {
         trainer: trainer.clone(),
         rollouts: Rollouts::remote(pool.clone()),
@@ -215,11 +216,7 @@ pub async fn place(
             policy: cluster.trainer.on_failure,
             restart_timeout: Duration::from_secs(cluster.trainer.restart_timeout_s),
         },
-        teardown: Teardown::Remote {
-            trainer,
-            worker,
-            pool,
-        },
+        teardown: Teardown::default().then(trainer).then(worker).then(pool),
     })
 }
 

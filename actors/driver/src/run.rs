@@ -4,10 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, TrainConfig, TrainSettings, TrainerFailurePolicy};
+use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
 use manta_rollout::ors::OrsClient;
 use manta_rollout::TaskRef;
 use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
@@ -16,6 +15,7 @@ use tracing::info;
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
+use crate::placement::{Placed, TrainerRecovery};
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 
@@ -97,14 +97,6 @@ async fn list_tasks(
     Ok(tasks)
 }
 
-pub(crate) fn default_run_name() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format!("run-{secs}")
-}
-
 /// Runs a whole training job, local or remote (cluster.toml `[cluster] mode`). `stop` is
 /// polled between steps.
 pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<RunSummary> {
@@ -114,7 +106,10 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         mut settings,
     } = resolve_config(args)?;
     // Settled before anything writes under runs/<run> (remote mode's weights included).
-    let requested = settings.run_name.clone().unwrap_or_else(default_run_name);
+    let requested = settings
+        .run_name
+        .clone()
+        .unwrap_or_else(crate::run_dir::default_run_name);
     let run = crate::run_dir::choose(&settings.runs_dir, &requested, settings.load.as_deref())?;
     if run.name != requested {
         println!(
@@ -135,7 +130,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         mode = ?cluster.mode,
         "starting training"
     );
-    let placed = crate::placement::place(&cluster, &train, &mut settings).await?;
+    let placed = place(&cluster, &train, &mut settings).await?;
     let result = run_with_actors(
         &placed.env_clients,
         placed.actors,
@@ -149,27 +144,25 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     result
 }
 
-/// Where weight-sync verification records go (`MANTA_VERIFY_WEIGHT_SYNC`).
-pub(crate) fn verify_log(settings: &TrainSettings) -> PathBuf {
-    settings
-        .runs_dir
-        .join(settings.run_name.clone().unwrap_or_default())
-        .join("weight_sync.jsonl")
-}
-
-/// What the driver does when a remote trainer is lost (cluster.toml `[trainer]`).
-#[derive(Debug, Clone, Copy)]
-pub struct TrainerRecovery {
-    pub policy: TrainerFailurePolicy,
-    pub restart_timeout: std::time::Duration,
-}
-
-impl Default for TrainerRecovery {
-    fn default() -> Self {
-        Self {
-            policy: TrainerFailurePolicy::Stop,
-            restart_timeout: std::time::Duration::from_secs(120),
-        }
+/// Starts the actors `cluster` places for this run (crate::placement). Remote mode makes
+/// the paths in `settings` absolute (workers read and write them).
+async fn place(
+    cluster: &ClusterConfig,
+    train: &TrainConfig,
+    settings: &mut TrainSettings,
+) -> anyhow::Result<Placed> {
+    // Debug data needs no engine or environment, local or remote: the trainer runs here.
+    if let Some(template) = settings.load_debug_rollout_data.clone() {
+        // Data-parallel ranks are a local-mode setting (remote ranks are not built yet).
+        let ranks = match cluster.mode {
+            ClusterMode::Local => cluster.trainer.data_parallel_world(),
+            ClusterMode::Remote => 1,
+        };
+        return crate::local::place_saved(template, settings, ranks).await;
+    }
+    match cluster.mode {
+        ClusterMode::Local => crate::local::place(cluster, train, settings).await,
+        ClusterMode::Remote => crate::remote::place(cluster, train, settings).await,
     }
 }
 
@@ -227,7 +220,10 @@ pub(crate) async fn run_with_actors(
         info!(checkpoint = %checkpoint.display(), step, "resumed");
         first_step = step + 1;
     }
-    let run_name = settings.run_name.clone().unwrap_or_else(default_run_name);
+    let run_name = settings
+        .run_name
+        .clone()
+        .unwrap_or_else(crate::run_dir::default_run_name);
     let run_dir: PathBuf = settings.runs_dir.join(&run_name);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     // A resumed run continuing its directory trains the steps after the checkpoint again.

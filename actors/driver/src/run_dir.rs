@@ -9,8 +9,10 @@
 //! - otherwise the first `runs/<run>-N` (N = 2, 3, …) that holds no earlier run.
 
 use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
+use manta_config::TrainSettings;
 
 /// Files whose presence marks a directory as holding a run.
 const RUN_RECORDS: &[&str] = &["metrics.jsonl", "trained_ids.jsonl"];
@@ -115,6 +117,23 @@ fn step_of(line: &str) -> Option<u64> {
         .ok()?
         .get("step")?
         .as_u64()
+}
+
+/// `run-<unix seconds>`: the run name when none is given.
+pub fn default_run_name() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("run-{secs}")
+}
+
+/// Where weight-sync verification records go (`MANTA_VERIFY_WEIGHT_SYNC`).
+pub fn verify_log(settings: &TrainSettings) -> PathBuf {
+    settings
+        .runs_dir
+        .join(settings.run_name.clone().unwrap_or_default())
+        .join("weight_sync.jsonl")
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::broadcast::{BroadcastError, BroadcastGroup};
+use crate::broadcast::{BroadcastError, BroadcastGroup, BroadcastRoot};
 use manta_engine::{NamedTensors, PauseMode};
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use manta_trainer::TrainerMsg;
@@ -85,16 +85,6 @@ pub struct WeightSyncArgs {
     /// Where the trainer's tensors are broadcast from, when one group feeds every engine
     /// (`None`: each engine copies them).
     pub broadcast_from: Option<BroadcastRoot>,
-}
-
-/// Rank 0 of a weight-update group in this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BroadcastRoot {
-    /// The trainer's CUDA device, every engine on another GPU: NCCL.
-    Cuda(usize),
-    /// Trainer and engines on the CPU: broadcasts through a `TCPStore` (for tests of the
-    /// group protocol; copies are faster in one process).
-    Cpu,
 }
 
 pub struct WeightSyncState {

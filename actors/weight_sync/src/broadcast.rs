@@ -16,11 +16,19 @@ use ractor::{call, ActorRef};
 use tch::{Device, Kind};
 use tracing::info;
 
-use crate::actor::BroadcastRoot;
-
 /// Bounds the store's waits and each broadcast: an engine that never joins fails the
 /// update instead of hanging it.
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Rank 0 of a weight-update group in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BroadcastRoot {
+    /// The trainer's CUDA device, every engine on another GPU: NCCL.
+    Cuda(usize),
+    /// Trainer and engines on the CPU: broadcasts through a `TCPStore` (for tests of the
+    /// group protocol; copies are faster in one process).
+    Cpu,
+}
 
 /// Why a broadcast did not deliver a version.
 #[derive(Debug, thiserror::Error)]

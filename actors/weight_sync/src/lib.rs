@@ -20,9 +20,10 @@ pub mod sync;
 pub mod targets;
 
 pub use actor::{
-    BroadcastRoot, SyncOptions, SyncReport, WeightSyncActor, WeightSyncArgs, WeightSyncError,
-    WeightSyncMsg, WeightSyncState,
+    SyncOptions, SyncReport, WeightSyncActor, WeightSyncArgs, WeightSyncError, WeightSyncMsg,
+    WeightSyncState,
 };
+pub use broadcast::BroadcastRoot;
 pub use sync::{
     trainer_endpoint, EngineTargets, Published, SyncOutcome, TrainerWeights, WeightSync, VERIFY_ENV,
 };

@@ -15,7 +15,9 @@ use crate::recompute::{Recompute, RecomputeError};
 
 mod invariant;
 mod paged;
-pub use paged::{decode_counters, PagedAttention, PagedBatch, PagedKvCache, PagedSeq};
+mod paged_seq;
+pub use paged::{decode_counters, PagedAttention, PagedBatch, PagedKvCache};
+pub use paged_seq::PagedSeq;
 
 /// How tokens of a batch may attend to each other.
 pub enum Attention<'a> {

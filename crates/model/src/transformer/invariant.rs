@@ -10,7 +10,7 @@
 use manta_cuda::invariant_attention::{self as kernel, KeyLayout};
 use tch::{Device, Tensor};
 
-use super::paged::{block_tables, PagedSeq};
+use super::paged_seq::{block_tables, PagedSeq};
 use super::{CausalLm, SelfAttention};
 
 /// Rows every projection runs on in true on-policy mode: from about 128 rows on, cuBLAS
