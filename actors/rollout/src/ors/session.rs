@@ -13,6 +13,61 @@ use super::retry::backend_starting;
 use super::sse::{read_events, SseEnd};
 use super::types::{Block, ToolResult, ToolsListing};
 
+/// Opening sessions lives here, beside the session it returns, so the client module
+/// knows nothing of sessions.
+impl OrsClient {
+    /// Opens a session for `task_spec` of environment `env_name` (the `env_name` that
+    /// task listings return). Starts keep-alive pings; close it with [`OrsSession::close`].
+    pub async fn open_session(
+        &self,
+        env_name: &str,
+        task_spec: &Value,
+    ) -> Result<OrsSession, OrsError> {
+        self.open(json!({ "task_spec": task_spec, "env_name": env_name }))
+            .await
+    }
+
+    /// Opens a session for task `index` of `split`, letting the server look the task up.
+    pub async fn open_session_at(&self, split: &str, index: u64) -> Result<OrsSession, OrsError> {
+        let mut body = json!({ "split": split, "index": index });
+        if let Some(v) = &self.inner.variant {
+            body["env_name"] = json!(v);
+        }
+        self.open(body).await
+    }
+
+    async fn open(&self, create: Value) -> Result<OrsSession, OrsError> {
+        let sid = self.new_sid().await?;
+        let req = Req {
+            sid: Some(&sid),
+            body: Some(&create),
+            secrets: true,
+        };
+        let url = self.root_url("/create");
+        match self.json::<Value>(Method::POST, &url, req).await {
+            Ok(_) => {}
+            // A retry of a /create that had in fact succeeded.
+            Err(OrsError::Http {
+                status: 400, body, ..
+            }) if body.contains("Session already exists") => {}
+            Err(e) => {
+                let _ = self
+                    .send(
+                        Method::POST,
+                        &self.root_url("/delete_session"),
+                        Req {
+                            sid: Some(&sid),
+                            ..Req::default()
+                        },
+                    )
+                    .await;
+                return Err(e);
+            }
+        }
+        Ok(OrsSession::start(self.clone(), sid))
+    }
+}
+
 /// Consecutive failed pings after which the session counts as gone (~50 s at 10 s).
 const MAX_PING_FAILURES: u32 = 5;
 
