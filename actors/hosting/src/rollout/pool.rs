@@ -463,6 +463,7 @@ impl RemotePool {
                 share,
                 settings,
                 load,
+                None,
             ));
         }
         while let Some((node, share, samples, result)) = running.next().await {
@@ -483,6 +484,10 @@ impl RemotePool {
                 if !missing.is_empty() {
                     let group = missing[0].group_index;
                     let (other, actor, load) = self.pick(Some(node), group, missing.len()).await?;
+                    // Back to the node that just failed (no other is live, and it is not
+                    // declared dead yet): wait a heartbeat first, instead of failing
+                    // again at once in a tight loop until the heartbeats decide.
+                    let wait = (other == node).then_some(self.shared.opts.heartbeat_interval);
                     running.push(run_share(
                         self.shared.clone(),
                         other,
@@ -490,6 +495,7 @@ impl RemotePool {
                         missing,
                         settings,
                         load,
+                        wait,
                     ));
                 }
             }
@@ -551,7 +557,8 @@ impl RemotePool {
 
 /// Streams one share from `actor` of `node`; ends early with an error when the stream
 /// breaks or the node is declared dead. Returns what arrived either way. `_load` counts
-/// the share's episodes against the actor until it ends.
+/// the share's episodes against the actor until it ends; `wait` delays the start (a
+/// share sent back to the node it just failed on).
 async fn run_share(
     shared: Arc<Shared>,
     node: usize,
@@ -559,6 +566,7 @@ async fn run_share(
     share: Vec<EpisodeRequest>,
     settings: GenerationSettings,
     _load: Assignment,
+    wait: Option<Duration>,
 ) -> (
     usize,
     Vec<EpisodeRequest>,
@@ -569,6 +577,10 @@ async fn run_share(
     let mut live = n.live.subscribe();
     let mut samples = Vec::new();
     let result = async {
+        if let Some(wait) = wait {
+            // Cut short if the heartbeats declare the node dead meanwhile.
+            let _ = tokio::time::timeout(wait, live.wait_for(|l| !*l)).await;
+        }
         let mut stream = n.client.run_episodes(&actor, &share, settings).await?;
         loop {
             tokio::select! {
