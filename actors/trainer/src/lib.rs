@@ -3,7 +3,7 @@
 //! - [`loss`]: the clipped policy-gradient loss and its aggregation (REFERENCE.md §4).
 //! - [`batch`]: splitting a batch into micro-batches under a token budget.
 //! - [`optimizer`]: AdamW whose state can be checkpointed.
-//! - [`data_parallel`]: ranks over a `Collective` (threads or NCCL) with ZeRO-2.
+//! - [`data_parallel`]: ranks over a `Collective` (threads or NCCL) with ZeRO-2 or ZeRO-3.
 //! - [`schedule`]: the learning-rate schedule (warmup, decay).
 //! - [`trainer`]: the model, optimizer and step, free of actor plumbing.
 //! - [`actor`]: the `TrainerActor` message interface.

@@ -4,7 +4,9 @@
 //!
 //! The static part (weights, gradients, fp32 masters, AdamW moments and ZeRO-2's
 //! gradient and update shards, sharded over the data-parallel ranks as ZeRO-2 shards
-//! them, and a frozen reference model) is
+//! them, and a frozen reference model; with ZeRO-3 the weights and gradients of the
+//! embedding, final norm and head plus the decoder layers gathered at once, whose
+//! largest set is static in effect: it comes back every micro-batch) is
 //! counted exactly; activations are an estimate (the tensors one Qwen3 decoder layer
 //! keeps for backward, per token, for the layers not recomputed, plus one recomputed
 //! layer's at a time and a chunk of fp32 logits).
@@ -18,6 +20,9 @@ pub struct MemoryInputs {
     pub tokens_per_gpu: usize,
     /// Data-parallel ranks the optimizer state is sharded over.
     pub data_parallel: usize,
+    /// 2: optimizer state and reduced gradients sharded (ZeRO-2); 3: the weights too,
+    /// gathered a shard group (decoder layer) at a time. Ignored with one rank.
+    pub zero_stage: u8,
     /// bf16 weights with fp32 masters (else fp32 weights, no masters).
     pub bf16: bool,
     pub recompute: Option<Recompute>,
@@ -63,7 +68,7 @@ impl MemoryPlan {
 #[error(
     "the trainer needs {need_gib:.1} GiB per GPU for weights, gradients and optimizer state \
      alone (weights {weights_gib:.1}, gradients {grads_gib:.1}, fp32 masters {master_gib:.1}, \
-     AdamW moments {moments_gib:.1}, ZeRO-2 shards {shards_gib:.1}, reference model \
+     AdamW moments {moments_gib:.1}, ZeRO shards {shards_gib:.1}, reference model \
      {reference_gib:.1}), more than the \
      {capacity_gib:.1} GiB GPU holds: spread the optimizer state over more data-parallel \
      ranks ([trainer] gpus), drop --use-kl-loss's reference model, or use GPUs with more memory"
@@ -83,20 +88,51 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// Parameters of `cfg` (embeddings, untied head, decoder layers, final norm).
 pub fn parameter_count(cfg: &ModelConfig) -> u64 {
+    outer_parameter_count(cfg) + cfg.num_hidden_layers as u64 * layer_parameter_count(cfg)
+}
+
+/// Parameters of one decoder layer.
+fn layer_parameter_count(cfg: &ModelConfig) -> u64 {
     let h = cfg.hidden_size as u64;
     let q = (cfg.num_attention_heads * cfg.head_dim) as u64;
     let kv = (cfg.num_key_value_heads * cfg.head_dim) as u64;
     let i = cfg.intermediate_size as u64;
-    let vocab = cfg.vocab_size as u64;
     let bias = if cfg.attention_bias { q + 2 * kv } else { 0 };
     // q, k, v, o; gate, up, down; two norms, and Qwen3's q/k norms.
-    let layer = h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h + 2 * cfg.head_dim as u64;
+    h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h + 2 * cfg.head_dim as u64
+}
+
+/// Parameters outside the decoder layers: embeddings, untied head, final norm.
+fn outer_parameter_count(cfg: &ModelConfig) -> u64 {
+    let h = cfg.hidden_size as u64;
+    let vocab = cfg.vocab_size as u64;
     let head = if cfg.tie_word_embeddings {
         0
     } else {
         vocab * h
     };
-    vocab * h + head + cfg.num_hidden_layers as u64 * layer + h
+    vocab * h + head + h
+}
+
+/// ZeRO-3: the most decoder layers gathered at once — every kept (not recomputed)
+/// layer, from its forward to its backward, plus one recomputed unit in its backward.
+fn gathered_layers(layers: usize, recompute: Option<Recompute>) -> u64 {
+    let Some(r) = recompute else {
+        return layers as u64;
+    };
+    let units = r.units(layers);
+    let kept: usize = units
+        .iter()
+        .filter(|(_, re)| !re)
+        .map(|(u, _)| u.len())
+        .sum();
+    let unit = units
+        .iter()
+        .filter(|(_, re)| *re)
+        .map(|(u, _)| u.len())
+        .max()
+        .unwrap_or(0);
+    (kept + unit) as u64
 }
 
 /// Elements one decoder layer keeps for backward, per token: its input and the two
@@ -143,9 +179,16 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     // A chunk of fp32 logits, its log-softmax and its gradient.
     let logits =
         3 * 4 * inputs.logprob_chunk.min(inputs.tokens_per_gpu) as u64 * cfg.vocab_size as u64;
+    // ZeRO-3: whole weights and gradients only of what is gathered at once.
+    let resident = if sharded && inputs.zero_stage >= 3 {
+        outer_parameter_count(cfg)
+            + gathered_layers(layers, inputs.recompute) * layer_parameter_count(cfg)
+    } else {
+        p
+    };
     MemoryPlan {
-        weights: weight_bytes * p,
-        gradients: weight_bytes * p,
+        weights: weight_bytes * resident,
+        gradients: weight_bytes * resident,
         master_weights,
         adam_moments: 8 * p / ranks,
         shards,
@@ -195,6 +238,7 @@ mod tests {
         MemoryInputs {
             tokens_per_gpu: tokens,
             data_parallel: ranks,
+            zero_stage: 2,
             bf16: true,
             recompute,
             reference: false,
@@ -260,5 +304,59 @@ mod tests {
         let two = plan(&cfg, &inputs(2, 16384, Some(Recompute::EVERY_LAYER)));
         assert!(check(&two, 141 * (1u64 << 30)).is_ok());
         assert!(check(&two, h100).is_err());
+    }
+
+    #[test]
+    fn zero_3_holds_whole_only_the_layers_it_gathers() {
+        let cfg = qwen3(4096, 12288, 36, 32, false);
+        let stage = |zero_stage, recompute| MemoryInputs {
+            zero_stage,
+            ..inputs(2, 16384, recompute)
+        };
+        let two = plan(&cfg, &stage(2, Some(Recompute::EVERY_LAYER)));
+        let three = plan(&cfg, &stage(3, Some(Recompute::EVERY_LAYER)));
+        // Same shards of the optimizer state; weights and gradients of the embedding,
+        // head, final norm and one layer instead of all 36.
+        assert_eq!(
+            (two.master_weights, two.adam_moments, two.shards),
+            (three.master_weights, three.adam_moments, three.shards)
+        );
+        let whole = 2 * (outer_parameter_count(&cfg) + layer_parameter_count(&cfg));
+        assert_eq!((three.weights, three.gradients), (whole, whole));
+        assert!(three.static_bytes() < two.static_bytes());
+        // 8B over two ranks: ZeRO-2's static state does not fit an 80 GB card, ZeRO-3's does.
+        let h100 = 80 * (1u64 << 30);
+        assert!(check(&two, h100).is_err());
+        assert!(check(&three, h100).is_ok(), "{three:?}");
+        // Uniform groups of 4 gather four layers at once; block keeps its tail gathered.
+        let four = plan(
+            &cfg,
+            &stage(
+                3,
+                Some(Recompute {
+                    method: manta_model::RecomputeMethod::Uniform,
+                    num_layers: 4,
+                }),
+            ),
+        );
+        assert_eq!(
+            four.weights - three.weights,
+            3 * 2 * layer_parameter_count(&cfg)
+        );
+        let block = Recompute {
+            method: manta_model::RecomputeMethod::Block,
+            num_layers: 30,
+        };
+        assert_eq!(gathered_layers(36, Some(block)), 7);
+        assert_eq!(gathered_layers(36, None), 36);
+        // Without recompute every layer is gathered: ZeRO-3 saves nothing on weights,
+        // and 8B still does not fit one 80 GB card per rank.
+        let kept = plan(&cfg, &stage(3, None));
+        assert_eq!(kept.weights, two.weights);
+        let err = check(&kept, h100).unwrap_err().to_string();
+        assert!(
+            err.contains("ZeRO shards") && err.contains("80.0 GiB"),
+            "{err}"
+        );
     }
 }

@@ -5,13 +5,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use manta_core::Sample;
-use manta_model::{Attention, CausalLm, ModelConfig, ModelError, Recompute, RecomputeError};
+use manta_model::{
+    Attention, CausalLm, LayerHooks, ModelConfig, ModelError, NoHooks, Recompute, RecomputeError,
+};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
 use crate::batch::{micro_batches, MicroBatchLayout};
 use crate::data_parallel::metrics::all_reduce_metrics;
+use crate::data_parallel::zero::OUTER_BUCKET;
 use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ZeroAdamW};
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
@@ -19,6 +22,14 @@ use crate::loss::{
 use crate::memory_plan;
 use crate::optimizer::{AdamW, AdamWConfig};
 use crate::schedule::LrSchedule;
+
+/// How a data-parallel group shards the training state.
+enum Sharding {
+    /// Optimizer state and reduced gradients (buckets of this many elements).
+    Zero2 { bucket_numel: usize },
+    /// Parameters too, a decoder layer per shard group.
+    Zero3,
+}
 
 /// Weights by HF name, as handed to weight sync.
 pub type NamedTensors = Vec<(String, Tensor)>;
@@ -236,19 +247,67 @@ impl Packed {
         self.targets.size()[0]
     }
 
-    /// Log-probs of the trained tokens under `model`, without autograd.
-    fn logprobs(&self, model: &CausalLm, temperature: f64, chunk: i64) -> Tensor {
+    /// Log-probs of the trained tokens under `model`, without autograd; `hooks` gather
+    /// ZeRO-3's layers ([`NoHooks`] otherwise).
+    fn logprobs<H: LayerHooks>(
+        &self,
+        model: &CausalLm,
+        hooks: &mut H,
+        temperature: f64,
+        chunk: i64,
+    ) -> Result<Tensor, H::Error> {
         tch::no_grad(|| {
-            let hidden =
-                model.forward_hidden(&self.input, &self.positions, &self.attention(), None);
+            let hidden = model.forward_hidden_hooked(
+                &self.input,
+                &self.positions,
+                &self.attention(),
+                hooks,
+            )?;
             let selected = hidden
                 .view([self.rows * self.width, -1])
                 .index_select(0, &self.gather);
-            manta_model::token_logprobs(model, &selected, &self.targets, temperature, chunk)
-                .0
-                .to_kind(Kind::Float)
+            Ok(
+                manta_model::token_logprobs(model, &selected, &self.targets, temperature, chunk)
+                    .0
+                    .to_kind(Kind::Float),
+            )
         })
     }
+}
+
+/// Never fails: the unhooked passes' result.
+fn infallible<T>(r: Result<T, std::convert::Infallible>) -> T {
+    match r {
+        Ok(t) => t,
+        Err(never) => match never {},
+    }
+}
+
+/// ZeRO-3's [`LayerHooks`]: decoder layer `i` is the optimizer's bucket `i + 1`.
+struct Zero3Hooks<'a>(&'a mut ZeroAdamW);
+
+impl LayerHooks for Zero3Hooks<'_> {
+    type Error = CollectiveError;
+
+    fn gather(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        self.0.gather_bucket(layer + 1)
+    }
+
+    fn release(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        self.0.release_bucket(layer + 1);
+        Ok(())
+    }
+
+    fn reduce(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        self.0.reduce_bucket(layer + 1)
+    }
+}
+
+/// A one-row, two-token input for ZeRO-3's filler passes.
+fn filler_input(device: Device) -> (Tensor, Tensor) {
+    let ids = Tensor::zeros([1, 2], (Kind::Int64, device));
+    let positions = Tensor::arange(2, (Kind::Int64, device)).unsqueeze(0);
+    (ids, positions)
 }
 
 /// On a GPU: logs what a rank will hold and refuses, before anything is allocated, a
@@ -258,6 +317,7 @@ fn check_memory(
     opts: &TrainerOptions,
     bf16: bool,
     ranks: usize,
+    zero_stage: u8,
 ) -> Result<(), TrainerError> {
     let Device::Cuda(index) = opts.device else {
         return Ok(());
@@ -267,6 +327,7 @@ fn check_memory(
         &memory_plan::MemoryInputs {
             tokens_per_gpu: opts.max_tokens_per_gpu,
             data_parallel: ranks,
+            zero_stage,
             bf16,
             recompute: opts.recompute,
             reference: opts.algo.loss.use_kl_loss,
@@ -312,17 +373,44 @@ impl Trainer {
         comm: Box<dyn Collective>,
         bucket_numel: usize,
     ) -> Result<Self, TrainerError> {
-        Self::build(opts, Some((comm, bucket_numel)))
+        Self::build(opts, Some((comm, Sharding::Zero2 { bucket_numel })))
+    }
+
+    /// A ZeRO-3 rank (`--zero-stage 3`): as [`Trainer::new_data_parallel`], and the
+    /// bf16 (or fp32) parameters are sharded too — one shard group per decoder layer
+    /// and one for the embedding, final norm and LM head. A layer's parameters are
+    /// all-gathered just before its forward and again before its backward (or kept from
+    /// one to the other for layers not recomputed), its gradients reduce-scattered into
+    /// this rank's fp32 slice as soon as its backward ends; the embedding, norm and head
+    /// are gathered for a whole micro-batch. At rest a rank holds only its slices.
+    /// Every rank runs as many micro-batches (a rank with fewer fills in with passes of
+    /// two tokens and no loss), so their collectives pair up. Refused with one rank.
+    pub fn new_zero3(
+        opts: TrainerOptions,
+        comm: Box<dyn Collective>,
+    ) -> Result<Self, TrainerError> {
+        if comm.world_size() < 2 {
+            return Err(TrainerError::Config(format!(
+                "--zero-stage 3 shards the parameters over the data-parallel ranks and needs \
+                 at least two; this group has {}",
+                comm.world_size()
+            )));
+        }
+        Self::build(opts, Some((comm, Sharding::Zero3)))
     }
 
     fn build(
         opts: TrainerOptions,
-        group: Option<(Box<dyn Collective>, usize)>,
+        group: Option<(Box<dyn Collective>, Sharding)>,
     ) -> Result<Self, TrainerError> {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
         let bf16 = opts.bf16.unwrap_or(opts.device.is_cuda());
         let ranks = group.as_ref().map_or(1, |(comm, _)| comm.world_size());
-        check_memory(&cfg, &opts, bf16, ranks)?;
+        let zero_stage = match &group {
+            Some((_, Sharding::Zero3)) => 3,
+            _ => 2,
+        };
+        check_memory(&cfg, &opts, bf16, ranks, zero_stage)?;
         tch::manual_seed(opts.seed as i64);
         let mut vs = nn::VarStore::new(opts.device);
         let mut model = CausalLm::new(&vs.root(), &cfg);
@@ -346,10 +434,18 @@ impl Trainer {
         }
         // Before the reference copy: data parallel starts every rank from rank 0's weights.
         let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
-        let optimizer = match group {
-            Some((comm, bucket_numel)) if comm.world_size() > 1 => RankOptimizer::Sharded(
-                Box::new(ZeroAdamW::new(params, opts.adam, comm, bucket_numel)?),
-            ),
+        let mut optimizer = match group {
+            Some((comm, Sharding::Zero3)) => RankOptimizer::Sharded(Box::new(
+                ZeroAdamW::new_stage3(params, opts.adam, comm, cfg.num_hidden_layers as usize)?,
+            )),
+            Some((comm, Sharding::Zero2 { bucket_numel })) if comm.world_size() > 1 => {
+                RankOptimizer::Sharded(Box::new(ZeroAdamW::new(
+                    params,
+                    opts.adam,
+                    comm,
+                    bucket_numel,
+                )?))
+            }
             _ => RankOptimizer::Whole(AdamW::new(params, opts.adam)),
         };
         let reference = if opts.algo.loss.use_kl_loss {
@@ -368,6 +464,11 @@ impl Trainer {
         } else {
             None
         };
+        // ZeRO-3: the reference (a whole model, as in ZeRO-2) has copied rank 0's weights;
+        // from here on a rank holds only its slices.
+        if let Some(zero) = optimizer.zero3_mut() {
+            zero.release_all();
+        }
         Ok(Self {
             vs,
             model,
@@ -421,8 +522,20 @@ impl Trainer {
     }
 
     /// Handles to the current weights by HF name. They alias the trainer's parameters:
-    /// read them before the next step (weight sync runs between steps).
+    /// read them before the next step (weight sync runs between steps). ZeRO-3: full
+    /// copies gathered from the ranks (every rank must call it; panics if the group
+    /// fails, see [`Trainer::visit_weights`] for a layer at a time).
     pub fn export_weights(&self) -> NamedTensors {
+        if let Some(zero) = self.optimizer.zero3() {
+            let mut named = NamedTensors::new();
+            zero.visit_buckets(|views| {
+                named.extend(views);
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 weights: {e}"));
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+            return named;
+        }
         let mut named: NamedTensors = self
             .vs
             .variables()
@@ -431,6 +544,29 @@ impl Trainer {
             .collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         named
+    }
+
+    /// The current weights by HF name, a shard group at a time (ZeRO-3: one decoder
+    /// layer, or the embedding, final norm and head, gathered from the ranks — every rank
+    /// must call it), so a reader (weight sync, HF export) never needs the whole model
+    /// on the device beside its shards. Without ZeRO-3, one call with every weight.
+    pub fn visit_weights(
+        &self,
+        visit: impl FnMut(NamedTensors) -> Result<(), TrainerError>,
+    ) -> Result<(), TrainerError> {
+        match self.optimizer.zero3() {
+            Some(zero) => zero.visit_buckets(visit),
+            None => {
+                let mut visit = visit;
+                visit(self.export_weights())
+            }
+        }
+    }
+
+    /// ZeRO-3: the bytes this rank's parameters hold now (only its slices, which live
+    /// in the optimizer, at rest: 0); `None` without ZeRO-3.
+    pub fn zero3_parameter_bytes(&self) -> Option<usize> {
+        self.optimizer.zero3().map(ZeroAdamW::parameter_bytes)
     }
 
     /// Rejects batches the model cannot train on, naming the sample and field.
@@ -469,6 +605,13 @@ impl Trainer {
         &mut self,
         batch: &TrainBatch,
     ) -> Result<(BTreeMap<String, f64>, NamedTensors), TrainerError> {
+        if self.optimizer.zero3().is_some() {
+            return Err(TrainerError::Config(
+                "--zero-stage 3: per-parameter gradients are reduce-scattered as each layer's \
+                 backward ends, so Trainer::gradients has none to return"
+                    .into(),
+            ));
+        }
         self.check_batch(batch)?;
         self.optimizer.zero_grad();
         let lengths: Vec<usize> = batch.samples.iter().map(|s| s.tokens.len()).collect();
@@ -534,26 +677,11 @@ impl Trainer {
         let budget = self.opts.max_tokens_per_gpu;
         // π_old: the weights before this rollout's first update. With one update per
         // rollout the current weights are those, so no extra pass is needed.
-        let old: Option<Vec<Tensor>> = (steps > 1).then(|| {
-            micro_batches(&lengths, budget, self.opts.layout)
-                .into_iter()
-                .flat_map(|r| {
-                    let samples = &batch.samples[r];
-                    let packed = Packed::new(
-                        samples,
-                        self.opts.device,
-                        self.opts.layout == MicroBatchLayout::Packed,
-                    );
-                    let lp = packed.logprobs(
-                        &self.model,
-                        self.opts.temperature,
-                        self.opts.logprob_chunk,
-                    );
-                    let sizes: Vec<i64> = packed.masks.iter().map(|m| m.len() as i64).collect();
-                    lp.split_with_sizes(&sizes, 0)
-                })
-                .collect()
-        });
+        let old = if steps > 1 {
+            Some(self.old_logprobs(batch, &lengths, budget)?)
+        } else {
+            None
+        };
         let n = batch.samples.len();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut lr = self.opts.adam.lr;
@@ -625,6 +753,87 @@ impl Trainer {
         Ok(m)
     }
 
+    /// π_old's log-probs of every sample's trained tokens, one tensor per sample. ZeRO-3
+    /// gathers the layers as the passes reach them and pads this rank's passes to the
+    /// ranks' most with two-token ones.
+    fn old_logprobs(
+        &mut self,
+        batch: &TrainBatch,
+        lengths: &[usize],
+        budget: usize,
+    ) -> Result<Vec<Tensor>, TrainerError> {
+        let ranges = micro_batches(lengths, budget, self.opts.layout);
+        let pack = self.opts.layout == MicroBatchLayout::Packed;
+        let (device, temperature, chunk) = (
+            self.opts.device,
+            self.opts.temperature,
+            self.opts.logprob_chunk,
+        );
+        let fillers = self.zero3_fillers(ranges.len())?;
+        let mut out = Vec::new();
+        for r in ranges {
+            let packed = Packed::new(&batch.samples[r], device, pack);
+            let lp = match self.optimizer.zero3_mut() {
+                None => infallible(packed.logprobs(&self.model, &mut NoHooks, temperature, chunk)),
+                Some(zero) => {
+                    zero.gather_bucket(OUTER_BUCKET)?;
+                    let lp =
+                        packed.logprobs(&self.model, &mut Zero3Hooks(zero), temperature, chunk);
+                    zero.release_bucket(OUTER_BUCKET);
+                    lp?
+                }
+            };
+            let sizes: Vec<i64> = packed.masks.iter().map(|m| m.len() as i64).collect();
+            out.extend(lp.split_with_sizes(&sizes, 0));
+        }
+        for _ in 0..fillers {
+            self.zero3_filler_pass(false)?;
+        }
+        Ok(out)
+    }
+
+    /// ZeRO-3: how many filler passes this rank adds to its `own` so that every rank
+    /// makes as many (0 without ZeRO-3).
+    fn zero3_fillers(&self, own: usize) -> Result<usize, TrainerError> {
+        let Some(zero) = self.optimizer.zero3() else {
+            return Ok(0);
+        };
+        let mut most = [own as f64];
+        zero.collective()
+            .all_reduce_f64(&mut most, crate::data_parallel::ReduceOp::Max)?;
+        Ok(most[0] as usize - own)
+    }
+
+    /// ZeRO-3: a pass over two tokens that adds nothing (no loss, zero gradients) but
+    /// makes the same gathers and reduce-scatters as a real micro-batch, for a rank
+    /// that has run out of its own; `backward` as a training micro-batch, else as a
+    /// log-prob pass.
+    fn zero3_filler_pass(&mut self, backward: bool) -> Result<(), TrainerError> {
+        let (ids, positions) = filler_input(self.opts.device);
+        let attention = Attention::Causal { key_mask: None };
+        let Some(zero) = self.optimizer.zero3_mut() else {
+            return Ok(());
+        };
+        zero.gather_bucket(OUTER_BUCKET)?;
+        let mut hooks = Zero3Hooks(zero);
+        if backward {
+            let _ = tch::with_grad(|| {
+                self.model
+                    .forward_backward_hooked(&ids, &positions, &attention, &mut hooks, |h| {
+                        h.sum(Kind::Float) * 0.0
+                    })
+            })?;
+            hooks.0.reduce_bucket(OUTER_BUCKET)?;
+        } else {
+            let _ = tch::no_grad(|| {
+                self.model
+                    .forward_hidden_hooked(&ids, &positions, &attention, &mut hooks)
+            })?;
+            hooks.0.release_bucket(OUTER_BUCKET);
+        }
+        Ok(())
+    }
+
     /// Runs the micro-batches `ranges` (indices into `batch`). A micro-batch that runs
     /// out of memory is split in halves and retried; a single sample that still does not
     /// fit is skipped (it adds nothing to the loss) and counted. Returns the count.
@@ -642,6 +851,16 @@ impl Trainer {
         global_tokens: usize,
         acc: &mut Accumulator,
     ) -> Result<usize, TrainerError> {
+        if self.optimizer.zero3().is_some() {
+            return self.run_zero3_micro_batches(
+                batch,
+                ranges,
+                old,
+                global_samples,
+                global_tokens,
+                acc,
+            );
+        }
         let mut queue: std::collections::VecDeque<_> = ranges.into();
         let mut skipped = 0;
         while let Some(r) = queue.pop_front() {
@@ -671,6 +890,46 @@ impl Trainer {
             }
         }
         Ok(skipped)
+    }
+
+    /// [`Trainer::run_micro_batches`] of a ZeRO-3 rank: every rank runs as many passes
+    /// (fillers after its own), each pass's layers gathered and reduced in the same
+    /// order. A micro-batch out of memory is not split (the other ranks are already in
+    /// its collectives): the step fails.
+    fn run_zero3_micro_batches(
+        &mut self,
+        batch: &TrainBatch,
+        ranges: Vec<std::ops::Range<usize>>,
+        old: Option<&[Tensor]>,
+        global_samples: usize,
+        global_tokens: usize,
+        acc: &mut Accumulator,
+    ) -> Result<usize, TrainerError> {
+        let fillers = self.zero3_fillers(ranges.len())?;
+        for r in ranges {
+            let mut local = Accumulator::default();
+            match self.try_micro_step(
+                &batch.samples[r.clone()],
+                &batch.advantages[r.clone()],
+                old.map(|o| &o[r.clone()]),
+                global_samples,
+                global_tokens,
+                &mut local,
+            ) {
+                Ok(()) => acc.merge(local),
+                Err(TrainerError::OutOfMemory(msg)) => {
+                    return Err(TrainerError::OutOfMemory(format!(
+                        "{msg} (--zero-stage 3 cannot split a micro-batch: lower \
+                         --max-tokens-per-gpu)"
+                    )))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for _ in 0..fillers {
+            self.zero3_filler_pass(true)?;
+        }
+        Ok(0)
     }
 
     /// [`Trainer::micro_step`], with libtorch's out-of-memory panics turned into
@@ -739,7 +998,8 @@ impl Trainer {
             self.opts.layout == MicroBatchLayout::Packed,
         );
         if packed.tokens() == 0 {
-            return Ok(());
+            // ZeRO-3: the other ranks still expect this pass's collectives.
+            return self.zero3_filler_pass(true);
         }
         let loss_opts = self.opts.algo.loss;
         let weights = if loss_opts.calculate_per_token_loss {
@@ -762,73 +1022,95 @@ impl Trainer {
         let w = Tensor::from_slice(&weights).to(device);
         let old = old.map(|o| Tensor::cat(o, 0).to(device));
         let ref_logp = self.reference.as_ref().map(|(_, model)| {
-            packed.logprobs(model, self.opts.temperature, self.opts.logprob_chunk)
+            infallible(packed.logprobs(
+                model,
+                &mut NoHooks,
+                self.opts.temperature,
+                self.opts.logprob_chunk,
+            ))
         });
         let (model, opts) = (&self.model, &self.opts);
         let (rows, width) = (packed.rows, packed.width);
         // forward_backward recomputes each layer in backward when gradient checkpointing
         // is on; the loss closure also collects the step's metrics.
-        let _ = self.model.forward_backward(
-            &packed.input,
-            &packed.positions,
-            &packed.attention(),
-            |hidden| {
-                let selected = hidden
-                    .view([rows * width, -1])
-                    .index_select(0, &packed.gather);
-                let (logp, entropy) = if loss_opts.entropy_coef != 0.0 {
-                    // The entropy bonus needs its gradient: full log-softmax with autograd.
-                    let mut logits = model.logits_f32(&selected);
-                    if opts.temperature != 1.0 {
-                        logits /= opts.temperature;
-                    }
-                    let all = logits.log_softmax(-1, None::<Kind>);
-                    let logp = all
-                        .gather(-1, &packed.targets.unsqueeze(-1), false)
-                        .squeeze_dim(-1);
-                    let entropy = -(all.exp() * &all).sum_dim_intlist(-1, false, None::<Kind>);
-                    (logp, entropy)
-                } else {
-                    let (logp, entropy) = manta_model::token_logprobs(
-                        model,
-                        &selected,
-                        &packed.targets,
-                        opts.temperature,
-                        opts.logprob_chunk,
-                    );
-                    (logp.to_kind(Kind::Float), entropy.to_kind(Kind::Float))
-                };
-                let train_logp = old
-                    .as_ref()
-                    .map_or_else(|| logp.detach(), |o| o.shallow_clone());
-                let old_logp = if opts.use_rollout_logprobs {
-                    rollout_lp.shallow_clone()
-                } else {
-                    train_logp.shallow_clone()
-                };
-                let terms = policy_objective(
-                    &TokenBatch {
-                        logp: &logp,
-                        entropy: &entropy,
-                        old_logp: &old_logp,
-                        train_logp: &train_logp,
-                        rollout_logp: &rollout_lp,
-                        ref_logp: ref_logp.as_ref(),
-                        advantages: &adv,
-                        weights: &w,
-                        segment: &packed.segment,
-                        counts: &packed.counts,
-                        use_rollout_logprobs: opts.use_rollout_logprobs,
-                    },
-                    opts.clip,
-                    &loss_opts,
-                );
-                for (name, v) in terms.metrics {
-                    *acc.metrics.entry(name).or_default() += v;
+        let loss_fn = |hidden: &Tensor| {
+            let selected = hidden
+                .view([rows * width, -1])
+                .index_select(0, &packed.gather);
+            let (logp, entropy) = if loss_opts.entropy_coef != 0.0 {
+                // The entropy bonus needs its gradient: full log-softmax with autograd.
+                let mut logits = model.logits_f32(&selected);
+                if opts.temperature != 1.0 {
+                    logits /= opts.temperature;
                 }
-                terms.loss
-            },
-        );
+                let all = logits.log_softmax(-1, None::<Kind>);
+                let logp = all
+                    .gather(-1, &packed.targets.unsqueeze(-1), false)
+                    .squeeze_dim(-1);
+                let entropy = -(all.exp() * &all).sum_dim_intlist(-1, false, None::<Kind>);
+                (logp, entropy)
+            } else {
+                let (logp, entropy) = manta_model::token_logprobs(
+                    model,
+                    &selected,
+                    &packed.targets,
+                    opts.temperature,
+                    opts.logprob_chunk,
+                );
+                (logp.to_kind(Kind::Float), entropy.to_kind(Kind::Float))
+            };
+            let train_logp = old
+                .as_ref()
+                .map_or_else(|| logp.detach(), |o| o.shallow_clone());
+            let old_logp = if opts.use_rollout_logprobs {
+                rollout_lp.shallow_clone()
+            } else {
+                train_logp.shallow_clone()
+            };
+            let terms = policy_objective(
+                &TokenBatch {
+                    logp: &logp,
+                    entropy: &entropy,
+                    old_logp: &old_logp,
+                    train_logp: &train_logp,
+                    rollout_logp: &rollout_lp,
+                    ref_logp: ref_logp.as_ref(),
+                    advantages: &adv,
+                    weights: &w,
+                    segment: &packed.segment,
+                    counts: &packed.counts,
+                    use_rollout_logprobs: opts.use_rollout_logprobs,
+                },
+                opts.clip,
+                &loss_opts,
+            );
+            for (name, v) in terms.metrics {
+                *acc.metrics.entry(name).or_default() += v;
+            }
+            terms.loss
+        };
+        let attention = packed.attention();
+        match self.optimizer.zero3_mut() {
+            None => {
+                let _ = self.model.forward_backward(
+                    &packed.input,
+                    &packed.positions,
+                    &attention,
+                    loss_fn,
+                );
+            }
+            Some(zero) => {
+                zero.gather_bucket(OUTER_BUCKET)?;
+                let _ = self.model.forward_backward_hooked(
+                    &packed.input,
+                    &packed.positions,
+                    &attention,
+                    &mut Zero3Hooks(&mut *zero),
+                    loss_fn,
+                )?;
+                zero.reduce_bucket(OUTER_BUCKET)?;
+            }
+        }
         acc.tokens += packed.tokens() as usize;
         Ok(())
     }
@@ -882,12 +1164,38 @@ impl Trainer {
         };
         let tmp = dir.with_extension("tmp");
         let rank0 = comm.rank() == 0;
+        // ZeRO-3: every rank takes part in gathering the weights a shard group at a time;
+        // rank 0 keeps host copies to write (the device holds one group beyond its shards).
+        let gathered: Option<NamedTensors> = match self.optimizer.zero3() {
+            Some(zero) => {
+                let mut named = NamedTensors::new();
+                zero.visit_buckets(|views| {
+                    if rank0 {
+                        named.extend(
+                            views
+                                .into_iter()
+                                .map(|(k, t)| (k, t.to_device(Device::Cpu))),
+                        );
+                    }
+                    Ok(())
+                })?;
+                Some(named)
+            }
+            None => None,
+        };
         let weights = || -> Result<(), TrainerError> {
             if tmp.exists() {
                 std::fs::remove_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
             }
             std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
-            manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?;
+            match &gathered {
+                Some(named) => manta_model::save_pretrained_tensors(
+                    named.iter().map(|(k, t)| (k.clone(), t.shallow_clone())),
+                    self.model.config(),
+                    &tmp,
+                )?,
+                None => manta_model::save_pretrained(&self.vs, self.model.config(), &tmp)?,
+            }
             fault::crash_mid_save_if_asked(&tmp, step);
             let state = TrainerState {
                 step,
@@ -926,7 +1234,11 @@ impl Trainer {
                 .map_err(|e| err(format!("trainer_state.json: {e}")))?;
             let state: TrainerState =
                 serde_json::from_str(&text).map_err(|e| err(format!("trainer_state.json: {e}")))?;
-            manta_model::load_weights(&mut self.vs, dir)?;
+            // ZeRO-3's parameters hold nothing at rest: its optimizer shards (the fp32
+            // masters) restore them.
+            if self.optimizer.zero3().is_none() {
+                manta_model::load_weights(&mut self.vs, dir)?;
+            }
             Ok(state)
         })();
         // Data parallel: the optimizer's load runs collectives, so every rank first learns

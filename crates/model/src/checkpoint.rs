@@ -222,9 +222,19 @@ impl View for VarView {
 /// Every variable of `vs` is written under its name, with `{"format": "pt"}` metadata as
 /// transformers requires.
 pub fn save_pretrained(vs: &VarStore, cfg: &ModelConfig, dir: &Path) -> Result<(), ModelError> {
+    save_pretrained_tensors(vs.variables(), cfg, dir)
+}
+
+/// [`save_pretrained`] of named tensors instead of a `VarStore`'s variables (weights
+/// gathered from ranks that each hold a shard, ZeRO-3).
+pub fn save_pretrained_tensors(
+    tensors: impl IntoIterator<Item = (String, Tensor)>,
+    cfg: &ModelConfig,
+    dir: &Path,
+) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut views: BTreeMap<String, VarView> = BTreeMap::new();
-    for (name, var) in vs.variables() {
+    for (name, var) in tensors {
         if cfg.tie_word_embeddings && name == "lm_head.weight" {
             continue;
         }

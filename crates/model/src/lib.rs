@@ -12,9 +12,11 @@ pub use transformer::{
     PagedSeq, SegmentKernel,
 };
 pub mod checkpoint;
-pub use checkpoint::{load_weights, save_pretrained};
+pub use checkpoint::{load_weights, save_pretrained, save_pretrained_tensors};
 pub mod logprobs;
 pub use logprobs::token_logprobs;
+pub mod layer_hooks;
+pub use layer_hooks::{LayerHooks, NoHooks};
 pub mod recompute;
 pub use recompute::{Recompute, RecomputeError, RecomputeMethod};
 pub mod error;

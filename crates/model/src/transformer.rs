@@ -11,6 +11,7 @@ use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
+use crate::layer_hooks::{LayerHooks, NoHooks};
 use crate::recompute::{Recompute, RecomputeError};
 
 mod invariant;
@@ -878,13 +879,40 @@ impl CausalLm {
         attn: &Attention,
         loss_fn: impl FnOnce(&Tensor) -> Tensor,
     ) -> Tensor {
+        match self.forward_backward_hooked(input_ids, position_ids, attn, &mut NoHooks, loss_fn) {
+            Ok(loss) => loss,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`CausalLm::forward_backward`] calling `hooks` around each decoder layer
+    /// (crate::layer_hooks: ZeRO-3 gathers a layer's parameters there and reduces its
+    /// gradients). Kept units (no recompute, or `block`'s tail) stay gathered from
+    /// their forward to their backward, since their graph reads the parameters then;
+    /// recomputed units hold one unit's parameters at a time. The embedding, final norm
+    /// and LM head must be whole throughout. A hook's error stops the pass.
+    pub fn forward_backward_hooked<H: LayerHooks>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        hooks: &mut H,
+        loss_fn: impl FnOnce(&Tensor) -> Tensor,
+    ) -> Result<Tensor, H::Error> {
+        let layers = self.layers.len();
         let Some(recompute) = self.recompute else {
+            for i in 0..layers {
+                hooks.gather(i)?;
+            }
             let hidden = self.forward_hidden(input_ids, position_ids, attn, None);
             let loss = loss_fn(&hidden);
             loss.backward();
-            return loss.detach();
+            for i in (0..layers).rev() {
+                hooks.reduce(i)?;
+            }
+            return Ok(loss.detach());
         };
-        let units = recompute.units(self.layers.len());
+        let units = recompute.units(layers);
         let (embedded, ctx) = tch::no_grad(|| self.prepare(input_ids, position_ids, attn, 0));
         let run = |range: &std::ops::Range<usize>, x: &Tensor| {
             self.layers[range.clone()]
@@ -897,10 +925,18 @@ impl CausalLm {
         let mut x = embedded;
         for (range, recomputed) in &units {
             if *recomputed {
-                let next = tch::no_grad(|| run(range, &x));
+                let mut next = x.shallow_clone();
+                for i in range.clone() {
+                    hooks.gather(i)?;
+                    next = tch::no_grad(|| self.layers[i].forward(&next, &ctx, None));
+                    hooks.release(i)?;
+                }
                 saved.push((x, None));
                 x = next;
             } else {
+                for i in range.clone() {
+                    hooks.gather(i)?;
+                }
                 let input = x.detach().set_requires_grad(true);
                 let out = run(range, &input);
                 saved.push((input, Some(out.shallow_clone())));
@@ -917,7 +953,14 @@ impl CausalLm {
         let loss = loss_fn(&self.norm.forward(&last));
         loss.backward();
         let mut grad = match saved.pop() {
-            Some((input, Some(_))) => input.grad(),
+            Some((input, Some(_))) => {
+                if let Some((range, _)) = units.last() {
+                    for i in range.clone().rev() {
+                        hooks.reduce(i)?;
+                    }
+                }
+                input.grad()
+            }
             other => {
                 saved.extend(other);
                 last.grad()
@@ -927,6 +970,9 @@ impl CausalLm {
             let (input, out) = match out {
                 Some(out) => (input, out),
                 None => {
+                    for i in range.clone() {
+                        hooks.gather(i)?;
+                    }
                     let input = input.detach().set_requires_grad(true);
                     let out = run(range, &input);
                     (input, out)
@@ -935,9 +981,32 @@ impl CausalLm {
             // d(sum(out * g))/d(out) = g: a vector-Jacobian product through this unit.
             (out * &grad).sum(None::<Kind>).backward();
             grad = input.grad();
+            for i in range.clone().rev() {
+                hooks.reduce(i)?;
+            }
         }
         let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         (embedded * &grad).sum(None::<Kind>).backward();
-        loss.detach()
+        Ok(loss.detach())
+    }
+
+    /// [`CausalLm::forward_hidden`] without a cache, for passes with no backward
+    /// (log-probs): each layer's parameters are gathered just before it runs and
+    /// released right after (crate::layer_hooks). The embedding and final norm must be
+    /// whole.
+    pub fn forward_hidden_hooked<H: LayerHooks>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        attn: &Attention,
+        hooks: &mut H,
+    ) -> Result<Tensor, H::Error> {
+        let (mut x, ctx) = self.prepare(input_ids, position_ids, attn, 0);
+        for (i, layer) in self.layers.iter().enumerate() {
+            hooks.gather(i)?;
+            x = layer.forward(&x, &ctx, None);
+            hooks.release(i)?;
+        }
+        Ok(self.norm.forward(&x))
     }
 }

@@ -100,6 +100,45 @@ impl FlatLayout {
         }
     }
 
+    /// One bucket per group of `groups`, in order (ZeRO-3: a group is what is gathered
+    /// and reduced together, one decoder layer or the embedding, final norm and head),
+    /// each padded and split evenly over `world` ranks as [`FlatLayout::new`]'s buckets.
+    pub fn grouped(groups: &[Vec<(String, Vec<i64>)>], world: usize) -> Self {
+        let world = world.max(1);
+        let mut slots = Vec::new();
+        let mut buckets: Vec<Bucket> = Vec::with_capacity(groups.len());
+        for group in groups {
+            let first = slots.len();
+            let mut filled = 0;
+            for (name, shape) in group {
+                let numel = shape.iter().product::<i64>().max(0) as usize;
+                slots.push(ParamSlot {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    numel,
+                    bucket: buckets.len(),
+                    offset: filled,
+                });
+                filled += numel;
+            }
+            let shard = filled.div_ceil(world).div_ceil(SHARD_ALIGN) * SHARD_ALIGN;
+            let shard_offset = buckets.last().map_or(0, |b| b.shard_offset + b.shard);
+            buckets.push(Bucket {
+                params: first..slots.len(),
+                numel: filled,
+                shard,
+                shard_offset,
+            });
+        }
+        let shard_numel = buckets.last().map_or(0, |b| b.shard_offset + b.shard);
+        Self {
+            world,
+            params: slots,
+            buckets,
+            shard_numel,
+        }
+    }
+
     /// The elements of the flattened parameter list (no padding) rank `rank` owns, as
     /// (bucket, range within the bucket's padded buffer, clipped to real elements).
     pub fn owned(&self, rank: usize) -> Vec<(usize, Range<usize>)> {
@@ -139,5 +178,21 @@ mod tests {
         assert_eq!(one.buckets.len(), 1);
         assert_eq!(one.params[2].offset, 22);
         assert_eq!(one.shard_numel, one.buckets[0].shard);
+    }
+
+    #[test]
+    fn grouped_layouts_make_one_bucket_per_group() {
+        let groups = vec![
+            vec![p("embed", &[10, 4]), p("norm", &[4])],
+            vec![p("layer0.a", &[4, 4]), p("layer0.b", &[3])],
+        ];
+        let l = FlatLayout::grouped(&groups, 2);
+        let ranges: Vec<_> = l.buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(ranges, vec![0..2, 2..4]);
+        assert_eq!((l.buckets[0].numel, l.buckets[1].numel), (44, 19));
+        assert_eq!(l.params[3].offset, 16);
+        assert_eq!(l.params[3].bucket, 1);
+        assert_eq!(l.buckets[1].shard_offset, l.buckets[0].shard);
+        assert_eq!(l.shard_numel, 2 * SHARD_ALIGN);
     }
 }

@@ -1,4 +1,5 @@
-//! Data parallel training: one trainer rank per GPU, any count, with ZeRO-2.
+//! Data parallel training: one trainer rank per GPU, any count, with ZeRO-2 (or ZeRO-3:
+//! the parameters sharded too, see [`zero`]).
 //!
 //! - [`Collective`]: what a rank needs from its group (reduce-scatter, all-gather,
 //!   all-reduce, broadcast on flat contiguous tensors), with two backends:
@@ -9,7 +10,9 @@
 //!   evenly across the ranks.
 //! - [`zero`]: the ZeRO-2 optimizer — fp32 masters and AdamW moments of this rank's
 //!   shard only; gradients reduce-scattered bucket by bucket; updated shards all-gathered
-//!   into every rank's model.
+//!   into every rank's model. ZeRO-3 ([`ZeroAdamW::new_stage3`]): a bucket per decoder
+//!   layer, gathered into the model when the decoder reaches it
+//!   (`manta_model::LayerHooks`) and reduce-scattered as its backward ends.
 //! - [`metrics`]: summing the step's loss metrics over the ranks.
 //!
 //! Loss normalisation: each rank's loss weights divide by the *global* count (samples,

@@ -37,7 +37,28 @@ pub struct ZeroAdamW {
     param_shard: Tensor,
     /// Whether `grad` holds this step's reduced gradients.
     reduced: bool,
+    /// ZeRO-3: the parameters hold no values at rest (only `param_shard`, this rank's
+    /// slice); a bucket is one decoder layer (or the embedding, final norm and head),
+    /// gathered before use and reduce-scattered into `grad` (accumulating over
+    /// micro-batches) as soon as its backward is done.
+    stage3: bool,
     step: u64,
+}
+
+/// ZeRO-3's bucket of the embedding, final norm and LM head; decoder layer `i` is
+/// bucket `i + 1`.
+pub const OUTER_BUCKET: usize = 0;
+
+/// The kind every parameter shares (one for all: fp32, or bf16 with `--bf16`).
+fn check_one_kind(params: &BTreeMap<String, Tensor>) -> Result<Kind, CollectiveError> {
+    let kind = params.values().next().map_or(Kind::Float, Tensor::kind);
+    if let Some((name, t)) = params.iter().find(|(_, t)| t.kind() != kind) {
+        return Err(CollectiveError::BadTensor {
+            op: "zero",
+            message: format!("parameter {name} is {:?}, others {kind:?}", t.kind()),
+        });
+    }
+    Ok(kind)
 }
 
 fn flat_bucket(
@@ -93,18 +114,67 @@ impl ZeroAdamW {
         comm: Box<dyn Collective>,
         bucket_numel: usize,
     ) -> Result<Self, CollectiveError> {
-        let kinds: Vec<Kind> = params.values().map(|t| t.kind()).collect();
-        let kind = kinds.first().copied().unwrap_or(Kind::Float);
-        if let Some((name, t)) = params.iter().find(|(_, t)| t.kind() != kind) {
-            return Err(CollectiveError::BadTensor {
-                op: "zero",
-                message: format!("parameter {name} is {:?}, others {kind:?}", t.kind()),
-            });
-        }
+        let kind = check_one_kind(&params)?;
         let shapes: Vec<(String, Vec<i64>)> =
             params.iter().map(|(k, t)| (k.clone(), t.size())).collect();
         let layout = FlatLayout::new(&shapes, comm.world_size(), bucket_numel);
         let params: Vec<Tensor> = params.into_values().collect();
+        Self::with_layout(layout, params, kind, config, comm, false)
+    }
+
+    /// ZeRO-3: as [`ZeroAdamW::new`], with one bucket per decoder layer of the
+    /// `layers` the names `model.layers.<i>.*` number, and one ([`OUTER_BUCKET`]) for
+    /// every other parameter. The parameters keep their (rank 0's) values until
+    /// [`ZeroAdamW::release_all`], so a caller can copy them first (the KL reference).
+    pub fn new_stage3(
+        params: BTreeMap<String, Tensor>,
+        config: AdamWConfig,
+        comm: Box<dyn Collective>,
+        layers: usize,
+    ) -> Result<Self, CollectiveError> {
+        let kind = check_one_kind(&params)?;
+        let mut groups: Vec<Vec<(String, Tensor)>> = (0..=layers).map(|_| Vec::new()).collect();
+        for (name, t) in params {
+            let layer = name
+                .strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .map(|i| {
+                    i.parse::<usize>()
+                        .ok()
+                        .filter(|&i| i < layers)
+                        .ok_or_else(|| CollectiveError::BadTensor {
+                            op: "zero-3",
+                            message: format!("parameter {name}: no decoder layer {i} of {layers}"),
+                        })
+                })
+                .transpose()?;
+            groups[layer.map_or(OUTER_BUCKET, |i| i + 1)].push((name, t));
+        }
+        if let Some(i) = groups.iter().position(Vec::is_empty) {
+            return Err(CollectiveError::BadTensor {
+                op: "zero-3",
+                message: format!(
+                    "bucket {i} (0: embedding and head, i: layer i - 1) has no parameters"
+                ),
+            });
+        }
+        let shapes: Vec<Vec<(String, Vec<i64>)>> = groups
+            .iter()
+            .map(|g| g.iter().map(|(k, t)| (k.clone(), t.size())).collect())
+            .collect();
+        let layout = FlatLayout::grouped(&shapes, comm.world_size());
+        let params = groups.into_iter().flatten().map(|(_, t)| t).collect();
+        Self::with_layout(layout, params, kind, config, comm, true)
+    }
+
+    fn with_layout(
+        layout: FlatLayout,
+        params: Vec<Tensor>,
+        kind: Kind,
+        config: AdamWConfig,
+        comm: Box<dyn Collective>,
+        stage3: bool,
+    ) -> Result<Self, CollectiveError> {
         let device = comm.device();
         let (rank, world) = (comm.rank(), comm.world_size());
         let shard_numel = layout.shard_numel as i64;
@@ -126,6 +196,7 @@ impl ZeroAdamW {
             params,
             comm,
             reduced: false,
+            stage3,
             step: 0,
         };
         // Rank 0's weights everywhere, then each rank's master shard from them.
@@ -150,7 +221,8 @@ impl ZeroAdamW {
             world,
             buckets = me.layout.buckets.len(),
             shard_elements = me.layout.shard_numel,
-            "ZeRO-2 optimizer"
+            stage = if stage3 { 3 } else { 2 },
+            "ZeRO optimizer"
         );
         Ok(me)
     }
@@ -181,8 +253,13 @@ impl ZeroAdamW {
 
     /// Sums every rank's gradients and leaves this rank's shard of the sum in `grad`
     /// (fp32), bucket by bucket, dropping the parameters' own gradients. Parameters
-    /// without a gradient count as zero.
+    /// without a gradient count as zero. ZeRO-3 reduced each bucket as its backward
+    /// ended ([`ZeroAdamW::reduce_bucket`]): nothing is left to do.
     pub fn reduce_gradients(&mut self) -> Result<(), CollectiveError> {
+        if self.stage3 {
+            self.reduced = true;
+            return Ok(());
+        }
         tch::no_grad(|| {
             for b in 0..self.layout.buckets.len() {
                 let flat = flat_bucket(&self.layout, b, Kind::Float, |i| {
@@ -279,6 +356,10 @@ impl ZeroAdamW {
             });
         }
         self.reduced = false;
+        if self.stage3 {
+            // The parameters are gathered when next read.
+            return Ok(());
+        }
         self.gather_params()
     }
 
@@ -332,7 +413,8 @@ impl ZeroAdamW {
         Ok(out)
     }
 
-    /// Clears the parameters' gradients before the next step.
+    /// Clears the parameters' gradients before the next step (and ZeRO-3's reduced
+    /// gradient, which accumulates over the micro-batches).
     pub fn zero_grad(&mut self) {
         for p in &self.params {
             let mut g = p.grad();
@@ -340,7 +422,130 @@ impl ZeroAdamW {
                 let _ = g.zero_();
             }
         }
+        if self.stage3 {
+            tch::no_grad(|| {
+                let _ = self.grad.zero_();
+            });
+        }
         self.reduced = false;
+    }
+
+    /// Whether the parameters themselves are sharded (ZeRO-3).
+    pub fn is_stage3(&self) -> bool {
+        self.stage3
+    }
+
+    /// Bucket `b`'s full values in the parameters' kind: every rank's slice
+    /// all-gathered into one new flat buffer (a collective), and each parameter's view
+    /// of it by name.
+    fn gathered_bucket(&self, b: usize) -> Result<(Tensor, NamedTensors), CollectiveError> {
+        let bucket = &self.layout.buckets[b];
+        let src = self
+            .param_shard
+            .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
+        let mut flat = Tensor::empty(
+            [bucket.padded(self.layout.world) as i64],
+            (self.kind, self.comm.device()),
+        );
+        tch::no_grad(|| self.comm.all_gather(&src, &mut flat))?;
+        let views = bucket
+            .params
+            .clone()
+            .map(|i| {
+                let slot = &self.layout.params[i];
+                let view = flat
+                    .narrow(0, slot.offset as i64, slot.numel as i64)
+                    .view(slot.shape.as_slice());
+                (slot.name.clone(), view)
+            })
+            .collect();
+        Ok((flat, views))
+    }
+
+    /// ZeRO-3: bucket `b`'s parameters take their full values (views of one gathered
+    /// buffer) until [`ZeroAdamW::release_bucket`] or [`ZeroAdamW::reduce_bucket`].
+    pub fn gather_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
+        let (_flat, views) = self.gathered_bucket(b)?;
+        let range = self.layout.buckets[b].params.clone();
+        tch::no_grad(|| {
+            for (p, (_, view)) in self.params[range].iter_mut().zip(&views) {
+                p.set_data(view);
+            }
+        });
+        Ok(())
+    }
+
+    /// ZeRO-3: bucket `b`'s parameters hold no values (their storage is freed once no
+    /// autograd graph reads it).
+    pub fn release_bucket(&mut self, b: usize) {
+        let empty = Tensor::empty([0], (self.kind, self.comm.device()));
+        let range = self.layout.buckets[b].params.clone();
+        tch::no_grad(|| {
+            for p in &mut self.params[range] {
+                p.set_data(&empty);
+            }
+        });
+    }
+
+    /// Every bucket released ([`ZeroAdamW::release_bucket`]): the parameters at rest.
+    pub fn release_all(&mut self) {
+        for b in 0..self.layout.buckets.len() {
+            self.release_bucket(b);
+        }
+    }
+
+    /// ZeRO-3, after bucket `b`'s backward: its gradients summed over the ranks, this
+    /// rank's slice added to `grad`, then the full gradients dropped and the
+    /// parameters released. Parameters without a gradient count as zero.
+    pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
+        let flat = tch::no_grad(|| {
+            flat_bucket(&self.layout, b, Kind::Float, |i| {
+                let g = self.params[i].grad();
+                if g.defined() {
+                    g
+                } else {
+                    self.params[i].zeros_like()
+                }
+            })
+        });
+        let bucket = &self.layout.buckets[b];
+        for p in &self.params[bucket.params.clone()] {
+            clear_grad(p).map_err(|e| CollectiveError::BadTensor {
+                op: "clear_grad",
+                message: e.to_string(),
+            })?;
+        }
+        let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
+        let mut part = Tensor::empty([shard], (Kind::Float, self.comm.device()));
+        tch::no_grad(|| -> Result<(), CollectiveError> {
+            self.comm.reduce_scatter(&flat, &mut part, ReduceOp::Sum)?;
+            let _ = self.grad.narrow(0, offset, shard).g_add_(&part);
+            Ok(())
+        })?;
+        self.release_bucket(b);
+        Ok(())
+    }
+
+    /// ZeRO-3: every parameter's full value, one bucket (a decoder layer) gathered at a
+    /// time and handed to `visit` (a collective: every rank calls it; the tensors are
+    /// views of a buffer that lives as long as `visit` keeps them).
+    pub fn visit_buckets(
+        &self,
+        mut visit: impl FnMut(NamedTensors) -> Result<(), crate::TrainerError>,
+    ) -> Result<(), crate::TrainerError> {
+        for b in 0..self.layout.buckets.len() {
+            let (_flat, views) = self.gathered_bucket(b)?;
+            visit(views)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes this rank's parameters hold now (ZeRO-3 at rest: none).
+    pub fn parameter_bytes(&self) -> usize {
+        self.params
+            .iter()
+            .map(|p| p.numel() * p.kind().elt_size_in_bytes())
+            .sum()
     }
 
     fn shard_file(&self, dir: &Path) -> std::path::PathBuf {
@@ -386,6 +591,9 @@ impl ZeroAdamW {
             }
         });
         self.step = step;
+        if self.stage3 {
+            return Ok(());
+        }
         self.gather_params().map_err(|e| e.to_string())
     }
 
@@ -440,6 +648,22 @@ impl RankOptimizer {
         match self {
             Self::Whole(o) => o.step_count(),
             Self::Sharded(o) => o.step_count(),
+        }
+    }
+
+    /// This rank's optimizer when the parameters are sharded too (ZeRO-3).
+    pub fn zero3(&self) -> Option<&ZeroAdamW> {
+        match self {
+            Self::Sharded(o) if o.stage3 => Some(o),
+            _ => None,
+        }
+    }
+
+    /// [`RankOptimizer::zero3`], mutable.
+    pub fn zero3_mut(&mut self) -> Option<&mut ZeroAdamW> {
+        match self {
+            Self::Sharded(o) if o.stage3 => Some(o),
+            _ => None,
         }
     }
 
