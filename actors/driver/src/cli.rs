@@ -164,6 +164,13 @@ pub struct TrainArgs {
     /// Layers per group (uniform) or recomputed layers (block), 1..=the model's layers.
     #[arg(long)]
     pub recompute_num_layers: Option<usize>,
+    /// ZeRO stage of the data-parallel trainer ranks (Megatron/DeepSpeed's name): 2
+    /// shards the optimizer state and gradients; 3 shards the parameters too, each layer
+    /// all-gathered for its forward and backward, so a rank holds 1/N of the weights at
+    /// rest. 3 needs at least two ranks (local mode's `[trainer] gpus` or
+    /// `data_parallel_ranks`) [2].
+    #[arg(long, value_name = "2|3")]
+    pub zero_stage: Option<u8>,
     /// bf16 weights and compute with fp32 master weights and AdamW state, as Megatron's
     /// `--bf16`; the same as cluster.toml's `[trainer] bf16 = true`, which it overrides.
     #[arg(long)]
@@ -318,6 +325,7 @@ impl TrainArgs {
             recompute_granularity: self.recompute_granularity.clone(),
             recompute_method: self.recompute_method.clone(),
             recompute_num_layers: self.recompute_num_layers,
+            zero_stage: self.zero_stage,
             context_len: self.context_len,
             task_data: self.task_data.clone(),
             run_name: self.run_name.clone(),

@@ -23,9 +23,7 @@ use manta_trainer::loss::ClipRange;
 use manta_trainer::loss::LossOptions;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::schedule::{DecayStyle, LrSchedule};
-use manta_trainer::{
-    AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerMsg, TrainerOptions,
-};
+use manta_trainer::{AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerOptions};
 use manta_weight_sync::route::{self, Endpoint, Mechanism};
 use manta_weight_sync::{BroadcastRoot, WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
@@ -274,7 +272,7 @@ pub async fn start(
         } else {
             RankDevices::Gpus(cluster.trainer.gpus.clone())
         };
-        Some(start_trainer(options, &devices).await?)
+        Some(start_trainer(options, &devices, settings.zero_stage).await?)
     } else {
         None
     };
@@ -343,13 +341,14 @@ pub async fn start(
         rollouts.push(rollout);
     }
     let weight_sync = match &trainer {
-        Some((_, rank0)) => Some(
+        Some(handle) => Some(
             Actor::spawn(
                 Some("weight-sync".into()),
                 WeightSyncActor,
                 WeightSyncArgs {
-                    // Every data-parallel rank holds the same weights.
-                    trainer: rank0.clone(),
+                    // Through the handle: rank 0's weights (ZeRO-2), or gathered with
+                    // every rank taking part (ZeRO-3).
+                    trainer: Arc::new(handle.clone()),
                     engines: rollouts.clone(),
                     broadcast_from: route::in_process_broadcast(
                         &trainer_at,
@@ -368,7 +367,7 @@ pub async fn start(
         None => None,
     };
     Ok(LocalWorker {
-        trainer: trainer.map(|(handle, _)| handle),
+        trainer,
         rollouts,
         weight_sync,
         trainer_at,
@@ -417,22 +416,33 @@ async fn feed_sglang(
 }
 
 /// Starts the in-process trainer: one actor when `devices` has one rank (`options.device`
-/// is its device), else a data-parallel rank group, one actor per rank. Returns its
-/// handle and rank 0's actor (what in-process weight sync reads).
+/// is its device), else a data-parallel rank group, one actor per rank, at ZeRO stage
+/// `zero_stage` (2 or 3; 3 needs two ranks or more).
 pub async fn start_trainer(
     options: TrainerOptions,
     devices: &RankDevices,
-) -> anyhow::Result<(TrainerHandle, ActorRef<TrainerMsg>)> {
+    zero_stage: u8,
+) -> anyhow::Result<TrainerHandle> {
+    let zero3 = match zero_stage {
+        2 => false,
+        3 => true,
+        other => anyhow::bail!("--zero-stage {other}: must be 2 or 3"),
+    };
     if devices.world() <= 1 {
+        if zero3 {
+            anyhow::bail!(
+                "--zero-stage 3 shards the parameters over the data-parallel ranks and needs \
+                 at least two; this run has one trainer"
+            );
+        }
         let (trainer, _) = Actor::spawn(Some("trainer".into()), TrainerActor, options)
             .await
             .context("starting the trainer")?;
-        return Ok((TrainerHandle::local(trainer.clone()), trainer));
+        return Ok(TrainerHandle::local(trainer));
     }
     let steps = options.algo.num_steps_per_rollout;
-    let ranks = spawn_ranks(options, devices).await?;
-    let rank0 = ranks[0].clone();
-    Ok((TrainerHandle::local_ranks(ranks, steps), rank0))
+    let ranks = spawn_ranks(options, devices, zero3).await?;
+    Ok(TrainerHandle::local_ranks(ranks, steps, zero3))
 }
 
 /// The device for GPUs `gpus` named by cluster.toml key `key` in local mode: the CPU
@@ -528,9 +538,10 @@ pub async fn place_saved(
              --dynamic-sampling-filter-path ({filter})"
         );
     }
-    let (handle, _) = start_trainer(
+    let handle = start_trainer(
         trainer_options(settings, tch::Device::Cpu),
         &RankDevices::Cpu(ranks),
+        settings.zero_stage,
     )
     .await?;
     Ok(Placed {

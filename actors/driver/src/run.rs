@@ -36,6 +36,7 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
     let settings = flags.over(cluster.train.clone()).resolve();
+    check_zero_stage(&cluster, &settings, &args.cluster)?;
     if cluster.rollout.colocate && settings.sampling.max_weight_staleness > 0 {
         // As slime: overlapping rollouts with training needs the engines off the
         // trainer's GPUs.
@@ -62,6 +63,38 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
         train,
         settings,
     })
+}
+
+/// `--zero-stage 3` shards the parameters over the data-parallel ranks: refused where
+/// there is one trainer (remote mode places one; local mode needs two ranks), before
+/// anything starts.
+fn check_zero_stage(
+    cluster: &ClusterConfig,
+    settings: &TrainSettings,
+    cluster_path: &Path,
+) -> anyhow::Result<()> {
+    if settings.zero_stage != 3 {
+        return Ok(());
+    }
+    let ranks = match cluster.mode {
+        ClusterMode::Local => cluster.trainer.data_parallel_world(),
+        ClusterMode::Remote => anyhow::bail!(
+            "--zero-stage 3 (or [train] zero_stage = 3) shards the parameters over \
+             data-parallel trainer ranks, but {} sets remote mode, which places one trainer \
+             (ranks on workers are not built): use local mode's [trainer] gpus or \
+             data_parallel_ranks, or --zero-stage 2",
+            cluster_path.display()
+        ),
+    };
+    if ranks < 2 {
+        anyhow::bail!(
+            "--zero-stage 3 (or [train] zero_stage = 3) shards the parameters over the \
+             data-parallel trainer ranks and needs at least two, but {} has {ranks} \
+             ([trainer] gpus = [..] with two or more GPUs, or data_parallel_ranks = N)",
+            cluster_path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Lists every configured split of every environment from its server, shuffled with
@@ -305,6 +338,7 @@ fn debug_task(train: &TrainConfig) -> manta_rollout::TaskRef {
 mod tests {
     use super::*;
     use clap::Parser;
+    use manta_config::TrainOverrides;
 
     /// `--bf16` means `[trainer] bf16 = true` and wins over the file's `false`.
     #[test]
@@ -329,5 +363,43 @@ mod tests {
         assert_eq!(plain.cluster.trainer.bf16, Some(false));
         let flagged = resolve_config(&args(&["--bf16"])).unwrap();
         assert_eq!(flagged.cluster.trainer.bf16, Some(true));
+    }
+
+    /// `--zero-stage 3` (or `[train] zero_stage = 3`) needs two local ranks.
+    #[test]
+    fn zero_stage_3_is_refused_without_two_local_ranks() {
+        let parse = |text: &str| ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
+        let stage = |text: &str, flag: Option<u8>| {
+            let cluster = parse(text);
+            let settings = TrainOverrides {
+                zero_stage: flag,
+                ..Default::default()
+            }
+            .over(cluster.train.clone())
+            .resolve();
+            check_zero_stage(&cluster, &settings, Path::new("c.toml")).map_err(|e| e.to_string())
+        };
+        stage("", None).unwrap();
+        stage("", Some(2)).unwrap();
+        stage("[trainer]\ndata_parallel_ranks = 2\n", Some(3)).unwrap();
+        let err = stage("", Some(3)).unwrap_err();
+        assert!(
+            err.contains("--zero-stage 3") && err.contains("has 1"),
+            "{err}"
+        );
+        let err = stage("[train]\nzero_stage = 3\n", None).unwrap_err();
+        assert!(
+            err.contains("zero_stage = 3") && err.contains("has 1"),
+            "{err}"
+        );
+        let err = stage(
+            "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0, 1]\n",
+            Some(3),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("--zero-stage 3") && err.contains("remote mode"),
+            "{err}"
+        );
     }
 }

@@ -17,6 +17,10 @@ pub enum TrainerMsg {
     ),
     /// Hand out the current weights for weight sync.
     ExportWeights(RpcReplyPort<NamedTensors>),
+    /// The current weights, whole ([`Trainer::try_export_weights`]): under ZeRO-3 a
+    /// collective, so every rank of the group must be sent it at once (the ranks'
+    /// results are the same; one is used). A failed group is an error, not a panic.
+    GatherWeights(RpcReplyPort<Result<NamedTensors, TrainerError>>),
     /// Save a checkpoint for `step` into the directory.
     SaveCheckpoint(PathBuf, u64, RpcReplyPort<Result<(), TrainerError>>),
     /// Restore from a checkpoint directory; replies with its step.
@@ -53,15 +57,19 @@ impl Actor for TrainerActor {
 }
 
 /// What a data-parallel rank's actor is built from: its options, its place in the
-/// group, and the gradient bucket size ([`Trainer::new_data_parallel`]).
+/// group, the gradient bucket size ([`Trainer::new_data_parallel`]) and whether the
+/// parameters are sharded too.
 pub struct TrainerRankArgs {
     pub options: TrainerOptions,
     pub comm: Box<dyn Collective>,
     pub bucket_numel: usize,
+    /// `--zero-stage 3`: the rank is built by [`Trainer::new_zero3`] (`bucket_numel`
+    /// unused: its buckets are the layers).
+    pub zero3: bool,
 }
 
 /// [`TrainerActor`] for one rank of a data-parallel group: the same messages, a trainer
-/// built by [`Trainer::new_data_parallel`]. Every rank of the group must be started at
+/// built by [`Trainer::new_data_parallel`] (or [`Trainer::new_zero3`]). Every rank of the group must be started at
 /// once (building a rank waits for the others) and be sent the same messages.
 pub struct TrainerRankActor;
 
@@ -96,7 +104,11 @@ impl Actor for TrainerRankActor {
         };
         make_current(gpu);
         let trainer = tokio::task::block_in_place(|| {
-            Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
+            if args.zero3 {
+                Trainer::new_zero3(args.options, args.comm)
+            } else {
+                Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
+            }
         })?;
         Ok(TrainerRank { trainer, gpu })
     }
@@ -124,6 +136,11 @@ fn handle_message(message: TrainerMsg, trainer: &mut Trainer) {
         }
         TrainerMsg::ExportWeights(reply) => {
             let _ = reply.send(trainer.export_weights());
+        }
+        TrainerMsg::GatherWeights(reply) => {
+            // ZeRO-3 waits in collectives for the other ranks' actors.
+            let result = tokio::task::block_in_place(|| trainer.try_export_weights());
+            let _ = reply.send(result);
         }
         TrainerMsg::SaveCheckpoint(dir, step, reply) => {
             let result = tokio::task::block_in_place(|| trainer.save_checkpoint(&dir, step));

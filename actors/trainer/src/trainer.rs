@@ -526,15 +526,21 @@ impl Trainer {
     /// copies gathered from the ranks (every rank must call it; panics if the group
     /// fails, see [`Trainer::visit_weights`] for a layer at a time).
     pub fn export_weights(&self) -> NamedTensors {
+        self.try_export_weights()
+            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 weights: {e}"))
+    }
+
+    /// [`Trainer::export_weights`], with a failed ZeRO-3 gather as an error (the
+    /// driver's ranks answer weight sync through it).
+    pub fn try_export_weights(&self) -> Result<NamedTensors, TrainerError> {
         if let Some(zero) = self.optimizer.zero3() {
             let mut named = NamedTensors::new();
             zero.visit_buckets(|views| {
                 named.extend(views);
                 Ok(())
-            })
-            .unwrap_or_else(|e| panic!("gathering the ZeRO-3 weights: {e}"));
+            })?;
             named.sort_by(|a, b| a.0.cmp(&b.0));
-            return named;
+            return Ok(named);
         }
         let mut named: NamedTensors = self
             .vs
@@ -543,7 +549,7 @@ impl Trainer {
             .map(|(k, t)| (k, t.detach()))
             .collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
+        Ok(named)
     }
 
     /// The current weights by HF name, a shard group at a time (ZeRO-3: one decoder

@@ -3,10 +3,14 @@
 //! version and resumes. One NCCL broadcast feeds every engine when they sit on GPUs of
 //! their own ([`crate::broadcast`]); else each engine copies the trainer's tensors.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::broadcast::{BroadcastError, BroadcastGroup, BroadcastRoot};
+use crate::sync::TrainerWeights;
 use manta_engine::{NamedTensors, PauseMode};
+use manta_hosting::weights::WeightSet;
+use manta_hosting::TrainerCallError;
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use manta_trainer::TrainerMsg;
 use ractor::{call, Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -80,7 +84,9 @@ impl Default for SyncOptions {
 }
 
 pub struct WeightSyncArgs {
-    pub trainer: ActorRef<TrainerMsg>,
+    /// The trainer in this process, read through [`TrainerWeights::tensors`]: one
+    /// trainer actor, or a rank group that must gather from every rank (ZeRO-3).
+    pub trainer: Arc<dyn TrainerWeights>,
     pub engines: Vec<ActorRef<RolloutMsg>>,
     /// Where the trainer's tensors are broadcast from, when one group feeds every engine
     /// (`None`: each engine copies them).
@@ -166,8 +172,7 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
         return Ok(Vec::new());
     }
     let version = state.version;
-    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights)
-        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
+    let weights = trainer_tensors(state.args.trainer.as_ref()).await?;
     for &(i, held) in &lagging {
         warn!(
             engine = i,
@@ -201,6 +206,50 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
     Ok(lagging.into_iter().map(|(i, _)| i).collect())
 }
 
+/// The in-process trainer's weights as tensors.
+async fn trainer_tensors(trainer: &dyn TrainerWeights) -> Result<NamedTensors, WeightSyncError> {
+    trainer
+        .tensors()
+        .await
+        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?
+        .ok_or_else(|| {
+            WeightSyncError::Trainer(
+                "the trainer is not in this process (the in-process weight-sync actor reads \
+                 its tensors)"
+                    .into(),
+            )
+        })
+}
+
+/// One trainer actor of this process as weight sync reads it.
+#[async_trait::async_trait]
+impl TrainerWeights for ActorRef<TrainerMsg> {
+    async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
+        let weights = self.tensors().await?.unwrap_or_default();
+        tokio::task::spawn_blocking(move || WeightSet::from_tensors(&weights))
+            .await
+            .map_err(in_process)?
+            .map_err(in_process)
+    }
+
+    async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
+        call!(self, TrainerMsg::ExportWeights)
+            .map(Some)
+            .map_err(|e| in_process(format!("the trainer did not answer: {e}")))
+    }
+
+    fn worker_addr(&self) -> Option<&str> {
+        None
+    }
+}
+
+fn in_process(message: impl ToString) -> TrainerCallError {
+    TrainerCallError::Failed {
+        addr: "this process".into(),
+        message: message.to_string(),
+    }
+}
+
 /// Handles on the same tensors (no copy), for another engine or the broadcast.
 fn shallow(weights: &NamedTensors) -> NamedTensors {
     weights
@@ -221,8 +270,7 @@ async fn sync(
         });
     }
     let started = Instant::now();
-    let weights = call!(state.args.trainer, TrainerMsg::ExportWeights)
-        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
+    let weights = trainer_tensors(state.args.trainer.as_ref()).await?;
     let bytes: u64 = weights
         .iter()
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)

@@ -129,7 +129,7 @@ async fn sync_actor(
         None,
         WeightSyncActor,
         WeightSyncArgs {
-            trainer: trainer.clone(),
+            trainer: std::sync::Arc::new(trainer.clone()),
             engines: engines.to_vec(),
             broadcast_from,
         },

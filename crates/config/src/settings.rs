@@ -40,6 +40,9 @@ pub struct TrainOverrides {
     /// `--recompute-num-layers N` (with `full`): group size (uniform) or how many of the
     /// first layers are recomputed (block).
     pub recompute_num_layers: Option<usize>,
+    /// Megatron/DeepSpeed's `--zero-stage`: 2 shards optimizer state and gradients over
+    /// the data-parallel ranks, 3 the parameters too.
+    pub zero_stage: Option<u8>,
     pub context_len: Option<usize>,
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
@@ -115,6 +118,10 @@ pub struct TrainSettings {
     /// keeps every activation. From `recompute_*` when set, else
     /// `gradient_checkpointing` (every layer, uniform groups of one).
     pub recompute: Option<LayerRecompute>,
+    /// ZeRO stage of data-parallel trainer ranks: 2 (optimizer state and gradients
+    /// sharded) or 3 (parameters too, gathered a layer at a time). One of
+    /// [`ZERO_STAGES`]; with one trainer it changes nothing (the driver refuses 3).
+    pub zero_stage: u8,
     /// Whole-episode token budget (prompt + all turns).
     pub context_len: usize,
     /// tasks.jsonl to train from; `None` lists tasks from the environment servers.
@@ -233,6 +240,8 @@ pub const TIS_MODES: &[&str] = &["truncate", "mask"];
 pub const RECOMPUTE_GRANULARITIES: &[&str] = &["full", "selective"];
 /// Values of `--recompute-method`.
 pub const RECOMPUTE_METHODS: &[&str] = &["uniform", "block"];
+/// Values of `--zero-stage`.
+pub const ZERO_STAGES: &[u8] = &[2, 3];
 /// Values of `--lr-decay-style`.
 pub const LR_DECAY_STYLES: &[&str] = &["constant", "linear", "cosine"];
 
@@ -266,6 +275,7 @@ impl TrainOverrides {
             recompute_granularity,
             recompute_method,
             recompute_num_layers,
+            zero_stage,
             context_len,
             task_data,
             run_name,
@@ -481,6 +491,16 @@ impl TrainOverrides {
                 "partial rollouts keep tokens of an older weight version: set it to at least 1",
             ));
         }
+        if let Some(stage) = self.zero_stage {
+            if !ZERO_STAGES.contains(&stage) {
+                return Err(ConfigError::invalid(
+                    origin,
+                    key("zero_stage"),
+                    stage,
+                    "must be 2 (optimizer state and gradients sharded) or 3 (parameters too)",
+                ));
+            }
+        }
         self.validate_recompute(origin, &key)?;
         if let (Some(low), Some(high)) = (self.tis_clip_low, self.tis_clip) {
             if low > high {
@@ -599,6 +619,7 @@ impl TrainOverrides {
                         num_layers: 1,
                     }),
             },
+            zero_stage: self.zero_stage.unwrap_or(2),
             context_len: self.context_len.unwrap_or(8192),
             task_data: self.task_data,
             run_name: self.run_name,
@@ -716,6 +737,32 @@ mod tests {
             err.contains("train.adam_beta2") && err.contains("1.5"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn zero_stage_is_2_or_3_and_defaults_to_2() {
+        assert_eq!(TrainOverrides::default().resolve().zero_stage, 2);
+        for stage in [2, 3] {
+            let o = TrainOverrides {
+                zero_stage: Some(stage),
+                ..Default::default()
+            };
+            o.validate(Path::new("command line"), "--").unwrap();
+            assert_eq!(o.resolve().zero_stage, stage);
+        }
+        for stage in [0, 1, 4] {
+            let o = TrainOverrides {
+                zero_stage: Some(stage),
+                ..Default::default()
+            };
+            let err = validation_error(&o, "command line", "--");
+            assert!(
+                err.contains("--zero-stage") && err.contains(&stage.to_string()),
+                "{err}"
+            );
+            let err = validation_error(&o, "c.toml", "train.");
+            assert!(err.contains("train.zero_stage"), "{err}");
+        }
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! Data-parallel trainer ranks in the driver process (local mode, `[trainer] gpus` with
 //! several GPUs or `[trainer] data_parallel_ranks`): one `TrainerRankActor` per rank
-//! (manta_trainer::data_parallel, ZeRO-2), NCCL between GPUs or threads on the CPU,
-//! behind the same [`TrainerHandle`] as one trainer.
+//! (manta_trainer::data_parallel, ZeRO-2, or ZeRO-3 with `--zero-stage 3`), NCCL
+//! between GPUs or threads on the CPU, behind the same [`TrainerHandle`] as one trainer.
 //!
 //! Each step's global batch is cut into one share per rank so that the ranks' step
 //! equals one trainer's step on the whole batch (loss weights divide by global counts);
 //! every rank steps at once and rank 0's metrics, global after the ranks' all-reduce,
-//! are the step's. Weights for sync come from rank 0 (every rank holds the same). A
+//! are the step's. Weights for sync come from rank 0 under ZeRO-2 (every rank holds the
+//! same); under ZeRO-3 no rank holds them whole, so every rank is asked to gather them
+//! (a collective) and rank 0's copy is used. A
 //! checkpoint is saved by every rank into one directory (rank 0's weights and state,
 //! each rank's ZeRO optimizer shard) and resume restores every rank from it, so it needs
 //! the same rank count.
@@ -51,21 +53,29 @@ impl RankDevices {
 
 impl TrainerHandle {
     /// The ranks of a local data-parallel group, rank 0 first, each started by
-    /// [`spawn_ranks`]; `steps_per_rollout` is the trainer's `num_steps_per_rollout`.
-    pub fn local_ranks(ranks: Vec<ActorRef<TrainerMsg>>, steps_per_rollout: usize) -> Self {
+    /// [`spawn_ranks`]; `steps_per_rollout` is the trainer's `num_steps_per_rollout`;
+    /// `zero3`: they were started with it (reading weights then takes every rank).
+    pub fn local_ranks(
+        ranks: Vec<ActorRef<TrainerMsg>>,
+        steps_per_rollout: usize,
+        zero3: bool,
+    ) -> Self {
         Self::new(RankGroup {
             ranks: ranks.into_iter().map(LocalTrainer).collect(),
             steps_per_rollout: steps_per_rollout.max(1),
             warned_uneven: AtomicBool::new(false),
+            zero3,
         })
     }
 }
 
 /// Starts one trainer rank actor per rank of `devices`, all at once (building a rank
-/// waits for the others). `options.device` is replaced by each rank's device.
+/// waits for the others). `options.device` is replaced by each rank's device. `zero3`:
+/// the ranks shard the parameters too (`Trainer::new_zero3`), else ZeRO-2.
 pub async fn spawn_ranks(
     options: TrainerOptions,
     devices: &RankDevices,
+    zero3: bool,
 ) -> anyhow::Result<Vec<ActorRef<TrainerMsg>>> {
     let world = devices.world();
     let comms: Vec<(Box<dyn Collective>, Device)> = match devices {
@@ -87,6 +97,7 @@ pub async fn spawn_ranks(
                 },
                 comm,
                 bucket_numel: DEFAULT_BUCKET_NUMEL,
+                zero3,
             };
             // A task per rank: each builds its trainer in block_in_place and waits in
             // the group's first collective for the others.
@@ -114,7 +125,7 @@ pub async fn spawn_ranks(
         }
         anyhow::bail!("{e}");
     }
-    info!(world, devices = ?devices, "data-parallel trainer ranks started");
+    info!(world, devices = ?devices, zero_stage = if zero3 { 3 } else { 2 }, "data-parallel trainer ranks started");
     Ok(ranks)
 }
 
@@ -162,6 +173,17 @@ struct RankGroup {
     steps_per_rollout: usize,
     /// Whether the log already said that a batch could not be split exactly.
     warned_uneven: AtomicBool,
+    /// ZeRO-3: no rank holds the weights whole; reading them is a collective.
+    zero3: bool,
+}
+
+impl RankGroup {
+    /// The whole weights under ZeRO-3: every rank gathers them at once (a collective
+    /// that one rank alone would wait in forever) and rank 0's copy is kept.
+    async fn gathered(&self) -> Result<NamedTensors, TrainerCallError> {
+        let gathered = join_all(self.ranks.iter().map(LocalTrainer::gather_weights)).await;
+        Ok(first_error(gathered)?.swap_remove(0))
+    }
 }
 
 /// How a rank's error begins when another rank failed first: that rank's error says
@@ -245,12 +267,22 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
-        // Every rank ends each step with the same weights.
-        self.ranks[0].weight_set().await
+        if !self.zero3 {
+            // Every rank ends each step with the same weights.
+            return self.ranks[0].weight_set().await;
+        }
+        let weights = self.gathered().await?;
+        tokio::task::spawn_blocking(move || WeightSet::from_tensors(&weights))
+            .await
+            .map_err(failed)?
+            .map_err(failed)
     }
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
-        self.ranks[0].tensors().await
+        if !self.zero3 {
+            return self.ranks[0].tensors().await;
+        }
+        self.gathered().await.map(Some)
     }
 
     async fn shutdown(&self) {

@@ -1,0 +1,354 @@
+//! `--zero-stage 3` through the driver binary in local mode, with two CPU ranks
+//! (`[trainer] data_parallel_ranks = 2`, threads over `ThreadCollective`):
+//! - from debug rollout data (the same samples every run), ZeRO-3 takes the same steps as
+//!   ZeRO-2: per-step loss metrics and the final weights (rank 0's checkpoint, written
+//!   from layers gathered off the ranks) agree up to fp32 summation order;
+//! - the default local job (native engine, built-in environment) trains and syncs
+//!   verified weights to the engine, which needs every rank in each gather;
+//! - `--zero-stage 3` with one rank, and stages other than 2 or 3, are refused by name.
+//!
+//! A driver that asked rank 0 alone for ZeRO-3 weights would wait in the gather
+//! forever, so every run here has a deadline.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{debug_data, sorted_weights, workspace};
+use manta_telemetry::read_metrics;
+
+/// How long one tiny-model run may take before it counts as hung (a gather only some
+/// ranks joined).
+const DEADLINE: Duration = Duration::from_secs(180);
+
+/// Runs `driver ARGS` from the workspace with `env`, killed after [`DEADLINE`].
+fn driver(args: &[String], env: &[(&str, &str)], dir: &Path) -> Output {
+    let (out_path, err_path) = (dir.join("driver.stdout"), dir.join("driver.stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::from(File::create(&out_path).unwrap()))
+        .stderr(Stdio::from(File::create(&err_path).unwrap()))
+        .spawn()
+        .expect("driver starts");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "driver {args:?} still running after {DEADLINE:?} (a collective only some \
+                 ranks joined?)\nstderr:\n{}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out_path).unwrap(),
+        stderr: std::fs::read(&err_path).unwrap(),
+    }
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
+fn cluster(dir: &Path, trainer: &str) -> PathBuf {
+    let path = dir.join("cluster.toml");
+    let text = format!(
+        "[cluster]\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n",
+        workspace().join("train_config.yaml").display().to_string()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// Debug-data training flags (as data_parallel_local.rs: a KL term, a large Adam eps
+/// so summation-order noise of near-zero gradients does not flip whole Adam steps).
+fn debug_args(cluster: &Path, data: &Path, save: &Path, runs: &Path, stage: &str) -> Vec<String> {
+    strings(&[
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "0",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "r",
+        "--lr",
+        "0.01",
+        "--adam-eps",
+        "1e-4",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-rollout-logprobs",
+        "--zero-stage",
+        stage,
+    ])
+}
+
+type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
+
+fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
+    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
+}
+
+/// Largest absolute difference between two sorted weight sets with the same names.
+fn max_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta.to_kind(tch::Kind::Double) - tb.to_kind(tch::Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Log text without its ANSI colour codes.
+fn plain(log: &[u8]) -> String {
+    let text = String::from_utf8_lossy(log);
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // Skip `ESC [ ... m`.
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The log line `spawn_ranks` writes, asked for at info level: proof of which stage ran.
+const RANKS_LOG: (&str, &str) = ("RUST_LOG", "warn,manta_driver=info");
+
+#[test]
+fn zero3_ranks_take_the_same_steps_as_zero2_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let data = debug_data(dir, 3, 5);
+    let two = cluster(dir, "data_parallel_ranks = 2");
+
+    let (save2, runs2) = (dir.join("ckpt-2"), dir.join("runs-2"));
+    let out2 = ok(driver(
+        &debug_args(&two, &data, &save2, &runs2, "2"),
+        &[RANKS_LOG],
+        dir,
+    ));
+    let (save3, runs3) = (dir.join("ckpt-3"), dir.join("runs-3"));
+    let out3 = ok(driver(
+        &debug_args(&two, &data, &save3, &runs3, "3"),
+        &[RANKS_LOG],
+        dir,
+    ));
+    let (log2, log3) = (plain(&out2.stderr), plain(&out3.stderr));
+    assert!(log2.contains("zero_stage=2"), "ZeRO-2 ranks:\n{log2}");
+    assert!(log3.contains("zero_stage=3"), "ZeRO-3 ranks:\n{log3}");
+
+    // Both ranks saved their optimizer slice; rank 0 wrote the gathered weights.
+    let last = save3.join("step_000003");
+    for r in 0..2 {
+        let shard = last.join(format!("optimizer.rank{r}-of-2.safetensors"));
+        assert!(shard.is_file(), "{} missing", shard.display());
+    }
+    let m2 = read_metrics(&runs2.join("r/metrics.jsonl")).unwrap();
+    let m3 = read_metrics(&runs3.join("r/metrics.jsonl")).unwrap();
+    for s in 1..=3 {
+        let (a, b) = (step(&m2, s), step(&m3, s));
+        // The same per-element sums (rank order); only the global norm's fp64 sum runs
+        // over other slices (ZeRO-3 pads each layer, ZeRO-2 the whole flat buffer).
+        for key in [
+            "train/loss",
+            "train/pg_loss",
+            "train/kl_loss",
+            "train/grad_norm",
+        ] {
+            let (x, y) = (a[key], b[key]);
+            assert!(
+                (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+                "step {s} {key}: ZeRO-2 {x}, ZeRO-3 {y}"
+            );
+        }
+        assert_eq!(a["train/tokens"], b["train/tokens"], "step {s}");
+    }
+    let start = sorted_weights(&data.join("model/model.safetensors"));
+    let w2 = sorted_weights(&save2.join("step_000003/model.safetensors"));
+    let w3 = sorted_weights(&last.join("model.safetensors"));
+    assert!(max_diff(&start, &w3) > 1e-3, "training moved the weights");
+    let d = max_diff(&w2, &w3);
+    assert!(d < 1e-5, "ZeRO-3 weights differ from ZeRO-2's by {d}");
+}
+
+#[test]
+fn zero3_local_job_trains_and_syncs_gathered_weights_to_the_engine() {
+    // The default local job (native engine, built-in environment) with two CPU ranks at
+    // ZeRO-3; every sync is verified: the engine's weights equal the trainer's bit for
+    // bit, and the last sync equals rank 0's checkpoint.
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
+    let train_config = workspace().join("train_config.yaml");
+    let text = text.replace(
+        "train_config = \"train_config.yaml\"",
+        &format!("train_config = {:?}", train_config.display().to_string()),
+    ) + "\n[trainer]\ndata_parallel_ranks = 2\n";
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, text).unwrap();
+    let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
+    let args = strings(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "z3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "0",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--zero-stage",
+        "3",
+    ]);
+    ok(driver(&args, &[("MANTA_VERIFY_WEIGHT_SYNC", "1")], dir));
+    let rows = read_metrics(&runs.join("z3/metrics.jsonl")).unwrap();
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
+    for (step, m) in &rows {
+        assert_eq!(m["weights/version"], *step as f64, "engine version");
+        assert!(m["train/grad_norm"].is_finite(), "step {step}");
+    }
+    let verified = std::fs::read_to_string(runs.join("z3/weight_sync.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = verified
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "one verified sync per step: {verified}");
+    // The engine took version 2 = the weights rank 0 saved from the gathered layers.
+    let last = save.join("step_000002");
+    for r in 0..2 {
+        assert!(last
+            .join(format!("optimizer.rank{r}-of-2.safetensors"))
+            .is_file());
+    }
+    let saved = sorted_weights(&last.join("model.safetensors"));
+    let digests = manta_hosting::weights::digest_tensors(&saved).unwrap();
+    let engine = &lines[1]["tensors"];
+    assert_eq!(lines[1]["version"], 2);
+    let engine = engine.as_object().expect("tensor digests");
+    assert!(!engine.is_empty());
+    for (name, sha) in engine {
+        let mine = digests
+            .iter()
+            .find(|d| &d.name == name)
+            .unwrap_or_else(|| panic!("{name}: in the engine, not in the checkpoint"));
+        assert_eq!(
+            Some(mine.sha256.as_str()),
+            sha.as_str(),
+            "{name}: engine vs checkpoint"
+        );
+    }
+}
+
+fn refusal(trainer: &str, stage: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = cluster(dir.path(), trainer);
+    let args = strings(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--model",
+        "assets/tiny-qwen3",
+        "--num-rollout",
+        "1",
+        "--runs-dir",
+        dir.path().join("runs").to_str().unwrap(),
+        "--zero-stage",
+        stage,
+    ]);
+    let out = driver(&args, &[], dir.path());
+    assert!(
+        !out.status.success(),
+        "--zero-stage {stage} with [trainer] {trainer:?} should be refused"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn zero_stage_refusals_name_the_flag_and_help_explains_it() {
+    let err = refusal("", "3");
+    assert!(
+        err.contains("--zero-stage 3") && err.contains("at least two") && err.contains("has 1"),
+        "{err}"
+    );
+    for bad in ["1", "4"] {
+        let err = refusal("data_parallel_ranks = 2", bad);
+        assert!(
+            err.contains("--zero-stage") && err.contains(&format!("invalid value {bad}")),
+            "{err}"
+        );
+    }
+    let err = refusal("data_parallel_ranks = 2", "three");
+    assert!(err.contains("--zero-stage"), "{err}");
+
+    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let at = help
+        .find("--zero-stage")
+        .expect("--help lists --zero-stage");
+    let text = &help[at..(at + 600).min(help.len())];
+    assert!(
+        text.contains("ZeRO stage") && text.contains("parameters"),
+        "{text}"
+    );
+}
