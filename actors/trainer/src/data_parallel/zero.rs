@@ -18,6 +18,9 @@ use crate::trainer::NamedTensors;
 /// Default bucket size: 64 Mi elements (256 MiB of fp32 gradients staged at a time).
 pub const DEFAULT_BUCKET_NUMEL: usize = 1 << 26;
 
+/// The shard file's record of the ZeRO stage that wrote it.
+const ZERO_STAGE_KEY: &str = "zero_stage";
+
 /// The sharded optimizer of one data-parallel rank.
 pub struct ZeroAdamW {
     pub config: AdamWConfig,
@@ -559,12 +562,25 @@ impl ZeroAdamW {
     /// Writes this rank's shard (masters and moments, flat) to
     /// `optimizer.rank<r>-of-<world>.safetensors` in `dir`.
     pub fn save(&self, dir: &Path) -> Result<(), tch::TchError> {
+        // The stage goes with the shard: the two stages lay the flat slices out
+        // differently, so a resume must use the stage that saved them.
+        let stage = Tensor::from(self.zero_stage());
         let named = [
             ("master", &self.master),
             ("exp_avg", &self.exp_avg),
             ("exp_avg_sq", &self.exp_avg_sq),
+            (ZERO_STAGE_KEY, &stage),
         ];
         Tensor::write_safetensors(&named, self.shard_file(dir))
+    }
+
+    /// 2 or 3 (`--zero-stage`).
+    fn zero_stage(&self) -> i64 {
+        if self.stage3 {
+            3
+        } else {
+            2
+        }
     }
 
     /// Restores the shard [`ZeroAdamW::save`] wrote (same world size and model), then
@@ -603,6 +619,16 @@ impl ZeroAdamW {
         let tensors =
             Tensor::read_safetensors(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let map: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+        // Shards written before the stage was recorded are ZeRO-2's.
+        let saved = map.get(ZERO_STAGE_KEY).map_or(2, |t| t.int64_value(&[]));
+        if saved != self.zero_stage() {
+            return Err(format!(
+                "{}: saved by --zero-stage {saved} ranks, and this run uses --zero-stage {}: \
+                 resume with --zero-stage {saved} (the stages lay the shards out differently)",
+                path.display(),
+                self.zero_stage()
+            ));
+        }
         let mut staged = Vec::new();
         for key in ["master", "exp_avg", "exp_avg_sq"] {
             let t = map
@@ -731,6 +757,7 @@ impl RankOptimizer {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ThreadCollective;
     use super::*;
     use tch::Device;
 
@@ -755,5 +782,62 @@ mod tests {
             sum_of_squares_by(&Tensor::zeros([0], (Kind::Float, Device::Cpu)), 7),
             0.0
         );
+    }
+
+    fn params() -> BTreeMap<String, Tensor> {
+        [
+            "model.embed_tokens.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.norm.weight",
+        ]
+        .into_iter()
+        .map(|n| {
+            (
+                n.to_string(),
+                Tensor::randn([4, 3], (Kind::Float, Device::Cpu)),
+            )
+        })
+        .collect()
+    }
+
+    fn optimizer(stage3: bool) -> ZeroAdamW {
+        let comm = ThreadCollective::group(1)
+            .expect("a group of one")
+            .pop()
+            .expect("rank 0");
+        let config = AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        if stage3 {
+            ZeroAdamW::new_stage3(params(), config, Box::new(comm), 1).expect("stage 3")
+        } else {
+            ZeroAdamW::new(params(), config, Box::new(comm), DEFAULT_BUCKET_NUMEL).expect("stage 2")
+        }
+    }
+
+    /// A resume with the other stage is refused naming the flag, both ways; the same
+    /// stage loads.
+    #[test]
+    fn a_shard_resumes_only_with_the_zero_stage_that_saved_it() {
+        for (saved, resumed) in [(false, true), (true, false)] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            optimizer(saved).save(dir.path()).expect("save");
+            let err = optimizer(resumed)
+                .load(dir.path(), 1)
+                .expect_err("the other stage's shard");
+            let (s, r) = if saved { (3, 2) } else { (2, 3) };
+            assert!(
+                err.contains(&format!("saved by --zero-stage {s}"))
+                    && err.contains(&format!("uses --zero-stage {r}")),
+                "{err}"
+            );
+            optimizer(saved)
+                .load(dir.path(), 1)
+                .expect("the same stage resumes");
+        }
     }
 }
