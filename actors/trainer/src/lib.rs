@@ -10,6 +10,7 @@
 
 pub mod actor;
 pub mod batch;
+mod context_parallel;
 pub mod data_parallel;
 pub mod loss;
 pub mod memory_plan;

@@ -13,6 +13,7 @@ use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
 use crate::batch::{micro_batches, MicroBatchLayout};
+use crate::context_parallel::{CpComm, CpLocal};
 use crate::data_parallel::metrics::all_reduce_metrics;
 use crate::data_parallel::zero::OUTER_BUCKET;
 use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ZeroAdamW};
@@ -135,6 +136,8 @@ pub struct Trainer {
     reference: Option<(nn::VarStore, CausalLm)>,
     /// `MANTA_INJECT_OOM_TOKENS`: fault injection for the out-of-memory recovery.
     inject_oom_tokens: Option<usize>,
+    /// The optimizer's group is a context-parallel group ([`Trainer::new_context_parallel`]).
+    context_parallel: bool,
 }
 
 /// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
@@ -399,6 +402,59 @@ impl Trainer {
         Self::build(opts, Some((comm, Sharding::Zero3)))
     }
 
+    /// A rank of a context-parallel group (`--context-parallel-size`, crate
+    /// `context_parallel`): every rank gets the same batch and holds a share of each
+    /// packed micro-batch's tokens; weights are replicated, gradients summed over the
+    /// group (ZeRO-2 over it, buckets of `bucket_numel`). The whole group is one CP
+    /// group (data parallel × context parallel is not built). Refused with fewer than two
+    /// ranks, the padded layout and true on-policy mode (whose kernels it does not use).
+    pub fn new_context_parallel(
+        opts: TrainerOptions,
+        comm: Box<dyn Collective>,
+        bucket_numel: usize,
+    ) -> Result<Self, TrainerError> {
+        let size = comm.world_size();
+        let refuse = |why: String| {
+            Err(TrainerError::Config(format!(
+                "--context-parallel-size {size}: {why}"
+            )))
+        };
+        if size < 2 {
+            return refuse("a context-parallel group needs at least two ranks".into());
+        }
+        if opts.layout != MicroBatchLayout::Packed {
+            return refuse(
+                "context parallelism splits packed rows; the padded layout is not supported".into(),
+            );
+        }
+        if opts.algo.true_on_policy {
+            return refuse("true on-policy mode's batch-invariant attention is not built for context parallelism".into());
+        }
+        let mut trainer = Self::build(opts, Some((comm, Sharding::Zero2 { bucket_numel })))?;
+        trainer.context_parallel = true;
+        Ok(trainer)
+    }
+
+    /// This micro-batch as this context-parallel rank holds it (None without CP).
+    fn cp_local(&self, packed: &Packed) -> Result<Option<CpLocal>, TrainerError> {
+        let Some(comm) = self
+            .optimizer
+            .collective()
+            .filter(|_| self.context_parallel)
+        else {
+            return Ok(None);
+        };
+        CpLocal::new(
+            &packed.lengths,
+            &packed.input,
+            &packed.positions,
+            &packed.gather,
+            comm,
+            self.opts.device,
+        )
+        .map(Some)
+    }
+
     fn build(
         opts: TrainerOptions,
         group: Option<(Box<dyn Collective>, Sharding)>,
@@ -476,6 +532,7 @@ impl Trainer {
             opts,
             reference,
             inject_oom_tokens: fault::inject_oom_tokens(),
+            context_parallel: false,
         })
     }
 
@@ -699,8 +756,13 @@ impl Trainer {
                 .iter()
                 .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
                 .sum();
-            if let Some(comm) = self.optimizer.collective() {
-                // Data parallel: the loss divides by the counts over every rank's chunk.
+            if let Some(comm) = self
+                .optimizer
+                .collective()
+                .filter(|_| !self.context_parallel)
+            {
+                // Data parallel: the loss divides by the counts over every rank's chunk
+                // (context-parallel ranks all hold the same chunk).
                 let mut counts = [chunk.len() as f64, chunk_tokens as f64];
                 comm.all_reduce_f64(&mut counts, crate::data_parallel::ReduceOp::Sum)?;
                 (chunk_global, chunk_tokens) = (counts[0] as usize, counts[1] as usize);
@@ -779,15 +841,23 @@ impl Trainer {
         let mut out = Vec::new();
         for r in ranges {
             let packed = Packed::new(&batch.samples[r], device, pack);
-            let lp = match self.optimizer.zero3_mut() {
-                None => infallible(packed.logprobs(&self.model, &mut NoHooks, temperature, chunk)),
-                Some(zero) => {
-                    zero.gather_bucket(OUTER_BUCKET)?;
-                    let lp =
-                        packed.logprobs(&self.model, &mut Zero3Hooks(zero), temperature, chunk);
-                    zero.release_bucket(OUTER_BUCKET);
-                    lp?
+            let cp = self.cp_local(&packed)?;
+            let lp = match (cp, self.optimizer.collective()) {
+                (Some(cp), Some(comm)) => {
+                    cp.logprobs(&self.model, &packed.targets, comm, temperature, chunk)?
                 }
+                _ => match self.optimizer.zero3_mut() {
+                    None => {
+                        infallible(packed.logprobs(&self.model, &mut NoHooks, temperature, chunk))
+                    }
+                    Some(zero) => {
+                        zero.gather_bucket(OUTER_BUCKET)?;
+                        let lp =
+                            packed.logprobs(&self.model, &mut Zero3Hooks(zero), temperature, chunk);
+                        zero.release_bucket(OUTER_BUCKET);
+                        lp?
+                    }
+                },
             };
             let sizes: Vec<i64> = packed.masks.iter().map(|m| m.len() as i64).collect();
             out.extend(lp.split_with_sizes(&sizes, 0));
@@ -857,7 +927,7 @@ impl Trainer {
         global_tokens: usize,
         acc: &mut Accumulator,
     ) -> Result<usize, TrainerError> {
-        if self.optimizer.zero3().is_some() {
+        if self.optimizer.zero3().is_some() || self.context_parallel {
             return self.run_zero3_micro_batches(
                 batch,
                 ranges,
@@ -898,7 +968,8 @@ impl Trainer {
         Ok(skipped)
     }
 
-    /// [`Trainer::run_micro_batches`] of a ZeRO-3 rank: every rank runs as many passes
+    /// [`Trainer::run_micro_batches`] of a ZeRO-3 or context-parallel rank (the latter's
+    /// ranks all run the same micro-batches, no fillers): every rank runs as many passes
     /// (fillers after its own), each pass's layers gathered and reduced in the same
     /// order. A micro-batch out of memory is not split (the other ranks are already in
     /// its collectives): the step fails.
@@ -925,8 +996,8 @@ impl Trainer {
                 Ok(()) => acc.merge(local),
                 Err(TrainerError::OutOfMemory(msg)) => {
                     return Err(TrainerError::OutOfMemory(format!(
-                        "{msg} (--zero-stage 3 cannot split a micro-batch: lower \
-                         --max-tokens-per-gpu)"
+                        "{msg} (--zero-stage 3 and --context-parallel-size cannot split a \
+                         micro-batch: lower --max-tokens-per-gpu)"
                     )))
                 }
                 Err(e) => return Err(e),
@@ -1027,44 +1098,55 @@ impl Trainer {
         let adv = Tensor::from_slice(&adv).to(device);
         let w = Tensor::from_slice(&weights).to(device);
         let old = old.map(|o| Tensor::cat(o, 0).to(device));
-        let ref_logp = self.reference.as_ref().map(|(_, model)| {
-            infallible(packed.logprobs(
+        let cp = self.cp_local(&packed)?;
+        let comm = self.optimizer.collective();
+        let ref_logp = match (&self.reference, &cp, comm) {
+            (Some((_, model)), Some(cp), Some(comm)) => Some(cp.logprobs(
+                model,
+                &packed.targets,
+                comm,
+                self.opts.temperature,
+                self.opts.logprob_chunk,
+            )?),
+            (Some((_, model)), _, _) => Some(infallible(packed.logprobs(
                 model,
                 &mut NoHooks,
                 self.opts.temperature,
                 self.opts.logprob_chunk,
-            ))
-        });
+            ))),
+            (None, _, _) => None,
+        };
         let (model, opts) = (&self.model, &self.opts);
         let (rows, width) = (packed.rows, packed.width);
-        // forward_backward recomputes each layer in backward when gradient checkpointing
-        // is on; the loss closure also collects the step's metrics.
-        let loss_fn = |hidden: &Tensor| {
-            let selected = hidden
-                .view([rows * width, -1])
-                .index_select(0, &packed.gather);
-            let (logp, entropy) = if loss_opts.entropy_coef != 0.0 {
+        // Context parallel: every rank computes the same loss; rank 0 alone reports it.
+        let report = cp.is_none() || comm.is_some_and(|c| c.rank() == 0);
+        let token_terms = |selected: &Tensor, targets: &Tensor| {
+            if loss_opts.entropy_coef != 0.0 {
                 // The entropy bonus needs its gradient: full log-softmax with autograd.
-                let mut logits = model.logits_f32(&selected);
+                let mut logits = model.logits_f32(selected);
                 if opts.temperature != 1.0 {
                     logits /= opts.temperature;
                 }
                 let all = logits.log_softmax(-1, None::<Kind>);
                 let logp = all
-                    .gather(-1, &packed.targets.unsqueeze(-1), false)
+                    .gather(-1, &targets.unsqueeze(-1), false)
                     .squeeze_dim(-1);
                 let entropy = -(all.exp() * &all).sum_dim_intlist(-1, false, None::<Kind>);
                 (logp, entropy)
             } else {
                 let (logp, entropy) = manta_model::token_logprobs(
                     model,
-                    &selected,
-                    &packed.targets,
+                    selected,
+                    targets,
                     opts.temperature,
                     opts.logprob_chunk,
                 );
                 (logp.to_kind(Kind::Float), entropy.to_kind(Kind::Float))
-            };
+            }
+        };
+        // forward_backward recomputes each layer in backward when gradient checkpointing
+        // is on; the loss also collects the step's metrics.
+        let mut objective = |logp: Tensor, entropy: Tensor| {
             let train_logp = old
                 .as_ref()
                 .map_or_else(|| logp.detach(), |o| o.shallow_clone());
@@ -1090,10 +1172,44 @@ impl Trainer {
                 opts.clip,
                 &loss_opts,
             );
-            for (name, v) in terms.metrics {
-                *acc.metrics.entry(name).or_default() += v;
+            if report {
+                for (name, v) in terms.metrics {
+                    *acc.metrics.entry(name).or_default() += v;
+                }
             }
             terms.loss
+        };
+        if let (Some(cp), Some(comm)) = (&cp, comm) {
+            let group = CpComm(comm);
+            let _ = self.model.forward_backward_cp(
+                &cp.input,
+                &cp.positions,
+                &cp.row,
+                &group,
+                |hidden| {
+                    let (logp, entropy) = if cp.owns_none() {
+                        let none = Tensor::zeros([0], (Kind::Float, device));
+                        (none.shallow_clone(), none)
+                    } else {
+                        let selected = hidden
+                            .view([cp.row.local_len(), -1])
+                            .index_select(0, &cp.own_at);
+                        token_terms(&selected, &packed.targets.index_select(0, &cp.own))
+                    };
+                    Ok(objective(cp.full(&logp, comm)?, cp.full(&entropy, comm)?))
+                },
+            )?;
+            if report {
+                acc.tokens += packed.tokens() as usize;
+            }
+            return Ok(());
+        }
+        let loss_fn = |hidden: &Tensor| {
+            let selected = hidden
+                .view([rows * width, -1])
+                .index_select(0, &packed.gather);
+            let (logp, entropy) = token_terms(&selected, &packed.targets);
+            objective(logp, entropy)
         };
         let attention = packed.attention();
         match self.optimizer.zero3_mut() {

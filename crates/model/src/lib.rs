@@ -8,8 +8,8 @@ pub mod config;
 pub use config::{ModelConfig, ModelFamily, RopeScaling};
 pub mod transformer;
 pub use transformer::{
-    decode_counters, Attention, CausalLm, KvCache, PagedAttention, PagedBatch, PagedKvCache,
-    PagedSeq, SegmentKernel,
+    decode_counters, Attention, CausalLm, CpError, CpGroup, CpRow, KvCache, PagedAttention,
+    PagedBatch, PagedKvCache, PagedSeq, SegmentKernel,
 };
 pub mod checkpoint;
 pub use checkpoint::{load_weights, save_pretrained, save_pretrained_tensors};

@@ -14,9 +14,11 @@ use crate::config::{ModelConfig, ModelFamily, RopeScaling};
 use crate::layer_hooks::{LayerHooks, NoHooks};
 use crate::recompute::{Recompute, RecomputeError};
 
+mod context_parallel;
 mod invariant;
 mod paged;
 mod paged_seq;
+pub use context_parallel::{CpError, CpGroup, CpRow};
 pub use paged::{decode_counters, PagedAttention, PagedBatch, PagedKvCache};
 pub use paged_seq::PagedSeq;
 

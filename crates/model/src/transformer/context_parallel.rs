@@ -1,0 +1,285 @@
+//! Context parallelism: the ranks of a CP group share one packed row's tokens.
+//!
+//! The row (padded to a multiple of 2N tokens, the padding a segment of its own that no
+//! real token sees) is cut into 2N equal chunks and rank r holds chunks r and 2N-1-r,
+//! Megatron's load balancing for causal attention (every rank gets as many early and
+//! late queries). Positions (RoPE) stay the global ones. Each rank holds the whole model.
+//!
+//! Per layer a rank computes its tokens' q, k, v, all-gathers k and v over the group and
+//! attends its queries to every key under a mask built from global token indices and
+//! segments (causal within each sample). tch cannot define autograd functions, so the
+//! backward pass runs layer by layer: the gathered k/v are leaves, their gradients are
+//! reduce-scattered (summed) back to the ranks that own those tokens, and the local
+//! q/k/v graph is back-propagated with them. Each rank's parameter gradients are then its
+//! tokens' share; the caller sums them over the group (the ZeRO-2 reduce-scatter does).
+//!
+//! The mask is dense ([local tokens, row tokens]): simple and exact on the CPU; a ring or
+//! flash-attention exchange on GPUs is not built.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{repeat_kv, CausalLm, DecoderLayer};
+
+/// What a rank needs from its context-parallel group: flat contiguous tensors, every rank
+/// calling the same operations in the same order with the same sizes.
+pub trait CpGroup {
+    type Error;
+    fn cp_rank(&self) -> usize;
+    fn cp_size(&self) -> usize;
+    /// Every rank's `local` concatenated in rank order.
+    fn cp_all_gather(&self, local: &Tensor) -> Result<Tensor, Self::Error>;
+    /// The sum over the ranks of `full` (`cp_size × n` elements), this rank's n-element slice.
+    fn cp_reduce_scatter(&self, full: &Tensor) -> Result<Tensor, Self::Error>;
+}
+
+/// Why a row cannot be split.
+#[derive(Debug, thiserror::Error)]
+pub enum CpError {
+    #[error("--context-parallel-size: rank {rank} is outside a group of {size}")]
+    BadRank { rank: usize, size: usize },
+    #[error("--context-parallel-size: a context-parallel group needs at least 2 ranks, got {0}")]
+    TooSmall(usize),
+}
+
+/// One packed row's split over a CP group, seen from one rank.
+pub struct CpRow {
+    tokens: i64,
+    chunk: i64,
+    /// Global token index of each of this rank's 2 × chunk tokens (>= `tokens`: padding).
+    local: Vec<i64>,
+    /// [1, 1, 2 × chunk, size × 2 × chunk] bool: local query may attend gathered key.
+    mask: Tensor,
+}
+
+impl CpRow {
+    /// Splits a row holding sequences of `lengths` (back to back) for `rank` of `size`.
+    /// A row shorter than 2 × size tokens is padded like any other.
+    pub fn new(lengths: &[i64], rank: usize, size: usize, device: Device) -> Result<Self, CpError> {
+        if size < 2 {
+            return Err(CpError::TooSmall(size));
+        }
+        if rank >= size {
+            return Err(CpError::BadRank { rank, size });
+        }
+        let tokens: i64 = lengths.iter().sum();
+        let parts = 2 * size as i64;
+        let chunk = ((tokens + parts - 1) / parts).max(1);
+        let mut segment = Vec::with_capacity((chunk * parts) as usize);
+        for (s, &len) in lengths.iter().enumerate() {
+            segment.extend(std::iter::repeat_n(s as i64, len.max(0) as usize));
+        }
+        // Padding: one segment of its own.
+        segment.resize((chunk * parts) as usize, lengths.len() as i64);
+        let owned = |r: i64| {
+            (r * chunk..(r + 1) * chunk).chain((parts - 1 - r) * chunk..(parts - r) * chunk)
+        };
+        let local: Vec<i64> = owned(rank as i64).collect();
+        let keys: Vec<i64> = (0..size as i64).flat_map(owned).collect();
+        let seg = |idx: &[i64]| {
+            Tensor::from_slice(&idx.iter().map(|&i| segment[i as usize]).collect::<Vec<_>>())
+                .to(device)
+        };
+        let (qi, ki) = (
+            Tensor::from_slice(&local).to(device),
+            Tensor::from_slice(&keys).to(device),
+        );
+        let mask = seg(&local)
+            .unsqueeze(1)
+            .eq_tensor(&seg(&keys).unsqueeze(0))
+            .logical_and(&ki.unsqueeze(0).le_tensor(&qi.unsqueeze(1)))
+            .view([1, 1, 2 * chunk, parts * chunk]);
+        Ok(CpRow {
+            tokens,
+            chunk,
+            local,
+            mask,
+        })
+    }
+
+    /// This rank's tokens of a [1, tokens] row (padding filled with 0): [1, 2 × chunk].
+    pub fn take(&self, row: &Tensor) -> Tensor {
+        let padded = row.constant_pad_nd([0, self.mask.size()[3] - self.tokens]);
+        let index = Tensor::from_slice(&self.local).to(row.device());
+        padded.index_select(1, &index)
+    }
+
+    /// How many tokens this rank holds (two chunks, padding included).
+    pub fn local_len(&self) -> i64 {
+        2 * self.chunk
+    }
+
+    /// Where global token `index` sits among this rank's tokens, if it holds it.
+    pub fn local_index(&self, index: i64) -> Option<i64> {
+        if index >= self.tokens {
+            return None;
+        }
+        self.local
+            .iter()
+            .position(|&g| g == index)
+            .map(|p| p as i64)
+    }
+}
+
+/// One layer's pass on a rank: the leaves its backward needs.
+struct LayerPass {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_leaf: Tensor,
+    k_all: Tensor,
+    v_all: Tensor,
+    out: Tensor,
+}
+
+impl DecoderLayer {
+    fn cp_pass<G: CpGroup>(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        row: &CpRow,
+        group: &G,
+    ) -> Result<LayerPass, G::Error> {
+        let sa = &self.self_attn;
+        let (q, k, v) = sa.qkv(&self.input_layernorm.forward(x), cos, sin);
+        let gather = |t: &Tensor| -> Result<Tensor, G::Error> {
+            let s = t.size();
+            let all = group.cp_all_gather(&t.detach().contiguous().view([-1]))?;
+            // [size, 1, nkv, local, hd] -> [1, nkv, size × local, hd], keys in rank order.
+            Ok(all
+                .view([group.cp_size() as i64, s[1], s[2], s[3]])
+                .permute([1, 0, 2, 3])
+                .reshape([1, s[1], -1, s[3]])
+                .set_requires_grad(true))
+        };
+        let (k_all, v_all) = (gather(&k)?, gather(&v)?);
+        let q_leaf = q.detach().set_requires_grad(true);
+        let rep = sa.num_heads / sa.num_kv_heads;
+        let (ka, va) = if rep > 1 {
+            (repeat_kv(&k_all, rep), repeat_kv(&v_all, rep))
+        } else {
+            (k_all.shallow_clone(), v_all.shallow_clone())
+        };
+        let t = q.size()[2];
+        let attn = Tensor::scaled_dot_product_attention(
+            &q_leaf,
+            &ka,
+            &va,
+            Some(&row.mask),
+            0.0,
+            false,
+            None,
+            false,
+        )
+        .transpose(1, 2)
+        .reshape([1, t, sa.num_heads * sa.head_dim]);
+        let h = x + super::linear_rows(&attn, &sa.o_proj, None, sa.min_rows);
+        let out = self.mlp.forward(&self.post_attention_layernorm.forward(&h));
+        Ok(LayerPass {
+            q,
+            k,
+            v,
+            q_leaf,
+            k_all,
+            v_all,
+            out: h + out,
+        })
+    }
+}
+
+/// Sums a gathered [1, nkv, size × local, hd] gradient back to the owners' [1, nkv, local, hd].
+fn scatter_back<G: CpGroup>(grad: &Tensor, like: &Tensor, group: &G) -> Result<Tensor, G::Error> {
+    let s = like.size();
+    let full = grad
+        .view([s[1], group.cp_size() as i64, s[2], s[3]])
+        .permute([1, 0, 2, 3])
+        .contiguous()
+        .view([-1]);
+    Ok(group.cp_reduce_scatter(&full)?.view(s.as_slice()))
+}
+
+impl CausalLm {
+    /// Final-normed hidden states [1, local, H] of this rank's tokens (`row.take` of the
+    /// row's ids and positions), no autograd: log-prob passes.
+    pub fn forward_hidden_cp<G: CpGroup>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        row: &CpRow,
+        group: &G,
+    ) -> Result<Tensor, G::Error> {
+        tch::no_grad(|| {
+            let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+            let (cos, sin) = self.rotary.cos_sin(position_ids, x.kind());
+            for layer in &self.layers {
+                x = layer.cp_pass(&x, &cos, &sin, row, group)?.out;
+            }
+            Ok(self.norm.forward(&x))
+        })
+    }
+
+    /// [`CausalLm::forward_backward`] of this rank's tokens of a row split over a CP
+    /// group (module doc). `loss_fn` gets the local hidden states [1, local, H] and may
+    /// itself use the group (gathering log-probs); every rank must call this together.
+    /// With any recompute setting every layer is recomputed in the backward pass (its
+    /// keys and values gathered again); otherwise every activation is kept.
+    pub fn forward_backward_cp<G: CpGroup>(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        row: &CpRow,
+        group: &G,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor, G::Error>,
+    ) -> Result<Tensor, G::Error> {
+        let recompute = self.recompute.is_some();
+        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        let (cos, sin) = tch::no_grad(|| self.rotary.cos_sin(position_ids, embedded.kind()));
+        let mut saved: Vec<(Tensor, Option<LayerPass>)> = Vec::with_capacity(self.layers.len());
+        let mut x = embedded.detach();
+        for layer in &self.layers {
+            if recompute {
+                let out = tch::no_grad(|| layer.cp_pass(&x, &cos, &sin, row, group))?.out;
+                saved.push((x, None));
+                x = out;
+            } else {
+                let input = x.detach().set_requires_grad(true);
+                let pass = layer.cp_pass(&input, &cos, &sin, row, group)?;
+                x = pass.out.detach();
+                saved.push((input, Some(pass)));
+            }
+        }
+        let last = x.detach().set_requires_grad(true);
+        let loss = loss_fn(&self.norm.forward(&last))?;
+        // A rank scoring none of the row's trained tokens has a loss without a graph; it
+        // still runs the layers' backward (the others need its reduce-scatters).
+        if loss.requires_grad() {
+            loss.backward();
+        }
+        let or_zeros = |g: Tensor, like: &Tensor| if g.defined() { g } else { like.zeros_like() };
+        let mut grad = or_zeros(last.grad(), &last);
+        for (layer, (input, pass)) in self.layers.iter().zip(saved).rev() {
+            let (input, pass) = match pass {
+                Some(pass) => (input, pass),
+                None => {
+                    let input = input.detach().set_requires_grad(true);
+                    let pass = layer.cp_pass(&input, &cos, &sin, row, group)?;
+                    (input, pass)
+                }
+            };
+            // The layer's output side: its parameters, the residual into `input`, and
+            // the gradients of the gathered keys/values and of the local queries.
+            (&pass.out * &grad).sum(None::<Kind>).backward();
+            let dk = scatter_back(&or_zeros(pass.k_all.grad(), &pass.k_all), &pass.k, group)?;
+            let dv = scatter_back(&or_zeros(pass.v_all.grad(), &pass.v_all), &pass.v, group)?;
+            let dq = or_zeros(pass.q_leaf.grad(), &pass.q_leaf);
+            // The q/k/v side, with every rank's gradient of this rank's keys and values.
+            ((&pass.q * dq).sum(None::<Kind>)
+                + (&pass.k * dk).sum(None::<Kind>)
+                + (&pass.v * dv).sum(None::<Kind>))
+            .backward();
+            grad = or_zeros(input.grad(), &input);
+        }
+        (embedded * &grad).sum(None::<Kind>).backward();
+        Ok(loss.detach())
+    }
+}
