@@ -171,6 +171,13 @@ pub struct TrainArgs {
     /// `data_parallel_ranks`) [2].
     #[arg(long, value_name = "2|3")]
     pub zero_stage: Option<u8>,
+    /// Context parallelism (Megatron's name): each packed sequence's tokens are split
+    /// over N trainer ranks, which all train on the same whole batch, for episodes
+    /// longer than one rank's memory. Local mode's rank count (`[trainer] gpus` or
+    /// `data_parallel_ranks`) must equal N (data parallel × context parallel is not
+    /// built); not with --zero-stage 3, remote mode or --true-on-policy-mode [1].
+    #[arg(long, value_name = "N")]
+    pub context_parallel_size: Option<usize>,
     /// bf16 weights and compute with fp32 master weights and AdamW state, as Megatron's
     /// `--bf16`; the same as cluster.toml's `[trainer] bf16 = true`, which it overrides.
     #[arg(long)]
@@ -326,6 +333,7 @@ impl TrainArgs {
             recompute_method: self.recompute_method.clone(),
             recompute_num_layers: self.recompute_num_layers,
             zero_stage: self.zero_stage,
+            context_parallel_size: self.context_parallel_size,
             context_len: self.context_len,
             task_data: self.task_data.clone(),
             run_name: self.run_name.clone(),

@@ -23,7 +23,9 @@ use manta_trainer::loss::ClipRange;
 use manta_trainer::loss::LossOptions;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::schedule::{DecayStyle, LrSchedule};
-use manta_trainer::{AlgoOptions, Recompute, RecomputeMethod, TrainerActor, TrainerOptions};
+use manta_trainer::{
+    AlgoOptions, RankGroupKind, Recompute, RecomputeMethod, TrainerActor, TrainerOptions,
+};
 use manta_weight_sync::route::{self, Endpoint, Mechanism};
 use manta_weight_sync::{BroadcastRoot, WeightSyncActor, WeightSyncArgs, WeightSyncMsg};
 use ractor::{Actor, ActorRef};
@@ -272,7 +274,7 @@ pub async fn start(
         } else {
             RankDevices::Gpus(cluster.trainer.gpus.clone())
         };
-        Some(start_trainer(options, &devices, settings.zero_stage).await?)
+        Some(start_trainer(options, &devices, settings).await?)
     } else {
         None
     };
@@ -416,20 +418,34 @@ async fn feed_sglang(
 }
 
 /// Starts the in-process trainer: one actor when `devices` has one rank (`options.device`
-/// is its device), else a data-parallel rank group, one actor per rank, at ZeRO stage
-/// `zero_stage` (2 or 3; 3 needs two ranks or more).
+/// is its device), else a rank group, one actor per rank: data parallel at
+/// `settings.zero_stage` (2 or 3; 3 needs two ranks or more), or one context-parallel
+/// group when `settings.context_parallel_size` > 1 (then it must be the rank count).
 pub async fn start_trainer(
     options: TrainerOptions,
     devices: &RankDevices,
-    zero_stage: u8,
+    settings: &TrainSettings,
 ) -> anyhow::Result<TrainerHandle> {
-    let zero3 = match zero_stage {
-        2 => false,
-        3 => true,
-        other => anyhow::bail!("--zero-stage {other}: must be 2 or 3"),
+    let cp = settings.context_parallel_size;
+    let kind = match (settings.zero_stage, cp) {
+        (2, 0 | 1) => RankGroupKind::Zero2,
+        (3, 0 | 1) => RankGroupKind::Zero3,
+        (2, _) => RankGroupKind::ContextParallel,
+        (3, _) => anyhow::bail!(
+            "--context-parallel-size {cp} with --zero-stage 3: context-parallel ranks \
+             replicate the weights; use --zero-stage 2"
+        ),
+        (other, _) => anyhow::bail!("--zero-stage {other}: must be 2 or 3"),
     };
+    if kind == RankGroupKind::ContextParallel && devices.world() != cp {
+        anyhow::bail!(
+            "--context-parallel-size {cp}: the trainer has {} ranks; context parallelism \
+             needs exactly {cp} (data parallel × context parallel is not built)",
+            devices.world()
+        );
+    }
     if devices.world() <= 1 {
-        if zero3 {
+        if kind == RankGroupKind::Zero3 {
             anyhow::bail!(
                 "--zero-stage 3 shards the parameters over the data-parallel ranks and needs \
                  at least two; this run has one trainer"
@@ -441,8 +457,8 @@ pub async fn start_trainer(
         return Ok(TrainerHandle::local(trainer));
     }
     let steps = options.algo.num_steps_per_rollout;
-    let ranks = spawn_ranks(options, devices, zero3).await?;
-    Ok(TrainerHandle::local_ranks(ranks, steps, zero3))
+    let ranks = spawn_ranks(options, devices, kind).await?;
+    Ok(TrainerHandle::local_ranks(ranks, steps, kind))
 }
 
 /// The device for GPUs `gpus` named by cluster.toml key `key` in local mode: the CPU
@@ -541,7 +557,7 @@ pub async fn place_saved(
     let handle = start_trainer(
         trainer_options(settings, tch::Device::Cpu),
         &RankDevices::Cpu(ranks),
-        settings.zero_stage,
+        settings,
     )
     .await?;
     Ok(Placed {

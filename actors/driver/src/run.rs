@@ -37,6 +37,7 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     flags.validate(Path::new("command line"), "--")?;
     let settings = flags.over(cluster.train.clone()).resolve();
     check_zero_stage(&cluster, &settings, &args.cluster)?;
+    check_context_parallel(&cluster, &settings, &args.cluster)?;
     if cluster.rollout.colocate && settings.sampling.max_weight_staleness > 0 {
         // As slime: overlapping rollouts with training needs the engines off the
         // trainer's GPUs.
@@ -92,6 +93,50 @@ fn check_zero_stage(
              data-parallel trainer ranks and needs at least two, but {} has {ranks} \
              ([trainer] gpus = [..] with two or more GPUs, or data_parallel_ranks = N)",
             cluster_path.display()
+        );
+    }
+    Ok(())
+}
+
+/// `--context-parallel-size N` (N > 1) runs local mode's whole rank group as one
+/// context-parallel group (data parallel × CP is not built), so the rank count must be
+/// N; refused before anything starts where the trainer cannot run it.
+fn check_context_parallel(
+    cluster: &ClusterConfig,
+    settings: &TrainSettings,
+    cluster_path: &Path,
+) -> anyhow::Result<()> {
+    let size = settings.context_parallel_size;
+    if size <= 1 {
+        return Ok(());
+    }
+    let flag = format!("--context-parallel-size {size} (or [train] context_parallel_size)");
+    if cluster.mode == ClusterMode::Remote {
+        anyhow::bail!(
+            "{flag}: {} sets remote mode, which places one trainer (ranks on workers are not \
+             built): use local mode's [trainer] gpus or data_parallel_ranks",
+            cluster_path.display()
+        );
+    }
+    let ranks = cluster.trainer.data_parallel_world();
+    if ranks != size {
+        anyhow::bail!(
+            "{flag}: the trainer's world size is data parallel × context parallel and only \
+             data parallel = 1 is built, so the local rank count must be {size}, but {} has \
+             {ranks} ([trainer] gpus = [..] with {size} GPUs, or data_parallel_ranks = {size})",
+            cluster_path.display()
+        );
+    }
+    if settings.zero_stage == 3 {
+        anyhow::bail!(
+            "{flag} with --zero-stage 3: context-parallel ranks replicate the weights \
+             (ZeRO-2 over the group); use --zero-stage 2"
+        );
+    }
+    if settings.algo.true_on_policy_mode {
+        anyhow::bail!(
+            "{flag} with --true-on-policy-mode: its batch-invariant attention is not built \
+             for context parallelism"
         );
     }
     Ok(())
@@ -363,6 +408,73 @@ mod tests {
         assert_eq!(plain.cluster.trainer.bf16, Some(false));
         let flagged = resolve_config(&args(&["--bf16"])).unwrap();
         assert_eq!(flagged.cluster.trainer.bf16, Some(true));
+    }
+
+    /// `--context-parallel-size N` needs N local ranks, local mode, ZeRO-2 and no true
+    /// on-policy mode; 1 (the default) needs nothing.
+    #[test]
+    fn context_parallel_size_is_refused_where_it_cannot_run() {
+        let check = |text: &str, flags: TrainOverrides| {
+            let cluster = ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
+            let settings = flags.over(cluster.train.clone()).resolve();
+            check_context_parallel(&cluster, &settings, Path::new("c.toml"))
+                .map_err(|e| e.to_string())
+        };
+        let cp = |n: usize| TrainOverrides {
+            context_parallel_size: Some(n),
+            ..Default::default()
+        };
+        let two = "[trainer]\ndata_parallel_ranks = 2\n";
+        check("", TrainOverrides::default()).unwrap();
+        check(two, cp(1)).unwrap();
+        check(two, cp(2)).unwrap();
+        check(
+            "[trainer]\ndata_parallel_ranks = 3\n[train]\ncontext_parallel_size = 3\n",
+            TrainOverrides::default(),
+        )
+        .unwrap();
+        for (text, n, ranks) in [
+            ("", 2, 1),
+            (two, 3, 2),
+            ("[trainer]\ndata_parallel_ranks = 4\n", 2, 4),
+        ] {
+            let err = check(text, cp(n)).unwrap_err();
+            assert!(
+                err.contains(&format!("--context-parallel-size {n}"))
+                    && err.contains(&format!("has {ranks}")),
+                "{err}"
+            );
+        }
+        let err = check(
+            two,
+            TrainOverrides {
+                zero_stage: Some(3),
+                ..cp(2)
+            },
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("--context-parallel-size 2") && err.contains("--zero-stage 3"),
+            "{err}"
+        );
+        let err = check(
+            two,
+            TrainOverrides {
+                true_on_policy_mode: Some(true),
+                ..cp(2)
+            },
+        )
+        .unwrap_err();
+        assert!(err.contains("--true-on-policy-mode"), "{err}");
+        let err = check(
+            "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0, 1]\n",
+            cp(2),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("--context-parallel-size 2") && err.contains("remote mode"),
+            "{err}"
+        );
     }
 
     /// `--zero-stage 3` (or `[train] zero_stage = 3`) needs two local ranks.

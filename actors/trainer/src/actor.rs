@@ -56,21 +56,31 @@ impl Actor for TrainerActor {
     }
 }
 
-/// What a data-parallel rank's actor is built from: its options, its place in the
-/// group, the gradient bucket size ([`Trainer::new_data_parallel`]) and whether the
-/// parameters are sharded too.
+/// How the ranks of a group share the work, i.e. which constructor builds a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankGroupKind {
+    /// Data parallel, ZeRO-2 ([`Trainer::new_data_parallel`]).
+    Zero2,
+    /// Data parallel, `--zero-stage 3` ([`Trainer::new_zero3`]; the bucket size is
+    /// unused: its buckets are the layers).
+    Zero3,
+    /// `--context-parallel-size`: the whole group is one context-parallel group
+    /// ([`Trainer::new_context_parallel`]); every rank must be sent the same batch.
+    ContextParallel,
+}
+
+/// What a group rank's actor is built from: its options, its place in the group, the
+/// gradient bucket size ([`Trainer::new_data_parallel`]) and the kind of group.
 pub struct TrainerRankArgs {
     pub options: TrainerOptions,
     pub comm: Box<dyn Collective>,
     pub bucket_numel: usize,
-    /// `--zero-stage 3`: the rank is built by [`Trainer::new_zero3`] (`bucket_numel`
-    /// unused: its buckets are the layers).
-    pub zero3: bool,
+    pub kind: RankGroupKind,
 }
 
-/// [`TrainerActor`] for one rank of a data-parallel group: the same messages, a trainer
-/// built by [`Trainer::new_data_parallel`] (or [`Trainer::new_zero3`]). Every rank of the group must be started at
-/// once (building a rank waits for the others) and be sent the same messages.
+/// [`TrainerActor`] for one rank of a data-parallel or context-parallel group: the same
+/// messages, a trainer built as [`RankGroupKind`] says. Every rank of the group must be
+/// started at once (building a rank waits for the others) and be sent the same messages.
 pub struct TrainerRankActor;
 
 /// A rank's trainer and its GPU, made the current CUDA device of whichever runtime
@@ -103,11 +113,13 @@ impl Actor for TrainerRankActor {
             _ => None,
         };
         make_current(gpu);
-        let trainer = tokio::task::block_in_place(|| {
-            if args.zero3 {
-                Trainer::new_zero3(args.options, args.comm)
-            } else {
+        let trainer = tokio::task::block_in_place(|| match args.kind {
+            RankGroupKind::Zero2 => {
                 Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
+            }
+            RankGroupKind::Zero3 => Trainer::new_zero3(args.options, args.comm),
+            RankGroupKind::ContextParallel => {
+                Trainer::new_context_parallel(args.options, args.comm, args.bucket_numel)
             }
         })?;
         Ok(TrainerRank { trainer, gpu })

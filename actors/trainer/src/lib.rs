@@ -18,6 +18,8 @@ pub mod optimizer;
 pub mod schedule;
 pub mod trainer;
 
-pub use actor::{TrainerActor, TrainerArgs, TrainerMsg, TrainerRankActor, TrainerRankArgs};
+pub use actor::{
+    RankGroupKind, TrainerActor, TrainerArgs, TrainerMsg, TrainerRankActor, TrainerRankArgs,
+};
 pub use manta_model::{Recompute, RecomputeMethod};
 pub use trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};

@@ -43,6 +43,9 @@ pub struct TrainOverrides {
     /// Megatron/DeepSpeed's `--zero-stage`: 2 shards optimizer state and gradients over
     /// the data-parallel ranks, 3 the parameters too.
     pub zero_stage: Option<u8>,
+    /// Megatron's `--context-parallel-size N`: each packed sequence's tokens split over
+    /// N trainer ranks (the whole local rank group; data parallel × CP is not built).
+    pub context_parallel_size: Option<usize>,
     pub context_len: Option<usize>,
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
@@ -122,6 +125,10 @@ pub struct TrainSettings {
     /// sharded) or 3 (parameters too, gathered a layer at a time). One of
     /// [`ZERO_STAGES`]; with one trainer it changes nothing (the driver refuses 3).
     pub zero_stage: u8,
+    /// Trainer ranks sharing each sequence's tokens (1: off). Above 1 the driver runs
+    /// the local rank group, which must have exactly this many ranks, as one
+    /// context-parallel group.
+    pub context_parallel_size: usize,
     /// Whole-episode token budget (prompt + all turns).
     pub context_len: usize,
     /// tasks.jsonl to train from; `None` lists tasks from the environment servers.
@@ -276,6 +283,7 @@ impl TrainOverrides {
             recompute_method,
             recompute_num_layers,
             zero_stage,
+            context_parallel_size,
             context_len,
             task_data,
             run_name,
@@ -373,6 +381,7 @@ impl TrainOverrides {
             ("num_steps_per_rollout", self.num_steps_per_rollout),
             ("over_sampling_batch_size", self.over_sampling_batch_size),
             ("recompute_num_layers", self.recompute_num_layers),
+            ("context_parallel_size", self.context_parallel_size),
         ];
         for (name, value) in at_least_one {
             if value == Some(0) {
@@ -620,6 +629,7 @@ impl TrainOverrides {
                     }),
             },
             zero_stage: self.zero_stage.unwrap_or(2),
+            context_parallel_size: self.context_parallel_size.unwrap_or(1),
             context_len: self.context_len.unwrap_or(8192),
             task_data: self.task_data,
             run_name: self.run_name,
@@ -763,6 +773,28 @@ mod tests {
             let err = validation_error(&o, "c.toml", "train.");
             assert!(err.contains("train.zero_stage"), "{err}");
         }
+    }
+
+    #[test]
+    fn context_parallel_size_defaults_to_1_and_refuses_0() {
+        assert_eq!(TrainOverrides::default().resolve().context_parallel_size, 1);
+        let o = TrainOverrides {
+            context_parallel_size: Some(2),
+            ..Default::default()
+        };
+        o.validate(Path::new("command line"), "--").unwrap();
+        assert_eq!(o.resolve().context_parallel_size, 2);
+        let zero = TrainOverrides {
+            context_parallel_size: Some(0),
+            ..Default::default()
+        };
+        let err = validation_error(&zero, "command line", "--");
+        assert!(
+            err.contains("--context-parallel-size") && err.contains('0'),
+            "{err}"
+        );
+        let err = validation_error(&zero, "c.toml", "train.");
+        assert!(err.contains("train.context_parallel_size"), "{err}");
     }
 
     #[test]

@@ -12,6 +12,11 @@
 //! checkpoint is saved by every rank into one directory (rank 0's weights and state,
 //! each rank's ZeRO optimizer shard) and resume restores every rank from it, so it needs
 //! the same rank count.
+//!
+//! With `--context-parallel-size N` the same N ranks are one context-parallel group
+//! (`Trainer::new_context_parallel`): every rank is sent the whole batch (each holds a
+//! share of every packed sequence's tokens), the weights are replicated as under ZeRO-2
+//! (rank 0's are read), and checkpoints are ZeRO-2's (one optimizer shard per rank).
 
 use std::collections::BTreeMap;
 
@@ -25,7 +30,9 @@ use manta_hosting::weights::WeightSet;
 use manta_hosting::TrainerCallError;
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
 use manta_trainer::data_parallel::{Collective, NcclCollective, ThreadCollective};
-use manta_trainer::{TrainBatch, TrainerMsg, TrainerOptions, TrainerRankActor, TrainerRankArgs};
+use manta_trainer::{
+    RankGroupKind, TrainBatch, TrainerMsg, TrainerOptions, TrainerRankActor, TrainerRankArgs,
+};
 use ractor::{Actor, ActorRef};
 use tch::Device;
 use tracing::{info, warn};
@@ -54,28 +61,29 @@ impl RankDevices {
 impl TrainerHandle {
     /// The ranks of a local data-parallel group, rank 0 first, each started by
     /// [`spawn_ranks`]; `steps_per_rollout` is the trainer's `num_steps_per_rollout`;
-    /// `zero3`: they were started with it (reading weights then takes every rank).
+    /// `kind`: what they were started as (ZeRO-3: reading weights takes every rank;
+    /// context parallel: every rank gets the whole batch).
     pub fn local_ranks(
         ranks: Vec<ActorRef<TrainerMsg>>,
         steps_per_rollout: usize,
-        zero3: bool,
+        kind: RankGroupKind,
     ) -> Self {
         Self::new(RankGroup {
             ranks: ranks.into_iter().map(LocalTrainer).collect(),
             steps_per_rollout: steps_per_rollout.max(1),
             warned_uneven: AtomicBool::new(false),
-            zero3,
+            kind,
         })
     }
 }
 
 /// Starts one trainer rank actor per rank of `devices`, all at once (building a rank
-/// waits for the others). `options.device` is replaced by each rank's device. `zero3`:
-/// the ranks shard the parameters too (`Trainer::new_zero3`), else ZeRO-2.
+/// waits for the others). `options.device` is replaced by each rank's device; `kind`
+/// picks each rank's constructor.
 pub async fn spawn_ranks(
     options: TrainerOptions,
     devices: &RankDevices,
-    zero3: bool,
+    kind: RankGroupKind,
 ) -> anyhow::Result<Vec<ActorRef<TrainerMsg>>> {
     let world = devices.world();
     let comms: Vec<(Box<dyn Collective>, Device)> = match devices {
@@ -97,7 +105,7 @@ pub async fn spawn_ranks(
                 },
                 comm,
                 bucket_numel: DEFAULT_BUCKET_NUMEL,
-                zero3,
+                kind,
             };
             // A task per rank: each builds its trainer in block_in_place and waits in
             // the group's first collective for the others.
@@ -125,7 +133,18 @@ pub async fn spawn_ranks(
         }
         anyhow::bail!("{e}");
     }
-    info!(world, devices = ?devices, zero_stage = if zero3 { 3 } else { 2 }, "data-parallel trainer ranks started");
+    let (zero_stage, context_parallel_size) = match kind {
+        RankGroupKind::Zero2 => (2, 1),
+        RankGroupKind::Zero3 => (3, 1),
+        RankGroupKind::ContextParallel => (2, world),
+    };
+    info!(
+        world,
+        devices = ?devices,
+        zero_stage,
+        context_parallel_size,
+        "trainer ranks started"
+    );
     Ok(ranks)
 }
 
@@ -173,8 +192,9 @@ struct RankGroup {
     steps_per_rollout: usize,
     /// Whether the log already said that a batch could not be split exactly.
     warned_uneven: AtomicBool,
-    /// ZeRO-3: no rank holds the weights whole; reading them is a collective.
-    zero3: bool,
+    /// ZeRO-3: no rank holds the weights whole, reading them is a collective; context
+    /// parallel: every rank trains on the whole batch.
+    kind: RankGroupKind,
 }
 
 impl RankGroup {
@@ -226,6 +246,17 @@ impl TrainerBackend for RankGroup {
         batch: TrainBatch,
     ) -> Result<BTreeMap<String, f64>, TrainerCallError> {
         let world = self.ranks.len();
+        if self.kind == RankGroupKind::ContextParallel {
+            // One context-parallel group: every rank takes the whole batch (the trainer
+            // splits each packed row's tokens) and rank 0 reports the step.
+            let results = join_all(
+                self.ranks
+                    .iter()
+                    .map(|rank| rank.train_step(step, batch.clone())),
+            )
+            .await;
+            return Ok(first_error(results)?.swap_remove(0));
+        }
         let (shares, exact) = split_batch(batch, world, self.steps_per_rollout)
             .map_err(|e| failed(format!("training step {step}: {e}")))?;
         if !exact && !self.warned_uneven.swap(true, Ordering::Relaxed) {
@@ -267,8 +298,9 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
-        if !self.zero3 {
-            // Every rank ends each step with the same weights.
+        if self.kind != RankGroupKind::Zero3 {
+            // Every rank ends each step with the same weights (ZeRO-2 and context
+            // parallel replicate them); reading rank 0's is no collective.
             return self.ranks[0].weight_set().await;
         }
         let weights = self.gathered().await?;
@@ -279,7 +311,7 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
-        if !self.zero3 {
+        if self.kind != RankGroupKind::Zero3 {
             return self.ranks[0].tensors().await;
         }
         self.gathered().await.map(Some)

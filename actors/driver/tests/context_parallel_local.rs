@@ -1,0 +1,416 @@
+//! `--context-parallel-size 2` through the driver binary in local mode, with two CPU
+//! ranks (`[trainer] data_parallel_ranks = 2`, threads over `ThreadCollective`) as one
+//! context-parallel group:
+//! - from debug rollout data, three steps equal one trainer's (no data parallelism) on
+//!   the same samples: per-step loss metrics within 1e-6 relative, token counts exactly,
+//!   the final weights within 1e-5 (fp32 summation order only). A driver that gave each
+//!   rank a data-parallel share instead of the whole batch would train on other tokens;
+//! - a resume (`--load`) of the CP ranks from step 2 ends at step 3's weights;
+//! - the default local job (native engine) trains and syncs verified weights;
+//! - sizes the driver cannot run are refused by name, and `--help` explains the flag.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{debug_data, sorted_weights, workspace};
+use manta_telemetry::read_metrics;
+
+/// How long one tiny-model run may take before it counts as hung (a collective only
+/// some ranks joined, e.g. ranks sent different batches).
+const DEADLINE: Duration = Duration::from_secs(180);
+
+/// Runs `driver ARGS` from the workspace with `env`, killed after [`DEADLINE`].
+fn driver(args: &[String], env: &[(&str, &str)], dir: &Path) -> Output {
+    let (out_path, err_path) = (dir.join("driver.stdout"), dir.join("driver.stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::from(File::create(&out_path).unwrap()))
+        .stderr(Stdio::from(File::create(&err_path).unwrap()))
+        .spawn()
+        .expect("driver starts");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "driver {args:?} still running after {DEADLINE:?} (a collective only some \
+                 ranks joined?)\nstderr:\n{}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out_path).unwrap(),
+        stderr: std::fs::read(&err_path).unwrap(),
+    }
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
+fn cluster(dir: &Path, trainer: &str) -> PathBuf {
+    let path = dir.join("cluster.toml");
+    let text = format!(
+        "[cluster]\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n",
+        workspace().join("train_config.yaml").display().to_string()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// Debug-data training flags (as data_parallel_local.rs: a KL term, a large Adam eps
+/// so summation-order noise of near-zero gradients does not flip whole Adam steps),
+/// then `extra`.
+fn debug_args(
+    cluster: &Path,
+    data: &Path,
+    save: &Path,
+    runs: &Path,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args = strings(&[
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "0",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "r",
+        "--lr",
+        "0.01",
+        "--adam-eps",
+        "1e-4",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-rollout-logprobs",
+    ]);
+    args.extend(strings(extra));
+    args
+}
+
+type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
+
+fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
+    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
+}
+
+/// Largest absolute difference between two sorted weight sets with the same names.
+fn max_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta.to_kind(tch::Kind::Double) - tb.to_kind(tch::Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Log text without its ANSI colour codes.
+fn plain(log: &[u8]) -> String {
+    let text = String::from_utf8_lossy(log);
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // Skip `ESC [ ... m`.
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The log line `spawn_ranks` writes, asked for at info level: proof that the ranks ran
+/// as a context-parallel group.
+const RANKS_LOG: (&str, &str) = ("RUST_LOG", "warn,manta_driver=info");
+
+const CP2: &[&str] = &["--context-parallel-size", "2"];
+
+#[test]
+fn context_parallel_ranks_take_the_same_steps_as_one_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let data = debug_data(dir, 3, 5);
+    let one = cluster(dir, "");
+    let (save1, runs1) = (dir.join("ckpt-1"), dir.join("runs-1"));
+    ok(driver(
+        &debug_args(&one, &data, &save1, &runs1, &[]),
+        &[RANKS_LOG],
+        dir,
+    ));
+    let two_dir = dir.join("two");
+    std::fs::create_dir_all(&two_dir).unwrap();
+    let two = cluster(&two_dir, "data_parallel_ranks = 2");
+    let (save2, runs2) = (dir.join("ckpt-cp"), dir.join("runs-cp"));
+    let mut args = debug_args(&two, &data, &save2, &runs2, CP2);
+    // A checkpoint every step, for the resume below.
+    let at = args.iter().position(|a| a == "--save-interval").unwrap();
+    args[at + 1] = "1".into();
+    let out2 = ok(driver(&args, &[RANKS_LOG], dir));
+    let log2 = plain(&out2.stderr);
+    assert!(
+        log2.contains("context_parallel_size=2"),
+        "context-parallel ranks:\n{log2}"
+    );
+
+    let m1 = read_metrics(&runs1.join("r/metrics.jsonl")).unwrap();
+    let m2 = read_metrics(&runs2.join("r/metrics.jsonl")).unwrap();
+    for s in 1..=3 {
+        let (a, b) = (step(&m1, s), step(&m2, s));
+        for key in [
+            "train/loss",
+            "train/pg_loss",
+            "train/kl_loss",
+            "train/grad_norm",
+        ] {
+            let (x, y) = (a[key], b[key]);
+            assert!(
+                (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+                "step {s} {key}: one trainer {x}, context parallel {y}"
+            );
+        }
+        // Rank 0 alone counts the tokens: the same as one trainer, not twice as many.
+        assert_eq!(a["train/tokens"], b["train/tokens"], "step {s}");
+    }
+    let start = sorted_weights(&data.join("model/model.safetensors"));
+    let w1 = sorted_weights(&save1.join("step_000003/model.safetensors"));
+    let last = save2.join("step_000003");
+    let w2 = sorted_weights(&last.join("model.safetensors"));
+    assert!(max_diff(&start, &w2) > 1e-3, "training moved the weights");
+    let d = max_diff(&w1, &w2);
+    assert!(
+        d < 1e-5,
+        "context-parallel weights differ from one trainer's by {d}"
+    );
+    for r in 0..2 {
+        let shard = last.join(format!("optimizer.rank{r}-of-2.safetensors"));
+        assert!(shard.is_file(), "{} missing", shard.display());
+    }
+
+    // Resume: the CP ranks restore step 2's checkpoint (weights, each rank's optimizer
+    // shard) and take step 3 again, landing on the uninterrupted run's weights.
+    let resume = dir.join("ckpt-resume");
+    std::fs::create_dir_all(&resume).unwrap();
+    copy_dir(&save2.join("step_000002"), &resume.join("step_000002"));
+    std::fs::write(resume.join("latest"), "step_000002").unwrap();
+    let runs3 = dir.join("runs-resume");
+    let mut args = debug_args(&two, &data, &resume, &runs3, CP2);
+    args.extend(strings(&["--load", resume.to_str().unwrap()]));
+    ok(driver(&args, &[], dir));
+    let m3 = read_metrics(&runs3.join("r/metrics.jsonl")).unwrap();
+    assert_eq!(m3.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3]);
+    let w3 = sorted_weights(&resume.join("step_000003/model.safetensors"));
+    for key in ["train/loss", "train/grad_norm"] {
+        assert_eq!(
+            step(&m2, 3)[key],
+            step(&m3, 3)[key],
+            "step 3 {key}: resumed"
+        );
+    }
+    for ((n, x), (_, y)) in w2.iter().zip(&w3) {
+        assert!(
+            x.equal(y),
+            "{n} differs after resuming the context-parallel ranks"
+        );
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn context_parallel_local_job_trains_and_syncs_weights_to_the_engine() {
+    // The default local job (native engine, built-in environment) with two CPU ranks as
+    // one CP group; every sync is verified (engine weights equal the trainer's bit for
+    // bit), and the last sync equals rank 0's checkpoint.
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
+    let train_config = workspace().join("train_config.yaml");
+    let text = text.replace(
+        "train_config = \"train_config.yaml\"",
+        &format!("train_config = {:?}", train_config.display().to_string()),
+    ) + "\n[trainer]\ndata_parallel_ranks = 2\n";
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, text).unwrap();
+    let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
+    let args = strings(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "cp",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "0",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--context-parallel-size",
+        "2",
+    ]);
+    let out = ok(driver(
+        &args,
+        &[("MANTA_VERIFY_WEIGHT_SYNC", "1"), RANKS_LOG],
+        dir,
+    ));
+    let log = plain(&out.stderr);
+    assert!(log.contains("context_parallel_size=2"), "{log}");
+    let rows = read_metrics(&runs.join("cp/metrics.jsonl")).unwrap();
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
+    for (step, m) in &rows {
+        assert_eq!(m["weights/version"], *step as f64, "engine version");
+        assert!(m["train/grad_norm"].is_finite(), "step {step}");
+    }
+    let verified = std::fs::read_to_string(runs.join("cp/weight_sync.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = verified
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "one verified sync per step: {verified}");
+    let saved = sorted_weights(&save.join("step_000002/model.safetensors"));
+    let digests = manta_hosting::weights::digest_tensors(&saved).unwrap();
+    assert_eq!(lines[1]["version"], 2);
+    let engine = lines[1]["tensors"].as_object().expect("tensor digests");
+    assert!(!engine.is_empty());
+    for (name, sha) in engine {
+        let mine = digests
+            .iter()
+            .find(|d| &d.name == name)
+            .unwrap_or_else(|| panic!("{name}: in the engine, not in the checkpoint"));
+        assert_eq!(
+            Some(mine.sha256.as_str()),
+            sha.as_str(),
+            "{name}: engine vs checkpoint"
+        );
+    }
+}
+
+/// The driver's stderr for a run refused before it starts.
+fn refusal(trainer: &str, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = cluster(dir.path(), trainer);
+    let mut args = strings(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--model",
+        "assets/tiny-qwen3",
+        "--num-rollout",
+        "1",
+        "--runs-dir",
+        dir.path().join("runs").to_str().unwrap(),
+    ]);
+    args.extend(strings(extra));
+    let out = driver(&args, &[], dir.path());
+    assert!(
+        !out.status.success(),
+        "{extra:?} with [trainer] {trainer:?} should be refused"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn context_parallel_refusals_name_the_flag_and_help_explains_it() {
+    let two = "data_parallel_ranks = 2";
+    let err = refusal(two, &["--context-parallel-size", "0"]);
+    assert!(
+        err.contains("--context-parallel-size") && err.contains('0'),
+        "{err}"
+    );
+    let err = refusal("", CP2);
+    assert!(
+        err.contains("--context-parallel-size 2") && err.contains("has 1"),
+        "{err}"
+    );
+    let err = refusal(two, &["--context-parallel-size", "3"]);
+    assert!(
+        err.contains("--context-parallel-size 3") && err.contains("has 2"),
+        "{err}"
+    );
+    let err = refusal(two, &["--context-parallel-size", "2", "--zero-stage", "3"]);
+    assert!(
+        err.contains("--context-parallel-size 2") && err.contains("--zero-stage 3"),
+        "{err}"
+    );
+    let err = refusal(
+        two,
+        &["--context-parallel-size", "2", "--true-on-policy-mode"],
+    );
+    assert!(
+        err.contains("--context-parallel-size 2") && err.contains("--true-on-policy-mode"),
+        "{err}"
+    );
+
+    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let at = help
+        .find("--context-parallel-size")
+        .expect("--help lists --context-parallel-size");
+    let text = &help[at..(at + 600).min(help.len())];
+    assert!(
+        text.contains("Context parallelism") && text.contains("same whole batch"),
+        "{text}"
+    );
+}
