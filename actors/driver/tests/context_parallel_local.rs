@@ -12,12 +12,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
 
-use common::{debug_data, sorted_weights, workspace};
+use common::{
+    assert_success, cluster, debug_data, driver_with_deadline, sorted_weights, strings, workspace,
+};
 use manta_telemetry::read_metrics;
 
 /// How long one tiny-model run may take before it counts as hung (a collective only
@@ -26,62 +27,7 @@ const DEADLINE: Duration = Duration::from_secs(180);
 
 /// Runs `driver ARGS` from the workspace with `env`, killed after [`DEADLINE`].
 fn driver(args: &[String], env: &[(&str, &str)], dir: &Path) -> Output {
-    let (out_path, err_path) = (dir.join("driver.stdout"), dir.join("driver.stderr"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .current_dir(workspace())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .envs(env.iter().copied())
-        .stdout(Stdio::from(File::create(&out_path).unwrap()))
-        .stderr(Stdio::from(File::create(&err_path).unwrap()))
-        .spawn()
-        .expect("driver starts");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "driver {args:?} still running after {DEADLINE:?} (a collective only some \
-                 ranks joined?)\nstderr:\n{}",
-                std::fs::read_to_string(&err_path).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    Output {
-        status,
-        stdout: std::fs::read(&out_path).unwrap(),
-        stderr: std::fs::read(&err_path).unwrap(),
-    }
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
-fn cluster(dir: &Path, trainer: &str) -> PathBuf {
-    let path = dir.join("cluster.toml");
-    let text = format!(
-        "[cluster]\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n",
-        workspace().join("train_config.yaml").display().to_string()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-fn strings(a: &[&str]) -> Vec<String> {
-    a.iter().map(|s| s.to_string()).collect()
+    driver_with_deadline(args, env, dir, DEADLINE)
 }
 
 /// Debug-data training flags (as data_parallel_local.rs: a KL term, a large Adam eps
@@ -182,7 +128,7 @@ fn context_parallel_ranks_take_the_same_steps_as_one_trainer() {
     let data = debug_data(dir, 3, 5);
     let one = cluster(dir, "");
     let (save1, runs1) = (dir.join("ckpt-1"), dir.join("runs-1"));
-    ok(driver(
+    assert_success(driver(
         &debug_args(&one, &data, &save1, &runs1, &[]),
         &[RANKS_LOG],
         dir,
@@ -195,7 +141,7 @@ fn context_parallel_ranks_take_the_same_steps_as_one_trainer() {
     // A checkpoint every step, for the resume below.
     let at = args.iter().position(|a| a == "--save-interval").unwrap();
     args[at + 1] = "1".into();
-    let out2 = ok(driver(&args, &[RANKS_LOG], dir));
+    let out2 = assert_success(driver(&args, &[RANKS_LOG], dir));
     let log2 = plain(&out2.stderr);
     assert!(
         log2.contains("context_parallel_size=2"),
@@ -245,7 +191,7 @@ fn context_parallel_ranks_take_the_same_steps_as_one_trainer() {
     let runs3 = dir.join("runs-resume");
     let mut args = debug_args(&two, &data, &resume, &runs3, CP2);
     args.extend(strings(&["--load", resume.to_str().unwrap()]));
-    ok(driver(&args, &[], dir));
+    assert_success(driver(&args, &[], dir));
     let m3 = read_metrics(&runs3.join("r/metrics.jsonl")).unwrap();
     assert_eq!(m3.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3]);
     let w3 = sorted_weights(&resume.join("step_000003/model.safetensors"));
@@ -308,7 +254,7 @@ fn context_parallel_local_job_trains_and_syncs_weights_to_the_engine() {
         "--context-parallel-size",
         "2",
     ]);
-    let out = ok(driver(
+    let out = assert_success(driver(
         &args,
         &[("MANTA_VERIFY_WEIGHT_SYNC", "1"), RANKS_LOG],
         dir,

@@ -4,8 +4,10 @@
 
 pub mod serve;
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The repository root.
 pub fn workspace() -> PathBuf {
@@ -102,4 +104,62 @@ impl Drop for Worker {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Runs `driver ARGS` from the workspace with `env` (RUST_LOG=warn), its output in
+/// `dir`, killed after `deadline`: a run of ranks that waits in a collective only some
+/// of them joined fails the test instead of hanging it.
+pub fn driver_with_deadline(
+    args: &[String],
+    env: &[(&str, &str)],
+    dir: &Path,
+    deadline: Duration,
+) -> Output {
+    let (out_path, err_path) = (dir.join("driver.stdout"), dir.join("driver.stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .current_dir(workspace())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::from(File::create(&out_path).unwrap()))
+        .stderr(Stdio::from(File::create(&err_path).unwrap()))
+        .spawn()
+        .expect("driver starts");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "driver {args:?} still running after {deadline:?} (a collective only some \
+                 ranks joined?)\nstderr:\n{}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out_path).unwrap(),
+        stderr: std::fs::read(&err_path).unwrap(),
+    }
+}
+
+/// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
+pub fn cluster(dir: &Path, trainer: &str) -> PathBuf {
+    let path = dir.join("cluster.toml");
+    let text = format!(
+        "[cluster]\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n",
+        workspace().join("train_config.yaml").display().to_string()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `a` as owned strings (argument lists).
+pub fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
 }
