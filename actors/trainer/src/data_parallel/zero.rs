@@ -265,23 +265,8 @@ impl ZeroAdamW {
         }
         tch::no_grad(|| {
             for b in 0..self.layout.buckets.len() {
-                let flat = flat_bucket(&self.layout, b, Kind::Float, |i| {
-                    let g = self.params[i].grad();
-                    if g.defined() {
-                        g
-                    } else {
-                        self.params[i].zeros_like()
-                    }
-                });
+                let flat = self.take_bucket_grads(b)?;
                 let bucket = &self.layout.buckets[b];
-                // ZeRO-2: the full gradients are not kept past their reduction (the
-                // staged copy is ordered before any reuse of their memory).
-                for p in &self.params[bucket.params.clone()] {
-                    clear_grad(p).map_err(|e| CollectiveError::BadTensor {
-                        op: "clear_grad",
-                        message: e.to_string(),
-                    })?;
-                }
                 let mut out = self
                     .grad
                     .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
@@ -497,27 +482,34 @@ impl ZeroAdamW {
         }
     }
 
-    /// ZeRO-3, after bucket `b`'s backward: its gradients summed over the ranks, this
-    /// rank's slice added to `grad`, then the full gradients dropped and the
-    /// parameters released. Parameters without a gradient count as zero.
-    pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
-        let flat = tch::no_grad(|| {
-            flat_bucket(&self.layout, b, Kind::Float, |i| {
-                let g = self.params[i].grad();
-                if g.defined() {
-                    g
-                } else {
-                    self.params[i].zeros_like()
-                }
-            })
+    /// Bucket `b`'s gradients as one flat fp32 tensor (a parameter without a gradient
+    /// counts as zero), after which the parameters' full gradients are dropped: they are
+    /// not kept past their reduction (the staged copy is ordered before any reuse of
+    /// their memory).
+    fn take_bucket_grads(&self, b: usize) -> Result<Tensor, CollectiveError> {
+        let flat = flat_bucket(&self.layout, b, Kind::Float, |i| {
+            let g = self.params[i].grad();
+            if g.defined() {
+                g
+            } else {
+                self.params[i].zeros_like()
+            }
         });
-        let bucket = &self.layout.buckets[b];
-        for p in &self.params[bucket.params.clone()] {
+        for p in &self.params[self.layout.buckets[b].params.clone()] {
             clear_grad(p).map_err(|e| CollectiveError::BadTensor {
                 op: "clear_grad",
                 message: e.to_string(),
             })?;
         }
+        Ok(flat)
+    }
+
+    /// ZeRO-3, after bucket `b`'s backward: its gradients summed over the ranks, this
+    /// rank's slice added to `grad`, then the full gradients dropped and the
+    /// parameters released. Parameters without a gradient count as zero.
+    pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
+        let flat = tch::no_grad(|| self.take_bucket_grads(b))?;
+        let bucket = &self.layout.buckets[b];
         let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
         let mut part = Tensor::empty([shard], (Kind::Float, self.comm.device()));
         tch::no_grad(|| -> Result<(), CollectiveError> {
