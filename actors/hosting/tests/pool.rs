@@ -628,6 +628,19 @@ async fn the_trainers_worker_roots_the_group_and_rebuilds_it_when_the_engine_nod
     assert_eq!(pool.group_name().await.as_deref(), Some(second.as_str()));
     assert_eq!(engines_hold(&pool, 3, &want3).await, 1);
 
+    // The trainer re-created (the group it rooted went with it): version 4 goes through
+    // a new group at once, not into the old one until its timeout.
+    trainer.restart(HANG).await.unwrap();
+    let want4 = trainer_digests(&trainer).await;
+    let (sync, _) = pool
+        .publish_broadcast(&root, None, 4, PauseMode::Drain, false)
+        .await
+        .unwrap();
+    assert_eq!((sync.nodes, sync.engines), (1, 1));
+    let third = pool.group_name().await.expect("a group");
+    assert_ne!(third, second, "the trainer was re-created: a new group");
+    assert_eq!(engines_hold(&pool, 4, &want4).await, 1);
+
     pool.shutdown().await;
     trainer.shutdown().await;
     for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {

@@ -100,10 +100,12 @@ struct Published {
     pause: PauseMode,
 }
 
-/// A weight-update group's rank 0 and its members: (node, incarnation) each.
+/// A weight-update group's rank 0 and its members: (node, incarnation) each, and the
+/// incarnation of rank 0's trainer (0 when rank 0 is this process).
 struct PoolGroup {
     rank0: Rank0,
     members: Vec<(usize, u64)>,
+    root_incarnation: u64,
 }
 
 /// A version last broadcast from the trainer's worker, and the trainer's weights
@@ -791,9 +793,15 @@ async fn broadcast_locked(
         .iter()
         .map(|&i| (i, nodes[i].incarnation.load(Ordering::SeqCst)))
         .collect();
+    // A re-created trainer lost the group it rooted: make a new one at once rather
+    // than broadcast into the old one until its timeout.
+    let root_incarnation = match &root.at {
+        RootAt::Trainer { trainer, .. } => trainer.incarnation(),
+        RootAt::Here { .. } => 0,
+    };
     let mut slot = shared.group.lock().await;
     let rank0 = match slot.take() {
-        Some(g) if g.members == key => g.rank0,
+        Some(g) if g.members == key && g.root_incarnation == root_incarnation => g.rank0,
         stale => {
             // Its members changed: abort it, so dropping it waits on nobody.
             if let Some(old) = stale {
@@ -911,6 +919,7 @@ async fn broadcast_locked(
     *slot = rank0.map(|rank0| PoolGroup {
         rank0,
         members: key,
+        root_incarnation,
     });
     Ok((sync, digests))
 }

@@ -38,6 +38,9 @@ pub struct RemoteTrainer {
     /// re-creation), held for writing while one runs: a broadcast rooted at the trainer
     /// outside a sync checks that nothing changed them since the version it re-sends.
     weights: tokio::sync::RwLock<u64>,
+    /// Bumped each time the trainer is re-created: a weight-update group rooted at the
+    /// trainer before died with it.
+    incarnation: std::sync::atomic::AtomicU64,
 }
 
 impl RemoteTrainer {
@@ -94,6 +97,7 @@ impl RemoteTrainer {
             live,
             heartbeat,
             weights: tokio::sync::RwLock::new(0),
+            incarnation: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -217,9 +221,16 @@ impl RemoteTrainer {
         self.client
             .spawn_trainer(&self.name, &self.spawn, &self.gpus, self.spawn_timeout)
             .await?;
+        self.incarnation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.live.send_replace(true);
         info!(node = self.addr(), trainer = %self.name, "trainer re-created");
         Ok(())
+    }
+
+    /// How many times the trainer was re-created ([`RemoteTrainer::restart`]).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Stops the heartbeat and the trainer (the worker keeps running).

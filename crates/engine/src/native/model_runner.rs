@@ -380,7 +380,10 @@ impl ModelRunner {
             {
                 self.weight_group.insert(group)
             }
-            _ => {
+            stale => {
+                // The old group's peers may be gone (a new group means its members
+                // changed): abort it, so dropping it waits on nobody.
+                abort_group(stale);
                 let spec = GroupSpec {
                     master_address: feed.master_address,
                     master_port: feed.master_port,
@@ -398,9 +401,19 @@ impl ModelRunner {
         };
         let received = group.broadcast(&tensors, 0);
         if received.is_err() {
-            self.weight_group = None;
+            abort_group(self.weight_group.take());
         }
         received.map_err(|e| EngineError::Weights(e.to_string()))
+    }
+}
+
+/// Aborts a weight-update group this engine is leaving before it is dropped: dropping a
+/// live NCCL communicator finalizes it, which can wait on a peer that died.
+fn abort_group(group: Option<WeightGroup>) {
+    if let Some(group) = group {
+        if let Err(e) = group.aborter().abort() {
+            warn!(group = %group.spec().group_name, error = %e, "aborting the old weight-update group failed");
+        }
     }
 }
 
