@@ -11,13 +11,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{
-    assert_success, cluster, debug_data, driver_with_deadline, sorted_weights, strings, workspace,
+    assert_success, cluster, debug_data, driver_with_deadline, max_diff, plain, sorted_weights,
+    step, strings, workspace,
 };
 use manta_telemetry::read_metrics;
 
@@ -72,47 +72,6 @@ fn debug_args(
     ]);
     args.extend(strings(extra));
     args
-}
-
-type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
-
-fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
-    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
-}
-
-/// Largest absolute difference between two sorted weight sets with the same names.
-fn max_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, ta), (nb, tb))| {
-            assert_eq!(na, nb);
-            (ta.to_kind(tch::Kind::Double) - tb.to_kind(tch::Kind::Double))
-                .abs()
-                .max()
-                .double_value(&[])
-        })
-        .fold(0.0, f64::max)
-}
-
-/// Log text without its ANSI colour codes.
-fn plain(log: &[u8]) -> String {
-    let text = String::from_utf8_lossy(log);
-    let mut out = String::new();
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // Skip `ESC [ ... m`.
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// The log line `spawn_ranks` writes, asked for at info level: proof that the ranks ran

@@ -4,6 +4,7 @@
 
 pub mod serve;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -162,4 +163,47 @@ pub fn cluster(dir: &Path, trainer: &str) -> PathBuf {
 /// `a` as owned strings (argument lists).
 pub fn strings(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
+}
+
+/// A run's metrics by step.
+pub type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
+
+/// Step `s`'s metrics.
+pub fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
+    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
+}
+
+/// Largest absolute difference between two sorted weight sets with the same names.
+pub fn max_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta.to_kind(tch::Kind::Double) - tb.to_kind(tch::Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Log text without its ANSI colour codes.
+pub fn plain(log: &[u8]) -> String {
+    let text = String::from_utf8_lossy(log);
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // Skip `ESC [ ... m`.
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
