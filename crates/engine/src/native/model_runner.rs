@@ -59,7 +59,7 @@ pub(super) struct ModelRunner {
     /// The weight-update group this engine receives broadcasts in, once joined.
     weight_group: Option<WeightGroup>,
     /// `MANTA_ENGINE_PROFILE=1`: time each step's phases (synchronising the device).
-    profile: Option<ProfileCounter>,
+    profile: bool,
 }
 
 impl ModelRunner {
@@ -94,14 +94,14 @@ impl ModelRunner {
             block_size,
             vocab,
             weight_group: None,
-            profile: manta_knobs::engine_profile().then(ProfileCounter::default),
+            profile: manta_knobs::engine_profile(),
         }
     }
 
     /// Whether steps are timed phase by phase (which synchronises the device, so no
     /// step may stay in flight).
     pub fn profiling(&self) -> bool {
-        self.profile.is_some()
+        self.profile
     }
 
     /// Runs one step of `rows` (decode rows first, as the scheduler plans them). With
@@ -113,10 +113,7 @@ impl ModelRunner {
         may_stay_in_flight: bool,
         stats: &EngineStats,
     ) -> StepOutput {
-        let mut prof = self
-            .profile
-            .is_some()
-            .then(|| StepProfile::start(self.device));
+        let mut prof = self.profile.then(|| StepProfile::start(self.device));
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut sample_rows = Vec::new();
@@ -159,9 +156,9 @@ impl ModelRunner {
                 sample(&self.model.logits_f32(&sampled_hidden), &sampling)
             }
         };
-        if let (Some(p), Some(counter)) = (prof.as_mut(), self.profile.as_mut()) {
+        if let Some(p) = prof.as_mut() {
             p.lap(2);
-            counter.report(p, rows.len(), stats);
+            p.report(rows.len(), stats);
         }
         StepOutput::Ready(next, logprobs)
     }
@@ -486,20 +483,15 @@ impl StepProfile {
         self.phases[phase] = (now - self.last).as_secs_f64() * 1e3;
         self.last = now;
     }
-}
 
-/// Prints one profiled step in 32.
-#[derive(Default)]
-struct ProfileCounter;
-
-impl ProfileCounter {
-    fn report(&self, step: &StepProfile, rows: usize, stats: &EngineStats) {
+    /// Prints one profiled step in 32.
+    fn report(&self, rows: usize, stats: &EngineStats) {
         let n = stats.steps.load(Ordering::Relaxed);
         if n.is_multiple_of(32) {
             // Printed, not logged: benchmarks run without a subscriber.
             eprintln!(
                 "engine step {n}: {rows} rows, prepare {:.2} ms, forward {:.2} ms, sample {:.2} ms",
-                step.phases[0], step.phases[1], step.phases[2]
+                self.phases[0], self.phases[1], self.phases[2]
             );
         }
     }
