@@ -76,6 +76,9 @@ pub struct TrainerRankArgs {
     pub comm: Box<dyn Collective>,
     pub bucket_numel: usize,
     pub kind: RankGroupKind,
+    /// Whether this rank writes its checkpoint directory's weights and state
+    /// ([`Trainer::set_checkpoint_owner`]); `None`: rank 0 does (one shared directory).
+    pub checkpoint_owner: Option<bool>,
 }
 
 /// [`TrainerActor`] for one rank of a data-parallel or context-parallel group: the same
@@ -113,7 +116,7 @@ impl Actor for TrainerRankActor {
             _ => None,
         };
         make_current(gpu);
-        let trainer = tokio::task::block_in_place(|| match args.kind {
+        let mut trainer = tokio::task::block_in_place(|| match args.kind {
             RankGroupKind::Zero2 => {
                 Trainer::new_data_parallel(args.options, args.comm, args.bucket_numel)
             }
@@ -122,6 +125,9 @@ impl Actor for TrainerRankActor {
                 Trainer::new_context_parallel(args.options, args.comm, args.bucket_numel)
             }
         })?;
+        if let Some(owner) = args.checkpoint_owner {
+            trainer.set_checkpoint_owner(owner);
+        }
         Ok(TrainerRank { trainer, gpu })
     }
 

@@ -138,6 +138,10 @@ pub struct Trainer {
     inject_oom_tokens: Option<usize>,
     /// The optimizer's group is a context-parallel group ([`Trainer::new_context_parallel`]).
     context_parallel: bool,
+    /// A data-parallel rank writing the weights and trainer_state.json of a checkpoint
+    /// and moving it into place: rank 0 (`None`) when every rank sees one directory, the
+    /// first rank of each node when nodes keep their own ([`Trainer::set_checkpoint_owner`]).
+    checkpoint_owner: Option<bool>,
 }
 
 /// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
@@ -533,7 +537,17 @@ impl Trainer {
             reference,
             inject_oom_tokens: fault::inject_oom_tokens(),
             context_parallel: false,
+            checkpoint_owner: None,
         })
+    }
+
+    /// Says whether this data-parallel rank writes the weights and trainer_state.json of
+    /// its checkpoint directory and renames it into place. Ranks on worker daemons with
+    /// no shared disk each see their own node's directory, so the first rank of every
+    /// node owns it (and every node's copy can resume that node's ranks); in one process
+    /// rank 0 alone does, the default.
+    pub fn set_checkpoint_owner(&mut self, owner: bool) {
+        self.checkpoint_owner = Some(owner);
     }
 
     pub fn model_config(&self) -> &ModelConfig {
@@ -1272,8 +1286,9 @@ impl Trainer {
     /// [`Trainer::save_checkpoint`] of a data-parallel rank (every rank calls it, with a
     /// directory they all see): rank 0 writes the weights and trainer_state.json into
     /// `dir.tmp`, every rank its optimizer shard (`optimizer.rank<r>-of-<world>`), and
-    /// rank 0 renames the directory once all are written. A failure on any rank fails
-    /// the save on every rank.
+    /// rank 0 renames the directory once all are written. Where nodes keep their own
+    /// disks, each node's owner ([`Trainer::set_checkpoint_owner`]) does rank 0's part
+    /// in its node's directory. A failure on any rank fails the save on every rank.
     fn save_sharded_checkpoint(
         &self,
         comm: &dyn Collective,
@@ -1285,14 +1300,15 @@ impl Trainer {
             message,
         };
         let tmp = dir.with_extension("tmp");
-        let rank0 = comm.rank() == 0;
+        // Rank 0, or the first rank of each node whose disk is its own.
+        let owner = self.checkpoint_owner.unwrap_or(comm.rank() == 0);
         // ZeRO-3: every rank takes part in gathering the weights a shard group at a time;
-        // rank 0 keeps host copies to write (the device holds one group beyond its shards).
+        // the owner keeps host copies to write (the device holds one group beyond its shards).
         let gathered: Option<NamedTensors> = match self.optimizer.zero3() {
             Some(zero) => {
                 let mut named = NamedTensors::new();
                 zero.visit_buckets(|views| {
-                    if rank0 {
+                    if owner {
                         named.extend(
                             views
                                 .into_iter()
@@ -1330,7 +1346,7 @@ impl Trainer {
             let what = what.to_string();
             move || err(format!("another data-parallel rank failed to {what}"))
         };
-        let local = if rank0 { weights() } else { Ok(()) };
+        let local = if owner { weights() } else { Ok(()) };
         agree(comm, local, elsewhere("write the weights"))?;
         let local = self.optimizer.save(&tmp).map_err(TrainerError::from);
         agree(comm, local, elsewhere("write its optimizer shard"))?;
@@ -1340,7 +1356,7 @@ impl Trainer {
             }
             std::fs::rename(&tmp, dir).map_err(|e| err(e.to_string()))
         };
-        let local = if rank0 { publish() } else { Ok(()) };
+        let local = if owner { publish() } else { Ok(()) };
         agree(comm, local, elsewhere("move the checkpoint into place"))
     }
 

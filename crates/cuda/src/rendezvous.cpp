@@ -64,6 +64,11 @@ int manta_tcp_store_add(void* handle, const char* key, long long delta, long lon
   return guarded([&] { *out = store(handle).add(key, delta); });
 }
 
+// Removes `key` (a no-op when it is unset), so a store carrying a stream of values stays bounded.
+int manta_tcp_store_delete(void* handle, const char* key) {
+  return guarded([&] { store(handle).deleteKey(key); });
+}
+
 void manta_store_free_bytes(std::uint8_t* data) { std::free(data); }
 
 void manta_tcp_store_free(void* handle) {

@@ -35,6 +35,7 @@ extern "C" {
         delta: i64,
         out: *mut i64,
     ) -> c_int;
+    fn manta_tcp_store_delete(handle: *mut c_void, key: *const c_char) -> c_int;
     fn manta_store_free_bytes(data: *mut u8);
     fn manta_tcp_store_free(handle: *mut c_void);
 }
@@ -159,6 +160,17 @@ impl TcpStore {
             manta_tcp_store_add(self.handle, key.as_ptr(), delta, &mut out)
         })?;
         Ok(out)
+    }
+
+    /// Removes `key` for every member (nothing happens when it is unset): a member that
+    /// streams values through the store deletes those every peer has read, so the
+    /// host's memory stays bounded.
+    pub fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let key = c_string("delete", key)?;
+        // SAFETY: a live handle and a C string valid for the call.
+        check("delete", unsafe {
+            manta_tcp_store_delete(self.handle, key.as_ptr())
+        })
     }
 }
 

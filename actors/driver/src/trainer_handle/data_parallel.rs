@@ -106,6 +106,7 @@ pub async fn spawn_ranks(
                 comm,
                 bucket_numel: DEFAULT_BUCKET_NUMEL,
                 kind,
+                checkpoint_owner: None,
             };
             // A task per rank: each builds its trainer in block_in_place and waits in
             // the group's first collective for the others.

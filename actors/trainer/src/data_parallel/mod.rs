@@ -5,7 +5,9 @@
 //!   all-reduce, broadcast on flat contiguous tensors), with two backends:
 //!   [`ThreadCollective`] (ranks as threads of one process, on the CPU: tests and
 //!   multi-rank CPU training) and [`NcclCollective`] (the NCCL libtorch loaded, on tch
-//!   CUDA tensors and libtorch's current stream).
+//!   CUDA tensors and libtorch's current stream), and [`StoreCollective`] (ranks in
+//!   separate processes on the CPU, through rank 0's torch `TCPStore`: trainer ranks on
+//!   worker daemons without GPUs).
 //! - [`layout`]: the flattened parameter list cut into buckets, each bucket split
 //!   evenly across the ranks.
 //! - [`zero`]: the ZeRO-2 optimizer — fp32 masters and AdamW moments of this rank's
@@ -26,11 +28,13 @@ pub mod layout;
 pub mod metrics;
 pub mod nccl;
 mod nccl_api;
+pub mod store;
 pub mod thread;
 pub mod zero;
 
 pub use layout::FlatLayout;
 pub use nccl::NcclCollective;
+pub use store::{StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
 pub use zero::{RankOptimizer, ZeroAdamW};
 

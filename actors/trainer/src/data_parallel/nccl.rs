@@ -95,9 +95,16 @@ fn reduce_op(op: ReduceOp) -> sys::ncclRedOp_t {
 }
 
 impl NcclCollective {
-    /// A fresh unique id (rank 0 makes it once per group).
+    /// A fresh unique id (rank 0 makes it once per group), checked against GPU 0.
     pub fn unique_id() -> Result<Vec<u8>, CollectiveError> {
-        let api = available(0)?;
+        Self::unique_id_on(0)
+    }
+
+    /// [`NcclCollective::unique_id`] made where rank 0 runs: `device` is its GPU, so a
+    /// process that cannot run that rank (no CUDA, no such GPU) says so here rather than
+    /// when the other ranks are already waiting to join.
+    pub fn unique_id_on(device: usize) -> Result<Vec<u8>, CollectiveError> {
+        let api = available(device)?;
         let mut id = sys::ncclUniqueId {
             internal: [0 as c_char; UNIQUE_ID_BYTES],
         };
