@@ -20,6 +20,11 @@
 #                        (BIN=$PWD/target/debug: the debug binaries instead of bin/)
 # There (device tool, 2 GPUs, carry ["bin"]):  bench/run_workers.sh trainer-nccl trainer-grpc nccl grpc
 # MODEL_SHAPE=8b gives the random model Qwen3-8B's shape.
+# FAULT=engine@N or trainer@N (trainer-* modes): once step N is reported, SIGKILL worker B
+# (the engine's) or worker A (the trainer's, which then restarts from its last checkpoint:
+# add --save-interval 1 to DRIVER_ARGS) and start it again FAULT_RESTART_S (3) seconds
+# later in the same directory; writes fault.txt (when, what) and checks trained_ids.jsonl
+# (every sample id trained exactly once).
 set -euo pipefail
 if [ "${1:-}" = build ]; then
   cargo build --release -p manta-driver --bin driver --bin worker
@@ -71,6 +76,7 @@ for mode in "${MODES[@]}"; do
         configs/gpu2-workers-trainer-nccl.toml > "$cluster"
       pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 0)"
             "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 1)")
+      read -r -a extra <<< "${DRIVER_ARGS:-}"
       ;;
     trainer-store)
       model=$(model_for tiny)
@@ -85,12 +91,37 @@ for mode in "${MODES[@]}"; do
       ;;
     *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store)" >&2; exit 2 ;;
   esac
+  watcher=""
+  if [ -n "${FAULT:-}" ]; then
+    who=${FAULT%@*}; at=${FAULT#*@}
+    case $who in engine) k=1 port=7102 gpu=1 name=b ;; trainer) k=0 port=7101 gpu=0 name=a ;;
+      *) echo "FAULT=$FAULT: expected engine@N or trainer@N" >&2; exit 2 ;; esac
+    [ "$mode" = trainer-store ] && gpu=""
+    (
+      until grep -qE "^step +$at/" "$dir/progress.txt" 2>/dev/null; do sleep 0.05; done
+      kill -9 "${pids[$k]}"; echo "$(date +%s.%N) SIGKILL worker-$name (the $who's) after step $at" >> "$dir/fault.txt"
+      sleep "${FAULT_RESTART_S:-3}"
+      start_worker "$dir/worker-$name" "$dir/worker-$name.restarted.log" "$port" "$gpu" > "$dir/restarted.pid"
+      echo "$(date +%s.%N) worker-$name started again" >> "$dir/fault.txt"
+    ) &
+    watcher=$!
+  fi
   status=0
   MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
     --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
   # The workers are not this shell's children (started in a subshell): poll until gone,
   # so the next mode can take their ports.
+  if [ -n "$watcher" ]; then
+    kill "$watcher" 2>/dev/null || true
+    [ -f "$dir/restarted.pid" ] && pids+=("$(cat "$dir/restarted.pid")")
+    python3 - "$dir/runs/$mode/trained_ids.jsonl" <<'PY' | tee -a "$dir/fault.txt"
+import collections, json, sys
+ids = [i for l in open(sys.argv[1]) for i in json.loads(l)["ids"]]
+twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+print(f"trained_ids: {len(ids)} samples, {len(set(ids))} distinct, trained twice: {twice[:10]}")
+PY
+  fi
   for pid in "${pids[@]}"; do
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done

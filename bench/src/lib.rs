@@ -37,15 +37,26 @@ pub const QWEN3_8B: &str = r#"{
   "initializer_range": 0.02, "eos_token_id": 151645
 }"#;
 
+/// Qwen3-4B's shape (the trainer-shard benchmarks' middle size: ZeRO-2 and ZeRO-3 both fit).
+pub const QWEN3_4B: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+  "initializer_range": 0.02, "eos_token_id": 151645
+}"#;
+
 /// (name, shape) of each tensor of a checkpoint.
 pub type TensorShapes = Vec<(String, Vec<i64>)>;
 
-/// The `config.json` of the decode benchmarks' model shape `shape` ("0.6b" or "8b").
+/// The `config.json` of the benchmarks' model shape `shape` ("0.6b", "4b" or "8b").
 pub fn decode_config(shape: &str) -> anyhow::Result<&'static str> {
     match shape {
         "0.6b" => Ok(QWEN3_0_6B),
+        "4b" => Ok(QWEN3_4B),
         "8b" => Ok(QWEN3_8B),
-        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+        other => anyhow::bail!("unknown shape {other:?} (0.6b, 4b or 8b)"),
     }
 }
 
@@ -54,8 +65,9 @@ pub fn decode_config(shape: &str) -> anyhow::Result<&'static str> {
 pub fn qwen3_tensor_shapes(shape: &str) -> anyhow::Result<(TensorShapes, &'static str)> {
     let (v, h, i, layers, nh, nkv, hd, tied, config) = match shape {
         "0.6b" => (151936, 1024, 3072, 28, 16, 8, 128, true, QWEN3_0_6B),
+        "4b" => (151936, 2560, 9728, 36, 32, 8, 128, true, QWEN3_4B),
         "8b" => (151936, 4096, 12288, 36, 32, 8, 128, false, QWEN3_8B),
-        other => anyhow::bail!("unknown shape {other:?} (0.6b or 8b)"),
+        other => anyhow::bail!("unknown shape {other:?} (0.6b, 4b or 8b)"),
     };
     let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
     for l in 0..layers {

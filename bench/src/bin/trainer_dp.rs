@@ -7,23 +7,34 @@
 //!   trainer_dp init DIR [SHAPE]
 //!       config.json (Qwen3 shape 0.6b, the default, or 8b) and random bf16 weights,
 //!       made on cuda:0, in DIR
-//!   trainer_dp run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT
+//!   trainer_dp run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT [MODE]
 //!       rank RANK of WORLD on cuda:RANK (WORLD 1: the single-GPU trainer, no NCCL,
 //!       ID_FILE unused; otherwise rank 0 writes a new NCCL unique id there and the
 //!       others read it: the id names a bootstrap socket that lives in the process that
 //!       made it, so rank 0 makes it, not a helper process that exits) trains STEPS
 //!       steps on samples [RANK·G/WORLD, (RANK+1)·G/WORLD) of the global batch, writes its weights to WEIGHTS_OUT (safetensors), then
 //!       times ITERS more steps; PRECISION is bf16 (fp32 masters) or fp32. Micro-batches
-//!       hold G/2 samples whatever the world size. Prints one JSON object.
+//!       hold G/2 samples whatever the world size. WEIGHTS_OUT `-` writes none (a shape
+//!       whose gathered weights would not fit beside the trainer). MODE (WORLD > 1):
+//!       `zero2` (the default, `Trainer::new_data_parallel`), `zero3` (`--zero-stage 3`,
+//!       `Trainer::new_zero3`) or `cp` (`--context-parallel-size WORLD`: every rank gets
+//!       the whole batch and holds a share of each sequence; one sample per micro-batch).
+//!       Prints one JSON object.
+//!
+//! RECOMPUTE=1 recomputes every layer in the backward pass instead of keeping its
+//! activations. GPU_CAP_GIB=N makes each GPU look like an N GiB card: a ballast tensor takes the rest
+//! before the trainer starts (an H200 standing in for an 80 GB H100); the peak reported
+//! excludes it.
 
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
-use manta_model::{CausalLm, ModelConfig};
+use manta_model::{CausalLm, ModelConfig, Recompute};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
+use manta_trainer::TrainerError;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
@@ -53,7 +64,9 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
         bf16: Some(bf16),
         use_rollout_logprobs: true,
         logprob_chunk: 1024,
-        recompute: None,
+        // RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations
+        // would not fit otherwise).
+        recompute: (std::env::var("RECOMPUTE").as_deref() == Ok("1")).then_some(Recompute::EVERY_LAYER),
         algo: Default::default(),
     }
 }
@@ -68,7 +81,7 @@ fn main() -> anyhow::Result<()> {
             args.get(3).map_or("0.6b", String::as_str),
         ),
         Some("run") => run(&args[2..]),
-        _ => bail!("usage: trainer_dp init DIR [SHAPE] | run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT"),
+        _ => bail!("usage: trainer_dp init DIR [SHAPE] | run RANK WORLD ID_FILE MODEL_DIR GLOBAL_SAMPLES SEQ STEPS ITERS PRECISION WEIGHTS_OUT [MODE]"),
     }
 }
 
@@ -89,8 +102,63 @@ fn init(dir: &Path, shape: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the ranks of a group share the work.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Zero2,
+    Zero3,
+    ContextParallel,
+}
+
+impl Mode {
+    fn parse(s: &str) -> anyhow::Result<Self> {
+        Ok(match s {
+            "zero2" => Self::Zero2,
+            "zero3" => Self::Zero3,
+            "cp" => Self::ContextParallel,
+            other => bail!("MODE {other:?}: expected zero2, zero3 or cp"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Zero2 => "zero2",
+            Self::Zero3 => "zero3",
+            Self::ContextParallel => "cp",
+        }
+    }
+}
+
+/// Holds all but `cap_gib` GiB of the GPU (GPU_CAP_GIB), so that a larger card behaves
+/// as a smaller one; returns the ballast and its bytes.
+fn ballast(rank: usize) -> anyhow::Result<Option<(Tensor, usize)>> {
+    let cap = std::env::var("GPU_CAP_GIB").unwrap_or_default();
+    if cap.is_empty() {
+        return Ok(None);
+    }
+    let cap: f64 = cap
+        .parse()
+        .with_context(|| format!("GPU_CAP_GIB={cap:?} is not a number of GiB"))?;
+    let total = manta_cuda::total_memory(rank)?;
+    let keep = (cap * (1u64 << 30) as f64) as usize;
+    ensure!(
+        keep < total,
+        "GPU_CAP_GIB={cap} is not below the card's {} GiB",
+        total >> 30
+    );
+    let bytes = total - keep;
+    let t = Tensor::empty([bytes as i64], (Kind::Uint8, Device::Cuda(rank)));
+    eprintln!("rank {rank}: ballast of {:.1} GiB holds the card to {cap} GiB", bytes as f64 / (1u64 << 30) as f64);
+    Ok(Some((t, bytes)))
+}
+
 fn run(a: &[String]) -> anyhow::Result<()> {
-    ensure!(a.len() == 10, "run takes 10 arguments, got {}", a.len());
+    ensure!(
+        a.len() == 10 || a.len() == 11,
+        "run takes 10 or 11 arguments, got {}",
+        a.len()
+    );
+    let mode = Mode::parse(a.get(10).map_or("zero2", String::as_str))?;
     let num = |i: usize| -> anyhow::Result<usize> {
         a[i].parse()
             .with_context(|| format!("argument {} ({:?}) is not a count", i + 1, a[i]))
@@ -106,7 +174,7 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     let weights_out = Path::new(&a[9]);
     ensure!(world >= 1 && rank < world, "rank {rank} of world {world}");
     ensure!(
-        global % world == 0 && global >= 2,
+        mode == Mode::ContextParallel || (global % world == 0 && global >= 2),
         "GLOBAL_SAMPLES {global} must split evenly over {world} ranks"
     );
     ensure!(
@@ -114,7 +182,15 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         "CUDA is not available to libtorch"
     );
     let device = Device::Cuda(rank);
-    let opts = options(model_dir, device, bf16, global / 2 * seq);
+    let held = ballast(rank)?;
+    let held_bytes = held.as_ref().map_or(0, |(_, b)| *b);
+    // Context parallelism budgets whole rows (each rank holds its share of one).
+    let micro_tokens = if mode == Mode::ContextParallel {
+        seq
+    } else {
+        (global / 2).max(1) * seq
+    };
+    let opts = options(model_dir, device, bf16, micro_tokens);
     let t0 = Instant::now();
     let mut trainer = if world == 1 {
         Trainer::new(opts)?
@@ -129,16 +205,29 @@ fn run(a: &[String]) -> anyhow::Result<()> {
             "rank {rank}: NCCL communicator of {} ranks",
             comm.world_size()
         );
-        Trainer::new_data_parallel(opts, Box::new(comm), DEFAULT_BUCKET_NUMEL)?
+        let comm: Box<dyn Collective> = Box::new(comm);
+        let built: Result<Trainer, TrainerError> = match mode {
+            Mode::Zero2 => Trainer::new_data_parallel(opts, comm, DEFAULT_BUCKET_NUMEL),
+            Mode::Zero3 => Trainer::new_zero3(opts, comm),
+            Mode::ContextParallel => {
+                Trainer::new_context_parallel(opts, comm, DEFAULT_BUCKET_NUMEL)
+            }
+        };
+        built?
     };
     tch::Cuda::synchronize(rank as i64);
     let init_s = t0.elapsed().as_secs_f64();
     let vocab = trainer.model_config().vocab_size;
     let full = manta_bench::grpo_batch(global, seq, vocab);
-    let share = global / world;
+    // Data parallel: this rank's share; context parallel: every rank the whole batch.
+    let (share, first) = if mode == Mode::ContextParallel {
+        (global, 0)
+    } else {
+        (global / world, rank * (global / world))
+    };
     let batch = TrainBatch {
-        samples: full.samples[rank * share..(rank + 1) * share].to_vec(),
-        advantages: full.advantages[rank * share..(rank + 1) * share].to_vec(),
+        samples: full.samples[first..first + share].to_vec(),
+        advantages: full.advantages[first..first + share].to_vec(),
         global_samples: global,
     };
     let mut checked = Vec::new();
@@ -149,15 +238,18 @@ fn run(a: &[String]) -> anyhow::Result<()> {
             "pg_loss": m.get("train/pg_loss"), "tokens": m.get("train/tokens"),
         }));
     }
-    let named: Vec<(String, Tensor)> = trainer
-        .export_weights()
-        .into_iter()
-        .map(|(k, t)| (k, t.to_device(Device::Cpu)))
-        .collect();
-    Tensor::write_safetensors(&named, weights_out)
-        .with_context(|| format!("writing {}", weights_out.display()))?;
-    drop(named);
-    manta_cuda::peak_allocated(rank, true)?;
+    let checked_peak = manta_cuda::peak_allocated(rank, true)?;
+    if weights_out != Path::new("-") {
+        let named: Vec<(String, Tensor)> = trainer
+            .try_export_weights()?
+            .into_iter()
+            .map(|(k, t)| (k, t.to_device(Device::Cpu)))
+            .collect();
+        Tensor::write_safetensors(&named, weights_out)
+            .with_context(|| format!("writing {}", weights_out.display()))?;
+        drop(named);
+        manta_cuda::peak_allocated(rank, true)?;
+    }
     let mut times = Vec::new();
     for _ in 0..iters {
         let t = Instant::now();
@@ -165,19 +257,22 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         tch::Cuda::synchronize(rank as i64);
         times.push(t.elapsed().as_secs_f64());
     }
-    let peak = manta_cuda::peak_allocated(rank, false)?;
+    let peak = manta_cuda::peak_allocated(rank, false)?.max(checked_peak) - held_bytes;
+    drop(held);
     let mut sorted = times.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
     println!(
         "{}",
         serde_json::json!({
-            "rank": rank, "world": world, "precision": a[8],
+            "rank": rank, "world": world, "precision": a[8], "mode": mode.name(),
             "global_samples": global, "seq": seq, "rank_samples": share,
             "micro_batch_tokens": global / 2 * seq,
             "steps": checked, "init_s": init_s,
             "median_s": median, "times_s": times,
             "global_tokens_per_s": (global * seq) as f64 / median,
+            "gpu_cap_gib": std::env::var("GPU_CAP_GIB").ok(),
+            "recompute": std::env::var("RECOMPUTE").as_deref() == Ok("1"),
             "peak_allocated_gib": peak as f64 / (1u64 << 30) as f64,
         })
     );

@@ -185,6 +185,7 @@ impl TrainerRoots {
             let Some(g) = slot.as_mut() else {
                 return Err("the group was closed".to_string());
             };
+            let collective = Instant::now();
             if let Err(e) = g.broadcast(&tensors, 0) {
                 // Aborted before it is dropped: dropping waits on no peer.
                 let _ = g.aborter().abort();
@@ -192,6 +193,16 @@ impl TrainerRoots {
                 return Err(e.to_string());
             }
             drop(slot);
+            // The collective alone (the reply's seconds also count the digests when
+            // verifying): what to set beside a bare torch.distributed broadcast.
+            let seconds = collective.elapsed().as_secs_f64();
+            info!(
+                tensors = tensors.len(),
+                bytes,
+                seconds,
+                gb_per_s = bytes as f64 / seconds.max(1e-9) / 1e9,
+                "weights broadcast from the trainer's worker"
+            );
             let digests = if want_digests {
                 let cpu: NamedTensors = tensors
                     .iter()
