@@ -24,7 +24,7 @@ use manta_rollout::{EpisodeRequest, GenerationSettings};
 use manta_runtime::{ClientTls, Lease, RuntimeError, WorkerClient};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use manta_proto::weight_sync as wpb;
 use manta_trainer::NamedTensors;
@@ -455,6 +455,9 @@ impl RemotePool {
             groups.entry(r.group_index).or_default().push(r);
         }
         let mut done: BTreeMap<u64, Sample> = BTreeMap::new();
+        // Shares that failed, by node: one warning per node and step (a dead node fails
+        // every share it held at once), then one line with the totals.
+        let mut failed: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
         let mut running = FuturesUnordered::new();
         for (group, share) in groups {
             let (node, actor, load) = self.pick(None, group, share.len()).await?;
@@ -477,12 +480,19 @@ impl RemotePool {
                     .into_iter()
                     .filter(|r| !done.contains_key(&r.sample_id))
                     .collect();
-                warn!(
-                    node = self.shared.nodes[node].client.addr(),
-                    error = %e,
-                    requeued = missing.len(),
-                    "rollout share failed; re-queueing its episodes on another node"
-                );
+                let (shares, episodes) = failed.entry(node).or_default();
+                if *shares == 0 {
+                    warn!(
+                        node = self.shared.nodes[node].client.addr(),
+                        error = %e,
+                        "a rollout share failed; re-queueing its episodes on another node \
+                         (the node's other failed shares this step are counted, not logged)"
+                    );
+                } else {
+                    debug!(node = self.shared.nodes[node].client.addr(), error = %e, "rollout share failed");
+                }
+                *shares += 1;
+                *episodes += missing.len();
                 if !missing.is_empty() {
                     let group = missing[0].group_index;
                     let (other, actor, load) = self.pick(Some(node), group, missing.len()).await?;
@@ -501,6 +511,15 @@ impl RemotePool {
                     ));
                 }
             }
+        }
+        for (node, (shares, episodes)) in failed {
+            warn!(
+                node = self.shared.nodes[node].client.addr(),
+                shares,
+                episodes,
+                "node lost work this step: {shares} rollout shares failed there and their \
+                 {episodes} unfinished episodes ran again elsewhere"
+            );
         }
         order
             .iter()
