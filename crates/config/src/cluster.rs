@@ -6,6 +6,7 @@ use serde::Deserialize;
 
 use crate::error::{read, ConfigError};
 use crate::settings::TrainOverrides;
+use crate::trainer_ranks::TrainerRankPlace;
 
 /// Where the driver places actors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -126,6 +127,10 @@ pub struct TrainerSection {
     /// Absent: one rank, or one per listed GPU.
     #[serde(default)]
     pub data_parallel_ranks: Option<usize>,
+    /// Remote mode: data-parallel ranks on workers, rank r at the r-th entry
+    /// (crate::trainer_ranks); instead of `node`, `gpus` and `data_parallel_ranks`.
+    #[serde(default)]
+    pub ranks: Vec<TrainerRankPlace>,
     /// Megatron/slime's `--bf16`: bf16 weights and compute with fp32 master weights and
     /// fp32 AdamW state. Absent: bf16 when the trainer runs on a GPU, fp32 on the CPU.
     #[serde(default)]
@@ -156,6 +161,7 @@ impl Default for TrainerSection {
             gpus: Vec::new(),
             bf16: None,
             data_parallel_ranks: None,
+            ranks: Vec::new(),
             on_failure: TrainerFailurePolicy::Restart,
             restart_timeout_s: default_restart_timeout_s(),
         }
@@ -342,6 +348,7 @@ impl ClusterConfig {
         validate_remote(&raw, path)?;
         validate_placement(&raw, path)?;
         validate_data_parallel(&raw, path)?;
+        crate::trainer_ranks::validate(&raw.trainer, raw.cluster.mode, &raw.nodes, path)?;
         if let Some(command) = &raw.rollout.command {
             if command.first().is_none_or(|p| p.is_empty()) {
                 return Err(ConfigError::invalid(
@@ -417,15 +424,15 @@ fn validate_worker_weights(raw: &RawCluster, path: &Path) -> Result<(), ConfigEr
             "weights go to workers only with cluster.mode = \"remote\"",
         ));
     }
-    if let Some(node) = raw.trainer.node {
-        if c.worker_weights == WorkerWeights::Store && !raw.trainer.gpus.is_empty() {
+    if let Some(node) = raw.trainer.root_node() {
+        if c.worker_weights == WorkerWeights::Store && !raw.trainer.root_gpus().is_empty() {
             return Err(ConfigError::invalid(
                 path,
                 key,
                 shown,
                 format!(
-                    "the store backend moves CPU tensors, but trainer.gpus = {:?} puts the trainer on GPUs: use \"nccl\"",
-                    raw.trainer.gpus
+                    "the store backend moves CPU tensors, but the trainer (rank 0) is on GPU {:?} of node {node}: use \"nccl\"",
+                    raw.trainer.root_gpus()
                 ),
             ));
         }
@@ -441,12 +448,12 @@ fn validate_worker_weights(raw: &RawCluster, path: &Path) -> Result<(), ConfigEr
             ));
         }
     }
-    if c.worker_weights == WorkerWeights::Nccl && raw.trainer.gpus.is_empty() {
+    if c.worker_weights == WorkerWeights::Nccl && raw.trainer.root_gpus().is_empty() {
         return Err(ConfigError::invalid(
             path,
             key,
             shown,
-            "NCCL broadcasts from the trainer's GPU: set trainer.gpus, or use \"store\" on CPUs",
+            "NCCL broadcasts from the trainer's GPU: set trainer.gpus (or each of trainer.ranks' gpu), or use \"store\" on CPUs",
         ));
     }
     if c.driver_address.trim().is_empty() || c.driver_address.contains(char::is_whitespace) {
@@ -547,22 +554,27 @@ impl ClusterConfig {
     }
 
     /// GPUs of node `node` for its rollout engine `engine` (empty on CPU): the node's
-    /// GPUs in order, skipping the trainer's unless engines are colocated with it.
+    /// GPUs in order, skipping the trainer's (or its ranks') unless engines are
+    /// colocated with it.
     pub fn engine_gpus(&self, node: usize, engine: usize) -> Vec<u32> {
         let per = self.rollout.gpus_per_engine;
-        let trainer_here = self.trainer.node == Some(node) && !self.rollout.colocate;
+        let trainer_here = if self.rollout.colocate {
+            Vec::new()
+        } else {
+            self.trainer.gpus_on(node)
+        };
         let free: Vec<u32> = self.nodes[node]
             .gpus
             .iter()
             .copied()
-            .filter(|g| !(trainer_here && self.trainer.gpus.contains(g)))
+            .filter(|g| !trainer_here.contains(g))
             .collect();
         free.into_iter().skip(engine * per).take(per).collect()
     }
 }
 
 /// `trainer.data_parallel_ranks`: at least 1, the GPU count when `trainer.gpus` lists
-/// GPUs, and local mode only (remote ranks, one per worker GPU, are not built yet).
+/// GPUs, and local mode only (remote mode lists its ranks in `trainer.ranks`).
 fn validate_data_parallel(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> {
     let t = &raw.trainer;
     let Some(ranks) = t.data_parallel_ranks else {
@@ -591,7 +603,8 @@ fn validate_data_parallel(raw: &RawCluster, path: &Path) -> Result<(), ConfigErr
             path,
             KEY,
             ranks,
-            "data-parallel trainer ranks run in local mode only (remote ranks are not built yet)",
+            "this key places ranks in the driver (local mode); in remote mode list them with \
+             trainer.ranks = [{ node = 0 }, { node = 1 }] (and `gpu` for GPU ranks)",
         ));
     }
     Ok(())
@@ -679,11 +692,7 @@ fn validate_placement(raw: &RawCluster, path: &Path) -> Result<(), ConfigError> 
         None => (0..n).collect(),
     };
     for (i, node) in raw.nodes.iter().enumerate() {
-        let trainer = if t.node == Some(i) && !r.colocate {
-            t.gpus.len()
-        } else {
-            0
-        };
+        let trainer = if r.colocate { 0 } else { t.gpus_on(i).len() };
         let engines = if rollout_nodes.contains(&i) {
             r.engines * r.gpus_per_engine
         } else {
@@ -894,7 +903,7 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("trainer.data_parallel_ranks") && err.contains("local mode only"),
+            err.contains("trainer.data_parallel_ranks") && err.contains("trainer.ranks"),
             "{err}"
         );
     }

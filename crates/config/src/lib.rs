@@ -13,12 +13,14 @@ mod cluster;
 mod error;
 mod settings;
 mod train;
+mod trainer_ranks;
 
 pub use cluster::{
     ClusterConfig, ClusterMode, ClusterTls, EngineKind, NodeConfig, RolloutSection,
     TrainerFailurePolicy, TrainerSection, WorkerWeights,
 };
 pub use error::ConfigError;
+pub use trainer_ranks::TrainerRankPlace;
 pub use settings::{
     dynamic_sampling_filter_name, AlgoSettings, LayerRecompute, SamplingSettings, TrainOverrides,
     TrainSettings, DYNAMIC_SAMPLING_FILTERS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
