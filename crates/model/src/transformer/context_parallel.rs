@@ -13,8 +13,14 @@
 //! q/k/v graph is back-propagated with them. Each rank's parameter gradients are then its
 //! tokens' share; the caller sums them over the group (the ZeRO-2 reduce-scatter does).
 //!
-//! The mask is dense ([local tokens, row tokens]): simple and exact on the CPU; a ring or
-//! flash-attention exchange on GPUs is not built.
+//! On CUDA in 16 bits the attention is one variable-length flash call per layer: the
+//! rank's tokens are cut into pieces (chunk ∩ sample), each piece's queries attending
+//! the gathered keys of its sample from the sample's start to the piece's last token
+//! (flash's bottom-right causal alignment), so a rank computes only the causal half, as
+//! one GPU does. Elsewhere (the CPU, fp32) a dense mask ([local tokens, row tokens]) over
+//! every key: simple and exact, twice the work.
+
+use std::cell::OnceCell;
 
 use tch::{Device, Kind, Tensor};
 
@@ -47,8 +53,111 @@ pub struct CpRow {
     chunk: i64,
     /// Global token index of each of this rank's 2 × chunk tokens (>= `tokens`: padding).
     local: Vec<i64>,
+    /// Global token index of each gathered key, in gather (rank) order.
+    keys: Vec<i64>,
+    /// Sample (segment) of each global token; padding is one segment of its own.
+    segment: Vec<i64>,
+    device: Device,
     /// [1, 1, 2 × chunk, size × 2 × chunk] bool: local query may attend gathered key.
-    mask: Tensor,
+    /// Made on first use (the dense path only).
+    mask: OnceCell<Tensor>,
+    /// The flash pieces (CUDA only).
+    flash: Option<FlashPieces>,
+}
+
+/// This rank's queries cut into pieces for one variable-length flash call: piece i is
+/// `cu_q[i]..cu_q[i+1]` of the local tokens and attends gathered keys
+/// `key_index[cu_k[i]..cu_k[i+1]]` (its sample's, from the start to its last query).
+struct FlashPieces {
+    cu_q: Tensor,
+    cu_k: Tensor,
+    key_index: Tensor,
+    max_q: i64,
+    max_k: i64,
+}
+
+impl FlashPieces {
+    /// The pieces of `rank` of `size` for a row of samples of `lengths` cut into 2 × size
+    /// chunks of `chunk` tokens; `keys`: the global token at each gathered position.
+    fn for_rank(
+        lengths: &[i64],
+        rank: i64,
+        size: i64,
+        chunk: i64,
+        keys: &[i64],
+        device: Device,
+    ) -> Self {
+        let padded = 2 * size * chunk;
+        let mut bounds = Vec::with_capacity(lengths.len() + 1);
+        let mut start = 0;
+        for &len in lengths.iter().filter(|&&l| l > 0) {
+            bounds.push((start, start + len));
+            start += len;
+        }
+        if start < padded {
+            bounds.push((start, padded));
+        }
+        Self::new(&bounds, [rank, 2 * size - 1 - rank], chunk, keys, device)
+    }
+
+    /// `bounds`: each segment's global [start, end); `chunks`: this rank's chunks in local
+    /// order; `keys`: the global token at each gathered position.
+    fn new(
+        bounds: &[(i64, i64)],
+        chunks: [i64; 2],
+        chunk: i64,
+        keys: &[i64],
+        device: Device,
+    ) -> Self {
+        let mut gathered_at = vec![0i64; keys.len()];
+        for (p, &g) in keys.iter().enumerate() {
+            gathered_at[g as usize] = p as i64;
+        }
+        let (mut cu_q, mut cu_k, mut index) = (vec![0i32], vec![0i32], Vec::new());
+        let (mut max_q, mut max_k) = (0i64, 0i64);
+        for c in chunks {
+            let (c0, c1) = (c * chunk, (c + 1) * chunk);
+            for &(a, b) in bounds {
+                let (q0, q1) = (a.max(c0), b.min(c1));
+                if q0 >= q1 {
+                    continue;
+                }
+                index.extend((a..q1).map(|g| gathered_at[g as usize]));
+                cu_q.push(cu_q[cu_q.len() - 1] + (q1 - q0) as i32);
+                cu_k.push(cu_k[cu_k.len() - 1] + (q1 - a) as i32);
+                max_q = max_q.max(q1 - q0);
+                max_k = max_k.max(q1 - a);
+            }
+        }
+        FlashPieces {
+            cu_q: Tensor::from_slice(&cu_q).to(device),
+            cu_k: Tensor::from_slice(&cu_k).to(device),
+            key_index: Tensor::from_slice(&index).to(device),
+            max_q,
+            max_k,
+        }
+    }
+
+    /// Attention of local queries q [1, nh, local, hd] over the gathered k/v
+    /// [1, nkv, row, hd]: [1, local, nh × hd].
+    fn attend(&self, q: &Tensor, k_all: &Tensor, v_all: &Tensor, head_dim: i64) -> Tensor {
+        let tokens = |x: &Tensor| x.squeeze_dim(0).transpose(0, 1);
+        let pick = |x: &Tensor| tokens(x).index_select(0, &self.key_index);
+        let t = q.size()[2];
+        let width = q.size()[1] * head_dim;
+        manta_cuda::flash_attention_varlen(
+            &tokens(q),
+            &pick(k_all),
+            &pick(v_all),
+            &self.cu_q,
+            &self.cu_k,
+            self.max_q,
+            self.max_k,
+            1.0 / (head_dim as f64).sqrt(),
+        )
+        .unwrap_or_else(|e| panic!("context-parallel flash attention over {t} local tokens: {e}"))
+        .reshape([1, t, width])
+    }
 }
 
 impl CpRow {
@@ -75,30 +184,43 @@ impl CpRow {
         };
         let local: Vec<i64> = owned(rank as i64).collect();
         let keys: Vec<i64> = (0..size as i64).flat_map(owned).collect();
-        let seg = |idx: &[i64]| {
-            Tensor::from_slice(&idx.iter().map(|&i| segment[i as usize]).collect::<Vec<_>>())
-                .to(device)
-        };
-        let (qi, ki) = (
-            Tensor::from_slice(&local).to(device),
-            Tensor::from_slice(&keys).to(device),
-        );
-        let mask = seg(&local)
-            .unsqueeze(1)
-            .eq_tensor(&seg(&keys).unsqueeze(0))
-            .logical_and(&ki.unsqueeze(0).le_tensor(&qi.unsqueeze(1)))
-            .view([1, 1, 2 * chunk, parts * chunk]);
+        let flash = device.is_cuda().then(|| {
+            FlashPieces::for_rank(lengths, rank as i64, size as i64, chunk, &keys, device)
+        });
         Ok(CpRow {
             tokens,
             chunk,
             local,
-            mask,
+            keys,
+            segment,
+            device,
+            mask: OnceCell::new(),
+            flash,
+        })
+    }
+
+    /// The dense attention mask (see the field), made once.
+    fn mask(&self) -> &Tensor {
+        self.mask.get_or_init(|| {
+            let seg = |idx: &[i64]| {
+                let s: Vec<i64> = idx.iter().map(|&i| self.segment[i as usize]).collect();
+                Tensor::from_slice(&s).to(self.device)
+            };
+            let (qi, ki) = (
+                Tensor::from_slice(&self.local).to(self.device),
+                Tensor::from_slice(&self.keys).to(self.device),
+            );
+            seg(&self.local)
+                .unsqueeze(1)
+                .eq_tensor(&seg(&self.keys).unsqueeze(0))
+                .logical_and(&ki.unsqueeze(0).le_tensor(&qi.unsqueeze(1)))
+                .view([1, 1, self.local.len() as i64, self.keys.len() as i64])
         })
     }
 
     /// This rank's tokens of a [1, tokens] row (padding filled with 0): [1, 2 × chunk].
     pub fn take(&self, row: &Tensor) -> Tensor {
-        let padded = row.constant_pad_nd([0, self.mask.size()[3] - self.tokens]);
+        let padded = row.constant_pad_nd([0, self.keys.len() as i64 - self.tokens]);
         let index = Tensor::from_slice(&self.local).to(row.device());
         padded.index_select(1, &index)
     }
@@ -154,25 +276,32 @@ impl DecoderLayer {
         };
         let (k_all, v_all) = (gather(&k)?, gather(&v)?);
         let q_leaf = q.detach().set_requires_grad(true);
-        let rep = sa.num_heads / sa.num_kv_heads;
-        let (ka, va) = if rep > 1 {
-            (repeat_kv(&k_all, rep), repeat_kv(&v_all, rep))
-        } else {
-            (k_all.shallow_clone(), v_all.shallow_clone())
+        let attn = match &row.flash {
+            Some(flash) if matches!(q.kind(), Kind::BFloat16 | Kind::Half) => {
+                flash.attend(&q_leaf, &k_all, &v_all, sa.head_dim)
+            }
+            _ => {
+                let rep = sa.num_heads / sa.num_kv_heads;
+                let (ka, va) = if rep > 1 {
+                    (repeat_kv(&k_all, rep), repeat_kv(&v_all, rep))
+                } else {
+                    (k_all.shallow_clone(), v_all.shallow_clone())
+                };
+                let t = q.size()[2];
+                Tensor::scaled_dot_product_attention(
+                    &q_leaf,
+                    &ka,
+                    &va,
+                    Some(row.mask()),
+                    0.0,
+                    false,
+                    None,
+                    false,
+                )
+                .transpose(1, 2)
+                .reshape([1, t, sa.num_heads * sa.head_dim])
+            }
         };
-        let t = q.size()[2];
-        let attn = Tensor::scaled_dot_product_attention(
-            &q_leaf,
-            &ka,
-            &va,
-            Some(&row.mask),
-            0.0,
-            false,
-            None,
-            false,
-        )
-        .transpose(1, 2)
-        .reshape([1, t, sa.num_heads * sa.head_dim]);
         let h = x + super::linear_rows(&attn, &sa.o_proj, None, sa.min_rows);
         let out = self.mlp.forward(&self.post_attention_layernorm.forward(&h));
         Ok(LayerPass {
@@ -281,5 +410,59 @@ impl CausalLm {
         }
         (embedded * &grad).sum(None::<Kind>).backward();
         Ok(loss.detach())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which gathered keys each local query attends, as [local, keys] booleans.
+    fn pieces_as_mask(p: &FlashPieces, local: usize, keys: usize) -> Vec<Vec<bool>> {
+        let v = |t: &Tensor| Vec::<i64>::try_from(t.to_kind(Kind::Int64)).unwrap();
+        let (cu_q, cu_k, index) = (v(&p.cu_q), v(&p.cu_k), v(&p.key_index));
+        let mut m = vec![vec![false; keys]; local];
+        for i in 0..cu_q.len() - 1 {
+            let (nq, nk) = (cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]);
+            for qi in 0..nq {
+                // Bottom-right causal: query qi of nq sees the first nk - nq + qi + 1 keys.
+                for ki in 0..(nk - nq + qi + 1) {
+                    m[(cu_q[i] + qi) as usize][index[(cu_k[i] + ki) as usize] as usize] = true;
+                }
+            }
+        }
+        m
+    }
+
+    /// The flash pieces let every query see exactly the keys the dense mask allows: its
+    /// own sample's, up to itself (padding included as a sample of its own).
+    #[test]
+    fn flash_pieces_attend_exactly_what_the_dense_mask_allows() {
+        for (lengths, size) in [
+            (vec![5i64, 3, 9], 2usize),
+            (vec![1, 1, 1], 2),
+            (vec![16], 2),
+            (vec![4, 0, 7, 2, 11], 3),
+        ] {
+            for rank in 0..size {
+                let row = CpRow::new(&lengths, rank, size, Device::Cpu).unwrap();
+                let p = FlashPieces::for_rank(
+                    &lengths,
+                    rank as i64,
+                    size as i64,
+                    row.chunk,
+                    &row.keys,
+                    Device::Cpu,
+                );
+                let dense: Vec<Vec<bool>> = (0..row.local.len() as i64)
+                    .map(|q| Vec::<bool>::try_from(row.mask().get(0).get(0).get(q)).unwrap())
+                    .collect();
+                assert_eq!(
+                    pieces_as_mask(&p, row.local.len(), row.keys.len()),
+                    dense,
+                    "lengths {lengths:?}, rank {rank} of {size}"
+                );
+            }
+        }
     }
 }
