@@ -7,11 +7,13 @@
 //! - [`schedule`]: the learning-rate schedule (warmup, decay).
 //! - [`trainer`]: the model, optimizer and step, free of actor plumbing.
 //! - [`actor`]: the `TrainerActor` message interface.
+//! - [`export`]: a checkpoint (one trainer or ZeRO shards) as a Hugging Face model directory.
 
 pub mod actor;
 pub mod batch;
 mod context_parallel;
 pub mod data_parallel;
+pub mod export;
 pub mod loss;
 pub mod memory_plan;
 pub mod optimizer;

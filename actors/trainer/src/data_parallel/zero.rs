@@ -19,7 +19,11 @@ use crate::trainer::NamedTensors;
 pub const DEFAULT_BUCKET_NUMEL: usize = 1 << 26;
 
 /// The shard file's record of the ZeRO stage that wrote it.
-const ZERO_STAGE_KEY: &str = "zero_stage";
+pub const ZERO_STAGE_KEY: &str = "zero_stage";
+
+/// The shard file's record of ZeRO-2's bucket size (shards written before it was
+/// recorded used [`DEFAULT_BUCKET_NUMEL`]).
+pub const BUCKET_NUMEL_KEY: &str = "bucket_numel";
 
 /// The sharded optimizer of one data-parallel rank.
 pub struct ZeroAdamW {
@@ -45,12 +49,59 @@ pub struct ZeroAdamW {
     /// gathered before use and reduce-scattered into `grad` (accumulating over
     /// micro-batches) as soon as its backward is done.
     stage3: bool,
+    /// ZeRO-2's bucket size (0 under ZeRO-3), recorded in the shard file so a reader of
+    /// the shards alone (the HF export) can lay them out again.
+    bucket_numel: usize,
     step: u64,
+}
+
+/// The name of rank `rank`'s optimizer shard in a checkpoint of `world` ranks.
+pub fn shard_file_name(rank: usize, world: usize) -> String {
+    format!("optimizer.rank{rank}-of-{world}.safetensors")
 }
 
 /// ZeRO-3's bucket of the embedding, final norm and LM head; decoder layer `i` is
 /// bucket `i + 1`.
 pub const OUTER_BUCKET: usize = 0;
+
+/// ZeRO-3's shard groups of `named` (name order within each group): bucket
+/// [`OUTER_BUCKET`] for the parameters outside the decoder layers, bucket `i + 1` for
+/// layer `i`'s `model.layers.<i>.*`. Shared by the optimizer and by whatever reads its
+/// shards back (the HF export), so both lay a layer's slices out the same way.
+pub fn stage3_groups<T>(
+    named: Vec<(String, T)>,
+    layers: usize,
+) -> Result<Vec<Vec<(String, T)>>, CollectiveError> {
+    let mut groups: Vec<Vec<(String, T)>> = (0..=layers).map(|_| Vec::new()).collect();
+    for (name, t) in named {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .map(|i| {
+                i.parse::<usize>()
+                    .ok()
+                    .filter(|&i| i < layers)
+                    .ok_or_else(|| CollectiveError::BadTensor {
+                        op: "zero-3",
+                        message: format!("parameter {name}: no decoder layer {i} of {layers}"),
+                    })
+            })
+            .transpose()?;
+        groups[layer.map_or(OUTER_BUCKET, |i| i + 1)].push((name, t));
+    }
+    if let Some(i) = groups.iter().position(Vec::is_empty) {
+        return Err(CollectiveError::BadTensor {
+            op: "zero-3",
+            message: format!(
+                "bucket {i} (0: embedding and head, i: layer i - 1) has no parameters"
+            ),
+        });
+    }
+    for g in &mut groups {
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    Ok(groups)
+}
 
 /// The kind every parameter shares (one for all: fp32, or bf16 with `--bf16`).
 fn check_one_kind(params: &BTreeMap<String, Tensor>) -> Result<Kind, CollectiveError> {
@@ -118,11 +169,13 @@ impl ZeroAdamW {
         bucket_numel: usize,
     ) -> Result<Self, CollectiveError> {
         let kind = check_one_kind(&params)?;
+        // 0 marks ZeRO-3 below; a bucket of at most one element lays out the same.
+        let bucket_numel = bucket_numel.max(1);
         let shapes: Vec<(String, Vec<i64>)> =
             params.iter().map(|(k, t)| (k.clone(), t.size())).collect();
         let layout = FlatLayout::new(&shapes, comm.world_size(), bucket_numel);
         let params: Vec<Tensor> = params.into_values().collect();
-        Self::with_layout(layout, params, kind, config, comm, false)
+        Self::with_layout(layout, params, kind, config, comm, bucket_numel)
     }
 
     /// ZeRO-3: as [`ZeroAdamW::new`], with one bucket per decoder layer of the
@@ -136,48 +189,26 @@ impl ZeroAdamW {
         layers: usize,
     ) -> Result<Self, CollectiveError> {
         let kind = check_one_kind(&params)?;
-        let mut groups: Vec<Vec<(String, Tensor)>> = (0..=layers).map(|_| Vec::new()).collect();
-        for (name, t) in params {
-            let layer = name
-                .strip_prefix("model.layers.")
-                .and_then(|rest| rest.split('.').next())
-                .map(|i| {
-                    i.parse::<usize>()
-                        .ok()
-                        .filter(|&i| i < layers)
-                        .ok_or_else(|| CollectiveError::BadTensor {
-                            op: "zero-3",
-                            message: format!("parameter {name}: no decoder layer {i} of {layers}"),
-                        })
-                })
-                .transpose()?;
-            groups[layer.map_or(OUTER_BUCKET, |i| i + 1)].push((name, t));
-        }
-        if let Some(i) = groups.iter().position(Vec::is_empty) {
-            return Err(CollectiveError::BadTensor {
-                op: "zero-3",
-                message: format!(
-                    "bucket {i} (0: embedding and head, i: layer i - 1) has no parameters"
-                ),
-            });
-        }
+        let groups = stage3_groups(params.into_iter().collect(), layers)?;
         let shapes: Vec<Vec<(String, Vec<i64>)>> = groups
             .iter()
             .map(|g| g.iter().map(|(k, t)| (k.clone(), t.size())).collect())
             .collect();
         let layout = FlatLayout::grouped(&shapes, comm.world_size());
         let params = groups.into_iter().flatten().map(|(_, t)| t).collect();
-        Self::with_layout(layout, params, kind, config, comm, true)
+        Self::with_layout(layout, params, kind, config, comm, 0)
     }
 
+    /// `bucket_numel`: ZeRO-2's bucket size; 0 for ZeRO-3 (a bucket per layer).
     fn with_layout(
         layout: FlatLayout,
         params: Vec<Tensor>,
         kind: Kind,
         config: AdamWConfig,
         comm: Box<dyn Collective>,
-        stage3: bool,
+        bucket_numel: usize,
     ) -> Result<Self, CollectiveError> {
+        let stage3 = bucket_numel == 0;
         let device = comm.device();
         let (rank, world) = (comm.rank(), comm.world_size());
         let shard_numel = layout.shard_numel as i64;
@@ -200,6 +231,7 @@ impl ZeroAdamW {
             comm,
             reduced: false,
             stage3,
+            bucket_numel,
             step: 0,
         };
         // Rank 0's weights everywhere, then each rank's master shard from them.
@@ -544,11 +576,7 @@ impl ZeroAdamW {
     }
 
     fn shard_file(&self, dir: &Path) -> std::path::PathBuf {
-        dir.join(format!(
-            "optimizer.rank{}-of-{}.safetensors",
-            self.comm.rank(),
-            self.layout.world
-        ))
+        dir.join(shard_file_name(self.comm.rank(), self.layout.world))
     }
 
     /// Writes this rank's shard (masters and moments, flat) to
@@ -557,11 +585,13 @@ impl ZeroAdamW {
         // The stage goes with the shard: the two stages lay the flat slices out
         // differently, so a resume must use the stage that saved them.
         let stage = Tensor::from(self.zero_stage());
+        let bucket_numel = Tensor::from(self.bucket_numel as i64);
         let named = [
             ("master", &self.master),
             ("exp_avg", &self.exp_avg),
             ("exp_avg_sq", &self.exp_avg_sq),
             (ZERO_STAGE_KEY, &stage),
+            (BUCKET_NUMEL_KEY, &bucket_numel),
         ];
         Tensor::write_safetensors(&named, self.shard_file(dir))
     }
