@@ -9,6 +9,7 @@ pub mod local;
 pub mod placement;
 pub mod prepare_tasks;
 pub mod remote;
+pub mod remote_ranks;
 pub mod rollouts;
 pub mod run;
 pub mod run_dir;

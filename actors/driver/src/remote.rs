@@ -1,5 +1,6 @@
 //! Remote mode: rollout actors live on the `worker` daemons cluster.toml lists, and the
-//! trainer either on one of them (`[trainer] node = N`) or in the driver. Every node is
+//! trainer on one of them (`[trainer] node = N`), as data-parallel ranks on several
+//! (`[trainer] ranks`, crate::remote_ranks), or in the driver. Every node is
 //! checked (reachable, token accepted, GPUs present, model directory there) before
 //! anything starts. Every placer holds a lease its heartbeats renew, so workers stop
 //! the actors of a driver that died without saying so.
@@ -21,6 +22,7 @@ use tracing::info;
 use crate::local;
 use crate::placement::TrainerRecovery;
 use crate::placement::{Placed, Teardown};
+use crate::remote_ranks::{node_host, Reach};
 use crate::rollouts::Rollouts;
 use crate::run_dir::default_run_name;
 use crate::step::StepActors;
@@ -93,6 +95,13 @@ pub async fn place(
     let in_cluster = |e: manta_runtime::RuntimeError| {
         anyhow::Error::new(e).context(format!("cluster {}", cluster.path.display()))
     };
+    let reach = Reach {
+        token: &token,
+        tls: tls.as_ref(),
+        lease_timeout: opts.lease_timeout,
+        heartbeat_interval: opts.heartbeat_interval,
+        dead_after: opts.dead_after,
+    };
     // The trainer's node is checked before anything is spawned anywhere.
     let trainer_client = match cluster.trainer.node {
         Some(i) => {
@@ -109,7 +118,8 @@ pub async fn place(
     info!(
         nodes = rollout_nodes.len(),
         engines_per_node = cluster.rollout.engines,
-        trainer = %cluster.trainer.node.map_or("driver".to_string(), |i| cluster.nodes[i].address.clone()),
+        trainer = %cluster.trainer.root_node().map_or("driver".to_string(), |i| cluster.nodes[i].address.clone()),
+        trainer_ranks = cluster.trainer.ranks.len().max(1),
         "placing actors on worker nodes"
     );
     let pool = RemotePool::start_with_tls(
@@ -135,14 +145,20 @@ pub async fn place(
     // Task listing (and the trainer, unless a worker hosts it) stays here.
     let mut local_cluster = cluster.clone();
     local_cluster.rollout.engines = 0;
-    let worker = local::start(&local_cluster, train, settings, trainer_client.is_none()).await?;
+    let trainer_here = trainer_client.is_none() && cluster.trainer.ranks.is_empty();
+    let worker = local::start(&local_cluster, train, settings, trainer_here).await?;
     let mut on_worker = None;
+    let options = manta_trainer::TrainerOptions {
+        bf16: cluster.trainer.bf16,
+        ..local::trainer_options(settings, tch::Device::Cpu)
+    };
     let trainer = match (trainer_client, &worker.trainer) {
+        (None, _) if !cluster.trainer.ranks.is_empty() => {
+            let placed = crate::remote_ranks::place(cluster, settings, &options, &reach).await?;
+            on_worker = Some(placed.rank0);
+            placed.handle
+        }
         (Some(client), _) => {
-            let options = manta_trainer::TrainerOptions {
-                bf16: cluster.trainer.bf16,
-                ..local::trainer_options(settings, tch::Device::Cpu)
-            };
             let remote = RemoteTrainer::start(
                 client,
                 TRAINER_NAME,
@@ -165,7 +181,7 @@ pub async fn place(
     };
     // Engines on workers get the weights over gRPC, or by one broadcast from the trainer
     // (cluster.worker_weights): no disk is shared with them.
-    let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.gpus);
+    let trainer_at = trainer_endpoint(&trainer, &cluster.trainer.root_gpus());
     let engines_at: Vec<(String, Endpoint)> = cluster
         .rollout_nodes()
         .into_iter()
@@ -220,6 +236,57 @@ pub async fn place(
     })
 }
 
+/// `--load-debug-rollout-data` with `[trainer] ranks`: the saved groups feed the ranks
+/// on their workers (no engine, no rollout node), so ranks on workers train on exactly
+/// the batches local ranks would.
+pub async fn place_saved_ranks(
+    cluster: &ClusterConfig,
+    settings: &mut TrainSettings,
+    template: String,
+) -> anyhow::Result<Placed> {
+    if let Some(filter) = &settings.sampling.dynamic_sampling_filter {
+        anyhow::bail!(
+            "--load-debug-rollout-data trains on the saved groups as they are: drop \
+             --dynamic-sampling-filter-path ({filter})"
+        );
+    }
+    let token = load_token().context("remote mode needs the cluster token")?;
+    settings.model = absolute(&settings.model)?;
+    let tls = cluster
+        .tls
+        .as_ref()
+        .map(|t| ClientTls::from_file("cluster.tls_ca", &t.ca, t.domain.clone()))
+        .transpose()
+        .with_context(|| format!("cluster {}", cluster.path.display()))?;
+    let reach = Reach {
+        token: &token,
+        tls: tls.as_ref(),
+        lease_timeout: Duration::from_millis(cluster.lease_timeout_ms),
+        heartbeat_interval: Duration::from_millis(cluster.heartbeat_interval_ms),
+        dead_after: Duration::from_millis(cluster.dead_after_ms),
+    };
+    let options = manta_trainer::TrainerOptions {
+        bf16: cluster.trainer.bf16,
+        ..local::trainer_options(settings, tch::Device::Cpu)
+    };
+    let placed = crate::remote_ranks::place(cluster, settings, &options, &reach).await?;
+    let handle = placed.handle;
+    Ok(Placed {
+        actors: StepActors {
+            trainer: handle.clone(),
+            rollouts: Rollouts::saved(template, settings.rollout_batch_size),
+            weights: WeightSync::none(Arc::new(handle.clone())),
+            rollout_only: false,
+        },
+        env_clients: Default::default(),
+        recovery: TrainerRecovery {
+            policy: cluster.trainer.on_failure,
+            restart_timeout: Duration::from_secs(cluster.trainer.restart_timeout_s),
+        },
+        teardown: Teardown::default().then(handle),
+    })
+}
+
 /// What workers need to launch SGLang engines (`None` for the native engine): the
 /// `[rollout]` keys (each actor's GPUs travel in `RolloutSpawnConfig::engine_gpus`).
 fn sglang_spawn(
@@ -258,9 +325,10 @@ fn engine_gpus(cluster: &ClusterConfig) -> std::collections::BTreeMap<String, Ve
 
 /// Rank 0 of the broadcast to the workers' engines, when `cluster.worker_weights` asks
 /// for one (validated: NCCL has the trainer's GPUs). The trainer's worker when it hosts
-/// the trainer (`on_worker`): its store at its node's host from cluster.toml, the port
-/// chosen there (only that node knows which are free); else this process, its store at
-/// `cluster.driver_address`, NCCL from the trainer's first GPU.
+/// the trainer (`on_worker`; with `[trainer] ranks`, rank 0's worker, whose weights
+/// every rank shares under ZeRO-2): its store at its node's host from cluster.toml, the
+/// port chosen there (only that node knows which are free); else this process, its
+/// store at `cluster.driver_address`, NCCL from the trainer's first GPU.
 fn worker_group_root(
     cluster: &ClusterConfig,
     on_worker: Option<Arc<RemoteTrainer>>,
@@ -270,7 +338,7 @@ fn worker_group_root(
         WorkerWeights::Nccl => Backend::Nccl,
         WorkerWeights::Store => Backend::Store,
     };
-    let at = match (on_worker, cluster.trainer.node) {
+    let at = match (on_worker, cluster.trainer.root_node()) {
         (Some(trainer), Some(node)) => RootAt::Trainer {
             trainer,
             master_address: node_host(&cluster.nodes[node].address),
@@ -285,14 +353,6 @@ fn worker_group_root(
         timeout: Duration::from_secs(120),
         at,
     })
-}
-
-/// The host of a node's `host:port` address (brackets of an IPv6 literal dropped).
-fn node_host(address: &str) -> String {
-    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
-    host.trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string()
 }
 
 #[cfg(test)]

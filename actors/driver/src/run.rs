@@ -231,8 +231,12 @@ async fn place(
 ) -> anyhow::Result<Placed> {
     // Debug data needs no engine or environment, local or remote: the trainer runs here.
     if let Some(template) = settings.load_debug_rollout_data.clone() {
-        // Data-parallel ranks are a local-mode setting (remote ranks are not built yet).
+        // Ranks on workers (`[trainer] ranks`) train there; else the trainer runs here,
+        // with local mode's data-parallel ranks.
         let ranks = match cluster.mode {
+            ClusterMode::Remote if !cluster.trainer.ranks.is_empty() => {
+                return crate::remote::place_saved_ranks(cluster, settings, template).await;
+            }
             ClusterMode::Local => cluster.trainer.data_parallel_world(),
             ClusterMode::Remote => 1,
         };

@@ -15,6 +15,7 @@ use tonic::service::Routes;
 
 use crate::rollout::worker::{RolloutHost, RolloutService};
 use crate::trainer::client::MAX_TRAINER_MESSAGE;
+use crate::trainer::rank_group::RankGroups;
 use crate::trainer::worker::{TrainerHost, TrainerService};
 use crate::weights::worker::WeightSyncService;
 use crate::weights::MAX_WEIGHT_MESSAGE;
@@ -23,7 +24,11 @@ use crate::weights::MAX_WEIGHT_MESSAGE;
 /// that call them (for [`manta_runtime::serve_with_services`]).
 pub fn install(daemon: &WorkerDaemon) -> impl FnOnce(&CheckToken) -> Routes + Send + 'static {
     daemon.host(ActorKind::Rollout, Arc::new(RolloutHost::default()));
-    daemon.host(ActorKind::Trainer, Arc::new(TrainerHost));
+    let groups = RankGroups::default();
+    daemon.host(
+        ActorKind::Trainer,
+        Arc::new(TrainerHost::new(groups.clone())),
+    );
     let daemon = daemon.clone();
     move |check: &CheckToken| {
         Routes::new(RolloutServer::with_interceptor(
@@ -37,7 +42,7 @@ pub fn install(daemon: &WorkerDaemon) -> impl FnOnce(&CheckToken) -> Routes + Se
             check.clone(),
         ))
         .add_service(InterceptedService::new(
-            TrainerServer::new(TrainerService::new(daemon))
+            TrainerServer::new(TrainerService::new(daemon, groups))
                 .max_decoding_message_size(MAX_TRAINER_MESSAGE)
                 .max_encoding_message_size(MAX_TRAINER_MESSAGE),
             check.clone(),

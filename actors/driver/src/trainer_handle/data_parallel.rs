@@ -1,7 +1,10 @@
-//! Data-parallel trainer ranks in the driver process (local mode, `[trainer] gpus` with
-//! several GPUs or `[trainer] data_parallel_ranks`): one `TrainerRankActor` per rank
-//! (manta_trainer::data_parallel, ZeRO-2, or ZeRO-3 with `--zero-stage 3`), NCCL
-//! between GPUs or threads on the CPU, behind the same [`TrainerHandle`] as one trainer.
+//! Data-parallel trainer ranks behind the same [`TrainerHandle`] as one trainer: in the
+//! driver process (local mode, `[trainer] gpus` with several GPUs or `[trainer]
+//! data_parallel_ranks`: one `TrainerRankActor` per rank, manta_trainer::data_parallel,
+//! ZeRO-2, or ZeRO-3 with `--zero-stage 3`, NCCL between GPUs or threads on the CPU),
+//! or on worker daemons (`[trainer] ranks`, placed by crate::remote_ranks: each rank a
+//! `RemoteTrainer`, NCCL or rank 0's store between them). One [`RankGroup`] drives
+//! both; only where checkpoints live differs (super::rank_checkpoints).
 //!
 //! Each step's global batch is cut into one share per rank so that the ranks' step
 //! equals one trainer's step on the whole batch (loss weights divide by global counts);
@@ -23,11 +26,13 @@ use std::collections::BTreeMap;
 use manta_trainer::NamedTensors;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use futures::future::join_all;
 use manta_hosting::weights::WeightSet;
-use manta_hosting::TrainerCallError;
+use manta_hosting::{RemoteTrainer, TrainerCallError};
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
 use manta_trainer::data_parallel::{Collective, NcclCollective, ThreadCollective};
 use manta_trainer::{
@@ -38,6 +43,8 @@ use tch::Device;
 use tracing::{info, warn};
 
 use super::local::LocalTrainer;
+use super::rank_checkpoints::{RankCheckpoints, WorkerCheckpoints};
+use super::remote::OnWorker;
 use super::{TrainerBackend, TrainerHandle};
 
 /// Where a local rank group runs.
@@ -69,10 +76,36 @@ impl TrainerHandle {
         kind: RankGroupKind,
     ) -> Self {
         Self::new(RankGroup {
-            ranks: ranks.into_iter().map(LocalTrainer).collect(),
+            ranks: ranks
+                .into_iter()
+                .map(|r| Box::new(LocalTrainer(r)) as Box<dyn TrainerBackend>)
+                .collect(),
             steps_per_rollout: steps_per_rollout.max(1),
             warned_uneven: AtomicBool::new(false),
             kind,
+            checkpoints: RankCheckpoints::Shared,
+            where_: "the driver process (data-parallel ranks)".into(),
+        })
+    }
+
+    /// The ranks of a ZeRO-2 group on worker daemons, rank 0 first, each started by
+    /// crate::remote_ranks; their checkpoints stay on their own workers.
+    pub fn worker_ranks(
+        ranks: Vec<Arc<RemoteTrainer>>,
+        steps_per_rollout: usize,
+        checkpoints: WorkerCheckpoints,
+    ) -> Self {
+        let where_ = format!("data-parallel ranks on {}", checkpoints.nodes.join(", "));
+        Self::new(RankGroup {
+            ranks: ranks
+                .into_iter()
+                .map(|r| Box::new(OnWorker(r)) as Box<dyn TrainerBackend>)
+                .collect(),
+            steps_per_rollout: steps_per_rollout.max(1),
+            warned_uneven: AtomicBool::new(false),
+            kind: RankGroupKind::Zero2,
+            checkpoints: RankCheckpoints::OnWorkers(checkpoints),
+            where_,
         })
     }
 }
@@ -153,7 +186,8 @@ pub async fn spawn_ranks(
 /// here, every rank joining at once on a thread of its own.
 async fn nccl_group(gpus: Vec<u32>) -> anyhow::Result<Vec<(Box<dyn Collective>, Device)>> {
     let shown = format!("[trainer] gpus = {gpus:?}");
-    let id = NcclCollective::unique_id()
+    // Made for rank 0's GPU: this process joins every rank.
+    let id = NcclCollective::unique_id_on(gpus.first().copied().unwrap_or(0) as usize)
         .with_context(|| format!("{shown}: data-parallel ranks need NCCL"))?;
     let world = gpus.len();
     let joined = tokio::task::spawn_blocking(move || {
@@ -187,22 +221,27 @@ async fn nccl_group(gpus: Vec<u32>) -> anyhow::Result<Vec<(Box<dyn Collective>, 
     joined.with_context(|| shown.clone())
 }
 
-/// The trainer as a group of local ranks.
+/// The trainer as a group of ranks, in this process or on workers: every call goes to
+/// every rank at once (their collectives pair up), rank 0 answers for the group.
 struct RankGroup {
-    ranks: Vec<LocalTrainer>,
+    ranks: Vec<Box<dyn TrainerBackend>>,
     steps_per_rollout: usize,
     /// Whether the log already said that a batch could not be split exactly.
     warned_uneven: AtomicBool,
     /// ZeRO-3: no rank holds the weights whole, reading them is a collective; context
     /// parallel: every rank trains on the whole batch.
     kind: RankGroupKind,
+    /// Where a checkpoint's parts go: one shared directory, or each worker's disk.
+    checkpoints: RankCheckpoints,
+    /// Where the group runs, for its errors.
+    where_: String,
 }
 
 impl RankGroup {
     /// The whole weights under ZeRO-3: every rank gathers them at once (a collective
     /// that one rank alone would wait in forever) and rank 0's copy is kept.
     async fn gathered(&self) -> Result<NamedTensors, TrainerCallError> {
-        let gathered = join_all(self.ranks.iter().map(LocalTrainer::gather_weights)).await;
+        let gathered = join_all(self.ranks.iter().map(|r| r.gather_weights())).await;
         Ok(first_error(gathered)?.swap_remove(0))
     }
 }
@@ -232,10 +271,12 @@ fn first_error<T>(results: Vec<Result<T, TrainerCallError>>) -> Result<Vec<T>, T
     Err(errors.swap_remove(pick))
 }
 
-fn failed(message: impl ToString) -> TrainerCallError {
-    TrainerCallError::Failed {
-        addr: "the driver process (data-parallel ranks)".into(),
-        message: message.to_string(),
+impl RankGroup {
+    fn failed(&self, message: impl ToString) -> TrainerCallError {
+        TrainerCallError::Failed {
+            addr: self.where_.clone(),
+            message: message.to_string(),
+        }
     }
 }
 
@@ -259,7 +300,7 @@ impl TrainerBackend for RankGroup {
             return Ok(first_error(results)?.swap_remove(0));
         }
         let (shares, exact) = split_batch(batch, world, self.steps_per_rollout)
-            .map_err(|e| failed(format!("training step {step}: {e}")))?;
+            .map_err(|e| self.failed(format!("training step {step}: {e}")))?;
         if !exact && !self.warned_uneven.swap(true, Ordering::Relaxed) {
             warn!(
                 world,
@@ -281,20 +322,28 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError> {
-        // A collective: every rank writes into `dir` (rank 0 the weights and state, each
-        // its optimizer shard) and rank 0 moves it into place once all are written.
+        // A collective: every rank writes into its directory (its owner the weights and
+        // state, each rank its optimizer shard) and the owner moves it into place once
+        // all are written.
+        let target = self.checkpoints.save_target(dir);
         let saved = join_all(
             self.ranks
                 .iter()
-                .map(|rank| rank.save_checkpoint(dir, step)),
+                .map(|rank| rank.save_checkpoint(&target, step)),
         )
         .await;
-        first_error(saved).map(|_| ())
+        first_error(saved)?;
+        self.checkpoints
+            .after_save(dir, step)
+            .map_err(|e| self.failed(e))
     }
 
     async fn load_checkpoint(&self, dir: &Path) -> Result<u64, TrainerCallError> {
-        check_shards(dir, self.ranks.len()).map_err(failed)?;
-        let loaded = join_all(self.ranks.iter().map(|rank| rank.load_checkpoint(dir))).await;
+        let source = self
+            .checkpoints
+            .load_target(dir, self.ranks.len())
+            .map_err(|e| self.failed(e))?;
+        let loaded = join_all(self.ranks.iter().map(|rank| rank.load_checkpoint(&source))).await;
         Ok(first_error(loaded)?[0])
     }
 
@@ -307,8 +356,8 @@ impl TrainerBackend for RankGroup {
         let weights = self.gathered().await?;
         tokio::task::spawn_blocking(move || WeightSet::from_tensors(&weights))
             .await
-            .map_err(failed)?
-            .map_err(failed)
+            .map_err(|e| self.failed(e))?
+            .map_err(|e| self.failed(e))
     }
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
@@ -318,45 +367,24 @@ impl TrainerBackend for RankGroup {
         self.gathered().await.map(Some)
     }
 
+    /// Rank 0's worker (ranks on workers): it roots the weight sync to the engines.
+    fn worker_addr(&self) -> Option<&str> {
+        self.ranks[0].worker_addr()
+    }
+
+    async fn restart(&self, _timeout: Duration) -> anyhow::Result<()> {
+        // One rank alone cannot rejoin: its group's NCCL id or store died with it.
+        anyhow::bail!(
+            "re-creating data-parallel ranks on workers is not built (the whole group would \
+             need a new NCCL id or store); resume the run with --load"
+        )
+    }
+
     async fn shutdown(&self) {
         for rank in &self.ranks {
             rank.shutdown().await;
         }
     }
-}
-
-/// Checks that checkpoint `dir` holds an optimizer shard for each of `world` ranks
-/// (`optimizer.rank<r>-of-<world>.safetensors`, as every rank saved it) before any rank
-/// starts loading, so a checkpoint of another rank count is refused with its count
-/// instead of some ranks loading while others fail.
-fn check_shards(dir: &Path, world: usize) -> Result<(), String> {
-    let missing: Vec<String> = (0..world)
-        .map(|r| format!("optimizer.rank{r}-of-{world}.safetensors"))
-        .filter(|name| !dir.join(name).is_file())
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let saved_by = std::fs::read_dir(dir)
-        .map_err(|e| format!("reading checkpoint {}: {e}", dir.display()))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let rest = name.strip_prefix("optimizer.rank")?;
-            let (_, of) = rest.split_once("-of-")?;
-            of.strip_suffix(".safetensors")?.parse::<usize>().ok()
-        })
-        .max();
-    let saved_by = match saved_by {
-        Some(n) => format!("{n} data-parallel ranks"),
-        None => "one trainer (no per-rank optimizer shards)".into(),
-    };
-    Err(format!(
-        "checkpoint {} was saved by {saved_by}, this run has {world} ranks \
-         ([trainer] data_parallel_ranks / gpus): resume with the same count (missing {})",
-        dir.display(),
-        missing.join(", ")
-    ))
 }
 
 /// Cuts a global batch into one share per rank so that the ranks' step equals one

@@ -30,18 +30,16 @@ impl TrainerHandle {
 /// One trainer actor in this process (also each rank of a local data-parallel group).
 pub(super) struct LocalTrainer(pub(super) ActorRef<TrainerMsg>);
 
-impl LocalTrainer {
+#[async_trait::async_trait]
+impl TrainerBackend for LocalTrainer {
     /// The whole weights, gathered (a ZeRO-3 rank: every rank of its group must be
     /// asked at once).
-    pub(super) async fn gather_weights(&self) -> Result<NamedTensors, TrainerCallError> {
+    async fn gather_weights(&self) -> Result<NamedTensors, TrainerCallError> {
         call!(self.0, TrainerMsg::GatherWeights)
             .map_err(|e| failed(format!("the trainer did not answer: {e}")))?
             .map_err(|e| failed(format!("gathering the weights: {e}")))
     }
-}
 
-#[async_trait::async_trait]
-impl TrainerBackend for LocalTrainer {
     async fn train_step(
         &self,
         step: u64,

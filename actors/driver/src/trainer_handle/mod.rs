@@ -5,6 +5,7 @@
 
 pub mod data_parallel;
 pub mod local;
+pub mod rank_checkpoints;
 pub mod remote;
 
 use std::collections::BTreeMap;
@@ -37,6 +38,19 @@ pub trait TrainerBackend: Send + Sync {
     /// to workers is rooted here).
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
         Ok(None)
+    }
+
+    /// The whole weights, gathered: under ZeRO-3 a collective every rank of the group
+    /// must be asked at once. Only ranks in this process are built for it (ZeRO-3 is
+    /// refused in remote mode before anything starts).
+    async fn gather_weights(&self) -> Result<NamedTensors, TrainerCallError> {
+        Err(TrainerCallError::Failed {
+            addr: self
+                .worker_addr()
+                .unwrap_or("the driver process")
+                .to_string(),
+            message: "gathering ZeRO-3 weights is built for ranks in the driver only".into(),
+        })
     }
 
     /// The worker hosting the trainer (`None`: this process), for weight-sync routing.

@@ -19,7 +19,8 @@ impl TrainerHandle {
     }
 }
 
-struct OnWorker(Arc<RemoteTrainer>);
+/// A trainer on a worker (also each rank of a data-parallel group on workers).
+pub(super) struct OnWorker(pub(super) Arc<RemoteTrainer>);
 
 #[async_trait::async_trait]
 impl TrainerBackend for OnWorker {

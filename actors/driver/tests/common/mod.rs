@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 pub mod serve;
+pub mod workers;
 
 use std::collections::BTreeMap;
 use std::fs::File;

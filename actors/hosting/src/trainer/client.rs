@@ -50,6 +50,14 @@ pub trait TrainerCalls {
         actor: &str,
         directory: &str,
     ) -> impl Future<Output = Result<u64, RuntimeError>> + Send;
+
+    /// Opens rank 0's side of a data-parallel group on this worker (NCCL id or store),
+    /// before any rank is spawned.
+    fn open_rank_group(
+        &self,
+        request: tpb::OpenRankGroupRequest,
+        limit: Duration,
+    ) -> impl Future<Output = Result<tpb::OpenRankGroupReply, RuntimeError>> + Send;
 }
 
 fn trainer_rpc(client: &WorkerClient) -> TrainerRpc<AuthedChannel> {
@@ -119,5 +127,19 @@ impl TrainerCalls for WorkerClient {
             .await
             .map_err(|s| self.rpc_error(s))?;
         Ok(reply.into_inner().step)
+    }
+
+    async fn open_rank_group(
+        &self,
+        request: tpb::OpenRankGroupRequest,
+        limit: Duration,
+    ) -> Result<tpb::OpenRankGroupReply, RuntimeError> {
+        let mut request = tonic::Request::new(request);
+        request.set_timeout(limit);
+        let reply = trainer_rpc(self)
+            .open_rank_group(request)
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner())
     }
 }

@@ -5,11 +5,17 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use manta_trainer::batch::MicroBatchLayout;
+use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
-use manta_trainer::{AlgoOptions, TrainerActor, TrainerMsg, TrainerOptions};
+use manta_trainer::{
+    AlgoOptions, RankGroupKind, TrainerActor, TrainerMsg, TrainerOptions, TrainerRankActor,
+    TrainerRankArgs,
+};
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
+
+use super::rank_group::{RankGroups, RankSpawn};
 
 /// A trainer's arguments as they travel in `SpawnActorRequest.config_json`: the
 /// driver's `TrainerOptions` without the device, which the worker picks from the
@@ -48,6 +54,10 @@ pub struct TrainerSpawnConfig {
     /// trainer on a worker trains exactly as an in-process one.
     #[serde(default)]
     pub algo: AlgoOptions,
+    /// A rank of a data-parallel group (`[trainer] ranks`): its rank, the group's link
+    /// and whether it owns its node's checkpoint directory. Absent: a trainer alone.
+    #[serde(default)]
+    pub rank: Option<RankSpawn>,
 }
 
 impl TrainerSpawnConfig {
@@ -84,6 +94,7 @@ impl TrainerSpawnConfig {
             gradient_checkpointing: o.recompute.is_some(),
             recompute: o.recompute,
             algo: o.algo.clone(),
+            rank: None,
         }
     }
 
@@ -141,6 +152,37 @@ pub async fn spawn_trainer(
     let (actor, _) = Actor::spawn(Some(name.to_string()), TrainerActor, options)
         .await
         .with_context(|| format!("starting trainer {name}"))?;
+    Ok(actor)
+}
+
+/// Starts rank `rank.rank` of a data-parallel group (ZeRO-2): joins the group's
+/// collective on the rank's device (NCCL on its GPU, or the store on the CPU), then
+/// builds the rank, which waits in its first collective until every rank has joined.
+pub async fn spawn_rank(
+    name: &str,
+    options: TrainerOptions,
+    rank: RankSpawn,
+    groups: &RankGroups,
+) -> anyhow::Result<ActorRef<TrainerMsg>> {
+    let gpu = match options.device {
+        tch::Device::Cuda(i) => Some(i),
+        _ => None,
+    };
+    let (groups, spawn) = (groups.clone(), rank.clone());
+    let comm = tokio::task::spawn_blocking(move || groups.collective(&spawn, gpu))
+        .await
+        .context("joining the rank group")?
+        .map_err(anyhow::Error::msg)?;
+    let args = TrainerRankArgs {
+        options,
+        comm,
+        bucket_numel: DEFAULT_BUCKET_NUMEL,
+        kind: RankGroupKind::Zero2,
+        checkpoint_owner: Some(rank.checkpoint_owner),
+    };
+    let (actor, _) = Actor::spawn(Some(name.to_string()), TrainerRankActor, args)
+        .await
+        .with_context(|| format!("starting trainer rank {} of {}", rank.rank, rank.world))?;
     Ok(actor)
 }
 

@@ -10,11 +10,22 @@ use ractor::{call, ActorRef};
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use super::spawn::{spawn_trainer, TrainerSpawnConfig};
+use super::rank_group::RankGroups;
+use super::spawn::{spawn_rank, spawn_trainer, TrainerSpawnConfig};
 
-/// Builds trainer actors (`ACTOR_KIND_TRAINER`); their handle is the `ActorRef`.
+/// Builds trainer actors (`ACTOR_KIND_TRAINER`), alone or as ranks of a data-parallel
+/// group; their handle is the `ActorRef` either way (the messages are the same).
 #[derive(Default)]
-pub struct TrainerHost;
+pub struct TrainerHost {
+    /// Groups whose rank 0 this worker opened, for rank 0's spawn.
+    groups: RankGroups,
+}
+
+impl TrainerHost {
+    pub fn new(groups: RankGroups) -> Self {
+        Self { groups }
+    }
+}
 
 #[tonic::async_trait]
 impl ActorHost for TrainerHost {
@@ -27,13 +38,21 @@ impl ActorHost for TrainerHost {
                 req.name, req.offered_gpus
             )));
         }
+        let rank = cfg.rank.clone();
         let options = cfg
             .into_options(&req.gpus)
             .map_err(Status::failed_precondition)?;
-        let actor = spawn_trainer(&req.name, options)
-            .await
-            .map_err(|e| Status::internal(format!("{e:#}")))?;
-        info!(actor = %req.name, gpus = ?req.gpus, "trainer spawned");
+        let actor = match &rank {
+            None => spawn_trainer(&req.name, options).await,
+            Some(rank) => spawn_rank(&req.name, options, rank.clone(), &self.groups).await,
+        }
+        .map_err(|e| Status::internal(format!("{e:#}")))?;
+        info!(
+            actor = %req.name,
+            gpus = ?req.gpus,
+            rank = ?rank.as_ref().map(|r| (r.rank, r.world)),
+            "trainer spawned"
+        );
         Ok(HostedActor::new(actor.get_cell(), actor))
     }
 }
@@ -53,11 +72,13 @@ pub(crate) async fn hosted_trainer(
 #[derive(Clone)]
 pub struct TrainerService {
     daemon: WorkerDaemon,
+    /// Shared with the [`TrainerHost`]: what `OpenRankGroup` opened, rank 0's spawn takes.
+    groups: RankGroups,
 }
 
 impl TrainerService {
-    pub fn new(daemon: WorkerDaemon) -> Self {
-        Self { daemon }
+    pub fn new(daemon: WorkerDaemon, groups: RankGroups) -> Self {
+        Self { daemon, groups }
     }
 }
 
@@ -126,5 +147,16 @@ impl Trainer for TrainerService {
         let step = trainer_call(&req.actor, call!(trainer, TrainerMsg::LoadCheckpoint, dir))?
             .map_err(|e| Status::failed_precondition(format!("loading {}: {e}", req.directory)))?;
         Ok(Response::new(tpb::LoadCheckpointReply { step }))
+    }
+
+    async fn open_rank_group(
+        &self,
+        request: Request<tpb::OpenRankGroupRequest>,
+    ) -> Result<Response<tpb::OpenRankGroupReply>, Status> {
+        let reply = self
+            .groups
+            .open(request.into_inner(), self.daemon.gpus())
+            .await?;
+        Ok(Response::new(reply))
     }
 }

@@ -482,8 +482,8 @@ mod tests {
             assert_eq!(store[r][1..], store[0][1..], "rank {r}");
         }
         assert_eq!(store, thread, "store ranks and thread ranks disagree");
-        for r in 0..3 {
-            assert_eq!(store[r][6], vec![0], "rank {r} did not sum in rank order");
+        for (r, results) in store.iter().enumerate() {
+            assert_eq!(results[6], vec![0], "rank {r} did not sum in rank order");
         }
     }
 

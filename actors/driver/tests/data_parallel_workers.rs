@@ -1,0 +1,306 @@
+//! Data-parallel trainer ranks on worker daemons (`[trainer] ranks`): two real `worker`
+//! processes, each in a working directory of its own, host one CPU rank each (ZeRO-2
+//! over rank 0's TCPStore, the group opened on rank 0's worker and carried to rank 1's
+//! over gRPC). Trained from debug rollout data (the same batches every run), for three
+//! steps:
+//! - both ranks' weights are bit-identical, and bit-identical to local mode's two
+//!   thread ranks (`[trainer] data_parallel_ranks = 2`) on the same batches: the store
+//!   group combines in rank order with the thread group's tensor ops, and each rank
+//!   computes its share exactly as a thread rank does, so nothing differs but the
+//!   transport;
+//! - each worker keeps its own ranks' part of every checkpoint under its own directory
+//!   (weights, state, its optimizer shard; not the other rank's), the driver only
+//!   `latest` and `ranks.json`;
+//! - a run that dies after a checkpoint resumes both ranks from their workers' disks
+//!   exactly; a placement that would look for a shard on the other node is refused;
+//! - a bad placement is refused naming the file, the key and the value.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::workers::{log_of, start_worker_in};
+use common::{
+    assert_success, debug_data, driver_with_deadline, free_ports, sorted_weights, step, workspace,
+    Metrics, Worker,
+};
+use manta_telemetry::read_metrics;
+
+const TOKEN: &str = "dp-workers-token";
+const DEADLINE: Duration = Duration::from_secs(600);
+
+/// The flags of every run: three steps of 2 groups × 3 samples, a checkpoint each step.
+fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, run: &str) -> Vec<String> {
+    [
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        run,
+        "--lr",
+        "0.01",
+        "--adam-eps",
+        "1e-4",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--use-rollout-logprobs",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// A remote-mode cluster.toml in `dir` with two worker nodes and `trainer` as its
+/// `[trainer]` section.
+fn remote_cluster(dir: &Path, name: &str, ports: [u16; 2], trainer: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = {:?}\n\n[trainer]\n{trainer}\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
+            workspace().join("train_config.yaml").display().to_string(),
+            ports[0],
+            ports[1]
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn run_driver(dir: &Path, args: &[String]) -> std::process::Output {
+    driver_with_deadline(args, &[("MANTA_CLUSTER_TOKEN", TOKEN)], dir, DEADLINE)
+}
+
+fn worker_logs(cwds: &[PathBuf]) -> String {
+    cwds.iter()
+        .map(|c| std::fs::read_to_string(log_of(c)).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n---\n")
+}
+
+fn metrics(runs: &Path, run: &str) -> Metrics {
+    read_metrics(&runs.join(run).join("metrics.jsonl")).unwrap()
+}
+
+const LOSSES: [&str; 5] = [
+    "train/loss",
+    "train/pg_loss",
+    "train/kl_loss",
+    "train/grad_norm",
+    "train/ppo_kl",
+];
+
+/// Asserts two sorted weight sets are the same bits, naming the first tensor that is not.
+fn assert_bit_identical(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb, "{what}");
+        assert!(ta.equal(tb), "{what}: {na} differs");
+    }
+}
+
+struct Cluster {
+    _workers: [Worker; 2],
+    cwds: [PathBuf; 2],
+    ports: [u16; 2],
+}
+
+fn two_workers(dir: &Path) -> Cluster {
+    let ports = free_ports::<2>();
+    let cwds = [dir.join("worker-a"), dir.join("worker-b")];
+    let workers = [
+        start_worker_in(&cwds[0], ports[0], TOKEN),
+        start_worker_in(&cwds[1], ports[1], TOKEN),
+    ];
+    Cluster {
+        _workers: workers,
+        cwds,
+        ports,
+    }
+}
+
+#[test]
+fn ranks_on_two_workers_equal_local_ranks_and_resume_from_their_own_disks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let data = debug_data(dir, 3, 5);
+
+    // Local mode: two thread ranks in the driver.
+    let local = common::cluster(dir, "data_parallel_ranks = 2");
+    let (save_local, runs_local) = (dir.join("ckpt-local"), dir.join("runs-local"));
+    assert_success(run_driver(
+        dir,
+        &args(&local, &data, &save_local, &runs_local, "local"),
+    ));
+
+    // Remote mode: rank 0 on worker A, rank 1 on worker B.
+    let c = two_workers(dir);
+    let two = remote_cluster(
+        dir,
+        "two.toml",
+        c.ports,
+        "ranks = [{ node = 0 }, { node = 1 }]\non_failure = \"stop\"",
+    );
+    let (save, runs) = (dir.join("ckpt-remote"), dir.join("runs-remote"));
+    let out = run_driver(dir, &args(&two, &data, &save, &runs, "remote"));
+    assert!(
+        out.status.success(),
+        "driver failed\nstderr:\n{}\nworkers:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        worker_logs(&c.cwds)
+    );
+
+    // Each worker holds its own ranks' part of the checkpoint, in its own directory.
+    let on = |w: usize, run: &str| c.cwds[w].join("manta-checkpoints").join(run);
+    let last = |w: usize| on(w, "remote").join("step_000003");
+    for (w, mine, other) in [(0, 0, 1), (1, 1, 0)] {
+        for f in [
+            "model.safetensors".to_string(),
+            "trainer_state.json".to_string(),
+            format!("optimizer.rank{mine}-of-2.safetensors"),
+        ] {
+            assert!(last(w).join(&f).is_file(), "worker {w}: {f} missing");
+        }
+        let theirs = last(w).join(format!("optimizer.rank{other}-of-2.safetensors"));
+        assert!(
+            !theirs.exists(),
+            "{} should be on the other worker",
+            theirs.display()
+        );
+    }
+    // The driver keeps where they are, not the tensors.
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step_000003"
+    );
+    let manifest = std::fs::read_to_string(save.join("step_000003/ranks.json")).unwrap();
+    assert!(
+        manifest.contains(&format!("127.0.0.1:{}", c.ports[1])),
+        "{manifest}"
+    );
+    assert!(!save.join("step_000003/model.safetensors").exists());
+
+    // Both ranks hold the same bits, and the same bits as local mode's two ranks.
+    let a = sorted_weights(&last(0).join("model.safetensors"));
+    let b = sorted_weights(&last(1).join("model.safetensors"));
+    assert_bit_identical(&a, &b, "rank 0 (worker A) vs rank 1 (worker B)");
+    let start = sorted_weights(&data.join("model/model.safetensors"));
+    assert!(
+        common::max_diff(&start, &a) > 1e-3,
+        "training moved the weights"
+    );
+    let l = sorted_weights(&save_local.join("step_000003/model.safetensors"));
+    assert_bit_identical(&a, &l, "ranks on workers vs local thread ranks");
+    let (mr, ml) = (metrics(&runs, "remote"), metrics(&runs_local, "local"));
+    for s in 1..=3 {
+        for key in LOSSES {
+            assert_eq!(step(&mr, s)[key], step(&ml, s)[key], "step {s} {key}");
+        }
+    }
+
+    // Dies in step 3 (its data is missing) after saving step 2, then resumes both ranks
+    // from their own workers' copies of step 2.
+    let partial = dir.join("partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::os::unix::fs::symlink(data.join("model"), partial.join("model")).unwrap();
+    for k in 0..2 {
+        let f = format!("debug_{k}.jsonl");
+        std::fs::copy(data.join(&f), partial.join(&f)).unwrap();
+    }
+    let (save3, runs3) = (dir.join("ckpt-3"), dir.join("runs-3"));
+    let out = run_driver(dir, &args(&two, &partial, &save3, &runs3, "resumed"));
+    assert!(!out.status.success(), "the run should die in step 3");
+    assert_eq!(
+        std::fs::read_to_string(save3.join("latest"))
+            .unwrap()
+            .trim(),
+        "step_000002"
+    );
+    assert!(on(1, "resumed")
+        .join("step_000002/optimizer.rank1-of-2.safetensors")
+        .is_file());
+
+    // Swapped nodes would look for each shard on the other worker: refused by name.
+    let swapped = remote_cluster(
+        dir,
+        "swapped.toml",
+        c.ports,
+        "ranks = [{ node = 1 }, { node = 0 }]\non_failure = \"stop\"",
+    );
+    let mut load = args(&swapped, &data, &save3, &runs3, "resumed");
+    load.extend(["--load".to_string(), save3.display().to_string()]);
+    let out = run_driver(dir, &load);
+    assert!(!out.status.success(), "swapped ranks must not resume");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rank 0 saved its part on the worker at")
+            && err.contains(&format!("127.0.0.1:{}", c.ports[0])),
+        "{err}"
+    );
+
+    let mut load = args(&two, &data, &save3, &runs3, "resumed");
+    load.extend(["--load".to_string(), save3.display().to_string()]);
+    let out = run_driver(dir, &load);
+    assert!(
+        out.status.success(),
+        "resume failed\nstderr:\n{}\nworkers:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        worker_logs(&c.cwds)
+    );
+    let resumed = sorted_weights(&on(0, "resumed").join("step_000003/model.safetensors"));
+    assert_bit_identical(&a, &resumed, "uninterrupted vs resumed");
+    let m3 = metrics(&runs3, "resumed");
+    for key in LOSSES {
+        assert_eq!(step(&mr, 3)[key], step(&m3, 3)[key], "step 3 {key}");
+    }
+}
+
+#[test]
+fn a_bad_rank_placement_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // No worker is needed: the file is refused before any node is reached.
+    let bad = remote_cluster(
+        dir,
+        "bad.toml",
+        [1, 2],
+        "ranks = [{ node = 0 }, { node = 2 }]",
+    );
+    let out = run_driver(
+        dir,
+        &args(
+            &bad,
+            &dir.join("data"),
+            &dir.join("ckpt"),
+            &dir.join("runs"),
+            "bad",
+        ),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.toml")
+            && err.contains("`trainer.ranks[1].node`")
+            && err.contains("invalid value 2")
+            && err.contains("there are 2 [[nodes]]"),
+        "{err}"
+    );
+}

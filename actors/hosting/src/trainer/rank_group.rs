@@ -1,0 +1,170 @@
+//! Data-parallel trainer ranks on workers: how a rank's place in its group travels in
+//! the spawn config ([`RankSpawn`]), what rank 0's worker opens before any rank is
+//! spawned ([`RankGroups::open`]: NCCL's unique id, or the CPU ranks' store), and the
+//! rank's `Collective`, built from both on the rank's worker ([`RankGroups::collective`]).
+//!
+//! The order is the driver's: `OpenRankGroup` on rank 0's worker, then every rank's
+//! spawn at once (building a rank waits for the others in its first collective). The
+//! mechanism follows the ranks' device, named explicitly: NCCL on the GPU the spawn
+//! gives the rank, or the store group on the CPU.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use manta_cuda::rendezvous::TcpStore;
+use manta_proto::trainer as tpb;
+use manta_trainer::data_parallel::{Collective, NcclCollective, StoreCollective, StoreGroupSpec};
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+use tracing::info;
+
+/// How the ranks of a group reach each other, as rank 0's worker opened it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum RankLink {
+    /// NCCL between the ranks' GPUs; the id rank 0's worker made.
+    Nccl { unique_id: Vec<u8> },
+    /// CPU tensors through the store rank 0's worker hosts at `master_address:port`.
+    Store {
+        master_address: String,
+        port: u16,
+        timeout_s: u64,
+    },
+}
+
+/// A trainer rank's place in its data-parallel group (`TrainerSpawnConfig::rank`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RankSpawn {
+    /// The group's name, as opened on rank 0's worker.
+    pub group: String,
+    pub rank: usize,
+    pub world: usize,
+    pub link: RankLink,
+    /// Whether this rank writes the weights and state of its node's checkpoint
+    /// directory: the first rank on each worker, since workers share no disk.
+    pub checkpoint_owner: bool,
+}
+
+/// Stores opened by `OpenRankGroup` and not yet taken by rank 0's spawn, by group name.
+/// Shared by the worker's trainer host and its `Trainer` service.
+#[derive(Clone, Default)]
+pub struct RankGroups {
+    stores: Arc<Mutex<BTreeMap<String, TcpStore>>>,
+}
+
+impl RankGroups {
+    fn stores(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, TcpStore>> {
+        self.stores.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rank 0's side of a new group on this worker: NCCL's unique id made for rank 0's
+    /// GPU, or a store hosted on a free port of every interface (replacing one opened
+    /// under the same name that no spawn took).
+    pub async fn open(
+        &self,
+        req: tpb::OpenRankGroupRequest,
+        offered_gpus: &[u32],
+    ) -> Result<tpb::OpenRankGroupReply, Status> {
+        if req.group.trim().is_empty() {
+            return Err(Status::invalid_argument("the group needs a name"));
+        }
+        if req.world_size == 0 {
+            return Err(Status::invalid_argument("world_size 0: a group has ranks"));
+        }
+        let timeout = Duration::from_secs(u64::from(req.timeout_s.max(1)));
+        match tpb::RankBackend::try_from(req.backend) {
+            Ok(tpb::RankBackend::Nccl) => {
+                if !offered_gpus.contains(&req.gpu) {
+                    return Err(Status::failed_precondition(format!(
+                        "rank 0 of group {:?} is placed on GPU {}, but this worker offers {:?}",
+                        req.group, req.gpu, offered_gpus
+                    )));
+                }
+                let gpu = req.gpu as usize;
+                let id = tokio::task::spawn_blocking(move || NcclCollective::unique_id_on(gpu))
+                    .await
+                    .map_err(|e| Status::internal(format!("making the NCCL id: {e}")))?
+                    .map_err(|e| Status::failed_precondition(e.to_string()))?;
+                info!(group = %req.group, world = req.world_size, gpu, "NCCL id made for trainer ranks");
+                Ok(tpb::OpenRankGroupReply {
+                    nccl_unique_id: id,
+                    store_port: 0,
+                })
+            }
+            Ok(tpb::RankBackend::Store) => {
+                let world = req.world_size as usize;
+                let store = tokio::task::spawn_blocking(move || TcpStore::host(0, world, timeout))
+                    .await
+                    .map_err(|e| Status::internal(format!("hosting the store: {e}")))?
+                    .map_err(|e| Status::failed_precondition(e.to_string()))?;
+                let port = store.port();
+                info!(group = %req.group, world, port, "store hosted for trainer ranks");
+                self.stores().insert(req.group, store);
+                Ok(tpb::OpenRankGroupReply {
+                    nccl_unique_id: Vec::new(),
+                    store_port: u32::from(port),
+                })
+            }
+            _ => Err(Status::invalid_argument(format!(
+                "backend {} is not RANK_BACKEND_NCCL or RANK_BACKEND_STORE",
+                req.backend
+            ))),
+        }
+    }
+
+    /// This rank's collective (blocking: NCCL waits for every rank to join). The device
+    /// is the rank's own: NCCL needs `gpu`, the store group none.
+    pub fn collective(
+        &self,
+        spawn: &RankSpawn,
+        gpu: Option<usize>,
+    ) -> Result<Box<dyn Collective>, String> {
+        let who = format!(
+            "trainer rank {} of {} (group {:?})",
+            spawn.rank, spawn.world, spawn.group
+        );
+        match (&spawn.link, gpu) {
+            (RankLink::Nccl { unique_id }, Some(gpu)) => {
+                NcclCollective::new(spawn.rank, spawn.world, unique_id, gpu)
+                    .map(|c| Box::new(c) as Box<dyn Collective>)
+                    .map_err(|e| format!("{who}: joining NCCL on GPU {gpu}: {e}"))
+            }
+            (RankLink::Nccl { .. }, None) => Err(format!(
+                "{who}: the group is NCCL, but this rank was given no GPU"
+            )),
+            (RankLink::Store { .. }, Some(gpu)) => Err(format!(
+                "{who}: the store group moves CPU tensors, but this rank was given GPU {gpu}"
+            )),
+            (RankLink::Store { .. }, None) if spawn.rank == 0 => {
+                let store = self.stores().remove(&spawn.group).ok_or_else(|| {
+                    format!("{who}: no store was opened for the group on this worker (OpenRankGroup first)")
+                })?;
+                Ok(Box::new(StoreCollective::over(
+                    store,
+                    &spawn.group,
+                    0,
+                    spawn.world,
+                )))
+            }
+            (
+                RankLink::Store {
+                    master_address,
+                    port,
+                    timeout_s,
+                },
+                None,
+            ) => StoreCollective::join(&StoreGroupSpec {
+                master_address: master_address.clone(),
+                master_port: *port,
+                group: spawn.group.clone(),
+                rank: spawn.rank,
+                world: spawn.world,
+                timeout: Duration::from_secs((*timeout_s).max(1)),
+            })
+            .map(|c| Box::new(c) as Box<dyn Collective>)
+            .map_err(|e| format!("{who}: {e}")),
+        }
+    }
+}
