@@ -11,6 +11,15 @@
 #     trainer-grpc   the same layout with weights as gRPC chunks (the baseline)
 #     trainer-store  the CPU analogue (no GPU): the store backend, CPU trainer and engine,
 #                    the tiny model unless MODEL_SHAPE is set, a small batch (DRIVER_ARGS)
+#   data-parallel ranks on two workers (configs/gpu2-workers-trainer-dp2.toml): rank 0 on
+#   worker A GPU 0, rank 1 on worker B GPU 1 (ZeRO-2 over NCCL, the id made by worker A
+#   and carried by the driver), the engine on worker B beside rank 1:
+#     trainer-dp2    STEPS steps of the loop (weights from rank 0's worker over NCCL), saving
+#                    each step's rollouts; then DP2_STEPS (3) steps on those rollouts by the
+#                    ranks on the workers and by local-mode ranks ([trainer] gpus = [0, 1],
+#                    the same [train] keys), and compares the saved weights: worker A's
+#                    rank 0 vs worker B's rank 1 vs local (compare.txt; fails unless all
+#                    three are the same bits)
 # Writes $OUT/workers_MODE/ (driver.log, worker*.log, progress.txt, sync_per_step.tsv:
 # step, perf/update_weights_time, perf/pause_to_resume_time; runs/) and prints each
 # mode's median sync time and step time.
@@ -89,7 +98,16 @@ for mode in "${MODES[@]}"; do
             "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 "")")
       read -r -a extra <<< "${DRIVER_ARGS:---rollout-batch-size 8 --n-samples 4 --max-response-len 8 --max-tokens-per-gpu 8192}"
       ;;
-    *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store)" >&2; exit 2 ;;
+    trainer-dp2)
+      model=$(model_for 0.6b)
+      cluster=configs/.gpu2-workers-$mode.toml
+      cp configs/gpu2-workers-trainer-dp2.toml "$cluster"
+      pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 0)"
+            "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 1)")
+      read -r -a extra <<< "${DRIVER_ARGS:-}"
+      extra+=(--save-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl")
+      ;;
+    *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store, trainer-dp2)" >&2; exit 2 ;;
   esac
   watcher=""
   if [ -n "${FAULT:-}" ]; then
@@ -110,6 +128,16 @@ for mode in "${MODES[@]}"; do
   MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
     --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
+  if [ "$mode" = trainer-dp2 ] && [ "$status" -eq 0 ]; then
+    # The saved rollouts again, trained by the ranks on the workers: each worker keeps
+    # its rank's checkpoint under its own directory.
+    dp2_steps=${DP2_STEPS:-3}
+    RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
+      --runs-dir "$dir/runs" --run-name dp2-workers --num-rollout "$dp2_steps" \
+      --load-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl" \
+      --save "$dir/ckpt-dp2-workers" --save-interval "$dp2_steps" \
+      2>"$dir/driver-dp2-workers.log" | tee "$dir/progress-dp2-workers.txt" || status=$?
+  fi
   # The workers are not this shell's children (started in a subshell): poll until gone,
   # so the next mode can take their ports.
   if [ -n "$watcher" ]; then
@@ -127,6 +155,25 @@ PY
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   done
   rm -f "$cluster"
+  if [ "$mode" = trainer-dp2 ] && [ "$status" -eq 0 ]; then
+    # The same rollouts trained by local-mode ranks on the same GPUs (the workers are
+    # gone): the dp2 config's [train] keys under `[trainer] gpus = [0, 1]`.
+    local_cluster=configs/.gpu2-local-dp2.toml
+    { printf '[cluster]\nmode = "local"\ntrain_config = "multiturn.yaml"\n\n[trainer]\ngpus = [0, 1]\n\n'
+      sed -n '/^\[train\]/,$p' configs/gpu2-workers-trainer-dp2.toml; } > "$local_cluster"
+    RUST_LOG=info "$BIN/driver" --cluster "$local_cluster" --model "$model" \
+      --runs-dir "$dir/runs" --run-name dp2-local --num-rollout "$dp2_steps" \
+      --load-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl" \
+      --save "$dir/ckpt-dp2-local" --save-interval "$dp2_steps" \
+      2>"$dir/driver-dp2-local.log" | tee "$dir/progress-dp2-local.txt" || status=$?
+    rm -f "$local_cluster"
+    step_dir=$(printf 'step_%06d' "$dp2_steps")
+    [ "$status" -eq 0 ] && { python3 bench/py/compare_weights.py \
+      "worker A rank 0=$dir/worker-a/manta-checkpoints/dp2-workers/$step_dir/model.safetensors" \
+      "worker B rank 1=$dir/worker-b/manta-checkpoints/dp2-workers/$step_dir/model.safetensors" \
+      "local ranks=$dir/ckpt-dp2-local/$step_dir/model.safetensors" \
+      | tee "$dir/compare.txt" || status=$?; }
+  fi
   [ "$status" -eq 0 ] || { echo "$mode failed (exit $status)"; tail -n 20 "$dir/driver.log"; continue; }
   grep -m1 "weight sync route" "$dir/driver.log" | sed 's/\x1b\[[0-9;]*m//g' || true
   python3 - "$dir/runs/$mode/metrics.jsonl" "$mode" "$dir/sync_per_step.tsv" <<'PY'

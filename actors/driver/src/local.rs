@@ -538,13 +538,15 @@ pub async fn place(
     })
 }
 
-/// `--load-debug-rollout-data`: only the trainer runs (on the CPU, in fp32, as `ranks`
-/// data-parallel ranks: `[trainer]`'s rank count, GPUs or not); each step trains on the
-/// saved samples of that rollout, read back in place of engines (crate::rollouts::saved).
+/// `--load-debug-rollout-data`: only the trainer runs, as `devices` says (`[trainer]
+/// gpus`: one rank per GPU, NCCL between them, `bf16` as `[trainer] bf16`; else CPU
+/// ranks on threads in fp32); each step trains on the saved samples of that rollout,
+/// read back in place of engines (crate::rollouts::saved).
 pub async fn place_saved(
     template: String,
     settings: &TrainSettings,
-    ranks: usize,
+    devices: RankDevices,
+    bf16: Option<bool>,
 ) -> anyhow::Result<Placed> {
     // Saved group k of a rollout is group k of its step: a filter that drops groups
     // would shift every later step onto the wrong file's groups.
@@ -554,12 +556,25 @@ pub async fn place_saved(
              --dynamic-sampling-filter-path ({filter})"
         );
     }
-    let handle = start_trainer(
-        trainer_options(settings, tch::Device::Cpu),
-        &RankDevices::Cpu(ranks),
-        settings,
-    )
-    .await?;
+    // GPU ranks (`[trainer] gpus`) train on their GPUs, so saved rollouts reproduce a
+    // GPU run's steps (bench/run_workers.sh trainer-dp2 compares ranks on workers with
+    // them); CPU ranks on threads.
+    let device = match &devices {
+        RankDevices::Cpu(_) => Device::Cpu,
+        RankDevices::Gpus(gpus) => {
+            let cuda = if tch::Cuda::is_available() {
+                tch::Cuda::device_count()
+            } else {
+                0
+            };
+            local_device("trainer.gpus", gpus, cuda)?
+        }
+    };
+    let options = TrainerOptions {
+        bf16,
+        ..trainer_options(settings, device)
+    };
+    let handle = start_trainer(options, &devices, settings).await?;
     Ok(Placed {
         actors: StepActors {
             trainer: handle.clone(),

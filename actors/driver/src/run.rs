@@ -18,6 +18,7 @@ use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, Ru
 use crate::placement::{Placed, TrainerRecovery};
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
+use crate::trainer_handle::data_parallel::RankDevices;
 
 /// Configuration after all layers are applied.
 pub struct ResolvedConfig {
@@ -233,14 +234,17 @@ async fn place(
     if let Some(template) = settings.load_debug_rollout_data.clone() {
         // Ranks on workers (`[trainer] ranks`) train there; else the trainer runs here,
         // with local mode's data-parallel ranks.
-        let ranks = match cluster.mode {
+        let devices = match cluster.mode {
             ClusterMode::Remote if !cluster.trainer.ranks.is_empty() => {
                 return crate::remote::place_saved_ranks(cluster, settings, template).await;
             }
-            ClusterMode::Local => cluster.trainer.data_parallel_world(),
-            ClusterMode::Remote => 1,
+            ClusterMode::Local if !cluster.trainer.gpus.is_empty() => {
+                RankDevices::Gpus(cluster.trainer.gpus.clone())
+            }
+            ClusterMode::Local => RankDevices::Cpu(cluster.trainer.data_parallel_world()),
+            ClusterMode::Remote => RankDevices::Cpu(1),
         };
-        return crate::local::place_saved(template, settings, ranks).await;
+        return crate::local::place_saved(template, settings, devices, cluster.trainer.bf16).await;
     }
     match cluster.mode {
         ClusterMode::Local => crate::local::place(cluster, train, settings).await,

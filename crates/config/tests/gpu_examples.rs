@@ -130,3 +130,30 @@ fn two_worker_example_roots_the_broadcast_at_the_trainers_worker() {
         (32, 8, 20)
     );
 }
+
+#[test]
+fn dp2_worker_example_puts_a_rank_on_each_worker_and_the_engine_beside_rank_1() {
+    let name = "gpu2-workers-trainer-dp2.toml";
+    let c = ClusterConfig::from_file(&config(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(c.mode, ClusterMode::Remote);
+    assert_eq!(c.worker_weights, manta_config::WorkerWeights::Nccl);
+    // Rank 0 on worker A GPU 0 (the root of the weight sync), rank 1 on worker B GPU 1.
+    let ranks: Vec<(usize, Option<u32>)> =
+        c.trainer.ranks.iter().map(|r| (r.node, r.gpu)).collect();
+    assert_eq!(ranks, vec![(0, Some(0)), (1, Some(1))]);
+    assert_eq!(
+        (c.trainer.root_node(), c.trainer.root_gpus()),
+        (Some(0), vec![0])
+    );
+    // The one engine on worker B, sharing GPU 1 with rank 1.
+    assert_eq!(c.rollout_nodes(), vec![1]);
+    assert!(c.rollout.colocate);
+    assert_eq!(c.engine_gpus(1, 0), vec![1]);
+    let train = c.train_config.clone().expect("train_config");
+    TrainConfig::from_file(&train).unwrap_or_else(|e| panic!("{}: {e}", train.display()));
+    let s = c.train.clone().resolve();
+    assert_eq!(
+        (s.rollout_batch_size, s.n_samples, s.num_rollout),
+        (32, 8, 20)
+    );
+}
