@@ -37,16 +37,6 @@ pub const QWEN3_8B: &str = r#"{
   "initializer_range": 0.02, "eos_token_id": 151645
 }"#;
 
-/// Qwen3-4B's shape (the trainer-shard benchmarks' middle size: ZeRO-2 and ZeRO-3 both fit).
-pub const QWEN3_4B: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-  "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
-  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-  "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-  "tie_word_embeddings": true, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-  "initializer_range": 0.02, "eos_token_id": 151645
-}"#;
-
 /// (name, shape) of each tensor of a checkpoint.
 pub type TensorShapes = Vec<(String, Vec<i64>)>;
 
