@@ -82,8 +82,8 @@ fn check_zero_stage(
         ClusterMode::Local => cluster.trainer.data_parallel_world(),
         ClusterMode::Remote => anyhow::bail!(
             "--zero-stage 3 (or [train] zero_stage = 3) shards the parameters over \
-             data-parallel trainer ranks, but {} sets remote mode, which places one trainer \
-             (ranks on workers are not built): use local mode's [trainer] gpus or \
+             data-parallel trainer ranks, but {} sets remote mode, whose trainer ranks \
+             ([trainer] ranks) are ZeRO-2 only: use local mode's [trainer] gpus or \
              data_parallel_ranks, or --zero-stage 2",
             cluster_path.display()
         ),
@@ -114,8 +114,8 @@ fn check_context_parallel(
     let flag = format!("--context-parallel-size {size} (or [train] context_parallel_size)");
     if cluster.mode == ClusterMode::Remote {
         anyhow::bail!(
-            "{flag}: {} sets remote mode, which places one trainer (ranks on workers are not \
-             built): use local mode's [trainer] gpus or data_parallel_ranks",
+            "{flag}: {} sets remote mode, whose trainer ranks ([trainer] ranks) are data \
+             parallel only: use local mode's [trainer] gpus or data_parallel_ranks",
             cluster_path.display()
         );
     }
