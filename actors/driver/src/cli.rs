@@ -34,6 +34,39 @@ pub enum Command {
     /// Serve the native engine over SGLang's HTTP API (flags as SGLang's launch_server),
     /// for anything that launches and talks to an SGLang server.
     Serve(manta_serve::ServeArgs),
+    /// Write a checkpoint as a Hugging Face model directory (model.safetensors,
+    /// config.json, the tokenizer) that transformers' from_pretrained loads.
+    ///
+    /// Reads any Manta checkpoint — one trainer's, or data-parallel ranks' (ZeRO-2 or
+    /// ZeRO-3: every rank's optimizer shard must be in the directory) — checks its files
+    /// against each other (a missing or truncated file, or a shard of another run, is an
+    /// error naming it), and writes OUT: model.safetensors, config.json, the tokenizer and
+    /// generation files of --tokenizer-from, and manta_export.json (where it came from).
+    /// OUT is written beside itself under a temporary name and renamed into place last, so
+    /// a failed export leaves no half-written directory; an earlier export there is
+    /// replaced, any other non-empty directory is refused.
+    Export(ExportArgs),
+}
+
+/// Options of `driver export`.
+#[derive(Debug, Args, Clone)]
+pub struct ExportArgs {
+    /// The checkpoint: a `--save` directory (its `latest` checkpoint is exported) or one
+    /// `step_NNNNNN` directory in it.
+    #[arg(long)]
+    pub load: PathBuf,
+    /// The Hugging Face model directory to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Kind of the exported weights: auto (as the trainer computed, bit for bit: what
+    /// the engines served), float32 (a bf16 run's fp32 master weights, gathered from the
+    /// optimizer shards) or bfloat16 [auto].
+    #[arg(long, default_value = "auto")]
+    pub dtype: manta_trainer::export::ExportDtype,
+    /// The model directory the run trained from (`--model`): its tokenizer and
+    /// generation files are copied into OUT (a checkpoint holds none) [none copied].
+    #[arg(long)]
+    pub tokenizer_from: Option<PathBuf>,
 }
 
 /// Options of `driver prepare-tasks`.
@@ -303,6 +336,12 @@ pub struct TrainArgs {
     /// version kept (implies --max-weight-staleness 1 unless set).
     #[arg(long)]
     pub partial_rollout: bool,
+    /// With --save: after the run's final checkpoint, write it as a Hugging Face model
+    /// directory to SAVE/hf (as `driver export`, tokenizer files from --model), replacing
+    /// the export of an earlier run there. Checkpoints of earlier steps stay as they are
+    /// (`driver export` writes any of them).
+    #[arg(long)]
+    pub save_hf: bool,
 }
 
 impl TrainArgs {

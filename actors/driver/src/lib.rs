@@ -4,6 +4,7 @@
 pub mod cli;
 pub mod debug_data;
 pub mod driver_actor;
+pub mod export;
 pub mod generate;
 pub mod local;
 pub mod placement;

@@ -56,6 +56,18 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             };
         }
+        Some(Command::Export(args)) => {
+            return match manta_driver::export::run(&args).await {
+                Ok(exported) => {
+                    println!("{}", manta_driver::export::summary(&exported));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Some(Command::PrepareTasks(args)) => {
             return match manta_driver::prepare_tasks::prepare_tasks(&args).await {
                 Ok(summary) => {

@@ -200,6 +200,12 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         println!("resuming into {}", run.path.display());
     }
     settings.run_name = Some(run.name);
+    if args.save_hf && (settings.save.is_none() || settings.debug_rollout_only) {
+        anyhow::bail!(
+            "--save-hf exports the run's final checkpoint: it needs --save DIR (and training: \
+             --debug-rollout-only writes no checkpoint)"
+        );
+    }
     info!(
         model = %settings.model.display(),
         steps = settings.num_rollout,
@@ -220,7 +226,29 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     )
     .await;
     placed.teardown.run().await;
-    result
+    let summary = result?;
+    if let Some(save) = settings.save.as_ref().filter(|_| args.save_hf) {
+        save_hf(save, &settings.model).await?;
+    }
+    Ok(summary)
+}
+
+/// `--save-hf`: the latest checkpoint under `save` as a Hugging Face model directory in
+/// `save/hf`, with the tokenizer of the run's model directory. After the teardown, so the
+/// trainer's memory is free; the checkpoint is read back from disk, as `driver export`
+/// reads it.
+async fn save_hf(save: &Path, model: &Path) -> anyhow::Result<()> {
+    let checkpoint =
+        latest_checkpoint(save).context("--save-hf: the run saved no checkpoint to export")?;
+    let opts = manta_trainer::export::ExportOptions {
+        dtype: Default::default(),
+        tokenizer_from: Some(model.to_path_buf()),
+    };
+    let exported = crate::export::export(checkpoint, save.join("hf"), opts)
+        .await
+        .context("--save-hf (the checkpoint stays; `driver export` can write it again)")?;
+    println!("{}", crate::export::summary(&exported));
+    Ok(())
 }
 
 /// Starts the actors `cluster` places for this run (crate::placement). Remote mode makes
