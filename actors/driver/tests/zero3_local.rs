@@ -4,7 +4,7 @@
 //!   ZeRO-2: per-step loss metrics and the final weights (rank 0's checkpoint, written
 //!   from layers gathered off the ranks) agree up to fp32 summation order;
 //! - the default local job (native engine, built-in environment) trains and syncs
-//!   verified weights to the engine, which needs every rank in each gather;
+//!   verified weights to the engine, a layer at a time as every rank gathers it;
 //! - `--zero-stage 3` with one rank, and stages other than 2 or 3, are refused by name.
 //!
 //! A driver that asked rank 0 alone for ZeRO-3 weights would wait in the gather
@@ -164,7 +164,22 @@ fn zero3_local_job_trains_and_syncs_gathered_weights_to_the_engine() {
         "--zero-stage",
         "3",
     ]);
-    assert_success(driver(&args, &[("MANTA_VERIFY_WEIGHT_SYNC", "1")], dir));
+    let out = assert_success(driver(
+        &args,
+        &[
+            ("MANTA_VERIFY_WEIGHT_SYNC", "1"),
+            ("RUST_LOG", "warn,manta_weight_sync=debug"),
+        ],
+        dir,
+    ));
+    // The engine took each version a layer at a time as the ranks gathered it
+    // (tests/zero3_weight_parts.rs shows the ranks never gather ahead of the reader).
+    let log = plain(&out.stderr);
+    assert_eq!(
+        log.matches("weights synced in parts").count(),
+        2,
+        "both syncs in parts:\n{log}"
+    );
     let rows = read_metrics(&runs.join("z3/metrics.jsonl")).unwrap();
     assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
     for (step, m) in &rows {

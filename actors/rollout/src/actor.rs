@@ -19,6 +19,9 @@ pub enum IncomingWeights {
     Tensors(NamedTensors),
     /// Broadcast by rank 0 of a weight-update group the engine joins.
     Broadcast(BroadcastFeed),
+    /// A group of parameters at a time, each answered once copied (a ZeRO-3 trainer
+    /// gathers the next group only then).
+    Parts(manta_engine::WeightParts),
 }
 
 /// Messages a rollout actor handles.
@@ -169,6 +172,7 @@ async fn apply_weights(
     let updated = match weights {
         IncomingWeights::Tensors(w) => engine.update_weights(w, version).await,
         IncomingWeights::Broadcast(feed) => engine.update_weights_broadcast(feed, version).await,
+        IncomingWeights::Parts(parts) => engine.update_weights_in_parts(parts, version).await,
     };
     if paused {
         // Resume even when the update failed: the engine keeps serving the old weights.

@@ -21,6 +21,12 @@ pub enum TrainerMsg {
     /// collective, so every rank of the group must be sent it at once (the ranks'
     /// results are the same; one is used). A failed group is an error, not a panic.
     GatherWeights(RpcReplyPort<Result<NamedTensors, TrainerError>>),
+    /// Hand the current weights to the visitor a shard group at a time
+    /// ([`Trainer::visit_weights`]: under ZeRO-3 one decoder layer per call, gathered
+    /// from the ranks — every rank must be sent it at once — and freed once the visitor
+    /// returns, so weight sync never gathers the whole model; else one call with every
+    /// weight).
+    VisitWeights(WeightVisitor, RpcReplyPort<Result<(), TrainerError>>),
     /// Save a checkpoint for `step` into the directory.
     SaveCheckpoint(PathBuf, u64, RpcReplyPort<Result<(), TrainerError>>),
     /// Restore from a checkpoint directory; replies with its step.
@@ -28,6 +34,12 @@ pub enum TrainerMsg {
 }
 
 pub type TrainerArgs = TrainerOptions;
+
+/// What [`TrainerMsg::VisitWeights`] calls with each shard group. It runs on the rank's
+/// thread and may block (wait for a receiver to copy the group). Under ZeRO-3 an error
+/// stops this rank's gathers while the other ranks wait in them: a visitor whose reader
+/// went away should keep returning `Ok` and drop what it is given.
+pub type WeightVisitor = Box<dyn FnMut(NamedTensors) -> Result<(), TrainerError> + Send>;
 
 pub struct TrainerActor;
 
@@ -158,6 +170,11 @@ fn handle_message(message: TrainerMsg, trainer: &mut Trainer) {
         TrainerMsg::GatherWeights(reply) => {
             // ZeRO-3 waits in collectives for the other ranks' actors.
             let result = tokio::task::block_in_place(|| trainer.try_export_weights());
+            let _ = reply.send(result);
+        }
+        TrainerMsg::VisitWeights(visitor, reply) => {
+            // ZeRO-3 waits in collectives for the other ranks' actors.
+            let result = tokio::task::block_in_place(|| trainer.visit_weights(visitor));
             let _ = reply.send(result);
         }
         TrainerMsg::SaveCheckpoint(dir, step, reply) => {

@@ -4,11 +4,11 @@
 //! their own ([`crate::broadcast`]); else each engine copies the trainer's tensors.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::broadcast::{BroadcastError, BroadcastGroup, BroadcastRoot};
-use crate::sync::TrainerWeights;
-use manta_engine::{NamedTensors, PauseMode};
+use crate::sync::{TrainerParts, TrainerWeights};
+use manta_engine::{NamedTensors, PauseMode, WeightPart};
 use manta_hosting::weights::WeightSet;
 use manta_hosting::TrainerCallError;
 use manta_rollout::{IncomingWeights, RolloutMsg};
@@ -172,6 +172,19 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
         return Ok(Vec::new());
     }
     let version = state.version;
+    if let Some(parts) = trainer_parts(state.args.trainer.as_ref()).await? {
+        warn!(
+            version,
+            engines = ?lagging.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            "engines hold older weights than the last sync (they restarted); sending version {version} again"
+        );
+        let engines: Vec<_> = lagging
+            .iter()
+            .map(|&(i, _)| (i, state.args.engines[i].clone()))
+            .collect();
+        feed_parts(parts, &engines, version, PauseMode::Abort).await?;
+        return Ok(lagging.into_iter().map(|(i, _)| i).collect());
+    }
     let weights = trainer_tensors(state.args.trainer.as_ref()).await?;
     for &(i, held) in &lagging {
         warn!(
@@ -204,6 +217,116 @@ async fn refresh(state: &mut WeightSyncState) -> Result<Vec<usize>, WeightSyncEr
         );
     }
     Ok(lagging.into_iter().map(|(i, _)| i).collect())
+}
+
+/// The trainer's weights in parts, when it hands them so (ZeRO-3 ranks).
+async fn trainer_parts(
+    trainer: &dyn TrainerWeights,
+) -> Result<Option<TrainerParts>, WeightSyncError> {
+    trainer
+        .weight_parts()
+        .await
+        .map_err(|e| WeightSyncError::Trainer(e.to_string()))
+}
+
+/// What one update in parts moved.
+struct FedParts {
+    tensors: usize,
+    bytes: u64,
+    /// Longest pause → resume of an engine.
+    paused: Duration,
+}
+
+/// Feeds the trainer's `parts` to every engine of `engines` (index, actor) as `version`:
+/// each engine pauses and copies every part as it comes; a part is answered to the
+/// trainer once every engine has copied it (and dropped it), so the trainer gathers the
+/// next one only then. An engine that fails stops receiving; the remaining parts are
+/// still taken and answered, so every trainer rank finishes its gathers.
+async fn feed_parts(
+    mut parts: TrainerParts,
+    engines: &[(usize, ActorRef<RolloutMsg>)],
+    version: u64,
+    pause: PauseMode,
+) -> Result<FedParts, WeightSyncError> {
+    let mut senders = Vec::with_capacity(engines.len());
+    let mut applies = tokio::task::JoinSet::new();
+    for (i, engine) in engines {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        senders.push(tx);
+        let (i, engine) = (*i, engine.clone());
+        applies.spawn(async move {
+            let engine_err = |message: String| WeightSyncError::Engine {
+                engine: i,
+                version,
+                message,
+            };
+            call!(
+                engine,
+                RolloutMsg::ApplyWeights,
+                IncomingWeights::Parts(rx),
+                version,
+                pause
+            )
+            .map_err(|e| engine_err(e.to_string()))?
+            .map_err(|e| engine_err(e.to_string()))
+        });
+    }
+    let (mut tensors, mut bytes) = (0, 0u64);
+    let mut feeding = true;
+    while let Some(part) = parts.parts.recv().await {
+        let (group, copied) = part.into_parts();
+        tensors += group.len();
+        bytes += group
+            .iter()
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum::<u64>();
+        if feeding {
+            let mut answers = Vec::with_capacity(senders.len());
+            for tx in &senders {
+                let (part, answer) = WeightPart::new(shallow(&group));
+                if tx.send(part).await.is_err() {
+                    feeding = false;
+                }
+                answers.push(answer);
+            }
+            drop(group);
+            for answer in answers {
+                // An engine that dropped its part unanswered failed its update.
+                feeding &= answer.await.is_ok();
+            }
+        }
+        copied.done();
+        if !feeding {
+            // The engines' answers say why; stop sending, keep answering the trainer.
+            senders.clear();
+        }
+    }
+    drop(senders);
+    let mut paused = Duration::ZERO;
+    let mut first_error = None;
+    while let Some(joined) = applies.join_next().await {
+        match joined {
+            Ok(Ok(p)) => paused = paused.max(p),
+            Ok(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                first_error.get_or_insert(WeightSyncError::CopyTask(e.to_string()));
+            }
+        }
+    }
+    parts
+        .finish()
+        .await
+        .map_err(|e| WeightSyncError::Trainer(e.to_string()))?;
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    Ok(FedParts {
+        tensors,
+        bytes,
+        paused,
+    })
 }
 
 /// The in-process trainer's weights as tensors.
@@ -270,6 +393,29 @@ async fn sync(
         });
     }
     let started = Instant::now();
+    if let Some(parts) = trainer_parts(state.args.trainer.as_ref()).await? {
+        // ZeRO-3: the engines copy a layer at a time as the ranks gather it (the broadcast
+        // group, which sends a whole model's tensor list at once, is not used).
+        let engines: Vec<_> = state.args.engines.iter().cloned().enumerate().collect();
+        let fed = feed_parts(parts, &engines, version, opts.pause).await?;
+        let report = SyncReport {
+            version,
+            tensors: fed.tensors,
+            bytes: fed.bytes,
+            engines: engines.len(),
+            seconds: started.elapsed().as_secs_f64(),
+            pause_to_resume_s: fed.paused.as_secs_f64(),
+            broadcast: false,
+        };
+        debug!(
+            version,
+            tensors = fed.tensors,
+            bytes = fed.bytes,
+            seconds = report.seconds,
+            "weights synced in parts"
+        );
+        return Ok(report);
+    }
     let weights = trainer_tensors(state.args.trainer.as_ref()).await?;
     let bytes: u64 = weights
         .iter()

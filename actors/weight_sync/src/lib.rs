@@ -25,5 +25,6 @@ pub use actor::{
 };
 pub use broadcast::BroadcastRoot;
 pub use sync::{
-    trainer_endpoint, EngineTargets, Published, SyncOutcome, TrainerWeights, WeightSync, VERIFY_ENV,
+    trainer_endpoint, EngineTargets, Published, SyncOutcome, TrainerParts, TrainerWeights,
+    WeightSync, VERIFY_ENV,
 };

@@ -38,8 +38,33 @@ pub trait TrainerWeights: Send + Sync {
     async fn tensors(&self) -> Result<Option<manta_engine::NamedTensors>, TrainerCallError> {
         Ok(None)
     }
+    /// The weights a group of parameters at a time, where the trainer holds them only
+    /// in shards (ZeRO-3 ranks in this process gather one decoder layer per group, and the
+    /// next only once the receiver has marked this one copied), so no device ever holds
+    /// the whole model for a sync. `None`: read [`TrainerWeights::tensors`] instead.
+    async fn weight_parts(&self) -> Result<Option<TrainerParts>, TrainerCallError> {
+        Ok(None)
+    }
     /// The worker hosting the trainer (`None`: this process).
     fn worker_addr(&self) -> Option<&str>;
+}
+
+/// A trainer's weights in parts ([`TrainerWeights::weight_parts`]): the groups, in order,
+/// and the trainer's own outcome once the last is sent.
+pub struct TrainerParts {
+    pub parts: manta_engine::WeightParts,
+    pub finished: tokio::task::JoinHandle<Result<(), TrainerCallError>>,
+}
+
+impl TrainerParts {
+    /// The trainer's outcome, once every part was taken (or the receiver dropped them).
+    pub async fn finish(self) -> Result<(), TrainerCallError> {
+        drop(self.parts);
+        self.finished.await.map_err(|e| TrainerCallError::Failed {
+            addr: "this process".into(),
+            message: format!("the task reading the trainer's weights: {e}"),
+        })?
+    }
 }
 
 /// `MANTA_VERIFY_WEIGHT_SYNC=1`: after every sync, read each engine's weights back,

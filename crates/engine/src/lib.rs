@@ -11,6 +11,7 @@
 
 pub mod native;
 pub mod sglang;
+pub mod weight_parts;
 
 use std::path::PathBuf;
 
@@ -19,6 +20,7 @@ use tch::Tensor;
 
 pub use native::{NativeEngine, NativeEngineOptions};
 pub use sglang::{NcclTarget, SglangEngine, SglangOptions};
+pub use weight_parts::{WeightPart, WeightParts};
 
 /// Weights by HF name, as weight sync hands them over.
 pub type NamedTensors = Vec<(String, Tensor)>;
@@ -253,6 +255,18 @@ pub trait Engine: Send + Sync {
     ) -> Result<(), EngineError> {
         let _ = (feed, version);
         Err(EngineError::Unsupported("update_weights_broadcast".into()))
+    }
+    /// Replaces the weights from groups of parameters as they arrive (each group
+    /// answered once copied, so the sender never holds the whole model) and sets
+    /// `version` once the sender closes `parts`. The default takes the update whole:
+    /// every group is moved to the host as it comes, then [`Engine::update_weights`].
+    async fn update_weights_in_parts(
+        &self,
+        parts: WeightParts,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let all = weight_parts::collect_on_host(parts).await;
+        self.update_weights(all, version).await
     }
     /// Every parameter's name, shape and dtype, sorted by name.
     async fn weight_shapes(&self) -> Result<Vec<WeightShape>, EngineError> {

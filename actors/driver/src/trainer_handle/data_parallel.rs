@@ -348,16 +348,44 @@ impl TrainerBackend for RankGroup {
     }
 
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
-        if self.kind != RankGroupKind::Zero3 {
+        match self.weight_parts().await? {
+            // ZeRO-3: a layer at a time onto the host.
+            Some(parts) => super::weight_parts::weight_set(parts).await,
             // Every rank ends each step with the same weights (ZeRO-2 and context
             // parallel replicate them); reading rank 0's is no collective.
-            return self.ranks[0].weight_set().await;
+            None => self.ranks[0].weight_set().await,
         }
-        let weights = self.gathered().await?;
-        tokio::task::spawn_blocking(move || WeightSet::from_tensors(&weights))
-            .await
-            .map_err(|e| self.failed(e))?
-            .map_err(|e| self.failed(e))
+    }
+
+    /// ZeRO-3: every rank visits its weights at once, rank 0's groups handed on one at
+    /// a time (super::weight_parts); the other kinds replicate the weights and are read
+    /// whole from rank 0.
+    async fn weight_parts(
+        &self,
+    ) -> Result<Option<manta_weight_sync::TrainerParts>, TrainerCallError> {
+        if self.kind != RankGroupKind::Zero3 {
+            return Ok(None);
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut visits = Vec::with_capacity(self.ranks.len());
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let visitor = if r == 0 {
+                super::weight_parts::forwarding(tx.clone())
+            } else {
+                super::weight_parts::discarding()
+            };
+            // Ranks of one group are all in this process or all elsewhere: rank 0
+            // answers first, before any rank waits in a gather.
+            let Some(visit) = rank.visit_weights(visitor) else {
+                return Err(TrainerCallError::Failed {
+                    addr: "the driver process".into(),
+                    message: "ZeRO-3 weights are read in parts from ranks in this process only"
+                        .into(),
+                });
+            };
+            visits.push(visit);
+        }
+        Ok(Some(super::weight_parts::group(rx, visits)))
     }
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {

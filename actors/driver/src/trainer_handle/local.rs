@@ -40,6 +40,18 @@ impl TrainerBackend for LocalTrainer {
             .map_err(|e| failed(format!("gathering the weights: {e}")))
     }
 
+    fn visit_weights(
+        &self,
+        visitor: manta_trainer::WeightVisitor,
+    ) -> Option<tokio::task::JoinHandle<Result<(), TrainerCallError>>> {
+        let actor = self.0.clone();
+        Some(tokio::spawn(async move {
+            call!(actor, TrainerMsg::VisitWeights, visitor)
+                .map_err(|e| failed(format!("the trainer did not answer: {e}")))?
+                .map_err(|e| failed(format!("reading the weights: {e}")))
+        }))
+    }
+
     async fn train_step(
         &self,
         step: u64,

@@ -7,6 +7,7 @@ pub mod data_parallel;
 pub mod local;
 pub mod rank_checkpoints;
 pub mod remote;
+mod weight_parts;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -51,6 +52,24 @@ pub trait TrainerBackend: Send + Sync {
                 .to_string(),
             message: "gathering ZeRO-3 weights is built for ranks in the driver only".into(),
         })
+    }
+
+    /// Starts handing this trainer's weights to `visitor` a shard group at a time
+    /// (`TrainerMsg::VisitWeights`); the task ends once every group was visited. `None`:
+    /// not a trainer in this process (the visitor runs on the rank's own thread).
+    fn visit_weights(
+        &self,
+        _visitor: manta_trainer::WeightVisitor,
+    ) -> Option<tokio::task::JoinHandle<Result<(), TrainerCallError>>> {
+        None
+    }
+
+    /// The weights a shard group at a time (ZeRO-3 ranks: see
+    /// [`manta_weight_sync::TrainerWeights::weight_parts`]); `None`: read them whole.
+    async fn weight_parts(
+        &self,
+    ) -> Result<Option<manta_weight_sync::TrainerParts>, TrainerCallError> {
+        Ok(None)
     }
 
     /// The worker hosting the trainer (`None`: this process), for weight-sync routing.
@@ -128,5 +147,11 @@ impl manta_weight_sync::TrainerWeights for TrainerHandle {
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
         self.0.tensors().await
+    }
+
+    async fn weight_parts(
+        &self,
+    ) -> Result<Option<manta_weight_sync::TrainerParts>, TrainerCallError> {
+        self.0.weight_parts().await
     }
 }

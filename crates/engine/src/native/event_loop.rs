@@ -70,6 +70,8 @@ pub enum WeightSource {
     Disk(PathBuf),
     /// Every parameter, broadcast by rank 0 of a weight-update group.
     Broadcast(BroadcastFeed),
+    /// Every parameter, a group at a time as the sender gathers them (ZeRO-3).
+    Parts(crate::WeightParts),
 }
 
 /// A weight change and who waits for it.
@@ -327,6 +329,7 @@ impl EngineLoop {
                 WeightSource::Some(w) => self.runner.load_tensors(w, false),
                 WeightSource::Disk(dir) => self.runner.load_from_disk(&dir),
                 WeightSource::Broadcast(feed) => self.runner.receive_broadcast(feed),
+                WeightSource::Parts(parts) => self.runner.load_parts(parts),
             };
             if result.is_ok() {
                 // Cached keys and values were computed by the old weights.

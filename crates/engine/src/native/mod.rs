@@ -416,6 +416,20 @@ impl Engine for NativeEngine {
         NativeEngine::weight_shapes(self).await
     }
 
+    async fn update_weights_in_parts(
+        &self,
+        parts: crate::WeightParts,
+        version: u64,
+    ) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::UpdateWeights(WeightUpdate {
+            source: WeightSource::Parts(parts),
+            version,
+            reply: tx,
+        }))?;
+        answer(rx).await?
+    }
+
     async fn update_weights(&self, weights: NamedTensors, version: u64) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::UpdateWeights(WeightUpdate {

@@ -347,6 +347,29 @@ impl ModelRunner {
         Ok(())
     }
 
+    /// Copies every group of `parts` into the parameters as it arrives, answering each
+    /// once its tensors are dropped (the sender gathers the next only then); the update
+    /// must cover every parameter. A group that does not match fails the update there:
+    /// the groups before it are already written, so the sender follows with another
+    /// update (as after a failed broadcast).
+    pub fn load_parts(&mut self, mut parts: crate::WeightParts) -> Result<(), EngineError> {
+        let total = self.vs.variables().len();
+        let mut seen = std::collections::HashSet::new();
+        while let Some(part) = parts.blocking_recv() {
+            let (tensors, copied) = part.into_parts();
+            seen.extend(tensors.iter().map(|(name, _)| name.clone()));
+            self.load_tensors(tensors, false)?;
+            copied.done();
+        }
+        if seen.len() != total {
+            return Err(EngineError::Weights(format!(
+                "the update in parts ended with {} of the engine's {total} parameters",
+                seen.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Receives every parameter from rank 0 of `feed`'s group straight into the model's
     /// memory, joining the group first when this engine is not in it. A failed broadcast
     /// leaves the group (the next update joins a new one); the parameters may then be
