@@ -168,3 +168,99 @@ impl RankGroups {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use manta_trainer::data_parallel::ReduceOp;
+    use tch::{Device, Kind, Tensor};
+
+    fn store_request(world: u32) -> tpb::OpenRankGroupRequest {
+        tpb::OpenRankGroupRequest {
+            group: "g".into(),
+            world_size: world,
+            backend: tpb::RankBackend::Store as i32,
+            gpu: 0,
+            timeout_s: 20,
+        }
+    }
+
+    /// The store rank 0's worker opens is the one rank 0's spawn takes; rank 1 joins it
+    /// at the address the driver passes on, and the two sum in rank order.
+    #[tokio::test]
+    async fn a_store_group_opened_for_rank_0_joins_the_other_ranks() {
+        let groups = RankGroups::default();
+        let reply = groups.open(store_request(2), &[]).await.unwrap();
+        let link = RankLink::Store {
+            master_address: "127.0.0.1".into(),
+            port: u16::try_from(reply.store_port).unwrap(),
+            timeout_s: 20,
+        };
+        let spawn = |rank| RankSpawn {
+            group: "g".into(),
+            rank,
+            world: 2,
+            link: link.clone(),
+            checkpoint_owner: true,
+        };
+        let sum = |comm: Box<dyn Collective>, value: f32| {
+            std::thread::spawn(move || {
+                let mut t = Tensor::from_slice(&[value]).to_kind(Kind::Float);
+                comm.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+                (f32::try_from(&t).unwrap(), comm)
+            })
+        };
+        let rank0 = groups.collective(&spawn(0), None).unwrap();
+        let rank1 = groups.collective(&spawn(1), None).unwrap();
+        assert_eq!(
+            (rank0.rank(), rank1.rank(), rank1.device()),
+            (0, 1, Device::Cpu)
+        );
+        let (a, b) = (sum(rank0, 1.0), sum(rank1, 1e8));
+        let ((x, _keep0), (y, _keep1)) = (a.join().unwrap(), b.join().unwrap());
+        assert_eq!((x, y), (1.0 + 1e8, 1.0 + 1e8));
+        // Rank 0's store was taken once.
+        let err = groups.collective(&spawn(0), None).err().unwrap();
+        assert!(err.contains("OpenRankGroup first"), "{err}");
+    }
+
+    /// The link must fit the rank's device: no hidden GPU, no CPU tensors into NCCL.
+    #[tokio::test]
+    async fn a_rank_whose_device_does_not_fit_its_link_is_refused() {
+        let groups = RankGroups::default();
+        let store = RankSpawn {
+            group: "g".into(),
+            rank: 1,
+            world: 2,
+            link: RankLink::Store {
+                master_address: "127.0.0.1".into(),
+                port: 1,
+                timeout_s: 1,
+            },
+            checkpoint_owner: false,
+        };
+        let err = groups.collective(&store, Some(0)).err().unwrap();
+        assert!(
+            err.contains("CPU tensors") && err.contains("GPU 0"),
+            "{err}"
+        );
+        let nccl = RankSpawn {
+            link: RankLink::Nccl {
+                unique_id: vec![0; 128],
+            },
+            ..store
+        };
+        let err = groups.collective(&nccl, None).err().unwrap();
+        assert!(err.contains("no GPU"), "{err}");
+        let mut req = store_request(2);
+        req.backend = tpb::RankBackend::Nccl as i32;
+        req.gpu = 3;
+        let err = groups.open(req, &[0]).await.unwrap_err();
+        assert!(
+            err.message().contains("GPU 3") && err.message().contains("[0]"),
+            "{err}"
+        );
+        req = store_request(0);
+        assert!(groups.open(req, &[]).await.is_err());
+    }
+}

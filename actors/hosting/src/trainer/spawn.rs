@@ -55,8 +55,9 @@ pub struct TrainerSpawnConfig {
     #[serde(default)]
     pub algo: AlgoOptions,
     /// A rank of a data-parallel group (`[trainer] ranks`): its rank, the group's link
-    /// and whether it owns its node's checkpoint directory. Absent: a trainer alone.
-    #[serde(default)]
+    /// and whether it owns its node's checkpoint directory. Absent: a trainer alone (and
+    /// left out of the JSON then, so workers built before ranks existed still take it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank: Option<RankSpawn>,
 }
 
