@@ -20,7 +20,6 @@ pub use cluster::{
     TrainerFailurePolicy, TrainerSection, WorkerWeights,
 };
 pub use error::ConfigError;
-pub use trainer_ranks::TrainerRankPlace;
 pub use settings::{
     dynamic_sampling_filter_name, AlgoSettings, LayerRecompute, SamplingSettings, TrainOverrides,
     TrainSettings, DYNAMIC_SAMPLING_FILTERS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
@@ -28,3 +27,4 @@ pub use settings::{
 pub use train::{
     format_system_prompt, EnvironmentConfig, RewardReduction, TrainConfig, DEFAULT_SYSTEM_PROMPT,
 };
+pub use trainer_ranks::TrainerRankPlace;
