@@ -5,18 +5,30 @@
 //! this one is answered copied. A sync that gathered the whole model first (the old
 //! `GatherWeights` path) would have run every gather before handing out the first part.
 //! The parts are the gathered model bit for bit, and the byte set built from them (what
-//! verification and gRPC read) is too.
+//! verification and gRPC read) is too. Through the weight-sync actor, two real CPU native
+//! engines take ZeRO-3 weights bit for bit both ways: one store-backed broadcast round per
+//! layer, and a copy per layer.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use manta_config::TrainConfig;
 use manta_driver::trainer_handle::TrainerHandle;
+use manta_engine::{Engine, NamedTensors, NativeEngine, NativeEngineOptions};
+use manta_hosting::rollout::spawn::start_rollout_actor;
+use manta_rollout::RolloutMsg;
+use manta_tokenizer::Tokenizer;
 use manta_trainer::data_parallel::{Collective, CollectiveError, ReduceOp, ThreadCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{RankGroupKind, TrainerOptions, TrainerRankActor, TrainerRankArgs};
-use manta_weight_sync::TrainerWeights;
-use ractor::Actor;
+use manta_weight_sync::{
+    BroadcastRoot, TrainerWeights, WeightSyncActor, WeightSyncArgs, WeightSyncMsg,
+};
+use ractor::{call, Actor, ActorRef};
 use tch::{Device, Tensor};
 
 /// Rank 0's collective, counting its all-gathers (each is one shard group gathered).
@@ -57,7 +69,7 @@ impl Collective for Counting {
 
 fn options() -> TrainerOptions {
     TrainerOptions {
-        model_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3"),
+        model_dir: model_dir(),
         seed: 5,
         device: Device::Cpu,
         adam: AdamWConfig {
@@ -83,15 +95,22 @@ fn options() -> TrainerOptions {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn zero3_weights_reach_weight_sync_one_layer_at_a_time() {
-    let gathers = Arc::new(AtomicUsize::new(0));
+fn model_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3")
+}
+
+/// Two ZeRO-3 rank actors (named `<name>-<rank>`) behind the driver's handle; rank 0's
+/// all-gathers counted in `gathers`.
+async fn zero3_ranks(
+    name: &str,
+    gathers: &Arc<AtomicUsize>,
+) -> (TrainerHandle, Vec<ActorRef<manta_trainer::TrainerMsg>>) {
     let mut comms: Vec<Box<dyn Collective>> = Vec::new();
     for (rank, comm) in ThreadCollective::group(2).unwrap().into_iter().enumerate() {
         comms.push(if rank == 0 {
             Box::new(Counting {
                 inner: comm,
-                gathers: gathers.clone(),
+                gathers: Arc::clone(gathers),
             })
         } else {
             Box::new(comm)
@@ -109,9 +128,8 @@ async fn zero3_weights_reach_weight_sync_one_layer_at_a_time() {
                 kind: RankGroupKind::Zero3,
                 checkpoint_owner: None,
             };
-            tokio::spawn(async move {
-                Actor::spawn(Some(format!("parts-rank-{rank}")), TrainerRankActor, args).await
-            })
+            let name = format!("{name}-{rank}");
+            tokio::spawn(async move { Actor::spawn(Some(name), TrainerRankActor, args).await })
         })
         .collect();
     let mut ranks = Vec::new();
@@ -119,6 +137,13 @@ async fn zero3_weights_reach_weight_sync_one_layer_at_a_time() {
         ranks.push(task.await.unwrap().unwrap().0);
     }
     let handle = TrainerHandle::local_ranks(ranks.clone(), 1, RankGroupKind::Zero3);
+    (handle, ranks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zero3_weights_reach_weight_sync_one_layer_at_a_time() {
+    let gathers = Arc::new(AtomicUsize::new(0));
+    let (handle, ranks) = zero3_ranks("parts-rank", &gathers).await;
 
     // The whole model, gathered at once (the reference), then in parts.
     let whole = handle.tensors().await.unwrap().unwrap();
@@ -193,6 +218,78 @@ async fn zero3_weights_reach_weight_sync_one_layer_at_a_time() {
     parts.finish().await.unwrap();
     let again = handle.tensors().await.unwrap().unwrap();
     assert_eq!(again.len(), whole.len());
+    for r in ranks {
+        r.stop(None);
+    }
+}
+
+/// A real native engine on the CPU (seed `100 + i`: other weights than the trainer's)
+/// behind a rollout actor named `name`.
+async fn engine(name: &str, i: u64, tokenizer: &Arc<Tokenizer>) -> ActorRef<RolloutMsg> {
+    let engine: Arc<dyn Engine> = NativeEngine::start(NativeEngineOptions {
+        seed: 100 + i,
+        max_total_tokens: Some(4096),
+        ..NativeEngineOptions::new(model_dir(), Device::Cpu)
+    })
+    .expect("the tiny model's engine starts");
+    let yaml = "environments:\n  manta/Digits:\n    url: builtin\n    variant: digits\n";
+    let train = TrainConfig::from_yaml_str(yaml, Path::new("inline.yaml")).unwrap();
+    start_rollout_actor(name, engine, tokenizer, &train, BTreeMap::new(), None, 4)
+        .await
+        .expect("rollout actor starts")
+}
+
+fn identical(a: &NamedTensors, b: &NamedTensors) -> bool {
+    let by_name: BTreeMap<_, _> = b.iter().map(|(n, t)| (n.clone(), t)).collect();
+    a.len() == b.len()
+        && a.iter()
+            .all(|(n, t)| by_name.get(n).is_some_and(|u| t.equal(u)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zero3_engines_take_the_weights_by_broadcast_rounds_or_copies_bit_for_bit() {
+    let gathers = Arc::new(AtomicUsize::new(0));
+    let (handle, ranks) = zero3_ranks("sync-rank", &gathers).await;
+    let whole = handle.tensors().await.unwrap().unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir()).unwrap());
+    for (route, root) in [("bc", Some(BroadcastRoot::Cpu)), ("copy", None)] {
+        let engines = vec![
+            engine(&format!("z3-{route}-0"), 0, &tokenizer).await,
+            engine(&format!("z3-{route}-1"), 1, &tokenizer).await,
+        ];
+        let before = call!(engines[0], RolloutMsg::ReadWeights).unwrap().unwrap();
+        assert!(!identical(&whole, &before), "engines start elsewhere");
+        let (sync, _) = Actor::spawn(
+            None,
+            WeightSyncActor,
+            WeightSyncArgs {
+                trainer: Arc::new(handle.clone()),
+                engines: engines.clone(),
+                broadcast_from: root,
+            },
+        )
+        .await
+        .unwrap();
+        for version in 1..=2 {
+            let report = call!(sync, WeightSyncMsg::Sync, version)
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{route} sync {version}: {e}"));
+            assert_eq!(report.broadcast, root.is_some(), "{route}");
+            assert_eq!(report.tensors, whole.len());
+            for (i, e) in engines.iter().enumerate() {
+                let got = call!(e, RolloutMsg::ReadWeights).unwrap().unwrap();
+                assert!(
+                    identical(&whole, &got),
+                    "{route}: engine {i}, version {version}"
+                );
+                assert_eq!(call!(e, RolloutMsg::WeightVersion).unwrap(), version);
+            }
+        }
+        sync.stop(None);
+        for e in engines {
+            e.stop(None);
+        }
+    }
     for r in ranks {
         r.stop(None);
     }

@@ -27,6 +27,9 @@ pub enum TrainerMsg {
     /// returns, so weight sync never gathers the whole model; else one call with every
     /// weight).
     VisitWeights(WeightVisitor, RpcReplyPort<Result<(), TrainerError>>),
+    /// The groups `VisitWeights` hands out, in order, by name, shape and kind
+    /// ([`Trainer::weight_groups`]; no collective: rank 0 alone may be asked).
+    WeightGroups(RpcReplyPort<WeightGroupShapes>),
     /// Save a checkpoint for `step` into the directory.
     SaveCheckpoint(PathBuf, u64, RpcReplyPort<Result<(), TrainerError>>),
     /// Restore from a checkpoint directory; replies with its step.
@@ -34,6 +37,9 @@ pub enum TrainerMsg {
 }
 
 pub type TrainerArgs = TrainerOptions;
+
+/// [`TrainerMsg::WeightGroups`]' answer: each group's (name, shape, kind).
+pub type WeightGroupShapes = Vec<Vec<(String, Vec<i64>, tch::Kind)>>;
 
 /// What [`TrainerMsg::VisitWeights`] calls with each shard group. It runs on the rank's
 /// thread and may block (wait for a receiver to copy the group). Under ZeRO-3 an error
@@ -176,6 +182,9 @@ fn handle_message(message: TrainerMsg, trainer: &mut Trainer) {
             // ZeRO-3 waits in collectives for the other ranks' actors.
             let result = tokio::task::block_in_place(|| trainer.visit_weights(visitor));
             let _ = reply.send(result);
+        }
+        TrainerMsg::WeightGroups(reply) => {
+            let _ = reply.send(trainer.weight_groups());
         }
         TrainerMsg::SaveCheckpoint(dir, step, reply) => {
             let result = tokio::task::block_in_place(|| trainer.save_checkpoint(&dir, step));

@@ -22,7 +22,7 @@ pub mod trainer;
 
 pub use actor::{
     RankGroupKind, TrainerActor, TrainerArgs, TrainerMsg, TrainerRankActor, TrainerRankArgs,
-    WeightVisitor,
+    WeightGroupShapes, WeightVisitor,
 };
 pub use manta_model::{Recompute, RecomputeMethod};
 pub use trainer::{AlgoOptions, NamedTensors, TrainBatch, Trainer, TrainerError, TrainerOptions};

@@ -640,6 +640,23 @@ impl Trainer {
         }
     }
 
+    /// The groups [`Trainer::visit_weights`] hands out, in order, as (name, shape, kind):
+    /// known without gathering anything (ZeRO-3: one per shard group; else one group of
+    /// every weight, sorted by name).
+    pub fn weight_groups(&self) -> Vec<Vec<(String, Vec<i64>, Kind)>> {
+        if let Some(zero) = self.optimizer.zero3() {
+            return zero.bucket_shapes();
+        }
+        let mut all: Vec<(String, Vec<i64>, Kind)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .map(|(k, t)| (k, t.size(), t.kind()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        vec![all]
+    }
+
     /// ZeRO-3: the bytes this rank's parameters hold now (only its slices, which live
     /// in the optimizer, at rest: 0); `None` without ZeRO-3.
     pub fn zero3_parameter_bytes(&self) -> Option<usize> {

@@ -229,6 +229,18 @@ async fn trainer_parts(
         .map_err(|e| WeightSyncError::Trainer(e.to_string()))
 }
 
+/// Tensors and bytes `parts` will carry, from its layout.
+fn layout_size(parts: &TrainerParts) -> (usize, u64) {
+    let shapes = parts.layout.iter().flatten();
+    let bytes = shapes
+        .clone()
+        .map(|(_, shape, kind)| {
+            (shape.iter().product::<i64>().max(0) as usize * kind.elt_size_in_bytes()) as u64
+        })
+        .sum();
+    (shapes.count(), bytes)
+}
+
 /// What one update in parts moved.
 struct FedParts {
     tensors: usize,
@@ -393,9 +405,59 @@ async fn sync(
         });
     }
     let started = Instant::now();
-    if let Some(parts) = trainer_parts(state.args.trainer.as_ref()).await? {
-        // ZeRO-3: the engines copy a layer at a time as the ranks gather it (the broadcast
-        // group, which sends a whole model's tensor list at once, is not used).
+    if let Some(mut parts) = trainer_parts(state.args.trainer.as_ref()).await? {
+        // ZeRO-3: the weights come a layer at a time as the ranks gather them; one
+        // broadcast round per layer, or each engine copies each layer.
+        if let Some(group) = state.broadcast.as_mut() {
+            let (tensors, bytes) = layout_size(&parts);
+            match group
+                .publish_parts(parts, &state.args.engines, version, opts.pause)
+                .await
+            {
+                Ok(paused) => {
+                    let report = SyncReport {
+                        version,
+                        tensors,
+                        bytes,
+                        engines: state.args.engines.len(),
+                        seconds: started.elapsed().as_secs_f64(),
+                        pause_to_resume_s: paused.as_secs_f64(),
+                        broadcast: true,
+                    };
+                    debug!(
+                        version,
+                        tensors,
+                        bytes,
+                        seconds = report.seconds,
+                        "weights broadcast in parts"
+                    );
+                    return Ok(report);
+                }
+                Err((why, back)) => {
+                    match why {
+                        BroadcastError::Unusable(why) => {
+                            warn!("weight broadcast cannot run ({why}); every engine copies the weights from now on");
+                            state.broadcast = None;
+                        }
+                        BroadcastError::Failed(why) => warn!(
+                            version,
+                            "weight broadcast failed ({why}); the engines copy this version, the next sync makes a new group"
+                        ),
+                    }
+                    // Parts already taken are gone: read the ranks again.
+                    parts = match back {
+                        Some(parts) => parts,
+                        None => trainer_parts(state.args.trainer.as_ref())
+                            .await?
+                            .ok_or_else(|| {
+                                WeightSyncError::Trainer(
+                                    "the trainer stopped handing its weights in parts".into(),
+                                )
+                            })?,
+                    };
+                }
+            }
+        }
         let engines: Vec<_> = state.args.engines.iter().cloned().enumerate().collect();
         let fed = feed_parts(parts, &engines, version, opts.pause).await?;
         let report = SyncReport {

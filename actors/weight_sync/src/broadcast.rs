@@ -11,6 +11,8 @@ use std::time::Duration;
 use manta_cuda::process_group::GroupSpec;
 use manta_cuda::weight_group::{unique_name, Backend, WeightGroup};
 use manta_engine::{BroadcastFeed, NamedTensors, PauseMode, WeightShape};
+
+use crate::sync::TrainerParts;
 use manta_rollout::{IncomingWeights, RolloutMsg};
 use ractor::{call, ActorRef};
 use tch::{Device, Kind};
@@ -86,54 +88,13 @@ impl BroadcastGroup {
             None => make_group(index, backend, engines.len()).await?,
         };
         let names: Vec<String> = shapes.into_iter().map(|(n, _, _)| n).collect();
-        let port = group.store_port();
-        let mut receivers = tokio::task::JoinSet::new();
-        for (i, engine) in engines.iter().enumerate() {
-            let spec = group.spec();
-            let feed = BroadcastFeed {
-                backend,
-                master_address: spec.master_address.clone(),
-                master_port: port,
-                rank: i + 1,
-                world_size: spec.world_size,
-                group_name: spec.group_name.clone(),
-                timeout: spec.timeout,
-                names: names.clone(),
-            };
-            let engine = engine.clone();
-            receivers.spawn(async move {
-                call!(
-                    engine,
-                    RolloutMsg::ApplyWeights,
-                    IncomingWeights::Broadcast(feed),
-                    version,
-                    pause
-                )
-                .map_err(|e| format!("engine {i}: {e}"))?
-                .map_err(|e| format!("engine {i}: {e}"))
-            });
-        }
+        let receivers = receive_in(&group, engines, &names, &[], backend, version, pause);
         let aborter = group.aborter();
         let root = tokio::task::spawn_blocking(move || {
             let sent = group.broadcast(&weights, 0);
             (group, sent)
         });
-        let mut longest = Duration::ZERO;
-        let mut failed: Option<String> = None;
-        while let Some(joined) = receivers.join_next().await {
-            match joined {
-                Ok(Ok(paused)) => longest = longest.max(paused),
-                Ok(Err(e)) => {
-                    // The root would wait for this rank until the timeout: end it now.
-                    let _ = aborter.abort();
-                    failed.get_or_insert(e);
-                }
-                Err(e) => {
-                    let _ = aborter.abort();
-                    failed.get_or_insert(format!("an engine's receive task: {e}"));
-                }
-            }
-        }
+        let (longest, failed) = wait_for(receivers, &aborter).await;
         let (group, sent) = root
             .await
             .map_err(|e| BroadcastError::Failed(format!("the broadcast task: {e}")))?;
@@ -145,6 +106,88 @@ impl BroadcastGroup {
             return Err(BroadcastError::Failed(e));
         }
         sent.map_err(|e| BroadcastError::Failed(e.to_string()))?;
+        self.group = Some(group);
+        Ok(longest)
+    }
+
+    /// Broadcasts the trainer's weights as they come in `parts` (ZeRO-3: one round per
+    /// shard group, the group gathered only once the previous round was sent), into
+    /// every engine as `version`. The engines learn every round's names up front
+    /// (`parts.layout`). On an error the parts still unsent are taken and answered, so
+    /// the trainer's ranks finish their gathers; the parts come back only when nothing
+    /// was taken yet (the caller then copies them instead).
+    pub async fn publish_parts(
+        &mut self,
+        parts: TrainerParts,
+        engines: &[ActorRef<RolloutMsg>],
+        version: u64,
+        pause: PauseMode,
+    ) -> Result<Duration, (BroadcastError, Option<TrainerParts>)> {
+        let (device, backend, index) = self.placement();
+        let shapes: Vec<WeightShape> = parts.layout.iter().flatten().cloned().collect();
+        if let Err(e) = self.check(&shapes, engines).await {
+            return Err((e, Some(parts)));
+        }
+        let mut group = match self.group.take() {
+            Some(group) => group,
+            None => match make_group(index, backend, engines.len()).await {
+                Ok(group) => group,
+                Err(e) => return Err((e, Some(parts))),
+            },
+        };
+        let names: Vec<String> = shapes.into_iter().map(|(n, _, _)| n).collect();
+        let rounds: Vec<usize> = parts.layout.iter().map(Vec::len).collect();
+        let receivers = receive_in(&group, engines, &names, &rounds, backend, version, pause);
+        let aborter = group.aborter();
+        let TrainerParts {
+            layout,
+            parts: mut incoming,
+            finished,
+        } = parts;
+        let root = tokio::task::spawn_blocking(move || {
+            let mut sent: Result<(), BroadcastError> = Ok(());
+            let mut round = 0;
+            while let Some(part) = incoming.blocking_recv() {
+                let (tensors, copied) = part.into_parts();
+                if sent.is_ok() {
+                    sent = send_round(&mut group, &tensors, layout.get(round), device, round);
+                    if sent.is_err() {
+                        // The engines wait in this round: release them.
+                        let _ = group.aborter().abort();
+                    }
+                }
+                round += 1;
+                drop(tensors);
+                copied.done();
+            }
+            if sent.is_ok() && round != layout.len() {
+                let _ = group.aborter().abort();
+                sent = Err(BroadcastError::Failed(format!(
+                    "the trainer sent {round} of {} weight groups",
+                    layout.len()
+                )));
+            }
+            (group, sent)
+        });
+        let (longest, failed) = wait_for(receivers, &aborter).await;
+        let (group, sent) = root.await.map_err(|e| {
+            (
+                BroadcastError::Failed(format!("the broadcast task: {e}")),
+                None,
+            )
+        })?;
+        let trainer = finished
+            .await
+            .map_err(|e| format!("the task reading the trainer's weights: {e}"))
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if failed.is_some() || sent.is_err() || trainer.is_err() {
+            let _ = group.aborter().abort();
+        }
+        if let Some(e) = failed {
+            return Err((BroadcastError::Failed(e), None));
+        }
+        sent.map_err(|e| (e, None))?;
+        trainer.map_err(|e| (BroadcastError::Failed(e), None))?;
         self.group = Some(group);
         Ok(longest)
     }
@@ -170,6 +213,91 @@ impl BroadcastGroup {
         self.checked = true;
         Ok(())
     }
+}
+
+/// Sends one round: `tensors` must be the `round`-th group of the layout, dense on the
+/// group's device.
+fn send_round(
+    group: &mut WeightGroup,
+    tensors: &NamedTensors,
+    expected: Option<&Vec<WeightShape>>,
+    device: Device,
+    round: usize,
+) -> Result<(), BroadcastError> {
+    let got = shapes_on(tensors, device)?;
+    if expected != Some(&got) {
+        return Err(BroadcastError::Failed(format!(
+            "weight group {round} is not the one the layout announced"
+        )));
+    }
+    group
+        .broadcast(tensors, 0)
+        .map_err(|e| BroadcastError::Failed(e.to_string()))
+}
+
+/// Every engine's `ApplyWeights` with a feed of `group` (`names` in `rounds`), started.
+fn receive_in(
+    group: &WeightGroup,
+    engines: &[ActorRef<RolloutMsg>],
+    names: &[String],
+    rounds: &[usize],
+    backend: Backend,
+    version: u64,
+    pause: PauseMode,
+) -> tokio::task::JoinSet<Result<Duration, String>> {
+    let port = group.store_port();
+    let mut receivers = tokio::task::JoinSet::new();
+    for (i, engine) in engines.iter().enumerate() {
+        let spec = group.spec();
+        let feed = BroadcastFeed {
+            backend,
+            master_address: spec.master_address.clone(),
+            master_port: port,
+            rank: i + 1,
+            world_size: spec.world_size,
+            group_name: spec.group_name.clone(),
+            timeout: spec.timeout,
+            names: names.to_vec(),
+            rounds: rounds.to_vec(),
+        };
+        let engine = engine.clone();
+        receivers.spawn(async move {
+            call!(
+                engine,
+                RolloutMsg::ApplyWeights,
+                IncomingWeights::Broadcast(feed),
+                version,
+                pause
+            )
+            .map_err(|e| format!("engine {i}: {e}"))?
+            .map_err(|e| format!("engine {i}: {e}"))
+        });
+    }
+    receivers
+}
+
+/// The engines' answers: the longest pause, and the first failure (which aborts the
+/// group, so the root stops waiting for a rank that is gone).
+async fn wait_for(
+    mut receivers: tokio::task::JoinSet<Result<Duration, String>>,
+    aborter: &manta_cuda::weight_group::GroupAborter,
+) -> (Duration, Option<String>) {
+    let mut longest = Duration::ZERO;
+    let mut failed: Option<String> = None;
+    while let Some(joined) = receivers.join_next().await {
+        match joined {
+            Ok(Ok(paused)) => longest = longest.max(paused),
+            Ok(Err(e)) => {
+                let _ = aborter.abort();
+                failed.get_or_insert(e);
+            }
+            Err(e) => {
+                let _ = aborter.abort();
+                failed.get_or_insert(format!("an engine's receive task: {e}"));
+            }
+        }
+    }
+    (longest, failed)
 }
 
 /// Joins a new group as rank 0 (hosting its store) for the trainer and `engines`.

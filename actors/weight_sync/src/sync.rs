@@ -52,6 +52,9 @@ pub trait TrainerWeights: Send + Sync {
 /// A trainer's weights in parts ([`TrainerWeights::weight_parts`]): the groups, in order,
 /// and the trainer's own outcome once the last is sent.
 pub struct TrainerParts {
+    /// Every part's tensors by name, shape and kind, in the order they come (known
+    /// before the first: a broadcast names every round up front).
+    pub layout: Vec<Vec<manta_engine::WeightShape>>,
     pub parts: manta_engine::WeightParts,
     pub finished: tokio::task::JoinHandle<Result<(), TrainerCallError>>,
 }

@@ -212,6 +212,9 @@ pub struct BroadcastFeed {
     pub timeout: std::time::Duration,
     /// Every parameter, in the order rank 0 broadcasts them.
     pub names: Vec<String>,
+    /// How many consecutive `names` each broadcast round carries (a ZeRO-3 trainer sends
+    /// one round per decoder layer as its ranks gather it); empty: one round of all.
+    pub rounds: Vec<usize>,
 }
 
 /// A parameter's name, shape and dtype.

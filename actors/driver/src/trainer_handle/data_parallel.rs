@@ -366,6 +366,12 @@ impl TrainerBackend for RankGroup {
         if self.kind != RankGroupKind::Zero3 {
             return Ok(None);
         }
+        let not_here = || TrainerCallError::Failed {
+            addr: "the driver process".into(),
+            message: "ZeRO-3 weights are read in parts from ranks in this process only".into(),
+        };
+        // Rank 0 alone: the layout needs no collective.
+        let layout = self.ranks[0].weight_groups().await?.ok_or_else(not_here)?;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let mut visits = Vec::with_capacity(self.ranks.len());
         for (r, rank) in self.ranks.iter().enumerate() {
@@ -377,15 +383,11 @@ impl TrainerBackend for RankGroup {
             // Ranks of one group are all in this process or all elsewhere: rank 0
             // answers first, before any rank waits in a gather.
             let Some(visit) = rank.visit_weights(visitor) else {
-                return Err(TrainerCallError::Failed {
-                    addr: "the driver process".into(),
-                    message: "ZeRO-3 weights are read in parts from ranks in this process only"
-                        .into(),
-                });
+                return Err(not_here());
             };
             visits.push(visit);
         }
-        Ok(Some(super::weight_parts::group(rx, visits)))
+        Ok(Some(super::weight_parts::group(layout, rx, visits)))
     }
 
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {

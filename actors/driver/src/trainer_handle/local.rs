@@ -40,6 +40,14 @@ impl TrainerBackend for LocalTrainer {
             .map_err(|e| failed(format!("gathering the weights: {e}")))
     }
 
+    async fn weight_groups(
+        &self,
+    ) -> Result<Option<manta_trainer::WeightGroupShapes>, TrainerCallError> {
+        call!(self.0, TrainerMsg::WeightGroups)
+            .map(Some)
+            .map_err(|e| failed(format!("the trainer did not answer: {e}")))
+    }
+
     fn visit_weights(
         &self,
         visitor: manta_trainer::WeightVisitor,

@@ -64,6 +64,14 @@ pub trait TrainerBackend: Send + Sync {
         None
     }
 
+    /// The groups [`TrainerBackend::visit_weights`] hands out, by name, shape and kind
+    /// (`TrainerMsg::WeightGroups`; no collective). `None`: not a trainer in this process.
+    async fn weight_groups(
+        &self,
+    ) -> Result<Option<manta_trainer::WeightGroupShapes>, TrainerCallError> {
+        Ok(None)
+    }
+
     /// The weights a shard group at a time (ZeRO-3 ranks: see
     /// [`manta_weight_sync::TrainerWeights::weight_parts`]); `None`: read them whole.
     async fn weight_parts(

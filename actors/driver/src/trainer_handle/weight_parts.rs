@@ -35,8 +35,10 @@ pub(super) fn discarding() -> WeightVisitor {
     Box::new(|_group| Ok(()))
 }
 
-/// The parts `rx` receives, with the ranks' visits (`visits`) as the outcome.
+/// The parts `rx` receives (laid out as `layout`), with the ranks' visits (`visits`)
+/// as the outcome.
 pub(super) fn group(
+    layout: manta_trainer::WeightGroupShapes,
     rx: mpsc::Receiver<WeightPart>,
     visits: Vec<JoinHandle<Result<(), TrainerCallError>>>,
 ) -> TrainerParts {
@@ -60,6 +62,7 @@ pub(super) fn group(
         first.map_or(Ok(()), Err)
     });
     TrainerParts {
+        layout,
         parts: rx,
         finished,
     }

@@ -235,6 +235,8 @@ impl WeightSync for WeightSyncService {
                 group_name: req.group_name.clone(),
                 timeout: std::time::Duration::from_secs(u64::from(req.timeout_s.max(1))),
                 names: req.names.clone(),
+                // Workers' groups send every tensor in one round.
+                rounds: Vec::new(),
             };
             let (name, version) = (name.clone(), req.version);
             receivers.spawn(async move {

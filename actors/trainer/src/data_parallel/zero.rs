@@ -553,6 +553,26 @@ impl ZeroAdamW {
         Ok(())
     }
 
+    /// Each bucket's parameters (name, shape, kind), in the order
+    /// [`ZeroAdamW::visit_buckets`] hands them out: what a reader of the visit can know
+    /// before the first gather (a weight broadcast names every round up front).
+    pub fn bucket_shapes(&self) -> Vec<Vec<(String, Vec<i64>, Kind)>> {
+        self.layout
+            .buckets
+            .iter()
+            .map(|bucket| {
+                bucket
+                    .params
+                    .clone()
+                    .map(|i| {
+                        let slot = &self.layout.params[i];
+                        (slot.name.clone(), slot.shape.clone(), self.kind)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// ZeRO-3: every parameter's full value, one bucket (a decoder layer) gathered at a
     /// time and handed to `visit` (a collective: every rank calls it; the tensors are
     /// views of a buffer that lives as long as `visit` keeps them).

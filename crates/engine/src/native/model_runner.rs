@@ -419,12 +419,42 @@ impl ModelRunner {
                 self.weight_group.insert(joined)
             }
         };
-        let received = group.broadcast(&tensors, 0);
+        let received = broadcast_rounds(group, &tensors, &feed.rounds);
         if received.is_err() {
             abort_group(self.weight_group.take());
         }
-        received.map_err(|e| EngineError::Weights(e.to_string()))
+        received
     }
+}
+
+/// Receives `tensors` in the rounds rank 0 sends them (`rounds`: tensors per round,
+/// consecutive; empty: one round of all), each round one broadcast of the group.
+fn broadcast_rounds(
+    group: &mut WeightGroup,
+    tensors: &[(String, tch::Tensor)],
+    rounds: &[usize],
+) -> Result<(), EngineError> {
+    let whole = [tensors.len()];
+    let rounds = if rounds.is_empty() {
+        &whole[..]
+    } else {
+        rounds
+    };
+    if rounds.iter().sum::<usize>() != tensors.len() {
+        return Err(EngineError::Weights(format!(
+            "the broadcast's rounds carry {} tensors, its names {}",
+            rounds.iter().sum::<usize>(),
+            tensors.len()
+        )));
+    }
+    let mut at = 0;
+    for &n in rounds {
+        group
+            .broadcast(&tensors[at..at + n], 0)
+            .map_err(|e| EngineError::Weights(e.to_string()))?;
+        at += n;
+    }
+    Ok(())
 }
 
 /// Aborts a weight-update group this engine is leaving before it is dropped: dropping a
