@@ -10,8 +10,9 @@
 //! equals one trainer's step on the whole batch (loss weights divide by global counts);
 //! every rank steps at once and rank 0's metrics, global after the ranks' all-reduce,
 //! are the step's. Weights for sync come from rank 0 under ZeRO-2 (every rank holds the
-//! same); under ZeRO-3 no rank holds them whole, so every rank is asked to gather them
-//! (a collective) and rank 0's copy is used. A
+//! same); under ZeRO-3 no rank holds them whole, so every rank visits them at once (each
+//! layer's all-gather is a collective) and rank 0 hands them on a layer at a time
+//! (super::weight_parts), never the whole model at once. A
 //! checkpoint is saved by every rank into one directory (rank 0's weights and state,
 //! each rank's ZeRO optimizer shard) and resume restores every rank from it, so it needs
 //! the same rank count.
@@ -390,6 +391,9 @@ impl TrainerBackend for RankGroup {
         Ok(Some(super::weight_parts::group(layout, rx, visits)))
     }
 
+    /// ZeRO-3: the whole model gathered on rank 0 at once (weight sync reads
+    /// [`TrainerBackend::weight_parts`] instead; this is for callers that need every
+    /// tensor together).
     async fn tensors(&self) -> Result<Option<NamedTensors>, TrainerCallError> {
         if self.kind != RankGroupKind::Zero3 {
             return self.ranks[0].tensors().await;
