@@ -125,6 +125,9 @@ pub struct TrainerState {
     pub optimizer_steps: u64,
 }
 
+/// Held while a trainer seeds libtorch and draws its initial weights (Trainer::build).
+static RANDOM_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Model, optimizer and step counter of one trainer rank.
 pub struct Trainer {
     vs: nn::VarStore,
@@ -471,9 +474,18 @@ impl Trainer {
             _ => 2,
         };
         check_memory(&cfg, &opts, bf16, ranks, zero_stage)?;
-        tch::manual_seed(opts.seed as i64);
-        let mut vs = nn::VarStore::new(opts.device);
-        let mut model = CausalLm::new(&vs.root(), &cfg);
+        // Seeding and drawing the initial weights hold a process-wide lock: data-parallel
+        // ranks in one process are built at once, and libtorch's generators (the CPU's,
+        // and `manual_seed` reseeds every GPU's) are shared, so another rank reseeding in
+        // the middle of rank 0's draws would make its random init differ run to run (and
+        // from ranks in separate processes).
+        let (mut vs, mut model) = {
+            let _init = RANDOM_INIT.lock().unwrap_or_else(|e| e.into_inner());
+            tch::manual_seed(opts.seed as i64);
+            let vs = nn::VarStore::new(opts.device);
+            let model = CausalLm::new(&vs.root(), &cfg);
+            (vs, model)
+        };
         model.set_recompute(opts.recompute)?;
         if has_weights(&opts.model_dir) {
             manta_model::load_weights(&mut vs, &opts.model_dir)?;
