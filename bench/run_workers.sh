@@ -104,8 +104,9 @@ for mode in "${MODES[@]}"; do
       cp configs/gpu2-workers-trainer-dp2.toml "$cluster"
       pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 0)"
             "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 1)")
-      read -r -a extra <<< "${DRIVER_ARGS:-}"
-      extra+=(--save-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl")
+      # The runs on the saved rollouts take the same DRIVER_ARGS (batch shape and all).
+      read -r -a dp2_args <<< "${DRIVER_ARGS:-}"
+      extra=("${dp2_args[@]}" --save-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl")
       ;;
     *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store, trainer-dp2)" >&2; exit 2 ;;
   esac
@@ -133,7 +134,7 @@ for mode in "${MODES[@]}"; do
     # its rank's checkpoint under its own directory.
     dp2_steps=${DP2_STEPS:-3}
     RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
-      --runs-dir "$dir/runs" --run-name dp2-workers --num-rollout "$dp2_steps" \
+      --runs-dir "$dir/runs" --run-name dp2-workers --num-rollout "$dp2_steps" "${dp2_args[@]}" \
       --load-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl" \
       --save "$dir/ckpt-dp2-workers" --save-interval "$dp2_steps" \
       2>"$dir/driver-dp2-workers.log" | tee "$dir/progress-dp2-workers.txt" || status=$?
@@ -162,7 +163,7 @@ PY
     { printf '[cluster]\nmode = "local"\ntrain_config = "multiturn.yaml"\n\n[trainer]\ngpus = [0, 1]\n\n'
       sed -n '/^\[train\]/,$p' configs/gpu2-workers-trainer-dp2.toml; } > "$local_cluster"
     RUST_LOG=info "$BIN/driver" --cluster "$local_cluster" --model "$model" \
-      --runs-dir "$dir/runs" --run-name dp2-local --num-rollout "$dp2_steps" \
+      --runs-dir "$dir/runs" --run-name dp2-local --num-rollout "$dp2_steps" "${dp2_args[@]}" \
       --load-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl" \
       --save "$dir/ckpt-dp2-local" --save-interval "$dp2_steps" \
       2>"$dir/driver-dp2-local.log" | tee "$dir/progress-dp2-local.txt" || status=$?
