@@ -7,9 +7,37 @@ other and with local-mode ranks trained on the same saved rollouts: with two ran
 reduced element is one fp32 addition (commutative), and every rank ends a step with the
 same all-gathered bits, so all three must match exactly."""
 
+import json
+import struct
 import sys
 
-from safetensors.torch import load_file
+import torch
+
+# safetensors dtype names -> torch dtypes (read here with torch alone, so the device
+# machine needs no safetensors package).
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def load_file(path):
+    """A .safetensors file's tensors by name: an 8-byte header length, a JSON header of
+    dtype, shape and byte offsets, then the data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        raw = bytearray(data[start:end])
+        t = torch.frombuffer(raw, dtype=DTYPES[meta["dtype"]]) if raw else torch.empty(0, dtype=DTYPES[meta["dtype"]])
+        out[name] = t.reshape(meta["shape"])
+    return out
 
 
 def main(args):
