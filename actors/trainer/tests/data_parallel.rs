@@ -492,3 +492,40 @@ fn an_unreadable_shard_on_one_rank_stops_every_rank() {
         errors[0]
     );
 }
+
+/// Ranks of one process are built at once from a model directory without weights: rank
+/// 0 draws its random init from its seed exactly as a trainer alone does, whatever the
+/// other ranks seed meanwhile (libtorch's generators are shared by the process), so the
+/// group starts from the same weights in every run and as ranks in separate processes.
+#[test]
+fn ranks_built_at_once_start_from_rank_0s_seed() {
+    let alone = weights(&Trainer::new(options(&tiny_model(), 7, false, 1.0)).unwrap());
+    for attempt in 0..4 {
+        let comms = ThreadCollective::group(3).unwrap();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let seed = if comm.rank() == 0 {
+                    7
+                } else {
+                    200 + comm.rank() as u64
+                };
+                let opts = options(&tiny_model(), seed, false, 1.0);
+                std::thread::spawn(move || {
+                    weights(&Trainer::new_data_parallel(opts, Box::new(comm), 3_000).unwrap())
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let got = h.join().expect("rank thread");
+            assert_eq!(got.len(), alone.len());
+            for ((name, t), (got_name, g)) in alone.iter().zip(&got) {
+                assert_eq!(name, got_name);
+                assert!(
+                    t.equal(g),
+                    "attempt {attempt}: rank {rank}'s {name} is not rank 0's seeded init"
+                );
+            }
+        }
+    }
+}
