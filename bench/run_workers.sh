@@ -31,7 +31,10 @@
 # MODEL_SHAPE=8b gives the random model Qwen3-8B's shape.
 # FAULT=engine@N or trainer@N (trainer-* modes): once step N is reported, SIGKILL worker B
 # (the engine's) or worker A (the trainer's, which then restarts from its last checkpoint:
-# add --save-interval 1 to DRIVER_ARGS) and start it again FAULT_RESTART_S (3) seconds
+# add --save-interval 1 to DRIVER_ARGS); FAULT=engine-sync@N: SIGKILL worker B as soon as
+# worker A starts the broadcast after step N (trainer-nccl: mid-broadcast for a large
+# enough model; worker A's log says whether its collective failed). Either way the
+# worker starts again FAULT_RESTART_S (3) seconds
 # later in the same directory; writes fault.txt (when, what) and checks trained_ids.jsonl
 # (every sample id trained exactly once).
 set -euo pipefail
@@ -113,11 +116,15 @@ for mode in "${MODES[@]}"; do
   watcher=""
   if [ -n "${FAULT:-}" ]; then
     who=${FAULT%@*}; at=${FAULT#*@}
-    case $who in engine) k=1 port=7102 gpu=1 name=b ;; trainer) k=0 port=7101 gpu=0 name=a ;;
+    case $who in engine|engine-sync) k=1 port=7102 gpu=1 name=b ;; trainer) k=0 port=7101 gpu=0 name=a ;;
       *) echo "FAULT=$FAULT: expected engine@N or trainer@N" >&2; exit 2 ;; esac
     [ "$mode" = trainer-store ] && gpu=""
     (
       until grep -qE "^step +$at/" "$dir/progress.txt" 2>/dev/null; do sleep 0.05; done
+      if [ "$who" = engine-sync ]; then   # the next broadcast's start on worker A
+        seen=$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")
+        until [ "$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")" -gt "$seen" ]; do sleep 0.005; done
+      fi
       kill -9 "${pids[$k]}"; echo "$(date +%s.%N) SIGKILL worker-$name (the $who's) after step $at" >> "$dir/fault.txt"
       sleep "${FAULT_RESTART_S:-3}"
       start_worker "$dir/worker-$name" "$dir/worker-$name.restarted.log" "$port" "$gpu" > "$dir/restarted.pid"

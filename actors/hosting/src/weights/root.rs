@@ -185,6 +185,9 @@ impl TrainerRoots {
             let Some(g) = slot.as_mut() else {
                 return Err("the group was closed".to_string());
             };
+            // One line when the collective starts: a peer lost from here on is lost
+            // mid-broadcast (what the fault runs aim at).
+            info!(tensors = tensors.len(), bytes, "broadcasting the trainer's weights");
             let collective = Instant::now();
             if let Err(e) = g.broadcast(&tensors, 0) {
                 // Aborted before it is dropped: dropping waits on no peer.
