@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use manta_hosting::weights::WeightSet;
 use manta_hosting::{RemoteTrainer, TrainerCallError};
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
@@ -242,14 +243,39 @@ impl RankGroup {
     /// The whole weights under ZeRO-3: every rank gathers them at once (a collective
     /// that one rank alone would wait in forever) and rank 0's copy is kept.
     async fn gathered(&self) -> Result<NamedTensors, TrainerCallError> {
-        let gathered = join_all(self.ranks.iter().map(|r| r.gather_weights())).await;
-        Ok(first_error(gathered)?.swap_remove(0))
+        Ok(every_rank(self.ranks.iter().map(|r| r.gather_weights()))
+            .await?
+            .swap_remove(0))
     }
 }
 
 /// How a rank's error begins when another rank failed first: that rank's error says
 /// why, so it is the one reported.
 const PEER_FAILED: &str = "another data-parallel rank";
+
+/// Runs one call on every rank at once; their results in rank order, or the first error
+/// ([`first_error`]). A rank whose worker was lost ends the wait at once: the others may
+/// be waiting for it in a collective, which NCCL never ends (the store group only after
+/// its timeout), so their answers are not awaited and the run hears why now.
+async fn every_rank<T, F>(calls: impl IntoIterator<Item = F>) -> Result<Vec<T>, TrainerCallError>
+where
+    F: std::future::Future<Output = Result<T, TrainerCallError>>,
+{
+    let mut pending: FuturesUnordered<_> = calls
+        .into_iter()
+        .enumerate()
+        .map(|(rank, call)| async move { (rank, call.await) })
+        .collect();
+    let mut results: Vec<Option<Result<T, TrainerCallError>>> =
+        (0..pending.len()).map(|_| None).collect();
+    while let Some((rank, result)) = pending.next().await {
+        if let Err(lost @ TrainerCallError::Lost { .. }) = result {
+            return Err(lost);
+        }
+        results[rank] = Some(result);
+    }
+    first_error(results.into_iter().flatten().collect())
+}
 
 /// The first error of the ranks' results, preferring one that says why over one that
 /// only says another rank failed.
@@ -292,13 +318,13 @@ impl TrainerBackend for RankGroup {
         if self.kind == RankGroupKind::ContextParallel {
             // One context-parallel group: every rank takes the whole batch (the trainer
             // splits each packed row's tokens) and rank 0 reports the step.
-            let results = join_all(
+            let results = every_rank(
                 self.ranks
                     .iter()
                     .map(|rank| rank.train_step(step, batch.clone())),
             )
             .await;
-            return Ok(first_error(results)?.swap_remove(0));
+            return Ok(results?.swap_remove(0));
         }
         let (shares, exact) = split_batch(batch, world, self.steps_per_rollout)
             .map_err(|e| self.failed(format!("training step {step}: {e}")))?;
@@ -312,14 +338,14 @@ impl TrainerBackend for RankGroup {
                  num_steps_per_rollout)"
             );
         }
-        let results = join_all(
+        let results = every_rank(
             self.ranks
                 .iter()
                 .zip(shares)
                 .map(|(rank, share)| rank.train_step(step, share)),
         )
         .await;
-        Ok(first_error(results)?.swap_remove(0))
+        Ok(results?.swap_remove(0))
     }
 
     async fn save_checkpoint(&self, dir: &Path, step: u64) -> Result<(), TrainerCallError> {
@@ -327,13 +353,12 @@ impl TrainerBackend for RankGroup {
         // state, each rank its optimizer shard) and the owner moves it into place once
         // all are written.
         let target = self.checkpoints.save_target(dir);
-        let saved = join_all(
+        every_rank(
             self.ranks
                 .iter()
                 .map(|rank| rank.save_checkpoint(&target, step)),
         )
-        .await;
-        first_error(saved)?;
+        .await?;
         self.checkpoints
             .after_save(dir, step)
             .map_err(|e| self.failed(e))
@@ -344,8 +369,8 @@ impl TrainerBackend for RankGroup {
             .checkpoints
             .load_target(dir, self.ranks.len())
             .map_err(|e| self.failed(e))?;
-        let loaded = join_all(self.ranks.iter().map(|rank| rank.load_checkpoint(&source))).await;
-        Ok(first_error(loaded)?[0])
+        let loaded = every_rank(self.ranks.iter().map(|rank| rank.load_checkpoint(&source))).await;
+        Ok(loaded?[0])
     }
 
     async fn weight_set(&self) -> Result<WeightSet, TrainerCallError> {
@@ -552,6 +577,48 @@ mod tests {
         let mut all: Vec<u64> = shares.iter().flat_map(ids).collect();
         all.sort();
         assert_eq!(all, (0..15).collect::<Vec<_>>());
+    }
+
+    type Call =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<u32, TrainerCallError>> + Send>>;
+
+    #[tokio::test]
+    async fn a_lost_rank_ends_the_wait_for_the_others() {
+        // Rank 0 waits forever (in a collective for rank 1, say); rank 1's worker is gone.
+        let calls: Vec<Call> = vec![
+            Box::pin(futures::future::pending()),
+            Box::pin(async {
+                Err(TrainerCallError::Lost {
+                    addr: "b:1".into(),
+                    reason: "no heartbeat answer".into(),
+                })
+            }),
+        ];
+        let result = tokio::time::timeout(Duration::from_secs(10), every_rank(calls))
+            .await
+            .expect("the lost rank ends the wait");
+        assert!(
+            matches!(&result, Err(TrainerCallError::Lost { addr, .. }) if addr == "b:1"),
+            "{result:?}"
+        );
+        // Failures are all awaited, and the one that says why is reported.
+        let failed = |message: &str| TrainerCallError::Failed {
+            addr: "a:1".into(),
+            message: message.into(),
+        };
+        let (peer, cause) = (
+            failed(&format!("{PEER_FAILED} failed to write its shard")),
+            failed("disk full"),
+        );
+        let calls: Vec<Call> = vec![
+            Box::pin(async { Err(peer) }),
+            Box::pin(async { Err(cause) }),
+            Box::pin(async { Ok(3) }),
+        ];
+        let err = every_rank(calls).await.unwrap_err().to_string();
+        assert!(err.contains("disk full"), "{err}");
+        let calls: Vec<Call> = vec![Box::pin(async { Ok(1) }), Box::pin(async { Ok(2) })];
+        assert_eq!(every_rank(calls).await.unwrap(), vec![1, 2]);
     }
 
     #[test]
