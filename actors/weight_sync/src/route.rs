@@ -92,9 +92,9 @@ impl fmt::Display for Mechanism {
     }
 }
 
-/// A mechanism placement asks for that this build cannot run.
+/// A mechanism placement asks for that this build or the configuration does not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{mechanism} is not available in this build: {reason}")]
+#[error("{mechanism} is not used for this pair: {reason}")]
 pub struct Unavailable {
     pub mechanism: Mechanism,
     pub reason: &'static str,
