@@ -64,6 +64,11 @@ int manta_tcp_store_add(void* handle, const char* key, long long delta, long lon
   return guarded([&] { *out = store(handle).add(key, delta); });
 }
 
+// Whether `key` is set, without waiting (a member polling can give up in between).
+int manta_tcp_store_check(void* handle, const char* key, int* out) {
+  return guarded([&] { *out = store(handle).check({std::string(key)}) ? 1 : 0; });
+}
+
 // Removes `key` (a no-op when it is unset), so a store carrying a stream of values stays bounded.
 int manta_tcp_store_delete(void* handle, const char* key) {
   return guarded([&] { store(handle).deleteKey(key); });

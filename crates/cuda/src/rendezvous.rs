@@ -35,6 +35,7 @@ extern "C" {
         delta: i64,
         out: *mut i64,
     ) -> c_int;
+    fn manta_tcp_store_check(handle: *mut c_void, key: *const c_char, out: *mut c_int) -> c_int;
     fn manta_tcp_store_delete(handle: *mut c_void, key: *const c_char) -> c_int;
     fn manta_store_free_bytes(data: *mut u8);
     fn manta_tcp_store_free(handle: *mut c_void);
@@ -160,6 +161,18 @@ impl TcpStore {
             manta_tcp_store_add(self.handle, key.as_ptr(), delta, &mut out)
         })?;
         Ok(out)
+    }
+
+    /// Whether `key` is set, without waiting: a member that must be able to give up a
+    /// wait (its group aborted) polls this instead of blocking in [`TcpStore::get`].
+    pub fn check(&self, key: &str) -> Result<bool, StoreError> {
+        let key = c_string("check", key)?;
+        let mut out: c_int = 0;
+        // SAFETY: a live handle, a C string and an out-pointer valid for the call.
+        check("check", unsafe {
+            manta_tcp_store_check(self.handle, key.as_ptr(), &mut out)
+        })?;
+        Ok(out != 0)
     }
 
     /// Removes `key` for every member (nothing happens when it is unset): a member that

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use manta_cuda::rendezvous::TcpStore;
 use manta_proto::trainer as tpb;
-use manta_trainer::data_parallel::{Collective, NcclCollective, StoreCollective, StoreGroupSpec};
+use manta_trainer::data_parallel::{
+    Collective, NcclCollective, StoreAborter, StoreCollective, StoreGroupSpec,
+};
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 use tracing::info;
@@ -114,21 +116,41 @@ impl RankGroups {
         }
     }
 
-    /// This rank's collective (blocking: NCCL waits for every rank to join). The device
+    /// This rank's collective (blocking: NCCL waits for every rank to join), and for the
+    /// store group the handle that ends its waits when the rank is stopped. The device
     /// is the rank's own: NCCL needs `gpu`, the store group none.
-    pub fn collective(
-        &self,
-        spawn: &RankSpawn,
-        gpu: Option<usize>,
-    ) -> Result<Box<dyn Collective>, String> {
+    pub fn collective(&self, spawn: &RankSpawn, gpu: Option<usize>) -> Result<JoinedRank, String> {
         let who = format!(
             "trainer rank {} of {} (group {:?})",
             spawn.rank, spawn.world, spawn.group
         );
+        let store_group =
+            |store: Option<TcpStore>, master_address: &str, port: u16, timeout_s: u64| {
+                let spec = StoreGroupSpec {
+                    master_address: master_address.to_string(),
+                    master_port: port,
+                    group: spawn.group.clone(),
+                    rank: spawn.rank,
+                    world: spawn.world,
+                    timeout: Duration::from_secs(timeout_s.max(1)),
+                };
+                let comm = match store {
+                    Some(store) => StoreCollective::over(store, &spec),
+                    None => StoreCollective::join(&spec).map_err(|e| format!("{who}: {e}"))?,
+                };
+                let aborter = comm.aborter();
+                Ok(JoinedRank {
+                    comm: Box::new(comm),
+                    aborter: Some(aborter),
+                })
+            };
         match (&spawn.link, gpu) {
             (RankLink::Nccl { unique_id }, Some(gpu)) => {
                 NcclCollective::new(spawn.rank, spawn.world, unique_id, gpu)
-                    .map(|c| Box::new(c) as Box<dyn Collective>)
+                    .map(|c| JoinedRank {
+                        comm: Box::new(c),
+                        aborter: None,
+                    })
                     .map_err(|e| format!("{who}: joining NCCL on GPU {gpu}: {e}"))
             }
             (RankLink::Nccl { .. }, None) => Err(format!(
@@ -137,17 +159,6 @@ impl RankGroups {
             (RankLink::Store { .. }, Some(gpu)) => Err(format!(
                 "{who}: the store group moves CPU tensors, but this rank was given GPU {gpu}"
             )),
-            (RankLink::Store { .. }, None) if spawn.rank == 0 => {
-                let store = self.stores().remove(&spawn.group).ok_or_else(|| {
-                    format!("{who}: no store was opened for the group on this worker (OpenRankGroup first)")
-                })?;
-                Ok(Box::new(StoreCollective::over(
-                    store,
-                    &spawn.group,
-                    0,
-                    spawn.world,
-                )))
-            }
             (
                 RankLink::Store {
                     master_address,
@@ -155,18 +166,29 @@ impl RankGroups {
                     timeout_s,
                 },
                 None,
-            ) => StoreCollective::join(&StoreGroupSpec {
-                master_address: master_address.clone(),
-                master_port: *port,
-                group: spawn.group.clone(),
-                rank: spawn.rank,
-                world: spawn.world,
-                timeout: Duration::from_secs((*timeout_s).max(1)),
-            })
-            .map(|c| Box::new(c) as Box<dyn Collective>)
-            .map_err(|e| format!("{who}: {e}")),
+            ) => {
+                // Rank 0 takes the store OpenRankGroup hosted here; the others connect.
+                let hosted = if spawn.rank == 0 {
+                    Some(self.stores().remove(&spawn.group).ok_or_else(|| {
+                        format!(
+                            "{who}: no store was opened for the group on this worker \
+                             (OpenRankGroup first)"
+                        )
+                    })?)
+                } else {
+                    None
+                };
+                store_group(hosted, master_address, *port, *timeout_s)
+            }
         }
     }
+}
+
+/// A rank's place in its group, joined: its collective, and what ends its waits when the
+/// rank is stopped (the store group; NCCL ranks have none yet).
+pub struct JoinedRank {
+    pub comm: Box<dyn Collective>,
+    pub aborter: Option<StoreAborter>,
 }
 
 #[cfg(test)]
@@ -210,8 +232,13 @@ mod tests {
                 (f32::try_from(&t).unwrap(), comm)
             })
         };
-        let rank0 = groups.collective(&spawn(0), None).unwrap();
-        let rank1 = groups.collective(&spawn(1), None).unwrap();
+        let rank0 = groups.collective(&spawn(0), None).unwrap().comm;
+        let joined1 = groups.collective(&spawn(1), None).unwrap();
+        assert!(
+            joined1.aborter.is_some(),
+            "a store rank can be stopped mid-wait"
+        );
+        let rank1 = joined1.comm;
         assert_eq!(
             (rank0.rank(), rank1.rank(), rank1.device()),
             (0, 1, Device::Cpu)

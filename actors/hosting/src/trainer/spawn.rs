@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
+use manta_trainer::data_parallel::StoreAborter;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{
@@ -159,24 +160,26 @@ pub async fn spawn_trainer(
 /// Starts rank `rank.rank` of a data-parallel group (ZeRO-2): joins the group's
 /// collective on the rank's device (NCCL on its GPU, or the store on the CPU), then
 /// builds the rank, which waits in its first collective until every rank has joined.
+/// Also returns what ends the rank's collective waits (store ranks), for its worker to
+/// call when the rank is stopped.
 pub async fn spawn_rank(
     name: &str,
     options: TrainerOptions,
     rank: RankSpawn,
     groups: &RankGroups,
-) -> anyhow::Result<ActorRef<TrainerMsg>> {
+) -> anyhow::Result<(ActorRef<TrainerMsg>, Option<StoreAborter>)> {
     let gpu = match options.device {
         tch::Device::Cuda(i) => Some(i),
         _ => None,
     };
     let (groups, spawn) = (groups.clone(), rank.clone());
-    let comm = tokio::task::spawn_blocking(move || groups.collective(&spawn, gpu))
+    let joined = tokio::task::spawn_blocking(move || groups.collective(&spawn, gpu))
         .await
         .context("joining the rank group")?
         .map_err(anyhow::Error::msg)?;
     let args = TrainerRankArgs {
         options,
-        comm,
+        comm: joined.comm,
         bucket_numel: DEFAULT_BUCKET_NUMEL,
         kind: RankGroupKind::Zero2,
         checkpoint_owner: Some(rank.checkpoint_owner),
@@ -184,7 +187,7 @@ pub async fn spawn_rank(
     let (actor, _) = Actor::spawn(Some(name.to_string()), TrainerRankActor, args)
         .await
         .with_context(|| format!("starting trainer rank {} of {}", rank.rank, rank.world))?;
-    Ok(actor)
+    Ok((actor, joined.aborter))
 }
 
 #[cfg(test)]

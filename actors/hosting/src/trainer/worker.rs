@@ -42,8 +42,8 @@ impl ActorHost for TrainerHost {
         let options = cfg
             .into_options(&req.gpus)
             .map_err(Status::failed_precondition)?;
-        let actor = match &rank {
-            None => spawn_trainer(&req.name, options).await,
+        let (actor, aborter) = match &rank {
+            None => spawn_trainer(&req.name, options).await.map(|a| (a, None)),
             Some(rank) => spawn_rank(&req.name, options, rank.clone(), &self.groups).await,
         }
         .map_err(|e| Status::internal(format!("{e:#}")))?;
@@ -53,7 +53,13 @@ impl ActorHost for TrainerHost {
             rank = ?rank.as_ref().map(|r| (r.rank, r.world)),
             "trainer spawned"
         );
-        Ok(HostedActor::new(actor.get_cell(), actor))
+        let hosted = HostedActor::new(actor.get_cell(), actor);
+        Ok(match aborter {
+            // A stopped rank may be waiting for a peer that is gone (the driver stops the
+            // group when one rank is lost): its waits end, so the actor can stop.
+            Some(aborter) => hosted.on_stop(async move { aborter.abort() }),
+            None => hosted,
+        })
     }
 }
 

@@ -34,7 +34,7 @@ pub mod zero;
 
 pub use layout::FlatLayout;
 pub use nccl::NcclCollective;
-pub use store::{StoreCollective, StoreGroupSpec};
+pub use store::{StoreAborter, StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
 pub use zero::{RankOptimizer, ZeroAdamW};
 

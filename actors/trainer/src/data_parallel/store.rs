@@ -20,13 +20,18 @@
 //! at most two collectives' data.
 //!
 //! Rank 0 hosts the store, so its process must outlive the other ranks' last
-//! collective (as the process that made an NCCL id must outlive the joins). Waits are
-//! bounded by the store's timeout: a rank whose process died makes the others'
-//! next collective fail ([`CollectiveError::PeerFailed`]) when rank 0's store goes away,
-//! or when the timeout ends, instead of hanging them.
+//! collective (as the process that made an NCCL id must outlive the joins). A rank
+//! waits for a deposit by polling the store (`check`, backing off to 2 ms between
+//! polls) rather than blocking in `get`, so a wait ends with
+//! [`CollectiveError::PeerFailed`] when rank 0's store goes away, when the group's
+//! timeout passes, or at once when the rank is aborted ([`StoreAborter`]: its worker
+//! stops the rank, e.g. after the driver found another rank lost) — a rank never stays
+//! blocked on a peer that is gone.
 
 use std::cell::{Cell, RefCell};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use manta_cuda::rendezvous::{StoreError, TcpStore};
 use tch::{Device, Kind, Tensor};
@@ -50,12 +55,30 @@ pub struct StoreGroupSpec {
     pub timeout: Duration,
 }
 
+/// Ends a [`StoreCollective`]'s waits from another thread: the collective in progress
+/// and every later one fail instead of waiting for peers.
+#[derive(Clone, Debug, Default)]
+pub struct StoreAborter(Arc<AtomicBool>);
+
+impl StoreAborter {
+    pub fn abort(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    fn aborted(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
 /// One rank of a group exchanging tensors through rank 0's `TCPStore`.
 pub struct StoreCollective {
     store: TcpStore,
     group: String,
     rank: usize,
     world: usize,
+    /// How long one wait for a peer's deposit may take.
+    timeout: Duration,
+    aborter: StoreAborter,
     /// The next collective's sequence number.
     seq: Cell<u64>,
     /// Keys this rank set in the previous collective, deleted after the current one.
@@ -124,17 +147,19 @@ impl StoreCollective {
                 spec.rank, spec.group, spec.master_address, spec.master_port
             ))
         })?;
-        Ok(Self::over(store, &spec.group, spec.rank, spec.world))
+        Ok(Self::over(store, spec))
     }
 
-    /// Rank `rank` of a group over an open store (rank 0's store opened ahead of the
-    /// group, so its port can be handed to the other ranks first).
-    pub fn over(store: TcpStore, group: &str, rank: usize, world: usize) -> Self {
+    /// Rank `spec.rank` of a group over an open store (rank 0's store opened ahead of
+    /// the group, so its port can be handed to the other ranks first).
+    pub fn over(store: TcpStore, spec: &StoreGroupSpec) -> Self {
         Self {
             store,
-            group: group.to_string(),
-            rank,
-            world,
+            group: spec.group.clone(),
+            rank: spec.rank,
+            world: spec.world,
+            timeout: spec.timeout,
+            aborter: StoreAborter::default(),
             seq: Cell::new(0),
             set_before: RefCell::new(Vec::new()),
         }
@@ -143,6 +168,37 @@ impl StoreCollective {
     /// The port of the store this rank is connected to (rank 0: the one it hosts).
     pub fn port(&self) -> u16 {
         self.store.port()
+    }
+
+    /// A handle that ends this rank's waits from another thread.
+    pub fn aborter(&self) -> StoreAborter {
+        self.aborter.clone()
+    }
+
+    /// Waits until `key` is set: polls, backing off from 50 µs to 2 ms, until it is, the
+    /// rank is aborted, or the group's timeout passes.
+    fn wait_for(&self, key: &str) -> Result<(), CollectiveError> {
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        loop {
+            if self.store.check(key).map_err(store_failed)? {
+                return Ok(());
+            }
+            if self.aborter.aborted() {
+                return Err(CollectiveError::PeerFailed(format!(
+                    "rank {} of group {:?} was stopped while waiting for {key}",
+                    self.rank, self.group
+                )));
+            }
+            if started.elapsed() > self.timeout {
+                return Err(CollectiveError::PeerFailed(format!(
+                    "no deposit {key} within {:?}: a rank of group {:?} is gone or stuck",
+                    self.timeout, self.group
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
     }
 
     fn key(&self, seq: u64, src: usize, dst: usize) -> String {
@@ -182,10 +238,9 @@ impl StoreCollective {
         op: &'static str,
         like: Option<&Tensor>,
     ) -> Result<Option<Tensor>, CollectiveError> {
-        let value = self
-            .store
-            .get(&self.key(seq, src, self.rank))
-            .map_err(store_failed)?;
+        let key = self.key(seq, src, self.rank);
+        self.wait_for(&key)?;
+        let value = self.store.get(&key).map_err(store_failed)?;
         let mismatch = |message: String| CollectiveError::Mismatch { op, message };
         if value.len() < HEADER {
             return Err(mismatch(format!(
@@ -235,6 +290,12 @@ impl StoreCollective {
         outgoing: &[Option<Tensor>],
         like: &[Option<&Tensor>],
     ) -> Result<Vec<Option<Tensor>>, CollectiveError> {
+        if self.aborter.aborted() {
+            return Err(CollectiveError::PeerFailed(format!(
+                "rank {} of group {:?} was stopped",
+                self.rank, self.group
+            )));
+        }
         let seq = self.seq.get();
         self.seq.set(seq + 1);
         let mut set = Vec::with_capacity(self.world);
@@ -501,6 +562,24 @@ mod tests {
         assert!(err.to_string().contains("another collective"), "{err}");
         let err = other.join().unwrap().unwrap_err();
         assert!(err.to_string().contains("another collective"), "{err}");
+    }
+
+    #[test]
+    fn an_aborted_rank_stops_waiting_at_once() {
+        let root = StoreCollective::join(&spec(0, 2, 0)).unwrap();
+        let aborter = root.aborter();
+        let waiting = std::thread::spawn(move || {
+            let mut t = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+            let started = Instant::now();
+            let err = root.all_reduce(&mut t, ReduceOp::Sum).unwrap_err();
+            (err, started.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        aborter.abort();
+        let (err, waited) = waiting.join().unwrap();
+        assert!(err.to_string().contains("was stopped"), "{err}");
+        // Far sooner than the group's 20 s timeout.
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
     }
 
     #[test]
