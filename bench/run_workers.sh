@@ -20,14 +20,19 @@
 #                    the same [train] keys), and compares the saved weights: worker A's
 #                    rank 0 vs worker B's rank 1 vs local (compare.txt; fails unless all
 #                    three are the same bits)
+#     trainer-dp2-store  the CPU analogue (no GPU): CPU ranks through rank 0's store, a CPU
+#                    engine fed by the store backend, local ranks as data_parallel_ranks = 2,
+#                    the tiny model unless MODEL_SHAPE is set, a small batch (DRIVER_ARGS)
 # Writes $OUT/workers_MODE/ (driver.log, worker*.log, progress.txt, sync_per_step.tsv:
 # step, perf/update_weights_time, perf/pause_to_resume_time; runs/) and prints each
 # mode's median sync time and step time.
 #
 # Here (no GPU needed):  bench/run_workers.sh build   # release driver + worker into bin/
 #                        STEPS=4 bench/run_workers.sh trainer-store
+#                        STEPS=3 bench/run_workers.sh trainer-dp2-store
 #                        (BIN=$PWD/target/debug: the debug binaries instead of bin/)
 # There (device tool, 2 GPUs, carry ["bin"]):  bench/run_workers.sh trainer-nccl trainer-grpc nccl grpc
+#                        STEPS=20 bench/run_workers.sh trainer-dp2
 # MODEL_SHAPE=8b gives the random model Qwen3-8B's shape.
 # FAULT=engine@N or trainer@N (trainer-* modes): once step N is reported, SIGKILL worker B
 # (the engine's) or worker A (the trainer's, which then restarts from its last checkpoint:
@@ -101,17 +106,30 @@ for mode in "${MODES[@]}"; do
             "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 "")")
       read -r -a extra <<< "${DRIVER_ARGS:---rollout-batch-size 8 --n-samples 4 --max-response-len 8 --max-tokens-per-gpu 8192}"
       ;;
-    trainer-dp2)
-      model=$(model_for 0.6b)
+    trainer-dp2|trainer-dp2-store)
       cluster=configs/.gpu2-workers-$mode.toml
-      cp configs/gpu2-workers-trainer-dp2.toml "$cluster"
-      pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 0)"
-            "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 1)")
+      if [ "$mode" = trainer-dp2 ]; then
+        model=$(model_for 0.6b)
+        cp configs/gpu2-workers-trainer-dp2.toml "$cluster"
+        gpu_a=0 gpu_b=1 local_ranks='gpus = [0, 1]' default_args=""
+      else
+        # Same layout without GPUs: CPU ranks (the store group), a CPU engine, the store
+        # backend for its weights.
+        model=$(model_for tiny)
+        sed -e 's/^worker_weights = .*/worker_weights = "store"/' -e '/^gpus = /d' \
+          -e 's/^ranks = .*/ranks = [{ node = 0 }, { node = 1 }]/' \
+          -e 's/^gpus_per_engine = .*/gpus_per_engine = 0/' -e '/^colocate = /d' \
+          -e '/^mem_fraction_static = /d' configs/gpu2-workers-trainer-dp2.toml > "$cluster"
+        gpu_a="" gpu_b="" local_ranks='data_parallel_ranks = 2'
+        default_args="--rollout-batch-size 4 --n-samples 4 --max-response-len 8 --max-tokens-per-gpu 8192"
+      fi
+      pids=("$(start_worker "$dir/worker-a" "$dir/worker-a.log" 7101 "$gpu_a")"
+            "$(start_worker "$dir/worker-b" "$dir/worker-b.log" 7102 "$gpu_b")")
       # The runs on the saved rollouts take the same DRIVER_ARGS (batch shape and all).
-      read -r -a dp2_args <<< "${DRIVER_ARGS:-}"
+      read -r -a dp2_args <<< "${DRIVER_ARGS:-$default_args}"
       extra=("${dp2_args[@]}" --save-debug-rollout-data "$dir/debug/debug_{rollout_id}.jsonl")
       ;;
-    *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store, trainer-dp2)" >&2; exit 2 ;;
+    *) echo "unknown mode $mode (nccl, grpc, trainer-nccl, trainer-grpc, trainer-store, trainer-dp2, trainer-dp2-store)" >&2; exit 2 ;;
   esac
   watcher=""
   if [ -n "${FAULT:-}" ]; then
@@ -136,7 +154,7 @@ for mode in "${MODES[@]}"; do
   MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
     --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
-  if [ "$mode" = trainer-dp2 ] && [ "$status" -eq 0 ]; then
+  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ]; then
     # The saved rollouts again, trained by the ranks on the workers: each worker keeps
     # its rank's checkpoint under its own directory.
     dp2_steps=${DP2_STEPS:-3}
@@ -163,11 +181,12 @@ PY
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   done
   rm -f "$cluster"
-  if [ "$mode" = trainer-dp2 ] && [ "$status" -eq 0 ]; then
+  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ]; then
     # The same rollouts trained by local-mode ranks on the same GPUs (the workers are
-    # gone): the dp2 config's [train] keys under `[trainer] gpus = [0, 1]`.
+    # gone): the dp2 config's [train] keys under `[trainer] gpus = [0, 1]` (the CPU
+    # analogue: data_parallel_ranks = 2).
     local_cluster=configs/.gpu2-local-dp2.toml
-    { printf '[cluster]\nmode = "local"\ntrain_config = "multiturn.yaml"\n\n[trainer]\ngpus = [0, 1]\n\n'
+    { printf '[cluster]\nmode = "local"\ntrain_config = "multiturn.yaml"\n\n[trainer]\n%s\n\n' "$local_ranks"
       sed -n '/^\[train\]/,$p' configs/gpu2-workers-trainer-dp2.toml; } > "$local_cluster"
     RUST_LOG=info "$BIN/driver" --cluster "$local_cluster" --model "$model" \
       --runs-dir "$dir/runs" --run-name dp2-local --num-rollout "$dp2_steps" "${dp2_args[@]}" \
