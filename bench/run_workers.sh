@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Remote mode on one two-GPU host, STEPS steps of the multi-turn loop per MODE, every
-# sync verified bit for bit (MANTA_VERIFY_WEIGHT_SYNC=1). Two layouts:
+# sync verified bit for bit (MANTA_VERIFY_WEIGHT_SYNC=1; VERIFY=0 times the sync without the read-back). Two layouts:
 #   driver-rooted (configs/gpu2-worker-nccl.toml): the trainer in the driver on GPU 0,
 #   one `worker` daemon hosting a native engine on GPU 1:
 #     nccl           cluster.worker_weights = "nccl": one broadcast group rooted in the driver
@@ -151,7 +151,7 @@ for mode in "${MODES[@]}"; do
     watcher=$!
   fi
   status=0
-  MANTA_VERIFY_WEIGHT_SYNC=1 RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
+  MANTA_VERIFY_WEIGHT_SYNC=${VERIFY:-1} RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
     --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
   if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ]; then
