@@ -5,7 +5,8 @@
 # Every layer is recomputed in the backward (RECOMPUTE=1) for 8B and 4B; CP_RECOMPUTE=1
 # does the same for the context-parallel runs.
 #   big  8B shape, 16k tokens per GPU (GLOBAL8=8 samples of SEQ8=4096 tokens, 4 per rank),
-#        each card held to GPU_CAP_GIB (default 79.6: an 80 GB H100, also on an H200):
+#        each card held to GPU_CAP_GIB (default 79.6: an 80 GB H100, also on an H200;
+#        GPU_CAP_GIB= empty: the whole card):
 #        ZeRO-2 (expected to run out of memory) then ZeRO-3; STEPS steps, ITERS timed.
 #   mid  4B shape, where both fit (no cap): ZeRO-2 and ZeRO-3 tokens/s on the same batch.
 #   cp   0.6B shape (CP_SHAPE), one multi-turn-length sample of CP_SEQ=32768 tokens:
@@ -19,7 +20,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${WORK:-/tmp/manta_shards}; mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 PARTS=${PARTS:-big mid cp}; STEPS=${STEPS:-3}; ITERS=${ITERS:-2}
-GPU_CAP=${GPU_CAP_GIB:-79.6}; GLOBAL8=${GLOBAL8:-8}; SEQ8=${SEQ8:-4096}
+GPU_CAP=${GPU_CAP_GIB-79.6}; GLOBAL8=${GLOBAL8:-8}; SEQ8=${SEQ8:-4096}
 CP_SHAPE=${CP_SHAPE:-0.6b}; CP_SEQ=${CP_SEQ:-32768}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 
@@ -63,7 +64,8 @@ done
 python3 - "$OUT" "$W" "$GPU_CAP" <<'PY'
 import datetime, json, os, sys
 import torch
-out, work, cap = sys.argv[1], sys.argv[2], float(sys.argv[3])
+out, work = sys.argv[1], sys.argv[2]
+cap = float(sys.argv[3]) if sys.argv[3] else None
 PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16
 
 def rank_json(name, r):

@@ -34,9 +34,9 @@ use manta_model::{CausalLm, ModelConfig, Recompute};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
-use manta_trainer::TrainerError;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::TrainerError;
 use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -66,7 +66,8 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
         logprob_chunk: 1024,
         // RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations
         // would not fit otherwise).
-        recompute: (std::env::var("RECOMPUTE").as_deref() == Ok("1")).then_some(Recompute::EVERY_LAYER),
+        recompute: (std::env::var("RECOMPUTE").as_deref() == Ok("1"))
+            .then_some(Recompute::EVERY_LAYER),
         algo: Default::default(),
     }
 }
@@ -148,7 +149,10 @@ fn ballast(rank: usize) -> anyhow::Result<Option<(Tensor, usize)>> {
     );
     let bytes = total - keep;
     let t = Tensor::empty([bytes as i64], (Kind::Uint8, Device::Cuda(rank)));
-    eprintln!("rank {rank}: ballast of {:.1} GiB holds the card to {cap} GiB", bytes as f64 / (1u64 << 30) as f64);
+    eprintln!(
+        "rank {rank}: ballast of {:.1} GiB holds the card to {cap} GiB",
+        bytes as f64 / (1u64 << 30) as f64
+    );
     Ok(Some((t, bytes)))
 }
 

@@ -187,7 +187,10 @@ impl TrainerRoots {
             };
             // One line when the collective starts: a peer lost from here on is lost
             // mid-broadcast (what the fault runs aim at).
-            info!(tensors = tensors.len(), bytes, "broadcasting the trainer's weights");
+            info!(
+                tensors = tensors.len(),
+                bytes, "broadcasting the trainer's weights"
+            );
             let collective = Instant::now();
             if let Err(e) = g.broadcast(&tensors, 0) {
                 // Aborted before it is dropped: dropping waits on no peer.
