@@ -36,12 +36,12 @@
 # MODEL_SHAPE=8b gives the random model Qwen3-8B's shape.
 # FAULT=engine@N or trainer@N (trainer-* modes): once step N is reported, SIGKILL worker B
 # (the engine's) or worker A (the trainer's, which then restarts from its last checkpoint:
-# add --save-interval 1 to DRIVER_ARGS); FAULT=engine-sync@N: SIGKILL worker B as soon as
-# worker A starts the broadcast after step N (trainer-nccl: mid-broadcast for a large
-# enough model; worker A's log says whether its collective failed). Either way the
-# worker starts again FAULT_RESTART_S (3) seconds
-# later in the same directory; writes fault.txt (when, what) and checks trained_ids.jsonl
-# (every sample id trained exactly once).
+# add "--save DIR --save-interval 1" to DRIVER_ARGS, else from its initial weights);
+# FAULT=engine-sync@N: SIGKILL worker B as soon as worker A starts the broadcast after
+# step N (trainer-nccl: mid-broadcast for a large enough model; worker A's log says
+# whether its collective failed). Either way the worker starts again FAULT_RESTART_S (3)
+# seconds later in the same directory; writes fault.txt (when, what) and checks
+# trained_ids.jsonl (every sample id trained exactly once).
 set -euo pipefail
 if [ "${1:-}" = build ]; then
   cargo build --release -p manta-driver --bin driver --bin worker

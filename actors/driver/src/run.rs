@@ -11,7 +11,7 @@ use manta_rollout::ors::OrsClient;
 use manta_rollout::TaskRef;
 use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
 use ractor::{call, Actor};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
@@ -204,6 +204,14 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         anyhow::bail!(
             "--save-hf exports the run's final checkpoint: it needs --save DIR (and training: \
              --debug-rollout-only writes no checkpoint)"
+        );
+    }
+    if let (Some(n), None) = (args.save_interval, settings.save.as_ref()) {
+        // Asked for checkpoints but gave them nowhere to go: say so before the run, not
+        // after a lost trainer restarts from its initial weights.
+        warn!(
+            "--save-interval {n} without --save DIR writes no checkpoint: a lost trainer \
+             restarts from its initial weights and re-runs the steps since"
         );
     }
     info!(

@@ -44,6 +44,9 @@ pub struct MemoryPlan {
     pub reference_weights: u64,
     pub activations: u64,
     pub logits: u64,
+    /// ZeRO-3: the weights not counted in `weights` (all but what is gathered at once),
+    /// still whole on the GPU while the optimizer makes their shards.
+    pub whole_weights_at_build: u64,
 }
 
 impl MemoryPlan {
@@ -51,6 +54,17 @@ impl MemoryPlan {
     pub fn static_bytes(&self) -> u64 {
         self.weights
             + self.gradients
+            + self.master_weights
+            + self.adam_moments
+            + self.shards
+            + self.reference_weights
+    }
+
+    /// What is allocated while the optimizer is built: every shard and moment, beside
+    /// the whole weights (no gradients yet). Above `static_bytes` only under ZeRO-3.
+    pub fn build_bytes(&self) -> u64 {
+        self.weights
+            + self.whole_weights_at_build
             + self.master_weights
             + self.adam_moments
             + self.shards
@@ -69,7 +83,8 @@ impl MemoryPlan {
     "the trainer needs {need_gib:.1} GiB per GPU for weights, gradients and optimizer state \
      alone (weights {weights_gib:.1}, gradients {grads_gib:.1}, fp32 masters {master_gib:.1}, \
      AdamW moments {moments_gib:.1}, ZeRO shards {shards_gib:.1}, reference model \
-     {reference_gib:.1}), more than the \
+     {reference_gib:.1}, whole weights while the ZeRO-3 shards are made {build_gib:.1}), \
+     more than the \
      {capacity_gib:.1} GiB GPU holds: spread the optimizer state over more data-parallel \
      ranks ([trainer] gpus), drop --use-kl-loss's reference model, or use GPUs with more memory"
 )]
@@ -81,6 +96,9 @@ pub struct DoesNotFit {
     pub moments_gib: f64,
     pub shards_gib: f64,
     pub reference_gib: f64,
+    /// ZeRO-3: the whole weights still on the GPU while the optimizer is built (0 when
+    /// the steady state, not the build, is what does not fit).
+    pub build_gib: f64,
     pub capacity_gib: f64,
 }
 
@@ -199,23 +217,31 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
         },
         activations: kept_layers * per_layer + recomputed_inputs + rebuilding,
         logits,
+        whole_weights_at_build: weight_bytes * (p - resident.min(p)),
     }
 }
 
 /// Refuses a plan whose static part alone exceeds `capacity` bytes.
 pub fn check(plan: &MemoryPlan, capacity: u64) -> Result<(), DoesNotFit> {
-    if plan.static_bytes() <= capacity {
+    let need = plan.static_bytes().max(plan.build_bytes());
+    if need <= capacity {
         return Ok(());
     }
     let gib = |b: u64| b as f64 / GIB;
+    let building = plan.build_bytes() > plan.static_bytes();
     Err(DoesNotFit {
-        need_gib: gib(plan.static_bytes()),
+        need_gib: gib(need),
         weights_gib: gib(plan.weights),
         grads_gib: gib(plan.gradients),
         master_gib: gib(plan.master_weights),
         moments_gib: gib(plan.adam_moments),
         shards_gib: gib(plan.shards),
         reference_gib: gib(plan.reference_weights),
+        build_gib: if building {
+            gib(plan.whole_weights_at_build)
+        } else {
+            0.0
+        },
         capacity_gib: gib(capacity),
     })
 }
@@ -324,10 +350,19 @@ mod tests {
         let whole = 2 * (outer_parameter_count(&cfg) + layer_parameter_count(&cfg));
         assert_eq!((three.weights, three.gradients), (whole, whole));
         assert!(three.static_bytes() < two.static_bytes());
-        // 8B over two ranks: ZeRO-2's static state does not fit an 80 GB card, ZeRO-3's does.
+        // 8B over two ranks: ZeRO-2's static state does not fit an 80 GB card. ZeRO-3's
+        // does, but not while its shards are made beside the whole bf16 model (2 × 8.19B
+        // bytes + 18 bytes a parameter over two ranks = 83.9 GiB): the device run at
+        // 79.6 GiB ran out of memory exactly there. An H200 holds both.
         let h100 = 80 * (1u64 << 30);
         assert!(check(&two, h100).is_err());
-        assert!(check(&three, h100).is_ok(), "{three:?}");
+        assert!(three.static_bytes() < h100, "{three:?}");
+        let gib = three.build_bytes() as f64 / (1u64 << 30) as f64;
+        assert!((83.0..85.0).contains(&gib), "{gib}");
+        let err = check(&three, h100).unwrap_err().to_string();
+        assert!(err.contains("while the ZeRO-3 shards are made"), "{err}");
+        assert!(check(&three, 141 * (1u64 << 30)).is_ok());
+        assert_eq!(two.build_bytes(), two.static_bytes() - two.gradients);
         // Uniform groups of 4 gather four layers at once; block keeps its tail gathered.
         let four = plan(
             &cfg,

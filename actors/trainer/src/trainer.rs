@@ -348,6 +348,7 @@ fn check_memory(
     info!(
         device = index,
         static_gib = gib(plan.static_bytes()),
+        build_gib = gib(plan.build_bytes()),
         activations_gib = gib(plan.activations + plan.logits),
         peak_gib = gib(plan.peak()),
         "trainer memory plan per GPU"
