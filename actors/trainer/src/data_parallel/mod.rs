@@ -125,6 +125,24 @@ pub trait Collective: Send {
     }
 }
 
+/// The ranks' parts (one per rank, in rank order) combined in rank order, so every rank
+/// that combines the same parts gets the same bits; [`ReduceOp::Mean`] divides by `world`.
+pub(crate) fn combine_in_rank_order(parts: &[Tensor], op: ReduceOp, world: usize) -> Tensor {
+    let mut acc = parts[0].copy();
+    for p in &parts[1..] {
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => {
+                let _ = acc.g_add_(p);
+            }
+            ReduceOp::Max => acc = acc.maximum(p),
+        }
+    }
+    if op == ReduceOp::Mean {
+        let _ = acc.g_div_scalar_(world as f64);
+    }
+    acc
+}
+
 /// Checks what every backend needs of a collective's tensors: flat, contiguous, on the
 /// group's device, one kind, and `big = world × small` elements.
 pub(crate) fn check_pair(

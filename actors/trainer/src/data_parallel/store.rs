@@ -36,7 +36,10 @@ use std::time::{Duration, Instant};
 use manta_cuda::rendezvous::{StoreError, TcpStore};
 use tch::{Device, Kind, Tensor};
 
-use super::{check_flat, check_pair, check_rank, Collective, CollectiveError, ReduceOp};
+use super::{
+    check_flat, check_pair, check_rank, combine_in_rank_order, Collective, CollectiveError,
+    ReduceOp,
+};
 
 /// Where a group's store is and who this rank is in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,23 +321,6 @@ impl StoreCollective {
         }
         Ok(received)
     }
-
-    /// The parts combined in rank order, exactly as [`super::ThreadCollective`] does.
-    fn combine(&self, parts: &[Tensor], op: ReduceOp) -> Tensor {
-        let mut acc = parts[0].copy();
-        for p in &parts[1..] {
-            match op {
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    let _ = acc.g_add_(p);
-                }
-                ReduceOp::Max => acc = acc.maximum(p),
-            }
-        }
-        if op == ReduceOp::Mean {
-            let _ = acc.g_div_scalar_(self.world as f64);
-        }
-        acc
-    }
 }
 
 fn all_present(
@@ -381,7 +367,7 @@ impl Collective for StoreCollective {
             .collect();
         let like = vec![Some(&*output); self.world];
         let parts = all_present(OP, self.exchange(OP, &outgoing, &like)?)?;
-        let result = self.combine(&parts, op);
+        let result = combine_in_rank_order(&parts, op, self.world);
         tch::no_grad(|| output.copy_(&result));
         Ok(())
     }
@@ -408,7 +394,7 @@ impl Collective for StoreCollective {
             .collect();
         let like = vec![Some(&mine); self.world];
         let parts = all_present(OP, self.exchange(OP, &outgoing, &like)?)?;
-        let result = self.combine(&parts, op);
+        let result = combine_in_rank_order(&parts, op, self.world);
         tch::no_grad(|| tensor.copy_(&result));
         Ok(())
     }

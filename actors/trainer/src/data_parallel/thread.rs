@@ -10,7 +10,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::{Device, Tensor};
 
-use super::{check_flat, check_pair, check_rank, Collective, CollectiveError, ReduceOp};
+use super::{
+    check_flat, check_pair, check_rank, combine_in_rank_order, Collective, CollectiveError,
+    ReduceOp,
+};
 
 /// One rank's contribution to the collective in progress.
 struct Deposit {
@@ -148,23 +151,6 @@ impl ThreadCollective {
         }
         Ok(out)
     }
-
-    /// The deposits combined in rank order (identical bits on every rank).
-    fn combine(&self, parts: &[Tensor], op: ReduceOp) -> Tensor {
-        let mut acc = parts[0].copy();
-        for p in &parts[1..] {
-            match op {
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    let _ = acc.g_add_(p);
-                }
-                ReduceOp::Max => acc = acc.maximum(p),
-            }
-        }
-        if op == ReduceOp::Mean {
-            let _ = acc.g_div_scalar_(self.group.world as f64);
-        }
-        acc
-    }
 }
 
 impl Drop for ThreadCollective {
@@ -209,7 +195,7 @@ impl Collective for ThreadCollective {
             .iter()
             .map(|p| p.narrow(0, self.rank as i64 * n, n))
             .collect();
-        let result = self.combine(&mine, op);
+        let result = combine_in_rank_order(&mine, op, self.group.world);
         self.barrier()?;
         tch::no_grad(|| output.copy_(&result));
         Ok(())
@@ -227,7 +213,7 @@ impl Collective for ThreadCollective {
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError> {
         check_flat("all_reduce", Device::Cpu, tensor)?;
         let parts = self.exchange("all_reduce", tensor)?;
-        let result = self.combine(&parts, op);
+        let result = combine_in_rank_order(&parts, op, self.group.world);
         self.barrier()?;
         tch::no_grad(|| tensor.copy_(&result));
         Ok(())
