@@ -341,14 +341,16 @@ async fn trainer_lost(state: &mut DriverState, step: u64, cause: &str) -> Result
                 .and_then(|n| n.strip_prefix("step_"))
                 .and_then(|n| n.parse::<u64>().ok())
                 .unwrap_or(0);
+            // One line that says what was lost and where the run picks up again.
             warn!(
                 step,
                 restored_step = from,
-                "{cause}; restarting the trainer from {}",
+                "{cause}; restarting the trainer from {}; the run resumes at step {}",
                 latest
                     .as_ref()
                     .map(|c| format!("checkpoint {}", c.display()))
-                    .unwrap_or_else(|| "its initial weights (no checkpoint yet)".into())
+                    .unwrap_or_else(|| "its initial weights (no checkpoint yet)".into()),
+                from + 1
             );
             restart_trainer(state, latest.as_deref())
                 .await

@@ -18,6 +18,7 @@ use manta_proto::trainer as tpb;
 use manta_runtime::{ClientTls, Lease, WorkerClient};
 use tracing::info;
 
+use crate::trainer_handle::data_parallel::RestartRanks;
 use crate::trainer_handle::rank_checkpoints::WorkerCheckpoints;
 use crate::trainer_handle::TrainerHandle;
 
@@ -80,62 +81,47 @@ pub async fn place(
             .with_context(|| format!("[trainer] ranks[{r}] (node {})", place.node))?;
         clients.push(client);
     }
-    let group = manta_cuda::weight_group::unique_name("trainer-ranks");
-    let rank0_gpu = ranks[0].gpu;
-    let request = tpb::OpenRankGroupRequest {
-        group: group.clone(),
-        world_size: world as u32,
-        backend: match rank0_gpu {
-            Some(_) => tpb::RankBackend::Nccl,
-            None => tpb::RankBackend::Store,
-        } as i32,
-        gpu: rank0_gpu.unwrap_or(0),
-        timeout_s: STORE_WAIT.as_secs() as u32,
+    let opener = GroupOpener {
+        rank0: clients[0].clone(),
+        world,
+        rank0_gpu: ranks[0].gpu,
+        master_address: node_host(&cluster.nodes[ranks[0].node].address),
+        // The first rank of each node writes that node's weights and state.
+        owners: (0..world)
+            .map(|r| !ranks[..r].iter().any(|o| o.node == ranks[r].node))
+            .collect(),
+        spawn_timeout: Duration::from_secs(cluster.spawn_timeout_s),
     };
-    let opened = clients[0]
-        .open_rank_group(request, Duration::from_secs(cluster.spawn_timeout_s))
+    let places = opener
+        .open()
         .await
-        .map_err(in_cluster)
-        .context("opening the trainer ranks' group on rank 0's worker")?;
-    let link = match rank0_gpu {
-        Some(_) => RankLink::Nccl {
-            unique_id: opened.nccl_unique_id,
-        },
-        None => RankLink::Store {
-            master_address: node_host(&cluster.nodes[ranks[0].node].address),
-            port: u16::try_from(opened.store_port).context("rank 0's store port")?,
-            timeout_s: STORE_WAIT.as_secs(),
-        },
-    };
-    let starts = ranks.iter().enumerate().map(|(r, place)| {
-        let spawn = TrainerSpawnConfig {
-            rank: Some(RankSpawn {
-                group: group.clone(),
-                rank: r,
-                world,
-                link: link.clone(),
-                // The first rank of each node writes that node's weights and state.
-                checkpoint_owner: !ranks[..r].iter().any(|o| o.node == place.node),
-            }),
-            ..TrainerSpawnConfig::from_options(options)
-        };
-        let (client, gpus) = (clients[r].clone(), place.gpu.into_iter().collect());
-        let spawn_timeout = Duration::from_secs(cluster.spawn_timeout_s);
-        let (interval, dead_after) = (reach.heartbeat_interval, reach.dead_after);
-        async move {
-            let name = format!("trainer-rank-{r}");
-            RemoteTrainer::start(
-                client,
-                &name,
-                spawn,
-                gpus,
-                spawn_timeout,
-                interval,
-                dead_after,
-            )
-            .await
-        }
-    });
+        .map_err(|e| e.context(format!("cluster {}", cluster.path.display())))?;
+    let starts = ranks
+        .iter()
+        .zip(places)
+        .enumerate()
+        .map(|(r, (place, rank))| {
+            let spawn = TrainerSpawnConfig {
+                rank: Some(rank),
+                ..TrainerSpawnConfig::from_options(options)
+            };
+            let (client, gpus) = (clients[r].clone(), place.gpu.into_iter().collect());
+            let spawn_timeout = opener.spawn_timeout;
+            let (interval, dead_after) = (reach.heartbeat_interval, reach.dead_after);
+            async move {
+                let name = format!("trainer-rank-{r}");
+                RemoteTrainer::start(
+                    client,
+                    &name,
+                    spawn,
+                    gpus,
+                    spawn_timeout,
+                    interval,
+                    dead_after,
+                )
+                .await
+            }
+        });
     let mut started = Vec::with_capacity(world);
     let mut first_error = None;
     for (r, result) in join_all(starts).await.into_iter().enumerate() {
@@ -167,15 +153,140 @@ pub async fn place(
         .collect();
     info!(
         world,
-        backend = if rank0_gpu.is_some() { "nccl" } else { "store" },
+        backend = if opener.rank0_gpu.is_some() { "nccl" } else { "store" },
         nodes = ?nodes,
         "trainer ranks started on workers"
     );
     let rank0 = started[0].clone();
+    let regroup = Arc::new(WorkerRankGroup {
+        ranks: started.clone(),
+        opener,
+    });
     let handle = TrainerHandle::worker_ranks(
         started,
         options.algo.num_steps_per_rollout,
         WorkerCheckpoints { run, nodes },
+        regroup,
     );
     Ok(PlacedRanks { handle, rank0 })
+}
+
+/// What opens the ranks' group on rank 0's worker (`OpenRankGroup`) — at placement and
+/// again whenever the ranks are re-created, since a group's NCCL id or store lives only
+/// as long as its ranks.
+struct GroupOpener {
+    rank0: WorkerClient,
+    world: usize,
+    /// Rank 0's GPU (NCCL ranks), or `None` for CPU ranks over a store.
+    rank0_gpu: Option<u32>,
+    /// The host the other ranks reach rank 0's store at.
+    master_address: String,
+    /// Per rank: whether it writes its node's weights and state in a checkpoint.
+    owners: Vec<bool>,
+    spawn_timeout: Duration,
+}
+
+impl GroupOpener {
+    /// Opens a new group under a fresh name and returns every rank's place in it, in
+    /// rank order, for its spawn config.
+    async fn open(&self) -> anyhow::Result<Vec<RankSpawn>> {
+        let group = manta_cuda::weight_group::unique_name("trainer-ranks");
+        let request = tpb::OpenRankGroupRequest {
+            group: group.clone(),
+            world_size: self.world as u32,
+            backend: match self.rank0_gpu {
+                Some(_) => tpb::RankBackend::Nccl,
+                None => tpb::RankBackend::Store,
+            } as i32,
+            gpu: self.rank0_gpu.unwrap_or(0),
+            timeout_s: STORE_WAIT.as_secs() as u32,
+        };
+        let opened = self
+            .rank0
+            .open_rank_group(request, self.spawn_timeout)
+            .await
+            .context("opening the trainer ranks' group on rank 0's worker")?;
+        let link = match self.rank0_gpu {
+            Some(_) => RankLink::Nccl {
+                unique_id: opened.nccl_unique_id,
+            },
+            None => RankLink::Store {
+                master_address: self.master_address.clone(),
+                port: u16::try_from(opened.store_port).context("rank 0's store port")?,
+                timeout_s: STORE_WAIT.as_secs(),
+            },
+        };
+        Ok(self
+            .owners
+            .iter()
+            .enumerate()
+            .map(|(rank, &checkpoint_owner)| RankSpawn {
+                group: group.clone(),
+                rank,
+                world: self.world,
+                link: link.clone(),
+                checkpoint_owner,
+            })
+            .collect())
+    }
+}
+
+/// The ranks on workers, re-created together as a new group when one is lost: a rank
+/// cannot rejoin its old group (the NCCL id or store is gone, or its peers wait on a
+/// collective it never finished), so every rank is stopped, the lost worker waited for,
+/// a new group opened and every rank spawned into it with its initial weights; the
+/// driver then restores the last checkpoint as it does for one trainer.
+struct WorkerRankGroup {
+    ranks: Vec<Arc<RemoteTrainer>>,
+    opener: GroupOpener,
+}
+
+#[async_trait::async_trait]
+impl RestartRanks for WorkerRankGroup {
+    async fn restart(&self, timeout: Duration) -> anyhow::Result<()> {
+        if let Some(gpu) = self.opener.rank0_gpu {
+            // An NCCL rank left waiting for the lost one keeps its kernel and memory on
+            // its GPU (its communicator is not aborted when the rank is stopped), so a
+            // new rank there could not join a new group.
+            anyhow::bail!(
+                "re-creating NCCL ranks (rank 0 on GPU {gpu}) is not built: the surviving \
+                 ranks' communicators cannot be aborted yet; restart their workers and \
+                 resume with --load"
+            );
+        }
+        // Stopping a rank ends its collective waits (its worker aborts them), so no
+        // survivor is left waiting for the lost rank.
+        join_all(self.ranks.iter().map(|r| r.stop_hosted())).await;
+        for (r, result) in join_all(self.ranks.iter().map(|t| t.wait_for_node(timeout)))
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            result.with_context(|| format!("trainer rank {r}"))?;
+        }
+        let places = self.opener.open().await?;
+        // At once: each rank waits in its first collective for the others.
+        let spawns = self
+            .ranks
+            .iter()
+            .zip(places)
+            .map(|(t, place)| t.respawn(Some(place)));
+        let mut first_error = None;
+        for (r, result) in join_all(spawns).await.into_iter().enumerate() {
+            if let Err(e) = result {
+                first_error.get_or_insert_with(|| {
+                    anyhow::Error::new(e).context(format!("re-creating trainer rank {r}"))
+                });
+            }
+        }
+        if let Some(e) = first_error {
+            join_all(self.ranks.iter().map(|r| r.stop_hosted())).await;
+            return Err(e);
+        }
+        info!(
+            world = self.ranks.len(),
+            "trainer ranks re-created as a new group on their workers"
+        );
+        Ok(())
+    }
 }

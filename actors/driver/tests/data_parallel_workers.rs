@@ -406,9 +406,9 @@ fn rank_0s_worker_roots_the_weight_sync_to_the_engines() {
     assert!(a.contains("trainer spawned") && b.contains("trainer spawned"));
 }
 
-/// Worker B (rank 1) is SIGKILLed mid-run: the driver stops at once — rank 0 would wait
-/// for rank 1 in a collective, so it is not awaited — saying that ranks on workers are
-/// not re-created and how to resume. Worker B started again in the same directory, the
+/// Worker B (rank 1) is SIGKILLed mid-run under `on_failure = "stop"`: the driver stops
+/// at once — rank 0 would wait for rank 1 in a collective, so it is not awaited — saying
+/// how to resume. Worker B started again in the same directory, the
 /// run resumes from the checkpoint each worker kept and ends with the same bits as a run
 /// that was never interrupted.
 #[test]
@@ -422,7 +422,7 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
         dir,
         "killed.toml",
         c.ports,
-        "ranks = [{ node = 0 }, { node = 1 }]",
+        "ranks = [{ node = 0 }, { node = 1 }]\non_failure = \"stop\"",
     );
     // heartbeat_interval_ms / dead_after_ms are cluster keys: insert them.
     let text = std::fs::read_to_string(&cluster).unwrap().replace(
@@ -473,7 +473,7 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
         killed_at.elapsed()
     );
     assert!(
-        stderr.contains("re-creating data-parallel ranks on workers is not built")
+        stderr.contains("on_failure = \"stop\": the run stops here")
             && stderr.contains(&format!("--load {}", save.display())),
         "{stderr}"
     );
@@ -492,4 +492,114 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
     let resumed =
         sorted_weights(&c.cwds[1].join("manta-checkpoints/killed/step_000006/model.safetensors"));
     assert_bit_identical(&whole, &resumed, "uninterrupted vs killed and resumed");
+}
+
+/// Worker B (rank 1) is SIGKILLed after step 2's checkpoint under `on_failure =
+/// "restart"` and started again in its directory on its port: the driver stops rank 0
+/// (ending its wait for rank 1), waits for B, opens a new store group, re-creates both
+/// ranks from the checkpoint each worker kept and re-runs the steps after it, so the run
+/// finishes by itself with the bits of an uninterrupted run, every sample trained once,
+/// and a log line naming the lost rank and the step the run resumes at.
+#[test]
+fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
+    const STEPS: u64 = 6;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let data = debug_data(dir, STEPS as usize, 11);
+    let mut c = two_workers(dir);
+    let cluster = fast_failure_cluster(
+        dir,
+        "restart.toml",
+        c.ports,
+        "ranks = [{ node = 0 }, { node = 1 }]\non_failure = \"restart\"\nrestart_timeout_s = 120",
+    );
+    let argv = |save: &Path, runs: &Path, run: &str| {
+        let mut a = args(&cluster, &data, save, runs, run);
+        let i = a.iter().position(|s| s == "--num-rollout").unwrap();
+        a[i + 1] = STEPS.to_string();
+        a
+    };
+    let trained = |runs: &Path, run: &str| -> Vec<(u64, Vec<u64>)> {
+        std::fs::read_to_string(runs.join(run).join("trained_ids.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                let ids = v["ids"].as_array().unwrap();
+                let ids = ids.iter().map(|i| i.as_u64().unwrap()).collect();
+                (v["step"].as_u64().unwrap(), ids)
+            })
+            .collect()
+    };
+    let final_weights = |cwd: &Path, run: &str| {
+        sorted_weights(&cwd.join(format!(
+            "manta-checkpoints/{run}/step_{STEPS:06}/model.safetensors"
+        )))
+    };
+
+    // Uninterrupted, for reference.
+    let (save, runs) = (dir.join("ckpt-whole"), dir.join("runs-whole"));
+    assert_success(run_driver(dir, &argv(&save, &runs, "whole")));
+    let whole = final_weights(&c.cwds[0], "whole");
+    let whole_ids = trained(&runs, "whole");
+
+    // Worker B killed once step 2's checkpoint is there, and back after the driver has
+    // seen it go (dead_after_ms = 600).
+    let (save, runs) = (dir.join("ckpt-restart"), dir.join("runs-restart"));
+    let driver = {
+        let (argv, dir) = (argv(&save, &runs, "restart"), dir.to_path_buf());
+        std::thread::spawn(move || run_driver(&dir, &argv))
+    };
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(save.join("latest")).map_or(true, |l| l.trim() < "step_000002") {
+        assert!(started.elapsed() < DEADLINE, "no checkpoint of step 2");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = c.workers[1].0.kill();
+    let _ = c.workers[1].0.wait();
+    std::thread::sleep(Duration::from_millis(1500));
+    c.workers[1] = start_worker_in(&c.cwds[1], c.ports[1], TOKEN);
+    let out = driver.join().unwrap();
+    let stderr = common::plain(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the run did not recover\nstderr:\n{stderr}\nworkers:\n{}",
+        worker_logs(&c.cwds)
+    );
+    if !stderr.contains("was lost") {
+        panic!("the run finished before worker B's loss was seen\n{stderr}");
+    }
+    // One line names the lost rank, the checkpoint and the step the run goes on from.
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("was lost") && l.contains("restarting the trainer from checkpoint"))
+        .unwrap_or_else(|| panic!("no recovery line\n{stderr}"));
+    assert!(
+        line.contains(&format!("127.0.0.1:{}", c.ports[1]))
+            && line.contains("data-parallel rank 1 of 2")
+            && line.contains("the run resumes at step"),
+        "{line}"
+    );
+    // Worker A hosted rank 0 for the reference run, this run, and its re-created group.
+    let a = std::fs::read_to_string(log_of(&c.cwds[0])).unwrap();
+    assert_eq!(a.matches("trainer spawned").count(), 3, "{a}");
+
+    // The same bits on both workers as the uninterrupted run's.
+    for cwd in &c.cwds {
+        let recovered = final_weights(cwd, "restart");
+        assert_bit_identical(&whole, &recovered, "uninterrupted vs recovered");
+    }
+    // Every step recorded once, each sample trained exactly once, as in the reference.
+    let ids = trained(&runs, "restart");
+    let steps: Vec<u64> = ids.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "{stderr}");
+    assert_eq!(ids, whole_ids);
+    let mut all: Vec<u64> = ids.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+    let n = all.len();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), n, "a sample was trained twice");
+    let rows = metrics(&runs, "restart");
+    let steps: Vec<u64> = rows.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
 }

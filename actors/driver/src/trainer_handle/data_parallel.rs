@@ -87,15 +87,18 @@ impl TrainerHandle {
             kind,
             checkpoints: RankCheckpoints::Shared,
             where_: "the driver process (data-parallel ranks)".into(),
+            regroup: None,
         })
     }
 
     /// The ranks of a ZeRO-2 group on worker daemons, rank 0 first, each started by
-    /// crate::remote_ranks; their checkpoints stay on their own workers.
+    /// crate::remote_ranks; their checkpoints stay on their own workers; `regroup`
+    /// re-creates them all as a new group when one is lost.
     pub fn worker_ranks(
         ranks: Vec<Arc<RemoteTrainer>>,
         steps_per_rollout: usize,
         checkpoints: WorkerCheckpoints,
+        regroup: Arc<dyn RestartRanks>,
     ) -> Self {
         let where_ = format!("data-parallel ranks on {}", checkpoints.nodes.join(", "));
         Self::new(RankGroup {
@@ -108,6 +111,7 @@ impl TrainerHandle {
             kind: RankGroupKind::Zero2,
             checkpoints: RankCheckpoints::OnWorkers(checkpoints),
             where_,
+            regroup: Some(regroup),
         })
     }
 }
@@ -237,6 +241,19 @@ struct RankGroup {
     checkpoints: RankCheckpoints,
     /// Where the group runs, for its errors.
     where_: String,
+    /// How the whole group is re-created after a rank was lost (ranks on workers); local
+    /// ranks live and die with the driver process.
+    regroup: Option<Arc<dyn RestartRanks>>,
+}
+
+/// Re-creates every rank of a group on workers as a new group with its initial weights
+/// (crate::remote_ranks): the one way a lost rank comes back, called by the driver's
+/// trainer recovery through [`TrainerBackend::restart`] like a lone remote trainer's.
+#[async_trait::async_trait]
+pub trait RestartRanks: Send + Sync {
+    /// Stops the surviving ranks (ending their collective waits), waits up to `timeout`
+    /// for every rank's worker to answer, opens a new group and spawns every rank in it.
+    async fn restart(&self, timeout: Duration) -> anyhow::Result<()>;
 }
 
 impl RankGroup {
@@ -268,9 +285,14 @@ where
         .collect();
     let mut results: Vec<Option<Result<T, TrainerCallError>>> =
         (0..pending.len()).map(|_| None).collect();
+    let world = pending.len();
     while let Some((rank, result)) = pending.next().await {
-        if let Err(lost @ TrainerCallError::Lost { .. }) = result {
-            return Err(lost);
+        if let Err(TrainerCallError::Lost { addr, reason }) = result {
+            // The log then says which rank went with its worker.
+            return Err(TrainerCallError::Lost {
+                addr,
+                reason: format!("data-parallel rank {rank} of {world}: {reason}"),
+            });
         }
         results[rank] = Some(result);
     }
@@ -431,12 +453,13 @@ impl TrainerBackend for RankGroup {
         self.ranks[0].worker_addr()
     }
 
-    async fn restart(&self, _timeout: Duration) -> anyhow::Result<()> {
-        // One rank alone cannot rejoin: its group's NCCL id or store died with it.
-        anyhow::bail!(
-            "re-creating data-parallel ranks on workers is not built (the whole group would \
-             need a new NCCL id or store); resume the run with --load"
-        )
+    /// One rank alone cannot rejoin (its group's NCCL id or store died with it), so the
+    /// whole group is re-created; the caller restores the last checkpoint after.
+    async fn restart(&self, timeout: Duration) -> anyhow::Result<()> {
+        match &self.regroup {
+            Some(regroup) => regroup.restart(timeout).await,
+            None => anyhow::bail!("only data-parallel ranks on workers can be re-created"),
+        }
     }
 
     async fn shutdown(&self) {

@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::client::TrainerCalls;
+use super::rank_group::RankSpawn;
 use super::spawn::TrainerSpawnConfig;
 use crate::weights::{WeightSet, WeightSyncCalls};
 
@@ -29,7 +30,9 @@ pub enum TrainerCallError {
 pub struct RemoteTrainer {
     client: WorkerClient,
     name: String,
-    spawn: TrainerSpawnConfig,
+    /// What the trainer is re-created from; a data-parallel rank's place in its group
+    /// is replaced when the group is opened again ([`RemoteTrainer::respawn`]).
+    spawn: std::sync::Mutex<TrainerSpawnConfig>,
     gpus: Vec<u32>,
     spawn_timeout: Duration,
     live: watch::Sender<bool>,
@@ -91,7 +94,7 @@ impl RemoteTrainer {
         Ok(Self {
             client,
             name: name.to_string(),
-            spawn,
+            spawn: std::sync::Mutex::new(spawn),
             gpus,
             spawn_timeout,
             live,
@@ -197,12 +200,17 @@ impl RemoteTrainer {
     /// Waits (up to `timeout`) for the node to answer, then re-creates the trainer from
     /// its spawn config (initial weights); the caller restores a checkpoint after.
     pub async fn restart(&self, timeout: Duration) -> Result<(), RuntimeError> {
-        let mut generation = self.weights.write().await;
-        *generation += 1;
+        self.wait_for_node(timeout).await?;
+        self.respawn(None).await
+    }
+
+    /// Waits (up to `timeout`) until the trainer's worker answers: a lost worker has to
+    /// come back before anything can be placed on it again.
+    pub async fn wait_for_node(&self, timeout: Duration) -> Result<(), RuntimeError> {
         let started = Instant::now();
         loop {
             match self.client.describe(Duration::from_secs(2)).await {
-                Ok(_) => break,
+                Ok(_) => return Ok(()),
                 Err(e) if started.elapsed() >= timeout => {
                     return Err(RuntimeError::Node {
                         addr: self.addr().to_string(),
@@ -214,12 +222,35 @@ impl RemoteTrainer {
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
-        // A worker that survived (a hung call, a lost connection) may still host it.
+    }
+
+    /// Stops the trainer on its worker, if the worker still hosts it. For a rank of a
+    /// data-parallel group this ends its collective waits (its worker aborts them), so
+    /// surviving ranks are free before the group is opened again; an unreachable worker
+    /// is only logged, since it hosts nothing that could wait.
+    pub async fn stop_hosted(&self) {
         if let Err(e) = self.client.stop_actor(&self.name).await {
-            warn!(node = self.addr(), error = %e, "no old trainer to stop");
+            info!(node = self.addr(), trainer = %self.name, error = %e, "no trainer to stop");
         }
+    }
+
+    /// Re-creates the trainer on its (answering) worker from its spawn config, with
+    /// `rank` as its new place when its data-parallel group was opened again (the old
+    /// group's NCCL id or store is gone). A copy still hosted there is stopped first.
+    pub async fn respawn(&self, rank: Option<RankSpawn>) -> Result<(), RuntimeError> {
+        let mut generation = self.weights.write().await;
+        *generation += 1;
+        // A worker that survived (a hung call, a lost connection) may still host it.
+        self.stop_hosted().await;
+        let spawn = {
+            let mut spawn = self.spawn.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(rank) = rank {
+                spawn.rank = Some(rank);
+            }
+            spawn.clone()
+        };
         self.client
-            .spawn_trainer(&self.name, &self.spawn, &self.gpus, self.spawn_timeout)
+            .spawn_trainer(&self.name, &spawn, &self.gpus, self.spawn_timeout)
             .await?;
         self.incarnation
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
