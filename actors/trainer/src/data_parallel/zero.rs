@@ -213,14 +213,25 @@ impl ZeroAdamW {
         let (rank, world) = (comm.rank(), comm.world_size());
         let shard_numel = layout.shard_numel as i64;
         let zeros = || Tensor::zeros([shard_numel], (Kind::Float, device));
+        // ZeRO-3 allocates the moments and the gradient shard only once the whole
+        // weights it is built from are released (`release_all`): beside them they would
+        // add 12 bytes a parameter over the ranks to the build's peak (8B over two
+        // ranks: 84 GiB instead of 38).
+        let state = || {
+            if stage3 {
+                Tensor::empty([0], (Kind::Float, device))
+            } else {
+                zeros()
+            }
+        };
         let master = zeros();
         let mut me = Self {
             config,
             layout,
             kind,
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
-            grad: zeros(),
+            exp_avg: state(),
+            exp_avg_sq: state(),
+            grad: state(),
             param_shard: if kind == Kind::Float {
                 master.shallow_clone()
             } else {
@@ -291,6 +302,7 @@ impl ZeroAdamW {
     /// without a gradient count as zero. ZeRO-3 reduced each bucket as its backward
     /// ended ([`ZeroAdamW::reduce_bucket`]): nothing is left to do.
     pub fn reduce_gradients(&mut self) -> Result<(), CollectiveError> {
+        self.allocate_state();
         if self.stage3 {
             self.reduced = true;
             return Ok(());
@@ -312,6 +324,7 @@ impl ZeroAdamW {
 
     /// The global gradient's L2 norm (reduces the gradients first if not done yet).
     pub fn grad_norm(&mut self) -> Result<f64, CollectiveError> {
+        self.allocate_state();
         if !self.reduced {
             self.reduce_gradients()?;
         }
@@ -336,6 +349,7 @@ impl ZeroAdamW {
     /// One AdamW update of this rank's shard, then the all-gather of every rank's
     /// updated shard into the parameters.
     pub fn step(&mut self) -> Result<(), CollectiveError> {
+        self.allocate_state();
         if !self.reduced {
             self.reduce_gradients()?;
         }
@@ -436,6 +450,7 @@ impl ZeroAdamW {
     /// Clears the parameters' gradients before the next step (and ZeRO-3's reduced
     /// gradient, which accumulates over the micro-batches).
     pub fn zero_grad(&mut self) {
+        self.allocate_state();
         for p in &self.params {
             let mut g = p.grad();
             if g.defined() {
@@ -507,10 +522,24 @@ impl ZeroAdamW {
         });
     }
 
-    /// Every bucket released ([`ZeroAdamW::release_bucket`]): the parameters at rest.
+    /// Every bucket released ([`ZeroAdamW::release_bucket`]): the parameters at rest,
+    /// and (ZeRO-3) the moments and gradient shard allocated in the room they leave.
     pub fn release_all(&mut self) {
         for b in 0..self.layout.buckets.len() {
             self.release_bucket(b);
+        }
+        self.allocate_state();
+    }
+
+    /// The moments and the fp32 gradient shard, zeros, if not allocated yet (ZeRO-3
+    /// defers them past the build; idempotent).
+    fn allocate_state(&mut self) {
+        let n = self.layout.shard_numel as i64;
+        let device = self.comm.device();
+        for t in [&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.grad] {
+            if t.numel() as i64 != n {
+                *t = Tensor::zeros([n], (Kind::Float, device));
+            }
         }
     }
 
@@ -540,6 +569,7 @@ impl ZeroAdamW {
     /// rank's slice added to `grad`, then the full gradients dropped and the
     /// parameters released. Parameters without a gradient count as zero.
     pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
+        self.allocate_state();
         let flat = tch::no_grad(|| self.take_bucket_grads(b))?;
         let bucket = &self.layout.buckets[b];
         let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
@@ -606,10 +636,18 @@ impl ZeroAdamW {
         // differently, so a resume must use the stage that saved them.
         let stage = Tensor::from(self.zero_stage());
         let bucket_numel = Tensor::from(self.bucket_numel as i64);
+        // Moments not allocated yet (a ZeRO-3 optimizer saved before `release_all`) are
+        // the zeros they would start as.
+        let unallocated = self.exp_avg.numel() != self.master.numel();
+        let zeros = unallocated.then(|| self.master.zeros_like());
+        let (m, v) = match &zeros {
+            Some(z) => (z, z),
+            None => (&self.exp_avg, &self.exp_avg_sq),
+        };
         let named = [
             ("master", &self.master),
-            ("exp_avg", &self.exp_avg),
-            ("exp_avg_sq", &self.exp_avg_sq),
+            ("exp_avg", m),
+            ("exp_avg_sq", v),
             (ZERO_STAGE_KEY, &stage),
             (BUCKET_NUMEL_KEY, &bucket_numel),
         ];
@@ -640,6 +678,7 @@ impl ZeroAdamW {
         if failed[0] > 0.0 {
             return Err("another data-parallel rank could not read its optimizer shard".into());
         }
+        self.allocate_state();
         tch::no_grad(|| {
             self.master.copy_(&staged[0]);
             self.exp_avg.copy_(&staged[1]);
@@ -858,6 +897,26 @@ mod tests {
             ZeroAdamW::new_stage3(params(), config, Box::new(comm), 1).expect("stage 3")
         } else {
             ZeroAdamW::new(params(), config, Box::new(comm), DEFAULT_BUCKET_NUMEL).expect("stage 2")
+        }
+    }
+
+    /// ZeRO-3 allocates its moments and fp32 gradient shard only once the whole weights
+    /// it was built from are released (the build's peak holds neither beside them);
+    /// ZeRO-2 has them from the start.
+    #[test]
+    fn zero3_allocates_its_moments_after_the_whole_weights_are_released() {
+        let mut three = optimizer(true);
+        let n = three.layout.shard_numel as i64;
+        for t in [&three.exp_avg, &three.exp_avg_sq, &three.grad] {
+            assert_eq!(t.numel(), 0);
+        }
+        three.release_all();
+        for t in [&three.exp_avg, &three.exp_avg_sq, &three.grad] {
+            assert_eq!(t.numel() as i64, n);
+        }
+        let two = optimizer(false);
+        for t in [&two.exp_avg, &two.exp_avg_sq, &two.grad] {
+            assert_eq!(t.numel() as i64, two.layout.shard_numel as i64);
         }
     }
 
