@@ -244,18 +244,8 @@ struct WorkerRankGroup {
 #[async_trait::async_trait]
 impl RestartRanks for WorkerRankGroup {
     async fn restart(&self, timeout: Duration) -> anyhow::Result<()> {
-        if let Some(gpu) = self.opener.rank0_gpu {
-            // An NCCL rank left waiting for the lost one keeps its kernel and memory on
-            // its GPU (its communicator is not aborted when the rank is stopped), so a
-            // new rank there could not join a new group.
-            anyhow::bail!(
-                "re-creating NCCL ranks (rank 0 on GPU {gpu}) is not built: the surviving \
-                 ranks' communicators cannot be aborted yet; restart their workers and \
-                 resume with --load"
-            );
-        }
-        // Stopping a rank ends its collective waits (its worker aborts them), so no
-        // survivor is left waiting for the lost rank.
+        // Stopping a rank ends its collective waits (its worker aborts the store waits or
+        // the NCCL communicator), so no survivor is left waiting for the lost rank.
         join_all(self.ranks.iter().map(|r| r.stop_hosted())).await;
         for (r, result) in join_all(self.ranks.iter().map(|t| t.wait_for_node(timeout)))
             .await

@@ -15,11 +15,11 @@ use std::time::Duration;
 use manta_cuda::rendezvous::TcpStore;
 use manta_proto::trainer as tpb;
 use manta_trainer::data_parallel::{
-    Collective, NcclCollective, StoreAborter, StoreCollective, StoreGroupSpec,
+    Collective, NcclAborter, NcclCollective, StoreAborter, StoreCollective, StoreGroupSpec,
 };
 use serde::{Deserialize, Serialize};
 use tonic::Status;
-use tracing::info;
+use tracing::{info, warn};
 
 /// How the ranks of a group reach each other, as rank 0's worker opened it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -138,18 +138,18 @@ impl RankGroups {
                     Some(store) => StoreCollective::over(store, &spec),
                     None => StoreCollective::join(&spec).map_err(|e| format!("{who}: {e}"))?,
                 };
-                let aborter = comm.aborter();
+                let aborter = RankAborter::Store(comm.aborter());
                 Ok(JoinedRank {
                     comm: Box::new(comm),
-                    aborter: Some(aborter),
+                    aborter,
                 })
             };
         match (&spawn.link, gpu) {
             (RankLink::Nccl { unique_id }, Some(gpu)) => {
                 NcclCollective::new(spawn.rank, spawn.world, unique_id, gpu)
                     .map(|c| JoinedRank {
+                        aborter: RankAborter::Nccl(c.aborter()),
                         comm: Box::new(c),
-                        aborter: None,
                     })
                     .map_err(|e| format!("{who}: joining NCCL on GPU {gpu}: {e}"))
             }
@@ -185,10 +185,35 @@ impl RankGroups {
 }
 
 /// A rank's place in its group, joined: its collective, and what ends its waits when the
-/// rank is stopped (the store group; NCCL ranks have none yet).
+/// rank is stopped.
 pub struct JoinedRank {
     pub comm: Box<dyn Collective>,
-    pub aborter: Option<StoreAborter>,
+    pub aborter: RankAborter,
+}
+
+/// Ends a stopped rank's collective waits, whatever its group: the driver stops every
+/// rank when one is lost, and a rank left waiting for the lost one would keep its actor
+/// (and, under NCCL, its GPU) from the group that replaces it.
+pub enum RankAborter {
+    /// The store group's waits poll this and end at once.
+    Store(StoreAborter),
+    /// The NCCL communicator is aborted (`ncclCommAbort`): its kernels end, its
+    /// collectives fail.
+    Nccl(NcclAborter),
+}
+
+impl RankAborter {
+    /// Blocking: an NCCL abort waits briefly for a call in progress and then for NCCL.
+    pub fn abort(&self) {
+        match self {
+            Self::Store(a) => a.abort(),
+            Self::Nccl(a) => {
+                if let Err(e) = a.abort() {
+                    warn!(error = %e, "aborting a stopped rank's NCCL communicator failed");
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -235,7 +260,7 @@ mod tests {
         let rank0 = groups.collective(&spawn(0), None).unwrap().comm;
         let joined1 = groups.collective(&spawn(1), None).unwrap();
         assert!(
-            joined1.aborter.is_some(),
+            matches!(joined1.aborter, RankAborter::Store(_)),
             "a store rank can be stopped mid-wait"
         );
         let rank1 = joined1.comm;

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::zero::DEFAULT_BUCKET_NUMEL;
-use manta_trainer::data_parallel::StoreAborter;
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{
@@ -16,7 +15,7 @@ use manta_trainer::{
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
 
-use super::rank_group::{RankGroups, RankSpawn};
+use super::rank_group::{RankAborter, RankGroups, RankSpawn};
 
 /// A trainer's arguments as they travel in `SpawnActorRequest.config_json`: the
 /// driver's `TrainerOptions` without the device, which the worker picks from the
@@ -160,14 +159,14 @@ pub async fn spawn_trainer(
 /// Starts rank `rank.rank` of a data-parallel group (ZeRO-2): joins the group's
 /// collective on the rank's device (NCCL on its GPU, or the store on the CPU), then
 /// builds the rank, which waits in its first collective until every rank has joined.
-/// Also returns what ends the rank's collective waits (store ranks), for its worker to
-/// call when the rank is stopped.
+/// Also returns what ends the rank's collective waits (the store's or NCCL's), for its
+/// worker to call when the rank is stopped.
 pub async fn spawn_rank(
     name: &str,
     options: TrainerOptions,
     rank: RankSpawn,
     groups: &RankGroups,
-) -> anyhow::Result<(ActorRef<TrainerMsg>, Option<StoreAborter>)> {
+) -> anyhow::Result<(ActorRef<TrainerMsg>, RankAborter)> {
     let gpu = match options.device {
         tch::Device::Cuda(i) => Some(i),
         _ => None,

@@ -44,7 +44,9 @@ impl ActorHost for TrainerHost {
             .map_err(Status::failed_precondition)?;
         let (actor, aborter) = match &rank {
             None => spawn_trainer(&req.name, options).await.map(|a| (a, None)),
-            Some(rank) => spawn_rank(&req.name, options, rank.clone(), &self.groups).await,
+            Some(rank) => spawn_rank(&req.name, options, rank.clone(), &self.groups)
+                .await
+                .map(|(a, aborter)| (a, Some(aborter))),
         }
         .map_err(|e| Status::internal(format!("{e:#}")))?;
         info!(
@@ -57,7 +59,10 @@ impl ActorHost for TrainerHost {
         Ok(match aborter {
             // A stopped rank may be waiting for a peer that is gone (the driver stops the
             // group when one rank is lost): its waits end, so the actor can stop.
-            Some(aborter) => hosted.on_stop(async move { aborter.abort() }),
+            // Off the runtime's threads: an NCCL abort may wait on NCCL.
+            Some(aborter) => hosted.on_stop(async move {
+                let _ = tokio::task::spawn_blocking(move || aborter.abort()).await;
+            }),
             None => hosted,
         })
     }

@@ -33,7 +33,7 @@ pub mod thread;
 pub mod zero;
 
 pub use layout::FlatLayout;
-pub use nccl::NcclCollective;
+pub use nccl::{NcclAborter, NcclCollective};
 pub use store::{StoreAborter, StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
 pub use zero::{RankOptimizer, ZeroAdamW};

@@ -9,6 +9,9 @@
 //! id must live until every rank has joined: the id names a socket it listens on.
 
 use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
 use tch::{Device, Kind, Tensor};
@@ -26,6 +29,71 @@ pub struct NcclCollective {
     rank: usize,
     world: usize,
     device: usize,
+    /// Shared with the [`NcclAborter`]s handed out.
+    state: Arc<CommState>,
+}
+
+/// What a rank and its aborters share, so that the communicator is freed exactly once —
+/// by the rank's drop or by an abort, whichever comes first — and no call is made on it
+/// after an abort.
+#[derive(Default)]
+struct CommState {
+    /// Set by the first of an abort and the rank's drop: the other then leaves the
+    /// communicator alone, and collectives refuse to start.
+    released: AtomicBool,
+    /// Held while a call is made on the communicator: an abort waits (briefly) for a
+    /// call that returns, so it does not free the communicator under a starting call.
+    calls: Mutex<()>,
+}
+
+impl CommState {
+    fn calls(&self) -> MutexGuard<'_, ()> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// How long an abort waits for a call in progress to return before aborting under it
+/// (a call blocked on a peer that is gone never returns by itself).
+const ABORT_WAIT: Duration = Duration::from_secs(2);
+
+/// Aborts one rank's communicator from another thread (`ncclCommAbort`, as torch's
+/// watchdog does): the rank's collectives waiting for a peer that is gone end with an
+/// error, its kernels leave the GPU and its later collectives fail at once, so the rank
+/// can stop and a new rank can join a new group on the same GPU. Its worker calls it when
+/// the driver stops the rank after another rank was lost. Aborting twice, or after the
+/// rank was dropped, does nothing.
+#[derive(Clone)]
+pub struct NcclAborter {
+    api: &'static NcclApi,
+    /// The communicator's address: valid until `state.released` is set.
+    comm: usize,
+    state: Arc<CommState>,
+}
+
+impl NcclAborter {
+    pub fn abort(&self) -> Result<(), CollectiveError> {
+        if self.state.released.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        // A call that is only queueing work returns quickly; one blocked on a gone peer
+        // does not, and NCCL's abort is what ends it (torch aborts under it likewise).
+        let deadline = Instant::now() + ABORT_WAIT;
+        let _idle = loop {
+            match self.state.calls.try_lock() {
+                Ok(guard) => break Some(guard),
+                Err(TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(TryLockError::WouldBlock) => break None,
+            }
+        };
+        let comm = self.comm as sys::ncclComm_t;
+        // SAFETY: `released` was unset, so neither the rank's drop nor another abort
+        // freed the communicator, and no call can start on it any more.
+        let code = unsafe { (self.api.comm_abort)(comm) };
+        check(self.api, "comm_abort", std::ptr::null_mut(), code)
+    }
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are
@@ -152,7 +220,36 @@ impl NcclCollective {
             rank,
             world,
             device,
+            state: Arc::default(),
         })
+    }
+
+    /// What aborts this rank's communicator from another thread (see [`NcclAborter`]).
+    pub fn aborter(&self) -> NcclAborter {
+        NcclAborter {
+            api: self.api,
+            comm: self.comm as usize,
+            state: self.state.clone(),
+        }
+    }
+
+    /// Makes NCCL call `f` on the communicator unless it was aborted; the result checked
+    /// in NCCL's words (an aborted communicator is not asked for its last error).
+    fn call(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(sys::ncclComm_t) -> sys::ncclResult_t,
+    ) -> Result<(), CollectiveError> {
+        let aborted = || CollectiveError::PeerFailed(format!("{op}: this rank was aborted"));
+        let _in_call = self.state.calls();
+        if self.state.released.load(Ordering::SeqCst) {
+            return Err(aborted());
+        }
+        let code = f(self.comm);
+        if code != sys::ncclResult_t::ncclSuccess && self.state.released.load(Ordering::SeqCst) {
+            return Err(aborted());
+        }
+        self.check(op, code)
     }
 
     fn stream(&self, op: &'static str) -> Result<sys::cudaStream_t, CollectiveError> {
@@ -171,6 +268,10 @@ impl NcclCollective {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
+        // An abort freed the communicator already (or is about to).
+        if self.state.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
         // Finalize waits for the operations queued on the communicator, then destroy
         // frees it. SAFETY: the communicator is ours and no call on it is being made
         // (`&mut self`).
@@ -216,18 +317,17 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
         // SAFETY: both buffers are live, contiguous and of the checked sizes on this
         // communicator's device; the stream orders the call with libtorch's ops.
-        let code = unsafe {
+        self.call(OP, |comm| unsafe {
             (self.api.reduce_scatter)(
                 ptr(input),
                 ptr(output),
                 output.numel(),
                 dt,
                 reduce_op(op),
-                self.comm,
+                comm,
                 stream,
             )
-        };
-        self.check(OP, code)
+        })
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
@@ -235,17 +335,9 @@ impl Collective for NcclCollective {
         check_pair(OP, self.device(), output, input, self.world)?;
         let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
         // SAFETY: as in reduce_scatter.
-        let code = unsafe {
-            (self.api.all_gather)(
-                ptr(input),
-                ptr(output),
-                input.numel(),
-                dt,
-                self.comm,
-                stream,
-            )
-        };
-        self.check(OP, code)
+        self.call(OP, |comm| unsafe {
+            (self.api.all_gather)(ptr(input), ptr(output), input.numel(), dt, comm, stream)
+        })
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError> {
@@ -254,10 +346,9 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, tensor.kind())?, self.stream(OP)?);
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
-        let code = unsafe {
-            (self.api.all_reduce)(p, p, tensor.numel(), dt, reduce_op(op), self.comm, stream)
-        };
-        self.check(OP, code)
+        self.call(OP, |comm| unsafe {
+            (self.api.all_reduce)(p, p, tensor.numel(), dt, reduce_op(op), comm, stream)
+        })
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
@@ -267,9 +358,8 @@ impl Collective for NcclCollective {
         let (dt, stream) = (dtype(OP, tensor.kind())?, self.stream(OP)?);
         let p = ptr(tensor);
         // SAFETY: in place on a live contiguous buffer of the checked size.
-        let code = unsafe {
-            (self.api.broadcast)(p, p, tensor.numel(), dt, root as i32, self.comm, stream)
-        };
-        self.check(OP, code)
+        self.call(OP, |comm| unsafe {
+            (self.api.broadcast)(p, p, tensor.numel(), dt, root as i32, comm, stream)
+        })
     }
 }

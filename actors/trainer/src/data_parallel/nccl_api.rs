@@ -55,6 +55,9 @@ pub struct NcclApi {
     ) -> Result_,
     pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> Result_,
     pub comm_destroy: unsafe extern "C" fn(ncclComm_t) -> Result_,
+    /// `ncclCommAbort`: frees the communicator and ends its operations still running on
+    /// the GPU (a rank waiting for a peer that is gone).
+    pub comm_abort: unsafe extern "C" fn(ncclComm_t) -> Result_,
     get_error_string: unsafe extern "C" fn(Result_) -> *const c_char,
     get_last_error: unsafe extern "C" fn(ncclComm_t) -> *const c_char,
     get_version: unsafe extern "C" fn(*mut c_int) -> Result_,
@@ -143,6 +146,7 @@ fn load() -> Result<NcclApi, String> {
         broadcast: sym(lib, b"ncclBroadcast\0")?,
         comm_finalize: sym(lib, b"ncclCommFinalize\0")?,
         comm_destroy: sym(lib, b"ncclCommDestroy\0")?,
+        comm_abort: sym(lib, b"ncclCommAbort\0")?,
         get_error_string: sym(lib, b"ncclGetErrorString\0")?,
         get_last_error: sym(lib, b"ncclGetLastError\0")?,
         get_version: sym(lib, b"ncclGetVersion\0")?,
