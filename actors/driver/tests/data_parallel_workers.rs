@@ -13,6 +13,9 @@
 //!   `latest` and `ranks.json`;
 //! - a run that dies after a checkpoint resumes both ranks from their workers' disks
 //!   exactly; a placement that would look for a shard on the other node is refused;
+//! - a rank's worker killed mid-run stops the run (`on_failure = "stop"`), or, with
+//!   `"restart"`, the whole group is re-created from the last checkpoint once the worker
+//!   is back and the run finishes by itself with an uninterrupted run's bits;
 //! - a bad placement is refused naming the file, the key and the value.
 
 mod common;
@@ -502,6 +505,20 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
 /// and a log line naming the lost rank and the step the run resumes at.
 #[test]
 fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
+    a_killed_worker_is_recovered(1);
+}
+
+/// As above with worker A killed: rank 0 and the store the group met at go with it, and
+/// the new group's store is opened on A once it is back.
+#[test]
+fn a_killed_rank_0_and_its_store_are_recreated() {
+    a_killed_worker_is_recovered(0);
+}
+
+/// Kills worker `killed` (hosting rank `killed`) of a six-step run after step 2's
+/// checkpoint, starts it again on its port in its directory, and checks the recovered run
+/// against an uninterrupted one.
+fn a_killed_worker_is_recovered(killed: usize) {
     const STEPS: u64 = 6;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
@@ -543,7 +560,7 @@ fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
     let whole = final_weights(&c.cwds[0], "whole");
     let whole_ids = trained(&runs, "whole");
 
-    // Worker B killed once step 2's checkpoint is there, and back after the driver has
+    // The worker killed once step 2's checkpoint is there, and back after the driver has
     // seen it go (dead_after_ms = 600).
     let (save, runs) = (dir.join("ckpt-restart"), dir.join("runs-restart"));
     let driver = {
@@ -555,10 +572,10 @@ fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
         assert!(started.elapsed() < DEADLINE, "no checkpoint of step 2");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = c.workers[1].0.kill();
-    let _ = c.workers[1].0.wait();
+    let _ = c.workers[killed].0.kill();
+    let _ = c.workers[killed].0.wait();
     std::thread::sleep(Duration::from_millis(1500));
-    c.workers[1] = start_worker_in(&c.cwds[1], c.ports[1], TOKEN);
+    c.workers[killed] = start_worker_in(&c.cwds[killed], c.ports[killed], TOKEN);
     let out = driver.join().unwrap();
     let stderr = common::plain(&out.stderr);
     assert!(
@@ -567,7 +584,7 @@ fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
         worker_logs(&c.cwds)
     );
     if !stderr.contains("was lost") {
-        panic!("the run finished before worker B's loss was seen\n{stderr}");
+        panic!("the run finished before worker {killed}'s loss was seen\n{stderr}");
     }
     // One line names the lost rank, the checkpoint and the step the run goes on from.
     let line = stderr
@@ -575,14 +592,32 @@ fn a_killed_rank_is_recreated_with_its_group_and_the_run_goes_on() {
         .find(|l| l.contains("was lost") && l.contains("restarting the trainer from checkpoint"))
         .unwrap_or_else(|| panic!("no recovery line\n{stderr}"));
     assert!(
-        line.contains(&format!("127.0.0.1:{}", c.ports[1]))
-            && line.contains("data-parallel rank 1 of 2")
+        line.contains(&format!("127.0.0.1:{}", c.ports[killed]))
+            && line.contains(&format!("data-parallel rank {killed} of 2"))
             && line.contains("the run resumes at step"),
         "{line}"
     );
-    // Worker A hosted rank 0 for the reference run, this run, and its re-created group.
-    let a = std::fs::read_to_string(log_of(&c.cwds[0])).unwrap();
-    assert_eq!(a.matches("trainer spawned").count(), 3, "{a}");
+    // Resumed from the checkpoint, not from the start: the steps up to it ran once.
+    let resumed_at: u64 = line
+        .split("the run resumes at step ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step to resume at: {line}"));
+    assert!(resumed_at >= 3, "{line}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for s in 1..=STEPS {
+        let runs = stdout.matches(&format!("step {s:>5}/{STEPS} ")).count();
+        let expected = if s < resumed_at { 1..=1 } else { 1..=2 };
+        assert!(
+            expected.contains(&runs),
+            "step {s} ran {runs} times\n{stdout}"
+        );
+    }
+    // The worker never killed hosted its rank for the reference run, this run, and the
+    // re-created group.
+    let kept = std::fs::read_to_string(log_of(&c.cwds[1 - killed])).unwrap();
+    assert_eq!(kept.matches("trainer spawned").count(), 3, "{kept}");
 
     // The same bits on both workers as the uninterrupted run's.
     for cwd in &c.cwds {
