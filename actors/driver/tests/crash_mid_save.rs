@@ -4,34 +4,16 @@
 
 mod common;
 
-use common::{debug_data, workspace};
+use common::{debug_data, debug_train_args, workspace};
 use std::path::Path;
 use std::process::{Command, Output};
 
 fn driver(data: &Path, save: &Path, runs: &Path, extra: &[&str], crash_at: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
-    cmd.current_dir(workspace()).env("RUST_LOG", "warn").args([
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "3",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
-        "r",
-        "--lr",
-        "0.01",
-    ]);
+    cmd.current_dir(workspace())
+        .env("RUST_LOG", "warn")
+        .args(debug_train_args(data, 3, save, 1, runs, "r"))
+        .args(["--lr", "0.01"]);
     cmd.args(extra);
     match crash_at {
         Some(step) => cmd.env("MANTA_CRASH_MID_SAVE", step),

@@ -10,11 +10,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{assert_success, debug_data, driver_run, sorted_weights, workspace};
+use common::{
+    assert_success, debug_data, debug_train_args, driver_run, sorted_weights, step, strings,
+    workspace, Metrics, LOSSES, SAME_STEPS_FLAGS,
+};
 use manta_telemetry::read_metrics;
 
 /// A cluster.toml in `dir` with `trainer` as its `[trainer]` section.
@@ -29,42 +31,12 @@ fn cluster(dir: &Path, name: &str, trainer: &str) -> PathBuf {
 }
 
 fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, load: bool) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "3",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
-        "r",
-        "--lr",
-        "0.01",
-        // Adam's step is about lr × sign(g) where |g| ≫ eps: with a tiny eps the
-        // summation-order noise of near-zero gradients flips whole steps (as it would
-        // between two micro-batch splits of one trainer).
-        "--adam-eps",
-        "1e-4",
-        "--use-kl-loss",
-        "--kl-loss-coef",
-        "0.1",
-        "--use-rollout-logprobs",
+    let mut a = [
+        strings(&["--cluster", cluster.to_str().unwrap()]),
+        debug_train_args(data, 3, save, 1, runs, "r"),
+        strings(&SAME_STEPS_FLAGS),
     ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    .concat();
     if load {
         a.push("--load".into());
         a.push(save.to_str().unwrap().into());
@@ -72,25 +44,11 @@ fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, load: bool) -> Ve
     a
 }
 
-type Metrics = Vec<(u64, BTreeMap<String, f64>)>;
-
 fn metrics(runs: &Path) -> Metrics {
     read_metrics(&runs.join("r/metrics.jsonl")).unwrap()
 }
 
 type Weights = Vec<(String, tch::Tensor)>;
-
-fn step(m: &Metrics, s: u64) -> &BTreeMap<String, f64> {
-    &m.iter().find(|(k, _)| *k == s).expect("step recorded").1
-}
-
-const LOSSES: [&str; 5] = [
-    "train/loss",
-    "train/pg_loss",
-    "train/kl_loss",
-    "train/grad_norm",
-    "train/ppo_kl",
-];
 
 /// Runs one trainer and two ranks on the same data with `extra` flags; checks that
 /// they agree step by step and in their final weights. Returns the two ranks' metrics,

@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use common::workers::{log_of, start_worker_in};
 use common::{
-    assert_success, debug_data, driver_with_deadline, free_ports, sorted_weights, step, workspace,
-    Metrics, Worker,
+    assert_success, debug_data, debug_train_args, driver_with_deadline, free_ports, sorted_weights,
+    step, strings, workspace, Metrics, Worker, LOSSES, SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -36,38 +36,11 @@ const DEADLINE: Duration = Duration::from_secs(600);
 /// The flags of every run: three steps of 2 groups × 3 samples, a checkpoint each step.
 fn args(cluster: &Path, data: &Path, save: &Path, runs: &Path, run: &str) -> Vec<String> {
     [
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "3",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
-        run,
-        "--lr",
-        "0.01",
-        "--adam-eps",
-        "1e-4",
-        "--use-kl-loss",
-        "--kl-loss-coef",
-        "0.1",
-        "--use-rollout-logprobs",
+        strings(&["--cluster", cluster.to_str().unwrap()]),
+        debug_train_args(data, 3, save, 1, runs, run),
+        strings(&SAME_STEPS_FLAGS),
     ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    .concat()
 }
 
 /// A remote-mode cluster.toml in `dir` with two worker nodes and `trainer` as its
@@ -88,6 +61,18 @@ fn remote_cluster(dir: &Path, name: &str, ports: [u16; 2], trainer: &str) -> Pat
     path
 }
 
+/// [`remote_cluster`] whose nodes are found dead fast: a heartbeat every 100 ms, dead
+/// after 600 ms without one (cluster keys, inserted into `[cluster]`).
+fn fast_failure_cluster(dir: &Path, name: &str, ports: [u16; 2], trainer: &str) -> PathBuf {
+    let path = remote_cluster(dir, name, ports, trainer);
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "mode = \"remote\"\n",
+        "mode = \"remote\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n",
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 fn run_driver(dir: &Path, args: &[String]) -> std::process::Output {
     driver_with_deadline(args, &[("MANTA_CLUSTER_TOKEN", TOKEN)], dir, DEADLINE)
 }
@@ -99,17 +84,22 @@ fn worker_logs(cwds: &[PathBuf]) -> String {
         .join("\n---\n")
 }
 
+/// Runs `args` with `--load save` and fails the test, with the driver's stderr and the
+/// logs of the workers in `cwds`, unless it succeeds.
+fn resume(dir: &Path, mut args: Vec<String>, save: &Path, cwds: &[PathBuf]) {
+    args.extend(["--load".to_string(), save.display().to_string()]);
+    let out = run_driver(dir, &args);
+    assert!(
+        out.status.success(),
+        "resume failed\nstderr:\n{}\nworkers:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        worker_logs(cwds)
+    );
+}
+
 fn metrics(runs: &Path, run: &str) -> Metrics {
     read_metrics(&runs.join(run).join("metrics.jsonl")).unwrap()
 }
-
-const LOSSES: [&str; 5] = [
-    "train/loss",
-    "train/pg_loss",
-    "train/kl_loss",
-    "train/grad_norm",
-    "train/ppo_kl",
-];
 
 /// Asserts two sorted weight sets are the same bits, naming the first tensor that is not.
 fn assert_bit_identical(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: &str) {
@@ -259,14 +249,11 @@ fn ranks_on_two_workers_equal_local_ranks_and_resume_from_their_own_disks() {
         "{err}"
     );
 
-    let mut load = args(&two, &data, &save3, &runs3, "resumed");
-    load.extend(["--load".to_string(), save3.display().to_string()]);
-    let out = run_driver(dir, &load);
-    assert!(
-        out.status.success(),
-        "resume failed\nstderr:\n{}\nworkers:\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        worker_logs(&c.cwds)
+    resume(
+        dir,
+        args(&two, &data, &save3, &runs3, "resumed"),
+        &save3,
+        &c.cwds,
     );
     let resumed = sorted_weights(&on(0, "resumed").join("step_000003/model.safetensors"));
     assert_bit_identical(&a, &resumed, "uninterrupted vs resumed");
@@ -421,18 +408,12 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
     let dir = tmp.path();
     let data = debug_data(dir, 6, 11);
     let mut c = two_workers(dir);
-    let cluster = remote_cluster(
+    let cluster = fast_failure_cluster(
         dir,
         "killed.toml",
         c.ports,
         "ranks = [{ node = 0 }, { node = 1 }]\non_failure = \"stop\"",
     );
-    // heartbeat_interval_ms / dead_after_ms are cluster keys: insert them.
-    let text = std::fs::read_to_string(&cluster).unwrap().replace(
-        "mode = \"remote\"\n",
-        "mode = \"remote\"\nheartbeat_interval_ms = 100\ndead_after_ms = 600\n",
-    );
-    std::fs::write(&cluster, text).unwrap();
     let with_steps = |mut a: Vec<String>| {
         let i = a.iter().position(|s| s == "--num-rollout").unwrap();
         a[i + 1] = STEPS.into();
@@ -483,15 +464,7 @@ fn a_killed_rank_stops_the_run_and_it_resumes_from_the_workers_disks() {
 
     // Worker B back in its directory; the run resumes from both workers' copies.
     c.workers[1] = start_worker_in(&c.cwds[1], c.ports[1], TOKEN);
-    let mut load = argv;
-    load.extend(["--load".to_string(), save.display().to_string()]);
-    let out = run_driver(dir, &load);
-    assert!(
-        out.status.success(),
-        "resume failed\nstderr:\n{}\nworkers:\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        worker_logs(&c.cwds)
-    );
+    resume(dir, argv, &save, &c.cwds);
     let resumed =
         sorted_weights(&c.cwds[1].join("manta-checkpoints/killed/step_000006/model.safetensors"));
     assert_bit_identical(&whole, &resumed, "uninterrupted vs killed and resumed");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::workspace;
+use common::{debug_train_args, strings, workspace};
 use std::process::Command;
 
 fn python() -> String {
@@ -46,34 +46,8 @@ fn matches_pytorch(flags: &[(&str, Option<&str>)]) {
             ]),
         "making the model and debug data",
     );
-    let template = out.join("debug_{rollout_id}.jsonl");
-    let mut args: Vec<String> = [
-        "--model",
-        out.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        template.to_str().unwrap(),
-        "--num-rollout",
-        "2",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        out.join("ckpt").to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        out.join("runs").to_str().unwrap(),
-        "--run-name",
-        "r",
-        "--temperature",
-        "1.0",
-        "--clip-grad",
-        "1.0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args = debug_train_args(out, 2, &out.join("ckpt"), 1, &out.join("runs"), "r");
+    args.extend(strings(&["--temperature", "1.0", "--clip-grad", "1.0"]));
     let mut json = serde_json::Map::new();
     json.insert("num_rollout".into(), 2.into());
     json.insert("temperature".into(), 1.0.into());

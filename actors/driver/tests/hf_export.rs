@@ -18,8 +18,8 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{
-    assert_success, cluster, debug_data, driver_run, driver_with_deadline, max_diff,
-    sorted_weights, strings, workspace,
+    assert_success, cluster, debug_data, debug_train_args, driver_run, driver_with_deadline,
+    max_diff, sorted_weights, strings, workspace,
 };
 use manta_model::{load_weights, Attention, CausalLm, ModelConfig};
 use tch::nn::VarStore;
@@ -38,34 +38,19 @@ fn train(dir: &Path, data: &Path, name: &str, trainer: &str, extra: &[&str]) -> 
     std::fs::create_dir_all(&run_dir).unwrap();
     let cluster = cluster(&run_dir, trainer);
     let save = run_dir.join("ckpt");
-    let mut args = strings(&[
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "2",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        run_dir.join("runs").to_str().unwrap(),
-        "--run-name",
-        "r",
-        "--lr",
-        "0.01",
-        "--adam-eps",
-        "1e-4",
-        "--use-rollout-logprobs",
-    ]);
-    args.extend(strings(extra));
+    let args = [
+        strings(&["--cluster", cluster.to_str().unwrap()]),
+        debug_train_args(data, 2, &save, 1, &run_dir.join("runs"), "r"),
+        strings(&[
+            "--lr",
+            "0.01",
+            "--adam-eps",
+            "1e-4",
+            "--use-rollout-logprobs",
+        ]),
+        strings(extra),
+    ]
+    .concat();
     assert_success(driver_with_deadline(&args, &[], &run_dir, DEADLINE));
     save
 }

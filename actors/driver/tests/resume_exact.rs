@@ -5,31 +5,14 @@
 
 mod common;
 
-use common::{debug_data, driver_run, sorted_weights};
+use common::{debug_data, debug_train_args, driver_run, sorted_weights, strings};
 use std::path::Path;
 
 use manta_telemetry::read_metrics;
 
 fn args(data: &Path, save: &Path, runs: &Path, load: Option<&Path>) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "4",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "1",
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
-        "r",
+    let mut a = debug_train_args(data, 4, save, 1, runs, "r");
+    a.extend(strings(&[
         "--lr",
         "0.01",
         "--lr-decay-style",
@@ -40,10 +23,7 @@ fn args(data: &Path, save: &Path, runs: &Path, load: Option<&Path>) -> Vec<Strin
         "--kl-loss-coef",
         "0.1",
         "--use-rollout-logprobs",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    ]));
     if let Some(dir) = load {
         a.push("--load".into());
         a.push(dir.to_str().unwrap().into());

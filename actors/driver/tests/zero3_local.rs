@@ -17,8 +17,8 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{
-    assert_success, cluster, debug_data, driver_with_deadline, max_diff, plain, sorted_weights,
-    step, strings, workspace,
+    assert_success, cluster, debug_data, debug_train_args, driver_with_deadline, max_diff, plain,
+    sorted_weights, step, strings, workspace, SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -31,41 +31,17 @@ fn driver(args: &[String], env: &[(&str, &str)], dir: &Path) -> Output {
     driver_with_deadline(args, env, dir, DEADLINE)
 }
 
-/// Debug-data training flags (as data_parallel_local.rs: a KL term, a large Adam eps
-/// so summation-order noise of near-zero gradients does not flip whole Adam steps).
+/// Debug-data training flags, three steps, with [`SAME_STEPS_FLAGS`] (a KL term, a
+/// large Adam eps so summation-order noise of near-zero gradients does not flip whole
+/// Adam steps) and ZeRO stage `stage`.
 fn debug_args(cluster: &Path, data: &Path, save: &Path, runs: &Path, stage: &str) -> Vec<String> {
-    strings(&[
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--model",
-        data.join("model").to_str().unwrap(),
-        "--load-debug-rollout-data",
-        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
-        "--num-rollout",
-        "3",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "0",
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
-        "r",
-        "--lr",
-        "0.01",
-        "--adam-eps",
-        "1e-4",
-        "--use-kl-loss",
-        "--kl-loss-coef",
-        "0.1",
-        "--use-rollout-logprobs",
-        "--zero-stage",
-        stage,
-    ])
+    [
+        strings(&["--cluster", cluster.to_str().unwrap()]),
+        debug_train_args(data, 3, save, 0, runs, "r"),
+        strings(&SAME_STEPS_FLAGS),
+        strings(&["--zero-stage", stage]),
+    ]
+    .concat()
 }
 
 /// The log line `spawn_ranks` writes, asked for at info level: proof of which stage ran.

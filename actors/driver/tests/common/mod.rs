@@ -73,6 +73,64 @@ pub fn debug_data(dir: &Path, steps: usize, seed: u64) -> PathBuf {
     data
 }
 
+/// Flags that train `num_rollout` steps from the debug rollout data in `data` (see
+/// [`debug_data`]: its `model` and `debug_{rollout_id}.jsonl` files), 2 groups × 3
+/// samples a step, checkpointing into `save` every `save_interval` steps and logging
+/// run `run` under `runs`. Optimizer and loss flags are the caller's.
+pub fn debug_train_args(
+    data: &Path,
+    num_rollout: u32,
+    save: &Path,
+    save_interval: u32,
+    runs: &Path,
+    run: &str,
+) -> Vec<String> {
+    strings(&[
+        "--model",
+        data.join("model").to_str().unwrap(),
+        "--load-debug-rollout-data",
+        data.join("debug_{rollout_id}.jsonl").to_str().unwrap(),
+        "--num-rollout",
+        &num_rollout.to_string(),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "3",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        &save_interval.to_string(),
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        run,
+    ])
+}
+
+/// The loss and optimizer flags of runs whose ranks must take the same steps as one
+/// trainer: lr 0.01 and a KL term. Adam's step is about lr × sign(g) where |g| ≫ eps:
+/// with a tiny eps the summation-order noise of near-zero gradients flips whole steps
+/// (as it would between two micro-batch splits of one trainer), hence eps 1e-4.
+pub const SAME_STEPS_FLAGS: [&str; 8] = [
+    "--lr",
+    "0.01",
+    "--adam-eps",
+    "1e-4",
+    "--use-kl-loss",
+    "--kl-loss-coef",
+    "0.1",
+    "--use-rollout-logprobs",
+];
+
+/// The per-step loss metrics that runs taking the same steps agree on.
+pub const LOSSES: [&str; 5] = [
+    "train/loss",
+    "train/pg_loss",
+    "train/kl_loss",
+    "train/grad_norm",
+    "train/ppo_kl",
+];
+
 /// A safetensors file's tensors, sorted by name.
 pub fn sorted_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
     let mut w = tch::Tensor::read_safetensors(path).expect("readable weights");
