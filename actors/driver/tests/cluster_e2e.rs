@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{free_port, free_ports, workspace, Worker};
+use common::{free_port, free_ports, verified_versions, workspace, Worker};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -317,15 +317,8 @@ fn weights_reach_workers_by_one_broadcast_group_rebuilt_when_a_worker_returns() 
     );
     // Every sync was checked bit for bit against the trainer's weights (a difference
     // would have failed the run; the record has one line per engine).
-    let verified = std::fs::read_to_string(r.runs.join("bcast/weight_sync.jsonl")).unwrap();
-    let versions: std::collections::BTreeSet<u64> = verified
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            assert_eq!(v["engine_version"], v["version"], "{l}");
-            v["version"].as_u64().unwrap()
-        })
-        .collect();
+    let (verified, versions): (_, std::collections::BTreeSet<u64>) =
+        verified_versions(&r.runs.join("bcast/weight_sync.jsonl"));
     assert_eq!(versions, (1..=STEPS).collect(), "{verified}");
     let w0 = std::fs::read_to_string(&r.logs[0]).unwrap();
     assert!(
@@ -396,15 +389,8 @@ fn the_trainers_worker_roots_the_broadcast_to_the_engines_worker() {
     // Every version was verified against the digests of what rank 0 sent — but for a
     // version synced while the only engine's worker was down (the kill can land after
     // step 2's rollouts): no engine held it, and the returning worker got it later.
-    let verified = std::fs::read_to_string(r.runs.join("rooted/weight_sync.jsonl")).unwrap();
-    let versions: std::collections::BTreeSet<u64> = verified
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            assert_eq!(v["engine_version"], v["version"], "{l}");
-            v["version"].as_u64().unwrap()
-        })
-        .collect();
+    let (verified, versions): (_, std::collections::BTreeSet<u64>) =
+        verified_versions(&r.runs.join("rooted/weight_sync.jsonl"));
     let missed = stderr.matches("reached no node (none is live)").count() as u64;
     assert!(missed <= 1, "{stderr}");
     assert!(

@@ -26,7 +26,7 @@ use std::time::Duration;
 use common::workers::{log_of, start_worker_in};
 use common::{
     assert_success, debug_data, debug_train_args, driver_with_deadline, free_ports, sorted_weights,
-    step, strings, workspace, Metrics, Worker, LOSSES, SAME_STEPS_FLAGS,
+    step, strings, verified_versions, workspace, Metrics, Worker, LOSSES, SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -377,15 +377,8 @@ fn rank_0s_worker_roots_the_weight_sync_to_the_engines() {
     let b = std::fs::read_to_string(log_of(&c.cwds[1])).unwrap();
     assert!(b.contains("weights received by broadcast"), "{b}");
     // Both syncs verified against what rank 0 sent; both steps trained by two ranks.
-    let verified = std::fs::read_to_string(runs.join("synced/weight_sync.jsonl")).unwrap();
-    let versions: Vec<u64> = verified
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            assert_eq!(v["engine_version"], v["version"], "{l}");
-            v["version"].as_u64().unwrap()
-        })
-        .collect();
+    let (verified, versions): (_, Vec<u64>) =
+        verified_versions(&runs.join("synced/weight_sync.jsonl"));
     assert!((1..=STEPS).all(|s| versions.contains(&s)), "{verified}");
     let rows = metrics(&runs, "synced");
     assert_eq!(rows.len() as u64, STEPS);

@@ -247,6 +247,21 @@ pub fn max_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64
         .fold(0.0, f64::max)
 }
 
+/// The versions a verified run's `weight_sync.jsonl` at `path` records, one a line,
+/// each checked to be the version its engine held; with the file's text (for messages).
+pub fn verified_versions<C: FromIterator<u64>>(path: &Path) -> (String, C) {
+    let verified = std::fs::read_to_string(path).unwrap();
+    let versions = verified
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["engine_version"], v["version"], "{l}");
+            v["version"].as_u64().unwrap()
+        })
+        .collect();
+    (verified, versions)
+}
+
 /// Log text without its ANSI colour codes.
 pub fn plain(log: &[u8]) -> String {
     let text = String::from_utf8_lossy(log);
