@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::workers::{appending, spawn_listening, worker_command};
 use common::{free_port, free_ports, verified_versions, workspace, Worker};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -29,32 +30,9 @@ fn start_worker(port: u16, log: &Path) -> Worker {
 fn start_worker_with(port: u16, log: &Path, extra: &[&std::ffi::OsStr]) -> Worker {
     let cwd = log.with_extension("cwd");
     let stdout = std::fs::File::create(log.with_extension("stdout")).unwrap();
-    std::fs::create_dir_all(&cwd).unwrap();
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_worker"))
-        .current_dir(&cwd)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(extra)
-        .env("MANTA_CLUSTER_TOKEN", TOKEN)
-        .env_remove("MANTA_CLUSTER_TOKEN_FILE")
-        .env_remove("OPENREWARD_API_KEY")
-        .env_remove("OPENREWARD_API_URL")
-        .env_remove("OPENREWARD_SESSION_URL")
-        .env("RUST_LOG", "info")
-        .stdout(stdout)
-        .stderr(log)
-        .spawn()
-        .expect("worker starts");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "worker on {port} never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Worker(child)
+    let mut cmd = worker_command(&cwd, port, TOKEN);
+    cmd.args(extra).stdout(stdout).stderr(appending(log));
+    spawn_listening(&mut cmd, port)
 }
 
 #[test]

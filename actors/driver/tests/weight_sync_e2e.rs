@@ -16,12 +16,12 @@
 
 mod common;
 
+use common::workers::{appending, spawn_listening, worker_command};
 use common::{free_ports, workspace, Worker};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use manta_telemetry::read_metrics;
 use sha2::{Digest, Sha256};
@@ -32,29 +32,11 @@ const CHUNK: &str = "4096";
 
 /// A worker whose working directory is `cwd` (created empty), logging to `log`.
 fn start_worker(port: u16, cwd: &Path, log: &Path) -> Worker {
-    std::fs::create_dir_all(cwd).unwrap();
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_worker"))
-        .current_dir(cwd)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .env("MANTA_CLUSTER_TOKEN", TOKEN)
-        .env_remove("MANTA_CLUSTER_TOKEN_FILE")
-        .env("MANTA_WEIGHT_CHUNK_BYTES", CHUNK)
-        .env("RUST_LOG", "info")
+    let mut cmd = worker_command(cwd, port, TOKEN);
+    cmd.env("MANTA_WEIGHT_CHUNK_BYTES", CHUNK)
         .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("worker starts");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "worker on {port} never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Worker(child)
+        .stderr(appending(log));
+    spawn_listening(&mut cmd, port)
 }
 
 /// SHA-256 of each tensor's bytes in a checkpoint's model.safetensors.
