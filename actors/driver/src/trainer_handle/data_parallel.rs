@@ -620,8 +620,10 @@ mod tests {
         let result = tokio::time::timeout(Duration::from_secs(10), every_rank(calls))
             .await
             .expect("the lost rank ends the wait");
+        // The error names the rank that went, for the driver's recovery line.
         assert!(
-            matches!(&result, Err(TrainerCallError::Lost { addr, .. }) if addr == "b:1"),
+            matches!(&result, Err(TrainerCallError::Lost { addr, reason })
+                if addr == "b:1" && reason == "data-parallel rank 1 of 2: no heartbeat answer"),
             "{result:?}"
         );
         // Failures are all awaited, and the one that says why is reported.

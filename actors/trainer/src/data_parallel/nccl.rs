@@ -50,6 +50,27 @@ impl CommState {
     fn calls(&self) -> MutexGuard<'_, ()> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Claims the freeing of the communicator: true for the first caller only (an abort
+    /// or the rank's drop), after which no collective starts.
+    fn claim(&self) -> bool {
+        !self.released.swap(true, Ordering::SeqCst)
+    }
+
+    /// Waits up to `wait` until no call is being made; `None`: one still is (blocked).
+    fn idle_within(&self, wait: Duration) -> Option<MutexGuard<'_, ()>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.calls.try_lock() {
+                Ok(guard) => return Some(guard),
+                Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(TryLockError::WouldBlock) => return None,
+            }
+        }
+    }
 }
 
 /// How long an abort waits for a call in progress to return before aborting under it
@@ -72,22 +93,12 @@ pub struct NcclAborter {
 
 impl NcclAborter {
     pub fn abort(&self) -> Result<(), CollectiveError> {
-        if self.state.released.swap(true, Ordering::SeqCst) {
+        if !self.state.claim() {
             return Ok(());
         }
         // A call that is only queueing work returns quickly; one blocked on a gone peer
         // does not, and NCCL's abort is what ends it (torch aborts under it likewise).
-        let deadline = Instant::now() + ABORT_WAIT;
-        let _idle = loop {
-            match self.state.calls.try_lock() {
-                Ok(guard) => break Some(guard),
-                Err(TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                Err(TryLockError::WouldBlock) => break None,
-            }
-        };
+        let _idle = self.state.idle_within(ABORT_WAIT);
         let comm = self.comm as sys::ncclComm_t;
         // SAFETY: `released` was unset, so neither the rank's drop nor another abort
         // freed the communicator, and no call can start on it any more.
@@ -269,7 +280,7 @@ impl NcclCollective {
 impl Drop for NcclCollective {
     fn drop(&mut self) {
         // An abort freed the communicator already (or is about to).
-        if self.state.released.swap(true, Ordering::SeqCst) {
+        if !self.state.claim() {
             return;
         }
         // Finalize waits for the operations queued on the communicator, then destroy
@@ -361,5 +372,25 @@ impl Collective for NcclCollective {
         self.call(OP, |comm| unsafe {
             (self.api.broadcast)(p, p, tensor.numel(), dt, root as i32, comm, stream)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The communicator is freed once — by the first of an abort and the rank's drop —
+    /// and an abort waits for a call that returns but not for one that is blocked.
+    #[test]
+    fn an_abort_and_the_drop_free_the_communicator_once() {
+        let state = CommState::default();
+        assert!(state.claim());
+        assert!(!state.claim(), "a second abort or the drop leaves it alone");
+        let in_call = state.calls();
+        let started = Instant::now();
+        assert!(state.idle_within(Duration::from_millis(50)).is_none());
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        drop(in_call);
+        assert!(state.idle_within(Duration::from_millis(50)).is_some());
     }
 }
