@@ -336,7 +336,9 @@ mod tests {
         assert_eq!(used, Mechanism::Grpc);
         let why = why.expect("NCCL is reported unavailable");
         assert_eq!(why.mechanism, Mechanism::Nccl);
-        assert!(why.to_string().contains("NCCL broadcast is not used for this pair"));
+        assert!(why
+            .to_string()
+            .contains("NCCL broadcast is not used for this pair"));
         let (used, why) = resolve(&t, &Endpoint::on_worker("10.0.0.3:1", None));
         assert_eq!((used, why), (Mechanism::Grpc, None));
     }
