@@ -6,7 +6,8 @@ Each KEY=DIR is one `workers_MODE` directory of bench/run_workers.sh. Per run: s
 median step / sync / pause-to-resume times from its metrics.jsonl (steps after the first),
 whether every sync was verified bit for bit (the driver's "weight sync verified" lines),
 the broadcast collective's own time and bandwidth as the trainer's worker logged it
-(median after the first, which opens NCCL's channels), the engine's pause-to-resume as
+(median after the first, which opens NCCL's channels), the engine's receive alone and its
+pause-to-resume as
 the engine's worker logged it, and for a fault run (fault.txt): when the worker was
 killed, the first line that named the loss (driver or worker A), the seconds in between,
 and the trained_ids check. `tdist` is bench/run_weight_sync_nccl.sh's JSON of the same
@@ -72,6 +73,10 @@ def run(d):
         res["broadcast_median_s"] = median(field(l, "seconds") for l in casts[1:] or casts)
         res["broadcast_median_GB_per_s"] = median(field(l, "gb_per_s") for l in casts[1:] or casts)
     wb = lines(os.path.join(d, "worker-b.log"))
+    recv = [l for l in wb if "weights received into the engine's parameters" in l]
+    if recv:  # logged by engines built after the first runs of this report
+        res["engine_receive_median_s"] = median(field(l, "seconds") for l in recv[1:] or recv)
+        res["engine_receive_median_GB_per_s"] = median(field(l, "gb_per_s") for l in recv[1:] or recv)
     pauses = [field(l, "pause_to_resume_s") for l in wb if "weights received by broadcast" in l]
     if pauses:
         res["engine_pause_to_resume_median_s"] = median(pauses[1:] or pauses)

@@ -419,9 +419,25 @@ impl ModelRunner {
                 self.weight_group.insert(joined)
             }
         };
+        let started = std::time::Instant::now();
         let received = broadcast_rounds(group, &tensors, &feed.rounds);
         if received.is_err() {
             abort_group(self.weight_group.take());
+        } else {
+            // The receive alone (the root's figure also waits for this engine to pause):
+            // what to set beside a bare torch.distributed broadcast.
+            let bytes: usize = tensors
+                .iter()
+                .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+                .sum();
+            let seconds = started.elapsed().as_secs_f64();
+            info!(
+                tensors = tensors.len(),
+                bytes,
+                seconds,
+                gb_per_s = bytes as f64 / seconds.max(1e-9) / 1e9,
+                "weights received into the engine's parameters"
+            );
         }
         received
     }
