@@ -16,8 +16,9 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{
-    assert_success, cluster, debug_data, debug_train_args, driver_with_deadline, max_diff, plain,
-    sorted_weights, step, strings, workspace, SAME_STEPS_FLAGS,
+    assert_success, assert_synced_to_the_checkpoint, cluster, debug_data, debug_train_args,
+    driver_with_deadline, max_diff, plain, sorted_weights, step, strings, verified_two_rank_job,
+    SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -158,71 +159,15 @@ fn context_parallel_local_job_trains_and_syncs_weights_to_the_engine() {
     // one CP group; every sync is verified (engine weights equal the trainer's bit for
     // bit), and the last sync equals rank 0's checkpoint.
     let dir = tempfile::tempdir().unwrap();
-    let dir = dir.path();
-    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
-    let train_config = workspace().join("train_config.yaml");
-    let text = text.replace(
-        "train_config = \"train_config.yaml\"",
-        &format!("train_config = {:?}", train_config.display().to_string()),
-    ) + "\n[trainer]\ndata_parallel_ranks = 2\n";
-    let path = dir.join("cluster.toml");
-    std::fs::write(&path, text).unwrap();
-    let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
-    let args = strings(&[
-        "--cluster",
-        path.to_str().unwrap(),
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
+    let (run, save, log) = verified_two_rank_job(
+        dir.path(),
         "cp",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "0",
-        "--num-rollout",
-        "2",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "2",
-        "--context-parallel-size",
-        "2",
-    ]);
-    let out = assert_success(driver(
-        &args,
-        &[("MANTA_VERIFY_WEIGHT_SYNC", "1"), RANKS_LOG],
-        dir,
-    ));
-    let log = plain(&out.stderr);
+        &["--context-parallel-size", "2"],
+        &[RANKS_LOG],
+        DEADLINE,
+    );
     assert!(log.contains("context_parallel_size=2"), "{log}");
-    let rows = read_metrics(&runs.join("cp/metrics.jsonl")).unwrap();
-    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
-    for (step, m) in &rows {
-        assert_eq!(m["weights/version"], *step as f64, "engine version");
-        assert!(m["train/grad_norm"].is_finite(), "step {step}");
-    }
-    let verified = std::fs::read_to_string(runs.join("cp/weight_sync.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = verified
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 2, "one verified sync per step: {verified}");
-    let saved = sorted_weights(&save.join("step_000002/model.safetensors"));
-    let digests = manta_hosting::weights::digest_tensors(&saved).unwrap();
-    assert_eq!(lines[1]["version"], 2);
-    let engine = lines[1]["tensors"].as_object().expect("tensor digests");
-    assert!(!engine.is_empty());
-    for (name, sha) in engine {
-        let mine = digests
-            .iter()
-            .find(|d| &d.name == name)
-            .unwrap_or_else(|| panic!("{name}: in the engine, not in the checkpoint"));
-        assert_eq!(
-            Some(mine.sha256.as_str()),
-            sha.as_str(),
-            "{name}: engine vs checkpoint"
-        );
-    }
+    assert_synced_to_the_checkpoint(&run, &save.join("step_000002"));
 }
 
 /// The driver's stderr for a run refused before it starts.

@@ -17,8 +17,9 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{
-    assert_success, cluster, debug_data, debug_train_args, driver_with_deadline, max_diff, plain,
-    sorted_weights, step, strings, workspace, SAME_STEPS_FLAGS,
+    assert_success, assert_synced_to_the_checkpoint, cluster, debug_data, debug_train_args,
+    driver_with_deadline, max_diff, plain, sorted_weights, step, strings, verified_two_rank_job,
+    SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -110,64 +111,20 @@ fn zero3_local_job_trains_and_syncs_gathered_weights_to_the_engine() {
     // ZeRO-3; every sync is verified: the engine's weights equal the trainer's bit for
     // bit, and the last sync equals rank 0's checkpoint.
     let dir = tempfile::tempdir().unwrap();
-    let dir = dir.path();
-    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
-    let train_config = workspace().join("train_config.yaml");
-    let text = text.replace(
-        "train_config = \"train_config.yaml\"",
-        &format!("train_config = {:?}", train_config.display().to_string()),
-    ) + "\n[trainer]\ndata_parallel_ranks = 2\n";
-    let path = dir.join("cluster.toml");
-    std::fs::write(&path, text).unwrap();
-    let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
-    let args = strings(&[
-        "--cluster",
-        path.to_str().unwrap(),
-        "--runs-dir",
-        runs.to_str().unwrap(),
-        "--run-name",
+    let (run, save, log) = verified_two_rank_job(
+        dir.path(),
         "z3",
-        "--save",
-        save.to_str().unwrap(),
-        "--save-interval",
-        "0",
-        "--num-rollout",
-        "2",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples",
-        "2",
-        "--zero-stage",
-        "3",
-    ]);
-    let out = assert_success(driver(
-        &args,
-        &[
-            ("MANTA_VERIFY_WEIGHT_SYNC", "1"),
-            ("RUST_LOG", "warn,manta_weight_sync=debug"),
-        ],
-        dir,
-    ));
+        &["--zero-stage", "3"],
+        &[("RUST_LOG", "warn,manta_weight_sync=debug")],
+        DEADLINE,
+    );
     // The engine took each version a layer at a time as the ranks gathered it
     // (tests/zero3_weight_parts.rs shows the ranks never gather ahead of the reader).
-    let log = plain(&out.stderr);
     assert_eq!(
         log.matches("weights synced in parts").count(),
         2,
         "both syncs in parts:\n{log}"
     );
-    let rows = read_metrics(&runs.join("z3/metrics.jsonl")).unwrap();
-    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
-    for (step, m) in &rows {
-        assert_eq!(m["weights/version"], *step as f64, "engine version");
-        assert!(m["train/grad_norm"].is_finite(), "step {step}");
-    }
-    let verified = std::fs::read_to_string(runs.join("z3/weight_sync.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = verified
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 2, "one verified sync per step: {verified}");
     // The engine took version 2 = the weights rank 0 saved from the gathered layers.
     let last = save.join("step_000002");
     for r in 0..2 {
@@ -175,23 +132,7 @@ fn zero3_local_job_trains_and_syncs_gathered_weights_to_the_engine() {
             .join(format!("optimizer.rank{r}-of-2.safetensors"))
             .is_file());
     }
-    let saved = sorted_weights(&last.join("model.safetensors"));
-    let digests = manta_hosting::weights::digest_tensors(&saved).unwrap();
-    let engine = &lines[1]["tensors"];
-    assert_eq!(lines[1]["version"], 2);
-    let engine = engine.as_object().expect("tensor digests");
-    assert!(!engine.is_empty());
-    for (name, sha) in engine {
-        let mine = digests
-            .iter()
-            .find(|d| &d.name == name)
-            .unwrap_or_else(|| panic!("{name}: in the engine, not in the checkpoint"));
-        assert_eq!(
-            Some(mine.sha256.as_str()),
-            sha.as_str(),
-            "{name}: engine vs checkpoint"
-        );
-    }
+    assert_synced_to_the_checkpoint(&run, &last);
 }
 
 fn refusal(trainer: &str, stage: &str) -> String {

@@ -262,6 +262,85 @@ pub fn verified_versions<C: FromIterator<u64>>(path: &Path) -> (String, C) {
     (verified, versions)
 }
 
+/// The default local job (cluster.toml: native engine, built-in environment) with two
+/// CPU ranks, two steps of 2 × 2 episodes, every sync verified, saved only at the end,
+/// plus `extra` flags; run as `run` under `dir` with `env`, killed after `deadline`.
+/// Returns the run's directory, the save directory and the driver's plain stderr.
+pub fn verified_two_rank_job(
+    dir: &Path,
+    run: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    deadline: Duration,
+) -> (PathBuf, PathBuf, String) {
+    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
+    let train_config = workspace().join("train_config.yaml");
+    let text = text.replace(
+        "train_config = \"train_config.yaml\"",
+        &format!("train_config = {:?}", train_config.display().to_string()),
+    ) + "\n[trainer]\ndata_parallel_ranks = 2\n";
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, text).unwrap();
+    let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
+    let mut args = strings(&[
+        "--cluster",
+        path.to_str().unwrap(),
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        run,
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "0",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+    ]);
+    args.extend(strings(extra));
+    let mut env = env.to_vec();
+    env.push(("MANTA_VERIFY_WEIGHT_SYNC", "1"));
+    let out = assert_success(driver_with_deadline(&args, &env, dir, deadline));
+    (runs.join(run), save, plain(&out.stderr))
+}
+
+/// Checks a two-step [`verified_two_rank_job`]: each step recorded with the engine at
+/// that step's version and a finite gradient norm, one verified sync per step, and the
+/// engine's last version equal, tensor by tensor, to the weights saved in `checkpoint`.
+pub fn assert_synced_to_the_checkpoint(run: &Path, checkpoint: &Path) {
+    let rows = manta_telemetry::read_metrics(&run.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
+    for (step, m) in &rows {
+        assert_eq!(m["weights/version"], *step as f64, "engine version");
+        assert!(m["train/grad_norm"].is_finite(), "step {step}");
+    }
+    let verified = std::fs::read_to_string(run.join("weight_sync.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = verified
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "one verified sync per step: {verified}");
+    let saved = sorted_weights(&checkpoint.join("model.safetensors"));
+    let digests = manta_hosting::weights::digest_tensors(&saved).unwrap();
+    assert_eq!(lines[1]["version"], 2);
+    let engine = lines[1]["tensors"].as_object().expect("tensor digests");
+    assert!(!engine.is_empty());
+    for (name, sha) in engine {
+        let mine = digests
+            .iter()
+            .find(|d| &d.name == name)
+            .unwrap_or_else(|| panic!("{name}: in the engine, not in the checkpoint"));
+        assert_eq!(
+            Some(mine.sha256.as_str()),
+            sha.as_str(),
+            "{name}: engine vs checkpoint"
+        );
+    }
+}
+
 /// Log text without its ANSI colour codes.
 pub fn plain(log: &[u8]) -> String {
     let text = String::from_utf8_lossy(log);
