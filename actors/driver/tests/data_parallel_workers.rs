@@ -73,6 +73,40 @@ fn fast_failure_cluster(dir: &Path, name: &str, ports: [u16; 2], trainer: &str) 
     path
 }
 
+/// A remote-mode cluster.toml (`engines.toml` in `dir`) with a rank on each of the two
+/// workers, rank 0's worker feeding one engine on worker B by store broadcast.
+/// `recover`: nodes found dead fast and a lost rank re-created (`on_failure =
+/// "restart"`); else a lost rank stops the run.
+fn engine_cluster(dir: &Path, ports: [u16; 2], recover: bool) -> PathBuf {
+    let ws = workspace();
+    let (fast, on_failure) = if recover {
+        (
+            "heartbeat_interval_ms = 100\ndead_after_ms = 600\n",
+            "restart",
+        )
+    } else {
+        ("", "stop")
+    };
+    let path = dir.join("engines.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[cluster]\nmode = \"remote\"\ntrain_config = {:?}\nworker_weights = \"store\"\n{fast}\n\
+             [trainer]\nranks = [{{ node = 0 }}, {{ node = 1 }}]\non_failure = \"{on_failure}\"\n\n\
+             [rollout]\nnodes = [1]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
+             [train]\nmodel = {:?}\nseed = 1\nlr = 0.003\nmax_response_len = 8\n\
+             context_len = 512\nmax_tokens_per_gpu = 8192\n\n\
+             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
+            ws.join("train_config.yaml").display().to_string(),
+            ws.join("assets/tiny-qwen3").display().to_string(),
+            ports[0],
+            ports[1]
+        ),
+    )
+    .unwrap();
+    path
+}
+
 fn run_driver(dir: &Path, args: &[String]) -> std::process::Output {
     driver_with_deadline(args, &[("MANTA_CLUSTER_TOKEN", TOKEN)], dir, DEADLINE)
 }
@@ -306,24 +340,7 @@ fn rank_0s_worker_roots_the_weight_sync_to_the_engines() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let c = two_workers(dir);
-    let ws = workspace();
-    let cluster = dir.join("engines.toml");
-    std::fs::write(
-        &cluster,
-        format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = {:?}\nworker_weights = \"store\"\n\n\
-             [trainer]\nranks = [{{ node = 0 }}, {{ node = 1 }}]\non_failure = \"stop\"\n\n\
-             [rollout]\nnodes = [1]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
-             [train]\nmodel = {:?}\nseed = 1\nlr = 0.003\nmax_response_len = 8\n\
-             context_len = 512\nmax_tokens_per_gpu = 8192\n\n\
-             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
-            ws.join("train_config.yaml").display().to_string(),
-            ws.join("assets/tiny-qwen3").display().to_string(),
-            c.ports[0],
-            c.ports[1]
-        ),
-    )
-    .unwrap();
+    let cluster = engine_cluster(dir, c.ports, false);
     let runs = dir.join("runs");
     let args: Vec<String> = [
         "--cluster",
@@ -617,25 +634,7 @@ fn a_killed_weight_root_rank_is_recreated_and_the_engines_follow() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let mut c = two_workers(dir);
-    let ws = workspace();
-    let cluster = dir.join("engines.toml");
-    std::fs::write(
-        &cluster,
-        format!(
-            "[cluster]\nmode = \"remote\"\ntrain_config = {:?}\nworker_weights = \"store\"\n\
-             heartbeat_interval_ms = 100\ndead_after_ms = 600\n\n\
-             [trainer]\nranks = [{{ node = 0 }}, {{ node = 1 }}]\non_failure = \"restart\"\n\n\
-             [rollout]\nnodes = [1]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
-             [train]\nmodel = {:?}\nseed = 1\nlr = 0.003\nmax_response_len = 8\n\
-             context_len = 512\nmax_tokens_per_gpu = 8192\n\n\
-             [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
-            ws.join("train_config.yaml").display().to_string(),
-            ws.join("assets/tiny-qwen3").display().to_string(),
-            c.ports[0],
-            c.ports[1]
-        ),
-    )
-    .unwrap();
+    let cluster = engine_cluster(dir, c.ports, true);
     let (runs, save) = (dir.join("runs"), dir.join("ckpt"));
     let args = strings(&[
         "--cluster",
