@@ -455,8 +455,9 @@ impl RemotePool {
             groups.entry(r.group_index).or_default().push(r);
         }
         let mut done: BTreeMap<u64, Sample> = BTreeMap::new();
-        // Shares that failed, by node: one warning per node and step (a dead node fails
-        // every share it held at once), then one line with the totals.
+        // Shares that failed, by node: one warning per node and call (a dead node fails
+        // every share it held at once), then one line with the totals. A step may run
+        // several calls at once (one per batch of groups in flight).
         let mut failed: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
         let mut running = FuturesUnordered::new();
         for (group, share) in groups {
@@ -486,7 +487,7 @@ impl RemotePool {
                         node = self.shared.nodes[node].client.addr(),
                         error = %e,
                         "a rollout share failed; re-queueing its episodes on another node \
-                         (the node's other failed shares this step are counted, not logged)"
+                         (the node's other failed shares of this batch are counted, not logged)"
                     );
                 } else {
                     debug!(node = self.shared.nodes[node].client.addr(), error = %e, "rollout share failed");
@@ -517,7 +518,7 @@ impl RemotePool {
                 node = self.shared.nodes[node].client.addr(),
                 shares,
                 episodes,
-                "node lost work this step: {shares} rollout shares failed there and their \
+                "node lost work: {shares} rollout shares of this batch failed there and their \
                  {episodes} unfinished episodes ran again elsewhere"
             );
         }
