@@ -210,11 +210,7 @@ impl TrainerRoots {
                 "weights broadcast from the trainer's worker"
             );
             let digests = if want_digests {
-                let cpu: NamedTensors = tensors
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.to_device(tch::Device::Cpu)))
-                    .collect();
-                digest_tensors(&cpu).map_err(|e| e.to_string())?
+                digest_tensors(&tensors).map_err(|e| e.to_string())?
             } else {
                 Vec::new()
             };
