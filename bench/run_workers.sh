@@ -39,7 +39,11 @@
 # add "--save DIR --save-interval 1" to DRIVER_ARGS, else from its initial weights);
 # FAULT=engine-sync@N: SIGKILL worker B as soon as worker A starts the broadcast after
 # step N (trainer-nccl: mid-broadcast for a large enough model; worker A's log says
-# whether its collective failed). Either way the worker starts again FAULT_RESTART_S (3)
+# whether its collective failed). FAULT=trainer-train@N / rank1-train@N: SIGKILL worker
+# A / B FAULT_DELAY_S (0.5) seconds after its trainer starts training the step after N
+# (mid-step). In the trainer-dp2 modes a fault sets on_failure = "restart" (the lost rank
+# is re-created and the group resumes from each node's last checkpoint: add
+# "--save DIR --save-interval 1" to DRIVER_ARGS) and skips the runs on saved rollouts. Either way the worker starts again FAULT_RESTART_S (3)
 # seconds later in the same directory; writes fault.txt (when, what) and checks
 # trained_ids.jsonl (every sample id trained exactly once).
 set -euo pipefail
@@ -134,14 +138,24 @@ for mode in "${MODES[@]}"; do
   watcher=""
   if [ -n "${FAULT:-}" ]; then
     who=${FAULT%@*}; at=${FAULT#*@}
-    case $who in engine|engine-sync) k=1 port=7102 gpu=1 name=b ;; trainer) k=0 port=7101 gpu=0 name=a ;;
-      *) echo "FAULT=$FAULT: expected engine@N or trainer@N" >&2; exit 2 ;; esac
-    [ "$mode" = trainer-store ] && gpu=""
+    case $who in engine|engine-sync|rank1-train) k=1 port=7102 gpu=1 name=b ;;
+      trainer|trainer-train) k=0 port=7101 gpu=0 name=a ;;
+      *) echo "FAULT=$FAULT: expected engine@N, engine-sync@N, trainer@N, trainer-train@N or rank1-train@N" >&2; exit 2 ;; esac
+    [[ $mode == *-store ]] && gpu=""
+    if [[ $mode == trainer-dp2* ]]; then
+      # A lost rank is re-created (the whole group restarts from each node's last
+      # checkpoint); the runs on the saved rollouts are skipped.
+      sed -i 's/^on_failure = .*/on_failure = "restart"/' "$cluster"
+    fi
     (
       until grep -qE "^step +$at/" "$dir/progress.txt" 2>/dev/null; do sleep 0.05; done
       if [ "$who" = engine-sync ]; then   # the next broadcast's start on worker A
         seen=$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")
         until [ "$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")" -gt "$seen" ]; do sleep 0.005; done
+      elif [[ $who == *-train ]]; then   # mid-way through the next step's training
+        seen=$(grep -c "training step started" "$dir/worker-$name.log")
+        until [ "$(grep -c "training step started" "$dir/worker-$name.log")" -gt "$seen" ]; do sleep 0.01; done
+        sleep "${FAULT_DELAY_S:-0.5}"
       fi
       kill -9 "${pids[$k]}"; echo "$(date +%s.%N) SIGKILL worker-$name (the $who's) after step $at" >> "$dir/fault.txt"
       sleep "${FAULT_RESTART_S:-3}"
@@ -154,7 +168,7 @@ for mode in "${MODES[@]}"; do
   MANTA_VERIFY_WEIGHT_SYNC=${VERIFY:-1} RUST_LOG=info "$BIN/driver" --cluster "$cluster" --model "$model" \
     --runs-dir "$dir/runs" --run-name "$mode" --num-rollout "$STEPS" "${extra[@]}" \
     2>"$dir/driver.log" | tee "$dir/progress.txt" || status=$?
-  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ]; then
+  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ] && [ -z "${FAULT:-}" ]; then
     # The saved rollouts again, trained by the ranks on the workers: each worker keeps
     # its rank's checkpoint under its own directory.
     dp2_steps=${DP2_STEPS:-3}
@@ -181,7 +195,7 @@ PY
     for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   done
   rm -f "$cluster"
-  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ]; then
+  if [[ $mode == trainer-dp2* ]] && [ "$status" -eq 0 ] && [ -z "${FAULT:-}" ]; then
     # The same rollouts trained by local-mode ranks on the same GPUs (the workers are
     # gone): the dp2 config's [train] keys under `[trainer] gpus = [0, 1]` (the CPU
     # analogue: data_parallel_ranks = 2).

@@ -12,6 +12,7 @@ the engine's worker logged it, and for a fault run (fault.txt): when the worker 
 killed, the first line that named the loss (driver or worker A), the seconds in between,
 and the trained_ids check. `tdist` is bench/run_weight_sync_nccl.sh's JSON of the same
 model shape: torch.distributed's broadcast bandwidth, measured on the same machine.
+Runs already in OUT.json from earlier calls are kept (each with its device and date).
 """
 import datetime
 import glob
@@ -77,6 +78,22 @@ def run(d):
     if recv:  # logged by engines built after the first runs of this report
         res["engine_receive_median_s"] = median(field(l, "seconds") for l in recv[1:] or recv)
         res["engine_receive_median_GB_per_s"] = median(field(l, "gb_per_s") for l in recv[1:] or recv)
+        # Both workers share the host's clock: the bytes moved only while both sides were
+        # in the collective, from the later start to the earlier end (the root's own
+        # figure also counts its wait for the engine to pause and join).
+        starts = [l for l in wa if "broadcasting the trainer's weights" in l]
+        if casts and len(starts) == len(casts) == len(recv):
+            spans = []
+            for s0, e0, r in zip(starts, casts, recv):
+                r_end, r_secs = stamp(r), field(r, "seconds")
+                if None in (stamp(s0), stamp(e0), r_end, r_secs):
+                    continue
+                spans.append(min(stamp(e0), r_end) - max(stamp(s0), r_end - r_secs))
+            later_spans = spans[1:] or spans
+            if later_spans:
+                res["both_in_collective_median_s"] = median(later_spans)
+                res["both_in_collective_median_GB_per_s"] = (
+                    res["broadcast_bytes"] / max(median(later_spans), 1e-9) / 1e9)
     pauses = [field(l, "pause_to_resume_s") for l in wb if "weights received by broadcast" in l]
     if pauses:
         res["engine_pause_to_resume_median_s"] = median(pauses[1:] or pauses)
@@ -117,13 +134,24 @@ def main():
                      "working directory and GPU; the trainer on worker A, a native engine on worker B",
         "runs": {},
     }
+    # Runs of earlier calls stay (each says its device and date); the ones named here
+    # are replaced.
+    if os.path.exists(out):
+        old = json.load(open(out))
+        for key, r in old.get("runs", {}).items():
+            r.setdefault("device", old.get("device"))
+            r.setdefault("date", old.get("date"))
+            report["runs"][key] = r
+        for key, v in old.items():
+            if key.endswith("_over_torch_distributed_bandwidth") or key == "torch_distributed_broadcast":
+                report[key] = v
     tdist = None
     for arg in sys.argv[3:]:
         key, path = arg.split("=", 1)
         if key == "tdist":
             tdist = json.load(open(path))
         else:
-            report["runs"][key] = run(path)
+            report["runs"][key] = dict(run(path), device=device, date=report["date"])
     if tdist:
         report["torch_distributed_broadcast"] = {
             "shape": tdist.get("shape"),
@@ -134,6 +162,9 @@ def main():
             if r.get("broadcast_bytes") == tdist.get("bytes") and r.get("broadcast_median_GB_per_s"):
                 report[f"{key}_over_torch_distributed_bandwidth"] = (
                     r["broadcast_median_GB_per_s"] / tdist["torch_to_python"]["GB_per_s"])
+                if r.get("both_in_collective_median_GB_per_s"):
+                    report[f"{key}_both_in_collective_over_torch_distributed_bandwidth"] = (
+                        r["both_in_collective_median_GB_per_s"] / tdist["torch_to_python"]["GB_per_s"])
     json.dump(report, open(out, "w"), indent=1)
     print(json.dumps(report, indent=1))
 

@@ -126,6 +126,13 @@ impl Trainer for TrainerService {
             advantages: req.advantages.iter().map(|&a| a as f64).collect(),
             global_samples: req.global_batch_samples as usize,
         };
+        // When the rank's share of the step starts (fault runs aim at this moment).
+        info!(
+            trainer = %req.actor,
+            step = req.step,
+            samples = batch.samples.len(),
+            "training step started"
+        );
         let metrics = trainer_call(&req.actor, call!(trainer, TrainerMsg::TrainStep, batch))?
             .map_err(|e| Status::internal(format!("training step {} failed: {e}", req.step)))?;
         Ok(Response::new(tpb::TrainStepReply {
