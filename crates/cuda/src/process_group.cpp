@@ -11,10 +11,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -25,6 +29,7 @@
 #endif
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -45,15 +50,79 @@ struct Group {
   // Set once the group was aborted: its communicators are gone, shutdown must not wait
   // for peers.
   std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
+  // The NCCL communicator exists (connect() succeeded). Until then an abort only sets
+  // `aborted`: the communicator may still be in the making on connect()'s thread, which
+  // ProcessGroupNCCL::abort must not race.
+  std::shared_ptr<std::atomic<bool>> connected = std::make_shared<std::atomic<bool>>(false);
 };
 
 // What another thread needs to abort a group while its owner waits in a collective.
 struct Aborter {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg;
   std::shared_ptr<std::atomic<bool>> aborted;
+  std::shared_ptr<std::atomic<bool>> connected;
 };
 
 Group& group(void* handle) { return *static_cast<Group*>(handle); }
+
+// Where the communicator's setup thread reports back.
+struct Connecting {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+// Creates the group's NCCL communicator before its first collective, bounded by the
+// group's timeout and by an abort. NCCL's blocking setup waits without limit for a peer
+// that failed half-way through its own (seen: a trainer's rank 0 out of memory in
+// ncclCommInitRank left an engine waiting for nine minutes), and no abort reaches a
+// communicator that is still being made. So the setup runs on a thread of its own; if it
+// does not finish in time, that thread is left behind (holding its own reference to the
+// process group, which is never freed) and the group is marked aborted. NCCL allocates
+// its buffers outside libtorch's caching allocator: the blocks the allocator keeps but
+// does not use are handed back to the driver first (a trainer that just ran a step
+// holds most of its GPU that way).
+void connect(Group& g) {
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  auto state = std::make_shared<Connecting>();
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg = g.pg;
+  const auto device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(g.device));
+  std::thread([pg, device, state] {
+    std::exception_ptr error;
+    try {
+      c10::DeviceGuard guard(device);
+      pg->eagerConnectSingleDevice(device);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->done = true;
+    state->error = error;
+    state->changed.notify_all();
+  }).detach();
+  const auto deadline = std::chrono::steady_clock::now() + g.timeout;
+  std::unique_lock<std::mutex> lock(state->mutex);
+  while (!state->done) {
+    if (g.aborted->load()) {
+      throw std::runtime_error(
+          "the group was aborted while its NCCL communicator was being set up (a peer failed "
+          "or went away)");
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      g.aborted->store(true);
+      throw std::runtime_error(
+          "setting up the NCCL communicator took longer than the group's timeout of " +
+          std::to_string(g.timeout.count() / 1000) +
+          " s: a peer failed or went away during its setup (the group is abandoned)");
+    }
+    state->changed.wait_for(lock, std::chrono::milliseconds(20));
+  }
+  if (state->error) {
+    std::rethrow_exception(state->error);
+  }
+  g.connected->store(true);
+}
 #endif
 }  // namespace
 
@@ -72,8 +141,8 @@ int manta_pg_built_with_nccl() {
 
 // Joins the group `group_name` of `world_size` ranks as `rank` on CUDA device `device`.
 // Rank 0 hosts the TCPStore on `port` (0: any free port, see manta_pg_store_port); the
-// others connect to host:port. No collective runs yet: NCCL's communicator is created by
-// the first broadcast on every rank, as in Python.
+// others connect to host:port. No collective runs yet: NCCL's communicator is created at
+// the first broadcast on every rank (connect(), bounded by `timeout_ms`).
 int manta_pg_nccl_join(const char* host, int port, int rank, int world_size, const char* group_name,
                        int device, long long timeout_ms, void** out) {
   return guarded([&] {
@@ -167,6 +236,10 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
       }
     };
     check_aborted();
+    if (!g.connected->load()) {
+      connect(g);
+      check_aborted();
+    }
     for (int i = 0; i < n; ++i) {
       const at::Tensor& t = *static_cast<at::Tensor*>(tensors[i]);
       if (!t.is_cuda() || t.get_device() != g.device) {
@@ -193,7 +266,7 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
 void* manta_pg_aborter(void* handle) {
 #if defined(MANTA_WITH_NCCL)
   Group& g = group(handle);
-  return new Aborter{g.pg, g.aborted};
+  return new Aborter{g.pg, g.aborted, g.connected};
 #else
   (void)handle;
   return nullptr;
@@ -206,7 +279,7 @@ int manta_pg_abort(void* aborter) {
   return guarded([&] {
 #if defined(MANTA_WITH_NCCL)
     auto* a = static_cast<Aborter*>(aborter);
-    if (!a->aborted->exchange(true)) {
+    if (!a->aborted->exchange(true) && a->connected->load()) {
       a->pg->abort();
     }
 #else

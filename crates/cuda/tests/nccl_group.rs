@@ -126,3 +126,43 @@ fn a_one_rank_group_broadcasts_and_leaves_tensors_intact() {
         assert!(e.contains("src 1"), "{e}");
     }
 }
+
+/// One GPU: rank 0 of a two-rank group whose rank 1 never comes. NCCL's own setup would
+/// wait for it without limit; the broadcast must fail by itself once the group's timeout
+/// passes, and an abort from another thread must end the wait at once. (The watchdog
+/// below only keeps a regression from hanging the test run; it times nothing.)
+#[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
+#[test]
+fn a_peer_that_never_connects_fails_the_broadcast_within_the_timeout_or_at_an_abort() {
+    let Some(gpu) = manta_cuda::test_gpu() else {
+        eprintln!("skipped: no CUDA device (the device machine runs this)");
+        return;
+    };
+    let dev = Device::Cuda(gpu);
+    let run = |abort_after: Option<Duration>| {
+        let mut group = ProcessGroup::join(GroupSpec {
+            device: gpu,
+            timeout: Duration::from_secs(3),
+            group_name: format!("never_joined_{}", abort_after.is_some()),
+            ..spec(0, 2)
+        })
+        .expect("rank 0 joins without waiting for the others");
+        let aborter = group.aborter();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t = vec![("w".to_string(), Tensor::ones([8], (Kind::Float, dev)))];
+            let _ = tx.send(group.broadcast(&t, 0).map_err(|e| e.to_string()));
+        });
+        if let Some(after) = abort_after {
+            std::thread::sleep(after);
+            aborter.abort().expect("abort");
+        }
+        rx.recv_timeout(Duration::from_secs(120))
+            .expect("the broadcast returned (it hung past the group's timeout)")
+            .expect_err("no peer: the broadcast cannot succeed")
+    };
+    let e = run(None);
+    assert!(e.contains("timeout of 3 s"), "{e}");
+    let e = run(Some(Duration::from_millis(500)));
+    assert!(e.contains("aborted"), "{e}");
+}
