@@ -39,6 +39,7 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     let settings = flags.over(cluster.train.clone()).resolve();
     check_zero_stage(&cluster, &settings, &args.cluster)?;
     check_context_parallel(&cluster, &settings, &args.cluster)?;
+    check_grad_reduce_in_bf16(&cluster, &settings, &args.cluster)?;
     if cluster.rollout.colocate && settings.sampling.max_weight_staleness > 0 {
         // As slime: overlapping rollouts with training needs the engines off the
         // trainer's GPUs.
@@ -138,6 +139,45 @@ fn check_context_parallel(
         anyhow::bail!(
             "{flag} with --true-on-policy-mode: its batch-invariant attention is not built \
              for context parallelism"
+        );
+    }
+    Ok(())
+}
+
+/// `--grad-reduce-in-bf16` reduces bf16 gradients over data-parallel ranks: refused,
+/// before anything starts, for one trainer and for fp32 weights (`[trainer] bf16 =
+/// false`, or CPU ranks without `bf16 = true`), rather than ignored.
+fn check_grad_reduce_in_bf16(
+    cluster: &ClusterConfig,
+    settings: &TrainSettings,
+    cluster_path: &Path,
+) -> anyhow::Result<()> {
+    if !settings.grad_reduce_in_bf16 {
+        return Ok(());
+    }
+    let t = &cluster.trainer;
+    // Without `bf16`, the trainer's weights are bf16 on GPUs and fp32 on the CPU.
+    let (ranks, on_gpus) = match cluster.mode {
+        ClusterMode::Local => (t.data_parallel_world(), !t.gpus.is_empty()),
+        ClusterMode::Remote => (
+            t.ranks.len(),
+            !t.ranks.is_empty() && t.ranks.iter().all(|r| r.gpu.is_some()),
+        ),
+    };
+    let flag = "--grad-reduce-in-bf16 (or [train] grad_reduce_in_bf16 = true)";
+    let file = cluster_path.display();
+    if ranks < 2 {
+        anyhow::bail!(
+            "{flag} reduces the gradients over data-parallel trainer ranks, but {file} has \
+             one trainer (local mode: [trainer] gpus with two or more GPUs, or \
+             data_parallel_ranks = N; remote mode: [trainer] ranks); drop the flag"
+        );
+    }
+    if !t.bf16.unwrap_or(on_gpus) {
+        anyhow::bail!(
+            "{flag} reduces bf16 gradients, but the trainer's weights are fp32 ({file}: \
+             [trainer] bf16 = false, or ranks on the CPU without bf16 = true): pass --bf16 \
+             or drop the flag"
         );
     }
     Ok(())
@@ -519,6 +559,53 @@ mod tests {
             err.contains("--context-parallel-size 2") && err.contains("remote mode"),
             "{err}"
         );
+    }
+
+    /// `--grad-reduce-in-bf16` needs two ranks or more and bf16 weights.
+    #[test]
+    fn grad_reduce_in_bf16_is_refused_for_one_trainer_or_fp32_weights() {
+        let check = |text: &str, flag: bool| {
+            let cluster = ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
+            let settings = TrainOverrides {
+                grad_reduce_in_bf16: flag.then_some(true),
+                ..Default::default()
+            }
+            .over(cluster.train.clone())
+            .resolve();
+            check_grad_reduce_in_bf16(&cluster, &settings, Path::new("c.toml"))
+                .map_err(|e| e.to_string())
+        };
+        check("", false).unwrap();
+        check("[trainer]\ngpus = [0, 1]\n", true).unwrap();
+        check("[trainer]\ndata_parallel_ranks = 2\nbf16 = true\n", true).unwrap();
+        let in_file = "[train]\ngrad_reduce_in_bf16 = true\n";
+        check(&format!("{in_file}[trainer]\ngpus = [0, 1]\n"), false).unwrap();
+        let err = check("", true).unwrap_err();
+        assert!(
+            err.contains("--grad-reduce-in-bf16") && err.contains("one trainer"),
+            "{err}"
+        );
+        let err = check(in_file, false).unwrap_err();
+        assert!(err.contains("grad_reduce_in_bf16 = true"), "{err}");
+        for fp32 in [
+            "[trainer]\ndata_parallel_ranks = 2\n",
+            "[trainer]\ngpus = [0, 1]\nbf16 = false\n",
+        ] {
+            let err = check(fp32, true).unwrap_err();
+            assert!(
+                err.contains("--grad-reduce-in-bf16") && err.contains("fp32"),
+                "{fp32}: {err}"
+            );
+        }
+        let remote = "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0]\n\n\
+                      [[nodes]]\naddress = \"b:1\"\ngpus = [0]\n\n[trainer]\n";
+        check(
+            &format!("{remote}ranks = [{{ node = 0, gpu = 0 }}, {{ node = 1, gpu = 0 }}]\n"),
+            true,
+        )
+        .unwrap();
+        let err = check(remote, true).unwrap_err();
+        assert!(err.contains("one trainer"), "{err}");
     }
 
     /// `--zero-stage 3` (or `[train] zero_stage = 3`) needs two local ranks.

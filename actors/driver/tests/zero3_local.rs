@@ -5,7 +5,9 @@
 //!   from layers gathered off the ranks) agree up to fp32 summation order;
 //! - the default local job (native engine, built-in environment) trains and syncs
 //!   verified weights to the engine, a layer at a time as every rank gathers it;
-//! - `--zero-stage 3` with one rank, and stages other than 2 or 3, are refused by name.
+//! - `--zero-stage 3` with one rank, and stages other than 2 or 3, are refused by name;
+//! - `--grad-reduce-in-bf16` with `--bf16` reaches the ranks (a bf16 gradient shard), and
+//!   is refused by name with fp32 weights or one trainer.
 //!
 //! A driver that asked rank 0 alone for ZeRO-3 weights would wait in the gather
 //! forever, so every run here has a deadline.
@@ -186,6 +188,85 @@ fn zero_stage_refusals_name_the_flag_and_help_explains_it() {
     let text = &help[at..(at + 600).min(help.len())];
     assert!(
         text.contains("ZeRO stage") && text.contains("parameters"),
+        "{text}"
+    );
+}
+
+/// `driver ARGS` in a fresh directory with `[trainer] trainer`, which must fail: its stderr.
+fn refused(trainer: &str, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = cluster(dir.path(), trainer);
+    let args = [
+        strings(&[
+            "--cluster",
+            path.to_str().unwrap(),
+            "--model",
+            "assets/tiny-qwen3",
+        ]),
+        strings(&["--num-rollout", "1", "--runs-dir"]),
+        strings(&[dir.path().join("runs").to_str().unwrap()]),
+        strings(extra),
+    ]
+    .concat();
+    let out = driver(&args, &[], dir.path());
+    assert!(
+        !out.status.success(),
+        "{extra:?} with [trainer] {trainer:?} should be refused"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn grad_reduce_in_bf16_reaches_the_zero3_ranks_and_is_refused_where_it_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let data = debug_data(dir, 3, 5);
+    let two = cluster(dir, "data_parallel_ranks = 2");
+    let (save, runs) = (dir.join("ckpt"), dir.join("runs"));
+    let args = [
+        debug_args(&two, &data, &save, &runs, "3"),
+        strings(&["--bf16", "--grad-reduce-in-bf16"]),
+    ]
+    .concat();
+    let log = ("RUST_LOG", "warn,manta_driver=info,manta_trainer=info");
+    let out = assert_success(driver(&args, &[log], dir));
+    let log = plain(&out.stderr);
+    assert!(
+        log.contains("grad_reduce_in_bf16=true"),
+        "the ranks' flag:\n{log}"
+    );
+    assert_eq!(
+        log.matches("grad_kind=BFloat16").count(),
+        2,
+        "each rank's optimizer keeps a bf16 gradient shard:\n{log}"
+    );
+    let m = read_metrics(&runs.join("r/metrics.jsonl")).unwrap();
+    for s in 1..=3 {
+        let loss = step(&m, s)["train/loss"];
+        assert!(loss.is_finite(), "step {s}: loss {loss}");
+    }
+
+    let err = refused("data_parallel_ranks = 2", &["--grad-reduce-in-bf16"]);
+    assert!(
+        err.contains("--grad-reduce-in-bf16") && err.contains("fp32"),
+        "{err}"
+    );
+    let err = refused("", &["--bf16", "--grad-reduce-in-bf16"]);
+    assert!(
+        err.contains("--grad-reduce-in-bf16") && err.contains("one trainer"),
+        "{err}"
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let at = help
+        .find("--grad-reduce-in-bf16")
+        .expect("--help lists --grad-reduce-in-bf16");
+    let text = &help[at..(at + 600).min(help.len())];
+    assert!(
+        text.contains("half the gradient shard's memory") && text.contains("bf16 rounding"),
         "{text}"
     );
 }

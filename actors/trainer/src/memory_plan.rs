@@ -2,14 +2,15 @@
 //! anything is allocated, so a run that cannot fit stops at start with the flags to
 //! change instead of running out of memory at its first step or optimizer update.
 //!
-//! The static part (weights, gradients, fp32 masters, AdamW moments and ZeRO-2's
-//! gradient and update shards, sharded over the data-parallel ranks as ZeRO-2 shards
-//! them, and a frozen reference model; with ZeRO-3 the weights and gradients of the
-//! embedding, final norm and head plus the decoder layers gathered at once, whose
+//! The static part (weights, gradients, fp32 masters, AdamW moments, the reduced-gradient
+//! shard and ZeRO-2's bf16 update shard, sharded over the data-parallel ranks as ZeRO-2
+//! shards them, and a frozen reference model; with ZeRO-3 the weights and gradients of
+//! the embedding, final norm and head plus the decoder layers gathered at once, whose
 //! largest set is static in effect: it comes back every micro-batch) is
 //! counted exactly; activations are an estimate (the tensors one Qwen3 decoder layer
 //! keeps for backward, per token, for the layers not recomputed, plus one recomputed
-//! layer's at a time and a chunk of fp32 logits).
+//! layer's at a time and a chunk of fp32 logits), and so is the staging of the largest
+//! bucket's gradients for their reduce-scatter, after the backward.
 
 use manta_model::{ModelConfig, Recompute};
 
@@ -25,6 +26,8 @@ pub struct MemoryInputs {
     pub zero_stage: u8,
     /// bf16 weights with fp32 masters (else fp32 weights, no masters).
     pub bf16: bool,
+    /// `--grad-reduce-in-bf16`: the reduced-gradient shard in bf16 (sharded, bf16 only).
+    pub grad_reduce_in_bf16: bool,
     pub recompute: Option<Recompute>,
     /// A frozen reference model is kept (`--use-kl-loss`).
     pub reference: bool,
@@ -39,7 +42,9 @@ pub struct MemoryPlan {
     pub gradients: u64,
     pub master_weights: u64,
     pub adam_moments: u64,
-    /// ZeRO-2's reduced fp32 gradient shard and the updated shard it all-gathers.
+    /// The reduced-gradient shard (fp32, or bf16 with `--grad-reduce-in-bf16`) and
+    /// ZeRO-2's bf16 update shard, which it all-gathers (ZeRO-3 rounds the masters as
+    /// it gathers a layer instead).
     pub shards: u64,
     pub reference_weights: u64,
     pub activations: u64,
@@ -48,8 +53,12 @@ pub struct MemoryPlan {
     /// still whole on the GPU while the optimizer makes their shards.
     pub whole_weights_at_build: u64,
     /// ZeRO-3: what the optimizer allocates only after the whole weights are released
-    /// (the moments and the fp32 gradient shard), so not during the build.
+    /// (the moments and the gradient shard), so not during the build.
     pub allocated_after_build: u64,
+    /// The largest bucket's gradients staged flat for the reduce-scatter, and (ZeRO-3)
+    /// this rank's reduced slice of them: after the backward, when the activations are
+    /// gone (ZeRO-3's embedding and head are reduced last).
+    pub reduce_staging: u64,
 }
 
 impl MemoryPlan {
@@ -77,7 +86,7 @@ impl MemoryPlan {
 
     /// The expected peak.
     pub fn peak(&self) -> u64 {
-        self.static_bytes() + self.activations + self.logits
+        self.static_bytes() + (self.activations + self.logits).max(self.reduce_staging)
     }
 }
 
@@ -88,9 +97,7 @@ impl MemoryPlan {
      alone (weights {weights_gib:.1}, gradients {grads_gib:.1}, fp32 masters {master_gib:.1}, \
      AdamW moments {moments_gib:.1}, ZeRO shards {shards_gib:.1}, reference model \
      {reference_gib:.1}, whole weights while the ZeRO-3 shards are made {build_gib:.1}), \
-     more than the \
-     {capacity_gib:.1} GiB GPU holds: spread the optimizer state over more data-parallel \
-     ranks ([trainer] gpus), drop --use-kl-loss's reference model, or use GPUs with more memory"
+     more than the {capacity_gib:.1} GiB GPU holds: {changes}, or use GPUs with more memory"
 )]
 pub struct DoesNotFit {
     pub need_gib: f64,
@@ -104,6 +111,8 @@ pub struct DoesNotFit {
     /// the steady state, not the build, is what does not fit).
     pub build_gib: f64,
     pub capacity_gib: f64,
+    /// The flags that would shrink what a rank holds, given the run's own.
+    pub changes: String,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -174,16 +183,27 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     let ranks = inputs.data_parallel.max(1) as u64;
     let weight_bytes = if inputs.bf16 { 2 } else { 4 };
     let sharded = ranks > 1;
+    let zero3 = sharded && inputs.zero_stage >= 3;
     // One rank keeps whole fp32 masters (bf16 only: fp32 weights are their own);
     // ZeRO-2 keeps this rank's slice of them, of the moments, of the reduced gradients
-    // and (bf16) of the updated weights it all-gathers.
+    // and (bf16) of the updated weights it all-gathers; ZeRO-3 no updated weights.
     let master_weights = match (sharded, inputs.bf16) {
         (true, _) => 4 * p / ranks,
         (false, true) => 4 * p,
         (false, false) => 0,
     };
+    let grad_bytes = if inputs.grad_reduce_in_bf16 && inputs.bf16 {
+        2
+    } else {
+        4
+    };
+    let update_shard = if inputs.bf16 && !zero3 {
+        2 * p / ranks
+    } else {
+        0
+    };
     let shards = if sharded {
-        4 * p / ranks + if inputs.bf16 { 2 * p / ranks } else { 0 }
+        grad_bytes * p / ranks + update_shard
     } else {
         0
     };
@@ -202,7 +222,7 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     let logits =
         3 * 4 * inputs.logprob_chunk.min(inputs.tokens_per_gpu) as u64 * cfg.vocab_size as u64;
     // ZeRO-3: whole weights and gradients only of what is gathered at once.
-    let resident = if sharded && inputs.zero_stage >= 3 {
+    let resident = if zero3 {
         outer_parameter_count(cfg)
             + gathered_layers(layers, inputs.recompute) * layer_parameter_count(cfg)
     } else {
@@ -222,19 +242,52 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
         activations: kept_layers * per_layer + recomputed_inputs + rebuilding,
         logits,
         whole_weights_at_build: weight_bytes * (p - resident.min(p)),
-        allocated_after_build: if sharded && inputs.zero_stage >= 3 {
-            8 * p / ranks + 4 * p / ranks
+        allocated_after_build: if zero3 {
+            8 * p / ranks + grad_bytes * p / ranks
+        } else {
+            0
+        },
+        reduce_staging: if sharded {
+            let largest = largest_bucket(cfg, zero3);
+            grad_bytes * largest
+                + if zero3 {
+                    grad_bytes * largest / ranks
+                } else {
+                    0
+                }
         } else {
             0
         },
     }
 }
 
-/// Refuses a plan whose static part alone exceeds `capacity` bytes.
-pub fn check(plan: &MemoryPlan, capacity: u64) -> Result<(), DoesNotFit> {
+/// Elements of the largest bucket: ZeRO-3's embedding, head and norm, or one layer;
+/// ZeRO-2's default bucket, or a larger parameter (the embedding) alone.
+fn largest_bucket(cfg: &ModelConfig, zero3: bool) -> u64 {
+    if zero3 {
+        return outer_parameter_count(cfg).max(layer_parameter_count(cfg));
+    }
+    let embedding = cfg.vocab_size as u64 * cfg.hidden_size as u64;
+    embedding.max(crate::data_parallel::zero::DEFAULT_BUCKET_NUMEL as u64)
+}
+
+/// Refuses a plan (made from `inputs`) whose static part alone exceeds `capacity`
+/// bytes, naming the flags that would shrink it.
+pub fn check(plan: &MemoryPlan, inputs: &MemoryInputs, capacity: u64) -> Result<(), DoesNotFit> {
     let need = plan.static_bytes().max(plan.build_bytes());
     if need <= capacity {
         return Ok(());
+    }
+    let mut changes =
+        vec!["spread the optimizer state over more data-parallel ranks ([trainer] gpus)"];
+    if inputs.zero_stage < 3 {
+        changes.push("shard the weights too (--zero-stage 3, two ranks or more)");
+    }
+    if inputs.bf16 && !inputs.grad_reduce_in_bf16 {
+        changes.push("keep the reduced gradients in bf16 (--grad-reduce-in-bf16)");
+    }
+    if plan.reference_weights > 0 {
+        changes.push("drop --use-kl-loss's reference model");
     }
     let gib = |b: u64| b as f64 / GIB;
     let building = plan.build_bytes() > plan.static_bytes();
@@ -252,6 +305,7 @@ pub fn check(plan: &MemoryPlan, capacity: u64) -> Result<(), DoesNotFit> {
             0.0
         },
         capacity_gib: gib(capacity),
+        changes: changes.join(", "),
     })
 }
 
@@ -275,6 +329,7 @@ mod tests {
             data_parallel: ranks,
             zero_stage: 2,
             bf16: true,
+            grad_reduce_in_bf16: false,
             recompute,
             reference: false,
             logprob_chunk: 1024,
@@ -329,16 +384,37 @@ mod tests {
     #[test]
     fn a_plan_that_cannot_fit_is_refused_naming_what_to_change() {
         let cfg = qwen3(4096, 12288, 36, 32, false);
-        let one_rank = plan(&cfg, &inputs(1, 16384, Some(Recompute::EVERY_LAYER)));
+        let one = inputs(1, 16384, Some(Recompute::EVERY_LAYER));
         let h100 = 80 * (1u64 << 30);
-        let err = check(&one_rank, h100).unwrap_err().to_string();
+        let err = check(&plan(&cfg, &one), &one, h100)
+            .unwrap_err()
+            .to_string();
         for needed in ["per GPU", "[trainer] gpus", "80.0 GiB"] {
             assert!(err.contains(needed), "{needed}: {err}");
         }
-        // Two ranks' static state fits an H200 (141 GiB) but not an 80 GB card.
-        let two = plan(&cfg, &inputs(2, 16384, Some(Recompute::EVERY_LAYER)));
-        assert!(check(&two, 141 * (1u64 << 30)).is_ok());
-        assert!(check(&two, h100).is_err());
+        // Two ranks' static state fits an H200 (141 GiB) but not an 80 GB card: the
+        // refusal names the flags that shrink it.
+        let two = inputs(2, 16384, Some(Recompute::EVERY_LAYER));
+        assert!(check(&plan(&cfg, &two), &two, 141 * (1u64 << 30)).is_ok());
+        let err = check(&plan(&cfg, &two), &two, h100)
+            .unwrap_err()
+            .to_string();
+        for needed in ["--zero-stage 3", "--grad-reduce-in-bf16", "[trainer] gpus"] {
+            assert!(err.contains(needed), "{needed}: {err}");
+        }
+        // Flags the run already uses are not suggested again.
+        let both = MemoryInputs {
+            zero_stage: 3,
+            grad_reduce_in_bf16: true,
+            ..inputs(2, 16384, None)
+        };
+        let err = check(&plan(&cfg, &both), &both, h100)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            !err.contains("--zero-stage 3") && !err.contains("--grad-reduce-in-bf16"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -350,30 +426,35 @@ mod tests {
         };
         let two = plan(&cfg, &stage(2, Some(Recompute::EVERY_LAYER)));
         let three = plan(&cfg, &stage(3, Some(Recompute::EVERY_LAYER)));
-        // Same shards of the optimizer state; weights and gradients of the embedding,
-        // head, final norm and one layer instead of all 36.
+        // Same shards of the optimizer state but ZeRO-2's bf16 update shard; weights
+        // and gradients of the embedding, head, final norm and one layer instead of all 36.
+        let p = parameter_count(&cfg);
         assert_eq!(
-            (two.master_weights, two.adam_moments, two.shards),
+            (two.master_weights, two.adam_moments, two.shards - p),
             (three.master_weights, three.adam_moments, three.shards)
         );
         let whole = 2 * (outer_parameter_count(&cfg) + layer_parameter_count(&cfg));
         assert_eq!((three.weights, three.gradients), (whole, whole));
         assert!(three.static_bytes() < two.static_bytes());
         // 8B over two ranks: ZeRO-2's static state does not fit an 80 GB card, ZeRO-3's
-        // does. ZeRO-3's build holds the whole bf16 model beside the fp32 masters and the
-        // bf16 shard only (2 + 6 / 2 bytes a parameter, 38 GiB); with the moments and the
-        // gradient shard made then too it needed 84 GiB, which ran out of memory on cards
-        // held to 79.6 GiB.
+        // does. ZeRO-3's build holds the whole bf16 model beside the fp32 masters only
+        // (2 + 4 / 2 bytes a parameter, 30.5 GiB); with the moments and the gradient
+        // shard made then too it would need 76 GiB (84 with the bf16 shard it kept
+        // before, which ran out of memory on cards held to 79.6 GiB).
         let h100 = 80 * (1u64 << 30);
-        assert!(check(&two, h100).is_err());
-        assert!(check(&three, h100).is_ok(), "{three:?}");
+        let (in2, in3) = (
+            stage(2, Some(Recompute::EVERY_LAYER)),
+            stage(3, Some(Recompute::EVERY_LAYER)),
+        );
+        assert!(check(&two, &in2, h100).is_err());
+        assert!(check(&three, &in3, h100).is_ok(), "{three:?}");
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         assert!(
-            (37.0..39.0).contains(&gib(three.build_bytes())),
+            (30.0..31.0).contains(&gib(three.build_bytes())),
             "{three:?}"
         );
         assert!(
-            (83.0..85.0).contains(&gib(three.build_bytes() + three.allocated_after_build)),
+            (76.0..77.0).contains(&gib(three.build_bytes() + three.allocated_after_build)),
             "{three:?}"
         );
         assert_eq!(two.build_bytes(), two.static_bytes() - two.gradients);
@@ -402,10 +483,50 @@ mod tests {
         // and 8B still does not fit one 80 GB card per rank.
         let kept = plan(&cfg, &stage(3, None));
         assert_eq!(kept.weights, two.weights);
-        let err = check(&kept, h100).unwrap_err().to_string();
+        let err = check(&kept, &stage(3, None), h100).unwrap_err().to_string();
         assert!(
             err.contains("ZeRO shards") && err.contains("80.0 GiB"),
             "{err}"
+        );
+    }
+    /// Issue 31: Qwen3-8B, ZeRO-3 over two ranks, 16k tokens a GPU, full recompute, on
+    /// an 80 GB card (79.6 GiB usable). A rank keeps 14 bytes a parameter over the ranks
+    /// with --grad-reduce-in-bf16 (fp32 master 4, moments 8, bf16 gradient shard 2), 16
+    /// without it (fp32 gradient shard), and kept 18 with its bf16 parameter shard, whose
+    /// plan (74.0 GiB static, 82.7 peak) ran at 88.5 GiB on H200s.
+    #[test]
+    fn qwen3_8b_zero_3_over_two_ranks_fits_an_80_gb_card_with_bf16_gradient_shards() {
+        let cfg = qwen3(4096, 12288, 36, 32, false);
+        let p = parameter_count(&cfg);
+        let flagged = |grad_reduce_in_bf16| MemoryInputs {
+            zero_stage: 3,
+            grad_reduce_in_bf16,
+            ..inputs(2, 16384, Some(Recompute::EVERY_LAYER))
+        };
+        let (bf16, fp32) = (plan(&cfg, &flagged(true)), plan(&cfg, &flagged(false)));
+        let gib = |b: u64| b as f64 / GIB;
+        let need = |m: &MemoryPlan| gib(m.static_bytes().max(m.build_bytes()));
+        // Sharded state: (4 + 8 + 2) / 2 and (4 + 8 + 4) / 2 bytes a parameter.
+        let sharded = |m: &MemoryPlan| m.master_weights + m.adam_moments + m.shards;
+        assert_eq!(sharded(&bf16), 7 * p);
+        assert_eq!(sharded(&fp32), 8 * p);
+        assert!(need(&bf16) < 60.0, "{:.1} GiB: {bf16:?}", need(&bf16));
+        assert!(need(&fp32) > need(&bf16) + 7.0, "{:.1} GiB", need(&fp32));
+        // With the estimated activations the flagged peak keeps 5 GiB of the card
+        // free; without the flag it does not.
+        assert!(gib(bf16.peak()) < 74.0, "{:.1} GiB", gib(bf16.peak()));
+        assert!(gib(fp32.peak()) > 74.0, "{:.1} GiB", gib(fp32.peak()));
+        let card = (79.6 * GIB) as u64;
+        assert!(check(&bf16, &flagged(true), card).is_ok());
+        println!(
+            "8B ZeRO-3 2 ranks 16k: static {:.1} / build {:.1} / peak {:.1} GiB with \
+             --grad-reduce-in-bf16, {:.1} / {:.1} / {:.1} without",
+            gib(bf16.static_bytes()),
+            gib(bf16.build_bytes()),
+            gib(bf16.peak()),
+            gib(fp32.static_bytes()),
+            gib(fp32.build_bytes()),
+            gib(fp32.peak()),
         );
     }
 }

@@ -16,7 +16,7 @@ use crate::batch::{micro_batches, MicroBatchLayout};
 use crate::context_parallel::{CpComm, CpLocal};
 use crate::data_parallel::metrics::all_reduce_metrics;
 use crate::data_parallel::zero::OUTER_BUCKET;
-use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ZeroAdamW};
+use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ShardBytes, ZeroAdamW};
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
 };
@@ -106,6 +106,13 @@ pub struct AlgoOptions {
     /// rollout's (`train/train_rollout_logprob_abs_diff` ~0). CUDA bf16 only.
     #[serde(default)]
     pub true_on_policy: bool,
+    /// Megatron's `--grad-reduce-in-bf16`: data-parallel ranks (ZeRO-2, ZeRO-3, context
+    /// parallel) reduce-scatter the gradients in bf16 and keep their reduced-gradient
+    /// shard in bf16 (accumulated over micro-batches in bf16), widened to fp32 a bucket
+    /// at a time by the AdamW update: half the gradient shard's memory for bf16 rounding
+    /// of the reduced gradients. bf16 weights and two ranks or more; refused otherwise.
+    #[serde(default)]
+    pub grad_reduce_in_bf16: bool,
 }
 
 /// One step's data for this rank.
@@ -332,18 +339,17 @@ fn check_memory(
     let Device::Cuda(index) = opts.device else {
         return Ok(());
     };
-    let plan = memory_plan::plan(
-        cfg,
-        &memory_plan::MemoryInputs {
-            tokens_per_gpu: opts.max_tokens_per_gpu,
-            data_parallel: ranks,
-            zero_stage,
-            bf16,
-            recompute: opts.recompute,
-            reference: opts.algo.loss.use_kl_loss,
-            logprob_chunk: opts.logprob_chunk.max(1) as usize,
-        },
-    );
+    let inputs = memory_plan::MemoryInputs {
+        tokens_per_gpu: opts.max_tokens_per_gpu,
+        data_parallel: ranks,
+        zero_stage,
+        bf16,
+        grad_reduce_in_bf16: opts.algo.grad_reduce_in_bf16,
+        recompute: opts.recompute,
+        reference: opts.algo.loss.use_kl_loss,
+        logprob_chunk: opts.logprob_chunk.max(1) as usize,
+    };
+    let plan = memory_plan::plan(cfg, &inputs);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     info!(
         device = index,
@@ -351,12 +357,14 @@ fn check_memory(
         build_gib = gib(plan.build_bytes()),
         activations_gib = gib(plan.activations + plan.logits),
         peak_gib = gib(plan.peak()),
+        zero_stage,
+        grad_reduce_in_bf16 = inputs.grad_reduce_in_bf16,
         "trainer memory plan per GPU"
     );
     let Ok(capacity) = manta_cuda::total_memory(index) else {
         return Ok(());
     };
-    memory_plan::check(&plan, capacity as u64)?;
+    memory_plan::check(&plan, &inputs, capacity as u64)?;
     if plan.peak() > capacity as u64 {
         tracing::warn!(
             peak_gib = gib(plan.peak()),
@@ -474,6 +482,22 @@ impl Trainer {
             Some((_, Sharding::Zero3)) => 3,
             _ => 2,
         };
+        let grad_reduce_in_bf16 = opts.algo.grad_reduce_in_bf16;
+        if grad_reduce_in_bf16 && (ranks < 2 || !bf16) {
+            let why = if ranks < 2 {
+                format!(
+                    "it reduces gradients over data-parallel ranks, and this trainer has {ranks} \
+                     ([trainer] gpus with two or more GPUs, or data_parallel_ranks = N)"
+                )
+            } else {
+                "it reduces bf16 gradients, and this trainer's weights are fp32 (--bf16 or \
+                 [trainer] bf16 = true)"
+                    .to_string()
+            };
+            return Err(TrainerError::Config(format!(
+                "--grad-reduce-in-bf16 (or [train] grad_reduce_in_bf16): {why}; or drop the flag"
+            )));
+        }
         check_memory(&cfg, &opts, bf16, ranks, zero_stage)?;
         // Seeding and drawing the initial weights hold a process-wide lock: data-parallel
         // ranks in one process are built at once, and libtorch's generators (the CPU's,
@@ -508,15 +532,22 @@ impl Trainer {
         // Before the reference copy: data parallel starts every rank from rank 0's weights.
         let params: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let mut optimizer = match group {
-            Some((comm, Sharding::Zero3)) => RankOptimizer::Sharded(Box::new(
-                ZeroAdamW::new_stage3(params, opts.adam, comm, cfg.num_hidden_layers as usize)?,
-            )),
+            Some((comm, Sharding::Zero3)) => {
+                RankOptimizer::Sharded(Box::new(ZeroAdamW::new_stage3(
+                    params,
+                    opts.adam,
+                    comm,
+                    cfg.num_hidden_layers as usize,
+                    grad_reduce_in_bf16,
+                )?))
+            }
             Some((comm, Sharding::Zero2 { bucket_numel })) if comm.world_size() > 1 => {
                 RankOptimizer::Sharded(Box::new(ZeroAdamW::new(
                     params,
                     opts.adam,
                     comm,
                     bucket_numel,
+                    grad_reduce_in_bf16,
                 )?))
             }
             _ => RankOptimizer::Whole(AdamW::new(params, opts.adam)),
@@ -674,6 +705,14 @@ impl Trainer {
     /// in the optimizer, at rest: 0); `None` without ZeRO-3.
     pub fn zero3_parameter_bytes(&self) -> Option<usize> {
         self.optimizer.zero3().map(ZeroAdamW::parameter_bytes)
+    }
+
+    /// Bytes of this data-parallel rank's sharded optimizer state now, by what holds
+    /// them, and the reduced gradients' kind; `None` for one trainer.
+    pub fn shard_bytes(&self) -> Option<(ShardBytes, Kind)> {
+        self.optimizer
+            .sharded()
+            .map(|o| (o.shard_bytes(), o.grad_kind()))
     }
 
     /// Rejects batches the model cannot train on, naming the sample and field.

@@ -224,6 +224,7 @@ fn zero_shards_update_like_the_whole_adamw_on_summed_gradients() {
             adam(),
             Box::new(c),
             16,
+            false,
         )
         .unwrap();
         assert_eq!(z.layout().buckets.len(), 3);
@@ -361,7 +362,7 @@ fn a_sharded_optimizer_resumes_from_its_saved_shards() {
             .iter()
             .map(|(k, t)| (k.clone(), t.shallow_clone()))
             .collect();
-        let mut z = ZeroAdamW::new(named, adam(), Box::new(c), 16).unwrap();
+        let mut z = ZeroAdamW::new(named, adam(), Box::new(c), 16, false).unwrap();
         for step in 0..2 {
             z.zero_grad();
             set_grads(&ps, &grads(rank, step));
@@ -380,7 +381,7 @@ fn a_sharded_optimizer_resumes_from_its_saved_shards() {
             .iter()
             .map(|(k, t)| (k.clone(), t.shallow_clone()))
             .collect();
-        let mut z = ZeroAdamW::new(named, adam(), Box::new(c), 16).unwrap();
+        let mut z = ZeroAdamW::new(named, adam(), Box::new(c), 16, false).unwrap();
         z.load(load_dir.path(), 1).unwrap();
         assert_eq!(z.step_count(), 1);
         z.zero_grad();
@@ -399,7 +400,7 @@ fn a_sharded_optimizer_resumes_from_its_saved_shards() {
             Tensor::zeros([500], (Kind::Float, tch::Device::Cpu)),
         )]
         .into();
-        let mut z = ZeroAdamW::new(ps, adam(), Box::new(c), 16).unwrap();
+        let mut z = ZeroAdamW::new(ps, adam(), Box::new(c), 16, false).unwrap();
         z.load(bad_dir.path(), 1).unwrap_err()
     });
     for e in errors {

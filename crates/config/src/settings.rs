@@ -46,6 +46,9 @@ pub struct TrainOverrides {
     /// Megatron's `--context-parallel-size N`: each packed sequence's tokens split over
     /// N trainer ranks (the whole local rank group; data parallel × CP is not built).
     pub context_parallel_size: Option<usize>,
+    /// Megatron's `--grad-reduce-in-bf16`: data-parallel ranks reduce the gradients in
+    /// bf16 and keep their reduced-gradient shard in bf16.
+    pub grad_reduce_in_bf16: Option<bool>,
     pub context_len: Option<usize>,
     pub task_data: Option<PathBuf>,
     pub run_name: Option<String>,
@@ -129,6 +132,10 @@ pub struct TrainSettings {
     /// the local rank group, which must have exactly this many ranks, as one
     /// context-parallel group.
     pub context_parallel_size: usize,
+    /// Gradients reduce-scattered in bf16 and each rank's reduced-gradient shard kept
+    /// in bf16 (half its memory, bf16 rounding of the reduced gradients); needs bf16
+    /// weights and two data-parallel ranks or more (the driver refuses it otherwise).
+    pub grad_reduce_in_bf16: bool,
     /// Whole-episode token budget (prompt + all turns).
     pub context_len: usize,
     /// tasks.jsonl to train from; `None` lists tasks from the environment servers.
@@ -284,6 +291,7 @@ impl TrainOverrides {
             recompute_num_layers,
             zero_stage,
             context_parallel_size,
+            grad_reduce_in_bf16,
             context_len,
             task_data,
             run_name,
@@ -630,6 +638,7 @@ impl TrainOverrides {
             },
             zero_stage: self.zero_stage.unwrap_or(2),
             context_parallel_size: self.context_parallel_size.unwrap_or(1),
+            grad_reduce_in_bf16: self.grad_reduce_in_bf16.unwrap_or(false),
             context_len: self.context_len.unwrap_or(8192),
             task_data: self.task_data,
             run_name: self.run_name,
@@ -773,6 +782,25 @@ mod tests {
             let err = validation_error(&o, "c.toml", "train.");
             assert!(err.contains("train.zero_stage"), "{err}");
         }
+    }
+
+    #[test]
+    fn grad_reduce_in_bf16_defaults_to_off_and_a_layer_turns_it_on() {
+        assert!(!TrainOverrides::default().resolve().grad_reduce_in_bf16);
+        let on = TrainOverrides {
+            grad_reduce_in_bf16: Some(true),
+            ..Default::default()
+        };
+        assert!(on.clone().resolve().grad_reduce_in_bf16);
+        // cluster.toml's `[train] grad_reduce_in_bf16 = true` under an unset flag.
+        assert!(
+            TrainOverrides::default()
+                .over(on)
+                .resolve()
+                .grad_reduce_in_bf16
+        );
+        let file: TrainOverrides = toml::from_str("grad_reduce_in_bf16 = true").unwrap();
+        assert_eq!(file.grad_reduce_in_bf16, Some(true));
     }
 
     #[test]

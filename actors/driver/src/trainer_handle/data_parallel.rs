@@ -183,6 +183,7 @@ pub async fn spawn_ranks(
         devices = ?devices,
         zero_stage,
         context_parallel_size,
+        grad_reduce_in_bf16 = options.algo.grad_reduce_in_bf16,
         "trainer ranks started"
     );
     Ok(ranks)

@@ -36,7 +36,7 @@ pub use layout::FlatLayout;
 pub use nccl::{NcclAborter, NcclCollective};
 pub use store::{StoreAborter, StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
-pub use zero::{RankOptimizer, ZeroAdamW};
+pub use zero::{RankOptimizer, ShardBytes, ZeroAdamW};
 
 use tch::{Device, Kind, Tensor};
 

@@ -4,6 +4,12 @@
 //! see [`super`]), clips by the global norm (an all-reduce of the shards' squared norms),
 //! updates the shard with the same AdamW as the unsharded optimizer, and all-gathers the
 //! updated shards into every rank's parameters, so all ranks stay identical.
+//!
+//! Per parameter over N ranks a rank keeps the fp32 master (4 B / N), the moments
+//! (8 B / N) and the reduced gradient (4 B / N, or 2 B / N with `--grad-reduce-in-bf16`).
+//! ZeRO-2 with bf16 weights also keeps the updated bf16 shard it all-gathers (2 B / N);
+//! ZeRO-3 rounds a shard group's slice of the master when it gathers it instead, the same
+//! bits the shard would have held.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -34,18 +40,26 @@ pub struct ZeroAdamW {
     params: Vec<Tensor>,
     /// The parameters' kind (one for all: fp32, or bf16 with `--bf16`).
     kind: Kind,
-    /// This rank's fp32 masters, moments and reduced gradients, `[shard_numel]`.
+    /// This rank's fp32 masters and moments, `[shard_numel]`.
     master: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// This rank's reduced gradients, `[shard_numel]`, in `grad_kind`.
     grad: Tensor,
-    /// The updated shard in the parameters' kind (the master itself in fp32), which the
-    /// all-gather sends.
-    param_shard: Tensor,
+    /// fp32, or the parameters' bf16 with `--grad-reduce-in-bf16` (reduce-scattered and
+    /// accumulated in bf16, widened a bucket at a time by the update).
+    grad_kind: Kind,
+    /// The clip scale not yet applied to a bf16 `grad`: it is applied in fp32 as each
+    /// bucket is widened, so clipping adds no bf16 rounding.
+    pending_scale: Option<f64>,
+    /// ZeRO-2 with bf16 weights: the updated shard in the parameters' kind, which the
+    /// all-gather sends. `None` where it would only be the master: fp32 weights (the
+    /// master is the shard) and ZeRO-3 (each gather rounds its slice of the master).
+    param_shard: Option<Tensor>,
     /// Whether `grad` holds this step's reduced gradients.
     reduced: bool,
-    /// ZeRO-3: the parameters hold no values at rest (only `param_shard`, this rank's
-    /// slice); a bucket is one decoder layer (or the embedding, final norm and head),
+    /// ZeRO-3: the parameters hold no values at rest (only this rank's slice of the
+    /// masters); a bucket is one decoder layer (or the embedding, final norm and head),
     /// gathered before use and reduce-scattered into `grad` (accumulating over
     /// micro-batches) as soon as its backward is done.
     stage3: bool,
@@ -53,6 +67,17 @@ pub struct ZeroAdamW {
     /// the shards alone (the HF export) can lay them out again.
     bucket_numel: usize,
     step: u64,
+}
+
+/// Bytes of a rank's sharded optimizer state ([`ZeroAdamW::shard_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardBytes {
+    pub master: usize,
+    pub moments: usize,
+    /// The reduced-gradient shard (bf16 with `--grad-reduce-in-bf16`).
+    pub gradients: usize,
+    /// ZeRO-2's bf16 parameter shard (0 under ZeRO-3 and with fp32 weights).
+    pub parameters: usize,
 }
 
 /// The name of rank `rank`'s optimizer shard in a checkpoint of `world` ranks.
@@ -115,26 +140,27 @@ fn check_one_kind(params: &BTreeMap<String, Tensor>) -> Result<Kind, CollectiveE
     Ok(kind)
 }
 
+/// Bucket `b` of the tensors `pick` gives, flat in `kind`, padded with zeros. Each is
+/// converted as it is copied in: no converted copy of a parameter (8B's embedding in
+/// fp32 is 2.5 GB) lives beside the flat buffer.
 fn flat_bucket(
     layout: &FlatLayout,
     b: usize,
-    kind: Kind,
+    (kind, device): (Kind, tch::Device),
     pick: impl Fn(usize) -> Tensor,
 ) -> Tensor {
     let bucket = &layout.buckets[b];
-    let mut parts: Vec<Tensor> = bucket
-        .params
-        .clone()
-        .map(|i| pick(i).to_kind(kind).reshape([-1]))
-        .collect();
+    let flat = Tensor::empty([bucket.padded(layout.world) as i64], (kind, device));
+    for i in bucket.params.clone() {
+        let slot = &layout.params[i];
+        flat.narrow(0, slot.offset as i64, slot.numel as i64)
+            .copy_(&pick(i).reshape([-1]));
+    }
     let pad = bucket.padded(layout.world) - bucket.numel;
     if pad > 0 {
-        let device = parts
-            .first()
-            .map_or(tch::Device::Cpu, |t: &Tensor| t.device());
-        parts.push(Tensor::zeros([pad as i64], (kind, device)));
+        let _ = flat.narrow(0, bucket.numel as i64, pad as i64).zero_();
     }
-    Tensor::cat(&parts, 0)
+    flat
 }
 
 /// Σ x² of a flat tensor in fp64, a slice at a time on the device: an fp64 copy of a
@@ -159,14 +185,68 @@ fn sum_of_squares_by(t: &Tensor, slice: i64) -> f64 {
     acc.double_value(&[])
 }
 
+/// The reduced gradients' kind for parameters of `kind`: bf16 with
+/// `--grad-reduce-in-bf16`, which only bf16 weights take (fp32 weights reduce in fp32).
+fn grad_kind(kind: Kind, grad_reduce_in_bf16: bool) -> Result<Kind, CollectiveError> {
+    match (grad_reduce_in_bf16, kind) {
+        (false, _) => Ok(Kind::Float),
+        (true, Kind::BFloat16) => Ok(Kind::BFloat16),
+        (true, other) => Err(CollectiveError::BadTensor {
+            op: "zero",
+            message: format!(
+                "--grad-reduce-in-bf16 reduces bf16 gradients, and the parameters are {other:?}: \
+                 train in bf16 (--bf16) or drop the flag"
+            ),
+        }),
+    }
+}
+
+/// AdamW on one slice of a rank's state: `grad` fp32, `param` the slice's copy in the
+/// parameters' kind (the master itself when there is none), refreshed from the master.
+fn update_slice(
+    param: &Tensor,
+    grad: &Tensor,
+    master: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    step: AdamWStep,
+    c: AdamWConfig,
+) {
+    let slot = MasterSlot {
+        param,
+        grad,
+        master,
+        exp_avg,
+        exp_avg_sq,
+    };
+    if manta_knobs::fused_adamw() && fused_adamw_masters(&[slot], step).is_ok() {
+        return;
+    }
+    let bias1 = 1.0 - c.beta1.powi(step.step as i32);
+    let bias2 = 1.0 - c.beta2.powi(step.step as i32);
+    tch::no_grad(|| {
+        let (mut master, mut m, mut v) = (
+            master.shallow_clone(),
+            exp_avg.shallow_clone(),
+            exp_avg_sq.shallow_clone(),
+        );
+        master_update(&mut master, &mut m, &mut v, grad, c, bias1, bias2);
+        if param.data_ptr() != master.data_ptr() {
+            param.shallow_clone().copy_(&master);
+        }
+    });
+}
+
 impl ZeroAdamW {
     /// Shards `params` (the model's trainable variables; every rank passes the same
     /// names and shapes) over `comm`'s ranks, after making every rank's values rank 0's.
+    /// `grad_reduce_in_bf16`: see [`ZeroAdamW::grad_kind`] (bf16 weights only).
     pub fn new(
         params: BTreeMap<String, Tensor>,
         config: AdamWConfig,
         comm: Box<dyn Collective>,
         bucket_numel: usize,
+        grad_reduce_in_bf16: bool,
     ) -> Result<Self, CollectiveError> {
         let kind = check_one_kind(&params)?;
         // 0 marks ZeRO-3 below; a bucket of at most one element lays out the same.
@@ -175,7 +255,15 @@ impl ZeroAdamW {
             params.iter().map(|(k, t)| (k.clone(), t.size())).collect();
         let layout = FlatLayout::new(&shapes, comm.world_size(), bucket_numel);
         let params: Vec<Tensor> = params.into_values().collect();
-        Self::with_layout(layout, params, kind, config, comm, bucket_numel)
+        let grad_kind = grad_kind(kind, grad_reduce_in_bf16)?;
+        Self::with_layout(
+            layout,
+            params,
+            (kind, grad_kind),
+            config,
+            comm,
+            bucket_numel,
+        )
     }
 
     /// ZeRO-3: as [`ZeroAdamW::new`], with one bucket per decoder layer of the
@@ -187,8 +275,10 @@ impl ZeroAdamW {
         config: AdamWConfig,
         comm: Box<dyn Collective>,
         layers: usize,
+        grad_reduce_in_bf16: bool,
     ) -> Result<Self, CollectiveError> {
         let kind = check_one_kind(&params)?;
+        let grad_kind = grad_kind(kind, grad_reduce_in_bf16)?;
         let groups = stage3_groups(params.into_iter().collect(), layers)?;
         let shapes: Vec<Vec<(String, Vec<i64>)>> = groups
             .iter()
@@ -196,14 +286,15 @@ impl ZeroAdamW {
             .collect();
         let layout = FlatLayout::grouped(&shapes, comm.world_size());
         let params = groups.into_iter().flatten().map(|(_, t)| t).collect();
-        Self::with_layout(layout, params, kind, config, comm, 0)
+        Self::with_layout(layout, params, (kind, grad_kind), config, comm, 0)
     }
 
     /// `bucket_numel`: ZeRO-2's bucket size; 0 for ZeRO-3 (a bucket per layer).
+    /// `kinds`: the parameters' kind and the reduced gradients'.
     fn with_layout(
         layout: FlatLayout,
         params: Vec<Tensor>,
-        kind: Kind,
+        (kind, grad_kind): (Kind, Kind),
         config: AdamWConfig,
         comm: Box<dyn Collective>,
         bucket_numel: usize,
@@ -212,31 +303,29 @@ impl ZeroAdamW {
         let device = comm.device();
         let (rank, world) = (comm.rank(), comm.world_size());
         let shard_numel = layout.shard_numel as i64;
-        let zeros = || Tensor::zeros([shard_numel], (Kind::Float, device));
+        let zeros = |kind| Tensor::zeros([shard_numel], (kind, device));
         // ZeRO-3 allocates the moments and the gradient shard only once the whole
         // weights it is built from are released (`release_all`): beside them they would
         // add 12 bytes a parameter over the ranks to the build's peak (8B over two
-        // ranks: 84 GiB instead of 38).
-        let state = || {
+        // ranks: 76 GiB instead of 30.5).
+        let state = |kind| {
             if stage3 {
-                Tensor::empty([0], (Kind::Float, device))
+                Tensor::empty([0], (kind, device))
             } else {
-                zeros()
+                zeros(kind)
             }
         };
-        let master = zeros();
+        let master = zeros(Kind::Float);
         let mut me = Self {
             config,
             layout,
             kind,
-            exp_avg: state(),
-            exp_avg_sq: state(),
-            grad: state(),
-            param_shard: if kind == Kind::Float {
-                master.shallow_clone()
-            } else {
-                Tensor::zeros([master.numel() as i64], (kind, device))
-            },
+            exp_avg: state(Kind::Float),
+            exp_avg_sq: state(Kind::Float),
+            grad: state(grad_kind),
+            grad_kind,
+            pending_scale: None,
+            param_shard: (kind != Kind::Float && !stage3).then(|| zeros(kind)),
             master,
             params,
             comm,
@@ -248,7 +337,8 @@ impl ZeroAdamW {
         // Rank 0's weights everywhere, then each rank's master shard from them.
         tch::no_grad(|| -> Result<(), CollectiveError> {
             for b in 0..me.layout.buckets.len() {
-                let mut flat = flat_bucket(&me.layout, b, kind, |i| me.params[i].detach());
+                let mut flat =
+                    flat_bucket(&me.layout, b, (kind, device), |i| me.params[i].detach());
                 me.comm.broadcast(&mut flat, 0)?;
                 me.scatter_into_params(b, &flat);
                 let bucket = &me.layout.buckets[b];
@@ -259,8 +349,8 @@ impl ZeroAdamW {
             }
             Ok(())
         })?;
-        if kind != Kind::Float {
-            tch::no_grad(|| me.param_shard.copy_(&me.master));
+        if let Some(shard) = &mut me.param_shard {
+            tch::no_grad(|| shard.copy_(&me.master));
         }
         tracing::info!(
             rank,
@@ -268,6 +358,7 @@ impl ZeroAdamW {
             buckets = me.layout.buckets.len(),
             shard_elements = me.layout.shard_numel,
             stage = if stage3 { 3 } else { 2 },
+            grad_kind = ?grad_kind,
             "ZeRO optimizer"
         );
         Ok(me)
@@ -298,9 +389,9 @@ impl ZeroAdamW {
     }
 
     /// Sums every rank's gradients and leaves this rank's shard of the sum in `grad`
-    /// (fp32), bucket by bucket, dropping the parameters' own gradients. Parameters
-    /// without a gradient count as zero. ZeRO-3 reduced each bucket as its backward
-    /// ended ([`ZeroAdamW::reduce_bucket`]): nothing is left to do.
+    /// (in [`ZeroAdamW::grad_kind`]), bucket by bucket, dropping the parameters' own
+    /// gradients. Parameters without a gradient count as zero. ZeRO-3 reduced each
+    /// bucket as its backward ended ([`ZeroAdamW::reduce_bucket`]): nothing is left to do.
     pub fn reduce_gradients(&mut self) -> Result<(), CollectiveError> {
         self.allocate_state();
         if self.stage3 {
@@ -334,14 +425,19 @@ impl ZeroAdamW {
         Ok(total[0].sqrt())
     }
 
-    /// As [`AdamW::clip_grad_norm`], on the reduced global gradient.
+    /// As [`AdamW::clip_grad_norm`], on the reduced global gradient. A bf16 gradient
+    /// shard keeps its values; the scale is applied in fp32 by [`ZeroAdamW::step`].
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64, CollectiveError> {
         let norm = self.grad_norm()?;
         if norm.is_finite() && norm > max_norm {
             let scale = max_norm / (norm + 1e-6);
-            tch::no_grad(|| {
-                let _ = self.grad.g_mul_scalar_(scale);
-            });
+            if self.grad_kind == Kind::Float {
+                tch::no_grad(|| {
+                    let _ = self.grad.g_mul_scalar_(scale);
+                });
+            } else {
+                self.pending_scale = Some(scale);
+            }
         }
         Ok(norm)
     }
@@ -355,14 +451,6 @@ impl ZeroAdamW {
         }
         self.step += 1;
         let c = self.config;
-        let fused = manta_knobs::fused_adamw();
-        let slot = MasterSlot {
-            param: &self.param_shard,
-            grad: &self.grad,
-            master: &self.master,
-            exp_avg: &self.exp_avg,
-            exp_avg_sq: &self.exp_avg_sq,
-        };
         let step = AdamWStep {
             lr: c.lr,
             beta1: c.beta1,
@@ -371,24 +459,41 @@ impl ZeroAdamW {
             weight_decay: c.weight_decay,
             step: self.step,
         };
-        if !(fused && fused_adamw_masters(&[slot], step).is_ok()) {
-            let bias1 = 1.0 - c.beta1.powi(self.step as i32);
-            let bias2 = 1.0 - c.beta2.powi(self.step as i32);
-            tch::no_grad(|| {
-                master_update(
-                    &mut self.master,
-                    &mut self.exp_avg,
-                    &mut self.exp_avg_sq,
-                    &self.grad,
+        if self.grad_kind == Kind::Float {
+            // The whole shard at once (its fp32 gradient needs no widening). Without a
+            // bf16 shard the kernel's refresh of the parameter copies the master onto
+            // itself, which ATen skips.
+            let param = self.param_shard.as_ref().unwrap_or(&self.master);
+            let (master, m, v) = (&self.master, &self.exp_avg, &self.exp_avg_sq);
+            update_slice(param, &self.grad, master, m, v, step, c);
+        } else {
+            // A bucket at a time: each widening to fp32 (clip scale applied there) is one
+            // bucket's, not the shard's.
+            for bucket in &self.layout.buckets {
+                let (at, len) = (bucket.shard_offset as i64, bucket.shard as i64);
+                let slice = |t: &Tensor| t.narrow(0, at, len);
+                let grad = tch::no_grad(|| {
+                    let mut g = slice(&self.grad).to_kind(Kind::Float);
+                    if let Some(scale) = self.pending_scale {
+                        let _ = g.g_mul_scalar_(scale);
+                    }
+                    g
+                });
+                let master = slice(&self.master);
+                let param = self.param_shard.as_ref().map(slice);
+                let (m, v) = (slice(&self.exp_avg), slice(&self.exp_avg_sq));
+                update_slice(
+                    param.as_ref().unwrap_or(&master),
+                    &grad,
+                    &master,
+                    &m,
+                    &v,
+                    step,
                     c,
-                    bias1,
-                    bias2,
                 );
-                if self.kind != Kind::Float {
-                    self.param_shard.copy_(&self.master);
-                }
-            });
+            }
         }
+        self.pending_scale = None;
         self.reduced = false;
         if self.stage3 {
             // The parameters are gathered when next read.
@@ -397,15 +502,25 @@ impl ZeroAdamW {
         self.gather_params()
     }
 
+    /// Bucket `b`'s slice of this rank's parameters in their kind: ZeRO-2's bf16 shard,
+    /// or the master rounded as the shard would have been (the same ATen conversion, so
+    /// the same bits; fp32: the master itself, no copy).
+    fn param_slice(&self, b: usize) -> Tensor {
+        let bucket = &self.layout.buckets[b];
+        let (at, len) = (bucket.shard_offset as i64, bucket.shard as i64);
+        match &self.param_shard {
+            Some(shard) => shard.narrow(0, at, len),
+            None => tch::no_grad(|| self.master.narrow(0, at, len).to_kind(self.kind)),
+        }
+    }
+
     /// Every rank's shard of the parameters (in their kind) into every rank's model.
     fn gather_params(&mut self) -> Result<(), CollectiveError> {
         let world = self.layout.world;
         tch::no_grad(|| {
             for b in 0..self.layout.buckets.len() {
                 let bucket = &self.layout.buckets[b];
-                let src =
-                    self.param_shard
-                        .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
+                let src = self.param_slice(b);
                 let mut flat = Tensor::empty(
                     [bucket.padded(world) as i64],
                     (self.kind, self.comm.device()),
@@ -462,7 +577,26 @@ impl ZeroAdamW {
                 let _ = self.grad.zero_();
             });
         }
+        self.pending_scale = None;
         self.reduced = false;
+    }
+
+    /// fp32, or bf16 with `--grad-reduce-in-bf16`: the kind the gradients are
+    /// reduce-scattered in and this rank's reduced-gradient shard is kept (and, under
+    /// ZeRO-3, accumulated over micro-batches) in, as Megatron's bf16 `main_grad`.
+    pub fn grad_kind(&self) -> Kind {
+        self.grad_kind
+    }
+
+    /// Bytes of this rank's sharded state now, by what holds them.
+    pub fn shard_bytes(&self) -> ShardBytes {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        ShardBytes {
+            master: bytes(&self.master),
+            moments: bytes(&self.exp_avg) + bytes(&self.exp_avg_sq),
+            gradients: bytes(&self.grad),
+            parameters: self.param_shard.as_ref().map_or(0, bytes),
+        }
     }
 
     /// Whether the parameters themselves are sharded (ZeRO-3).
@@ -474,10 +608,8 @@ impl ZeroAdamW {
     /// all-gathered into one new flat buffer (a collective), and each parameter's view
     /// of it by name.
     fn gathered_bucket(&self, b: usize) -> Result<(Tensor, NamedTensors), CollectiveError> {
+        let src = self.param_slice(b);
         let bucket = &self.layout.buckets[b];
-        let src = self
-            .param_shard
-            .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
         let mut flat = Tensor::empty(
             [bucket.padded(self.layout.world) as i64],
             (self.kind, self.comm.device()),
@@ -531,24 +663,29 @@ impl ZeroAdamW {
         self.allocate_state();
     }
 
-    /// The moments and the fp32 gradient shard, zeros, if not allocated yet (ZeRO-3
-    /// defers them past the build; idempotent).
+    /// The moments and the gradient shard, zeros, if not allocated yet (ZeRO-3 defers
+    /// them past the build; idempotent).
     fn allocate_state(&mut self) {
         let n = self.layout.shard_numel as i64;
         let device = self.comm.device();
-        for t in [&mut self.exp_avg, &mut self.exp_avg_sq, &mut self.grad] {
+        for (t, kind) in [
+            (&mut self.exp_avg, Kind::Float),
+            (&mut self.exp_avg_sq, Kind::Float),
+            (&mut self.grad, self.grad_kind),
+        ] {
             if t.numel() as i64 != n {
-                *t = Tensor::zeros([n], (Kind::Float, device));
+                *t = Tensor::zeros([n], (kind, device));
             }
         }
     }
 
-    /// Bucket `b`'s gradients as one flat fp32 tensor (a parameter without a gradient
-    /// counts as zero), after which the parameters' full gradients are dropped: they are
-    /// not kept past their reduction (the staged copy is ordered before any reuse of
-    /// their memory).
+    /// Bucket `b`'s gradients as one flat tensor in [`ZeroAdamW::grad_kind`] (a
+    /// parameter without a gradient counts as zero), after which the parameters' full
+    /// gradients are dropped: they are not kept past their reduction (the staged copy is
+    /// ordered before any reuse of their memory).
     fn take_bucket_grads(&self, b: usize) -> Result<Tensor, CollectiveError> {
-        let flat = flat_bucket(&self.layout, b, Kind::Float, |i| {
+        let to = (self.grad_kind, self.comm.device());
+        let flat = flat_bucket(&self.layout, b, to, |i| {
             let g = self.params[i].grad();
             if g.defined() {
                 g
@@ -566,14 +703,15 @@ impl ZeroAdamW {
     }
 
     /// ZeRO-3, after bucket `b`'s backward: its gradients summed over the ranks, this
-    /// rank's slice added to `grad`, then the full gradients dropped and the
-    /// parameters released. Parameters without a gradient count as zero.
+    /// rank's slice added to `grad` (in [`ZeroAdamW::grad_kind`]), then the full
+    /// gradients dropped and the parameters released. Parameters without a gradient
+    /// count as zero.
     pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
         self.allocate_state();
         let flat = tch::no_grad(|| self.take_bucket_grads(b))?;
         let bucket = &self.layout.buckets[b];
         let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
-        let mut part = Tensor::empty([shard], (Kind::Float, self.comm.device()));
+        let mut part = Tensor::empty([shard], (self.grad_kind, self.comm.device()));
         tch::no_grad(|| -> Result<(), CollectiveError> {
             self.comm.reduce_scatter(&flat, &mut part, ReduceOp::Sum)?;
             let _ = self.grad.narrow(0, offset, shard).g_add_(&part);
@@ -683,8 +821,8 @@ impl ZeroAdamW {
             self.master.copy_(&staged[0]);
             self.exp_avg.copy_(&staged[1]);
             self.exp_avg_sq.copy_(&staged[2]);
-            if self.kind != Kind::Float {
-                self.param_shard.copy_(&self.master);
+            if let Some(shard) = &mut self.param_shard {
+                shard.copy_(&self.master);
             }
         });
         self.step = step;
@@ -755,6 +893,14 @@ impl RankOptimizer {
         match self {
             Self::Whole(o) => o.step_count(),
             Self::Sharded(o) => o.step_count(),
+        }
+    }
+
+    /// This rank's sharded optimizer (ZeRO-2 or ZeRO-3).
+    pub fn sharded(&self) -> Option<&ZeroAdamW> {
+        match self {
+            Self::Whole(_) => None,
+            Self::Sharded(o) => Some(o),
         }
     }
 
@@ -894,9 +1040,16 @@ mod tests {
             weight_decay: 0.0,
         };
         if stage3 {
-            ZeroAdamW::new_stage3(params(), config, Box::new(comm), 1).expect("stage 3")
+            ZeroAdamW::new_stage3(params(), config, Box::new(comm), 1, false).expect("stage 3")
         } else {
-            ZeroAdamW::new(params(), config, Box::new(comm), DEFAULT_BUCKET_NUMEL).expect("stage 2")
+            ZeroAdamW::new(
+                params(),
+                config,
+                Box::new(comm),
+                DEFAULT_BUCKET_NUMEL,
+                false,
+            )
+            .expect("stage 2")
         }
     }
 
