@@ -7,11 +7,14 @@
 #   big  8B shape, 16k tokens per GPU (GLOBAL8=8 samples of SEQ8=4096 tokens, 4 per rank),
 #        each card held to GPU_CAP_GIB (default 79.6: an 80 GB H100, also on an H200;
 #        GPU_CAP_GIB= empty: the whole card):
-#        ZeRO-2 (expected to run out of memory) then ZeRO-3; STEPS steps, ITERS timed.
+#        ZeRO-2 (expected to run out of memory) then ZeRO-3 with --grad-reduce-in-bf16
+#        (GRAD_REDUCE_BF16=1: a bf16 reduced-gradient shard); BIG_FP32_GRADS=1 adds ZeRO-3
+#        with fp32 gradient shards (big_zero3_fp32grads); STEPS steps, ITERS timed.
 #   mid  4B shape, where both fit (no cap): ZeRO-2 and ZeRO-3 tokens/s on the same batch.
 #   cp   0.6B shape (CP_SHAPE), one multi-turn-length sample of CP_SEQ=32768 tokens:
 #        context parallel over 2 GPUs vs one GPU; the losses and tokens/s side by side.
-# Writes $OUT/trainer_shards.json (+ the ranks' logs and JSON); prints a summary.
+# Writes $OUT/trainer_shards.json (+ the ranks' logs and JSON; each run's row names the
+# driver flags it stands for); prints a summary.
 # Binaries come from bin/ (cargo build --release -p manta-bench --bin trainer_dp).
 set -uo pipefail
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
@@ -29,15 +32,15 @@ model() {  # model SHAPE: the random model's directory, made once
   echo "$W/$1"
 }
 
-# pair NAME SHAPE MODE GLOBAL SEQ [CAP [RECOMPUTE]]: two ranks, one per GPU; logs and
-# JSON as NAME_r*.
+# pair NAME SHAPE MODE GLOBAL SEQ [CAP [RECOMPUTE [GRAD_REDUCE_BF16]]]: two ranks, one
+# per GPU; logs and JSON as NAME_r*.
 pair() {
   local name=$1 dir; dir=$(model "$2")
   rm -f "$W/nccl.id"
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$name.mem" &
   local smi=$! pids=() rc=0
   for r in 0 1; do
-    GPU_CAP_GIB=${6:-} RECOMPUTE=${7:-0} ./bin/trainer_dp run $r 2 "$W/nccl.id" "$dir" "$4" "$5" "$STEPS" "$ITERS" bf16 - "$3" \
+    GPU_CAP_GIB=${6:-} RECOMPUTE=${7:-0} GRAD_REDUCE_BF16=${8:-0} ./bin/trainer_dp run $r 2 "$W/nccl.id" "$dir" "$4" "$5" "$STEPS" "$ITERS" bf16 - "$3" \
       > "$OUT/${name}_r$r.json" 2> "$OUT/${name}_r$r.log" &
     pids+=($!)
   done
@@ -50,7 +53,9 @@ pair() {
 for part in $PARTS; do
   case $part in
     big) pair big_zero2 8b zero2 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1
-         pair big_zero3 8b zero3 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1 ;;
+         pair big_zero3 8b zero3 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1 1
+         [ "${BIG_FP32_GRADS:-0}" = 1 ] &&
+           pair big_zero3_fp32grads 8b zero3 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1 0 ;;
     mid) pair mid_zero2 4b zero2 "$GLOBAL8" "$SEQ8" "" 1
          pair mid_zero3 4b zero3 "$GLOBAL8" "$SEQ8" "" 1 ;;
     cp)  pair cp2 "$CP_SHAPE" cp 1 "$CP_SEQ" "" "${CP_RECOMPUTE:-0}"
@@ -99,9 +104,17 @@ def model_flops_per_token(shape, seq):
     # 6 N per token, plus causal attention (QK^T and AV, half the square): 6 L s d.
     return 6 * n + 6 * L * seq * nh * hd
 
+def flags(name):
+    # As the rank printed them at start (its JSON repeats them when it finished).
+    log = os.path.join(out, f"{name}_r0.log")
+    for line in open(log, errors="replace") if os.path.exists(log) else []:
+        if "as the driver's" in line:
+            return line.split("as the driver's", 1)[1].strip()
+    return None
+
 def run(name, shape, ranks=(0, 1)):
     r = [rank_json(name, k) for k in ranks]
-    row = {"ok": all(x is not None for x in r)}
+    row = {"ok": all(x is not None for x in r), "flags": flags(name)}
     if not row["ok"]:
         row["error"] = error(name)
         row["nvidia_smi_peak_mib"] = smi_peak(name)
@@ -113,6 +126,7 @@ def run(name, shape, ranks=(0, 1)):
         "median_step_s": max(x["median_s"] for x in r),
         "global_tokens_per_s": tps,
         "peak_allocated_gib": [x["peak_allocated_gib"] for x in r],
+        "plan": r[0].get("plan"), "shard_gib": r[0].get("shard_gib"),
         "nvidia_smi_peak_mib": smi_peak(name),
         "global_samples": r[0]["global_samples"], "seq": seq,
         "mfu": tps * model_flops_per_token(shape, seq) / (len(ranks) * PEAK_TFLOPS * 1e12),
@@ -128,6 +142,8 @@ have = lambda n: os.path.exists(os.path.join(out, f"{n}.rc"))
 if have("big_zero3"):
     z2, z3 = run("big_zero2", "8b"), run("big_zero3", "8b")
     res["8b_16k_per_gpu"] = {"gpu_cap_gib": cap, "zero2": z2, "zero3": z3}
+    if have("big_zero3_fp32grads"):
+        res["8b_16k_per_gpu"]["zero3_fp32grads"] = run("big_zero3_fp32grads", "8b")
     res["zero3_8b_mfu"] = z3.get("mfu")
 if have("mid_zero3"):
     z2, z3 = run("mid_zero2", "4b"), run("mid_zero3", "4b")

@@ -22,9 +22,12 @@
 //!       Prints one JSON object.
 //!
 //! RECOMPUTE=1 recomputes every layer in the backward pass instead of keeping its
-//! activations. GPU_CAP_GIB=N makes each GPU look like an N GiB card: a ballast tensor takes the rest
-//! before the trainer starts (an H200 standing in for an 80 GB H100); the peak reported
-//! excludes it.
+//! activations. GRAD_REDUCE_BF16=1 is `--grad-reduce-in-bf16` (WORLD > 1, bf16): the
+//! gradients reduce-scattered and the rank's reduced-gradient shard kept in bf16. The
+//! JSON names the driver flags the run stands for (`flags`), the sharded state's bytes
+//! and the memory plan's figures beside the measured peak. GPU_CAP_GIB=N makes each GPU
+//! look like an N GiB card: a ballast tensor takes the rest before the trainer starts
+//! (an H200 standing in for an 80 GB H100); the peak reported excludes it.
 
 use std::path::Path;
 use std::time::Instant;
@@ -37,7 +40,7 @@ use manta_trainer::data_parallel::{Collective, NcclCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::TrainerError;
-use manta_trainer::{TrainBatch, Trainer, TrainerOptions};
+use manta_trainer::{memory_plan, AlgoOptions, TrainBatch, Trainer, TrainerOptions};
 use tch::{nn, Device, Kind, Tensor};
 
 fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {
@@ -66,10 +69,70 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
         logprob_chunk: 1024,
         // RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations
         // would not fit otherwise).
-        recompute: (std::env::var("RECOMPUTE").as_deref() == Ok("1"))
-            .then_some(Recompute::EVERY_LAYER),
-        algo: Default::default(),
+        recompute: env_flag("RECOMPUTE").then_some(Recompute::EVERY_LAYER),
+        algo: AlgoOptions {
+            grad_reduce_in_bf16: env_flag("GRAD_REDUCE_BF16"),
+            ..Default::default()
+        },
     }
+}
+
+/// Whether the environment variable `name` is `1`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).as_deref() == Ok("1")
+}
+
+/// The driver's flags this run stands for.
+fn driver_flags(mode: Mode, world: usize, opts: &TrainerOptions) -> Vec<String> {
+    let mut flags = Vec::new();
+    if opts.bf16 == Some(true) {
+        flags.push("--bf16".to_string());
+    }
+    match mode {
+        _ if world == 1 => {}
+        Mode::Zero2 => flags.push("--zero-stage 2".into()),
+        Mode::Zero3 => flags.push("--zero-stage 3".into()),
+        Mode::ContextParallel => flags.push(format!("--context-parallel-size {world}")),
+    }
+    if opts.algo.grad_reduce_in_bf16 {
+        flags.push("--grad-reduce-in-bf16".into());
+    }
+    if opts.recompute.is_some() {
+        flags.push(
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+                .into(),
+        );
+    }
+    flags
+}
+
+/// The memory plan's figures (GiB) for this rank, as the trainer logs them.
+fn planned(
+    cfg: &ModelConfig,
+    mode: Mode,
+    world: usize,
+    opts: &TrainerOptions,
+) -> serde_json::Value {
+    let inputs = memory_plan::MemoryInputs {
+        tokens_per_gpu: opts.max_tokens_per_gpu,
+        data_parallel: world,
+        zero_stage: if mode == Mode::Zero3 { 3 } else { 2 },
+        bf16: opts.bf16 == Some(true),
+        grad_reduce_in_bf16: opts.algo.grad_reduce_in_bf16,
+        recompute: opts.recompute,
+        reference: false,
+        logprob_chunk: opts.logprob_chunk.max(1) as usize,
+    };
+    let plan = memory_plan::plan(cfg, &inputs);
+    serde_json::json!({
+        "static_gib": gib(plan.static_bytes() as usize),
+        "build_gib": gib(plan.build_bytes() as usize),
+        "peak_gib": gib(plan.peak() as usize),
+    })
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 fn main() -> anyhow::Result<()> {
@@ -195,6 +258,9 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         (global / 2).max(1) * seq
     };
     let opts = options(model_dir, device, bf16, micro_tokens);
+    let flags = driver_flags(mode, world, &opts);
+    eprintln!("rank {rank}: as the driver's {}", flags.join(" "));
+    let plan_opts = opts.clone();
     let t0 = Instant::now();
     let mut trainer = if world == 1 {
         Trainer::new(opts)?
@@ -221,6 +287,7 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     };
     tch::Cuda::synchronize(rank as i64);
     let init_s = t0.elapsed().as_secs_f64();
+    let plan = planned(trainer.model_config(), mode, world, &plan_opts);
     let vocab = trainer.model_config().vocab_size;
     let full = manta_bench::grpo_batch(global, seq, vocab);
     // Data parallel: this rank's share; context parallel: every rank the whole batch.
@@ -262,6 +329,13 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     let peak = manta_cuda::peak_allocated(rank, false)?.max(checked_peak) - held_bytes;
+    let shard = trainer.shard_bytes().map(|(b, kind)| {
+        serde_json::json!({
+            "master": gib(b.master), "moments": gib(b.moments),
+            "gradients": gib(b.gradients), "gradient_kind": format!("{kind:?}"),
+            "parameters": gib(b.parameters),
+        })
+    });
     drop(held);
     let mut sorted = times.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
@@ -276,8 +350,12 @@ fn run(a: &[String]) -> anyhow::Result<()> {
             "median_s": median, "times_s": times,
             "global_tokens_per_s": (global * seq) as f64 / median,
             "gpu_cap_gib": std::env::var("GPU_CAP_GIB").ok(),
-            "recompute": std::env::var("RECOMPUTE").as_deref() == Ok("1"),
-            "peak_allocated_gib": peak as f64 / (1u64 << 30) as f64,
+            "recompute": env_flag("RECOMPUTE"),
+            "grad_reduce_in_bf16": plan_opts.algo.grad_reduce_in_bf16,
+            "flags": flags,
+            "shard_gib": shard,
+            "plan": plan,
+            "peak_allocated_gib": gib(peak),
         })
     );
     Ok(())
