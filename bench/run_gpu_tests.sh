@@ -27,6 +27,7 @@ for line in sys.stdin:
   build -p manta-trainer --test collectives
   build -p manta-driver --test serve_weights_nccl
   build -p manta-weight-sync --test sync_engines
+  build -p manta-hosting --lib
   strip bin/tests/*
   ls -la bin/tests
   exit 0
