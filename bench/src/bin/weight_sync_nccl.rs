@@ -7,6 +7,11 @@
 //!   list of [name, shape]), hosts the store on PORT, joins as rank 0, broadcasts every
 //!   tensor once (the peer checks the bytes), then REPS timed rounds, each after a
 //!   one-element broadcast; prints one JSON object (this side's times).
+//! - `weight_sync_nccl recv PORT REPS MANIFEST GROUP`: rank 1 on cuda:1 in Rust (as an
+//!   engine on a worker receives): fresh tensors from MANIFEST, the check round compared
+//!   with the pattern on the GPU, then REPS timed rounds; prints one JSON object. With
+//!   `send`, a Rust-to-Rust broadcast beside the Python peer's figures. `BALLAST_GIB`
+//!   (either role) first fills that many GiB of its GPU, as a trainer or an engine does.
 //! - `weight_sync_nccl digest MANIFEST`: the pattern's per-tensor int16 sums on the CPU
 //!   (must equal the peer's `digest`: both sides generate the same bytes).
 //!
@@ -65,6 +70,7 @@ fn send(args: &[String]) -> anyhow::Result<()> {
         );
     }
     let dev = Device::Cuda(0);
+    let _ballast = ballast(dev)?;
     let named: Vec<(String, Tensor)> = tensors
         .iter()
         .enumerate()
@@ -116,12 +122,89 @@ fn send(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `BALLAST_GIB` GiB held on `dev` for the process's life (none when unset).
+fn ballast(dev: Device) -> anyhow::Result<Option<Tensor>> {
+    let Ok(v) = std::env::var("BALLAST_GIB") else {
+        return Ok(None);
+    };
+    let gib: f64 = v.parse().with_context(|| format!("BALLAST_GIB={v}"))?;
+    let bytes = (gib * (1u64 << 30) as f64) as i64;
+    Ok(Some(Tensor::ones([bytes], (Kind::Uint8, dev))))
+}
+
+fn recv(args: &[String]) -> anyhow::Result<()> {
+    let [port, reps, manifest, group_name] = args else {
+        bail!("usage: weight_sync_nccl recv PORT REPS MANIFEST GROUP");
+    };
+    let port: u16 = port.parse().with_context(|| format!("PORT {port}"))?;
+    let reps: usize = reps.parse().with_context(|| format!("REPS {reps}"))?;
+    let dev = Device::Cuda(1);
+    let _ballast = ballast(dev)?;
+    let shapes = read_manifest(manifest)?;
+    let named: Vec<(String, Tensor)> = shapes
+        .iter()
+        .map(|(n, s)| {
+            (
+                n.clone(),
+                Tensor::zeros(s.as_slice(), (Kind::BFloat16, dev)),
+            )
+        })
+        .collect();
+    let bytes: i64 = named.iter().map(|(_, t)| t.numel() as i64 * 2).sum();
+    let mut group = ProcessGroup::join(GroupSpec {
+        master_address: "127.0.0.1".into(),
+        master_port: port,
+        rank: 1,
+        world_size: 2,
+        group_name: group_name.clone(),
+        device: 1,
+        timeout: Duration::from_secs(600),
+    })?;
+    group.broadcast(&named, 0).context("check round")?;
+    let bit_exact = named.iter().enumerate().all(|(i, (_, t))| {
+        t.view_dtype(Kind::Int16)
+            .equal(&pattern(i, &t.size(), dev).view_dtype(Kind::Int16))
+    });
+    let marker = vec![(
+        "marker".to_string(),
+        Tensor::zeros([1], (Kind::BFloat16, dev)),
+    )];
+    let mut seconds = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        group.broadcast(&marker, 0)?;
+        let t0 = Instant::now();
+        group.broadcast(&named, 0)?;
+        seconds.push(t0.elapsed().as_secs_f64());
+    }
+    drop(group);
+    let med = if seconds.is_empty() {
+        f64::NAN
+    } else {
+        median(seconds.clone())
+    };
+    println!(
+        "{}",
+        json!({
+            "role": "recv",
+            "receiver": "manta",
+            "tensors": named.len(),
+            "bytes": bytes,
+            "bit_exact": bit_exact,
+            "seconds": seconds,
+            "median_s": med,
+            "GB_per_s": bytes as f64 / med / 1e9,
+        })
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     // As the driver and worker do: ranks must agree on NCCL's buffer allocation.
     eprintln!("{}", manta_cuda::process_group::align_nccl_env());
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("send") => send(&args[1..]),
+        Some("recv") => recv(&args[1..]),
         Some("digest") => {
             let path = args
                 .get(1)
@@ -141,7 +224,10 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         _ => {
-            bail!("usage: weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE] | digest MANIFEST")
+            bail!(
+                "usage: weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE] \
+                 | recv PORT REPS MANIFEST GROUP | digest MANIFEST"
+            )
         }
     }
 }
