@@ -7,6 +7,8 @@
 #      checked bit for bit, then timed;
 #   2. torch.distributed's own broadcast of the same tensors (a Python rank 0 on cuda:0),
 #      timed the same way in the same run.
+#   3. Manta's broadcast into a Manta (Rust) receiver, as an engine on a worker receives
+#      (BALLAST_GIB=N first fills N GiB of each GPU, as a trainer and an engine do).
 # Qwen3-0.6B-shaped bf16 tensors (hash-generated bits; SHAPE=8b for Qwen3-8B), REPS timed
 # rounds each (median, timed on the receiver). Writes $OUT/weight_sync_nccl.json.
 # The Python processes run with NCCL_CUMEM_ENABLE=0 as SGLang's server sets it
@@ -33,6 +35,8 @@ PEER_ENV=(env "NCCL_CUMEM_ENABLE=${PEER_NCCL_CUMEM:-0}")
 MANTA_ENV=(env)
 [ -n "${MANTA_NCCL_CUMEM:-}" ] && MANTA_ENV=(env "NCCL_CUMEM_ENABLE=$MANTA_NCCL_CUMEM")
 MANIFEST=$OUT/manifest.json
+# NCCL_DEBUG's lines go to stdout, where the binaries print their JSON: send them to files.
+[ -n "${NCCL_DEBUG:-}" ] && export NCCL_DEBUG_FILE=${NCCL_DEBUG_FILE:-$OUT/nccl.%h.%p.log}
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 
 # 1. Manta rank 0 -> Python rank 1 (the SGLang side).
@@ -55,11 +59,24 @@ SENDER=$!
   || { echo "receiver failed:"; tail -30 "$OUT/torch_recv.log"; exit 1; }
 wait "$SENDER" || { echo "torch sender failed:"; tail -30 "$OUT/torch_send.log"; exit 1; }
 
-python3 - "$OUT" "$SHAPE" "$REPS" <<'PY'
+# 3. Manta rank 0 -> a Manta rank 1 (Rust, as an engine on a worker receives), the same
+# tensors, timed the same way; BALLAST_GIB (if set) first fills that much of each GPU.
+rm -f "$MANIFEST"
+PORT=$(free_port)
+"${MANTA_ENV[@]}" ${BALLAST_GIB:+BALLAST_GIB=$BALLAST_GIB} ./bin/weight_sync_nccl send "$PORT" "$REPS" "$MANIFEST" manta_pair "$SHAPE" \
+  > "$OUT/pair_send.json" 2> "$OUT/pair_send.log" &
+SENDER=$!
+for _ in $(seq 600); do [ -f "$MANIFEST" ] && break; sleep 0.1; done
+"${MANTA_ENV[@]}" ${BALLAST_GIB:+BALLAST_GIB=$BALLAST_GIB} ./bin/weight_sync_nccl recv "$PORT" "$REPS" "$MANIFEST" manta_pair \
+  > "$OUT/manta_pair_recv.json" 2> "$OUT/manta_pair_recv.log" \
+  || { echo "Rust receiver failed:"; tail -30 "$OUT/manta_pair_recv.log"; exit 1; }
+wait "$SENDER" || { echo "Manta sender (Rust pair) failed:"; tail -30 "$OUT/pair_send.log"; exit 1; }
+
+python3 - "$OUT" "$SHAPE" "$REPS" "${BALLAST_GIB:-0}" <<'PY'
 import json, sys
-out, shape, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, shape, reps, ballast = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 load = lambda n: json.load(open(f"{out}/{n}.json"))
-manta, torch_ = load("manta_recv"), load("torch_recv")
+manta, torch_, pair = load("manta_recv"), load("torch_recv"), load("manta_pair_recv")
 gbps = lambda r: r["bytes"] / r["median_s"] / 1e9
 report = {
     "shape": shape,
@@ -71,6 +88,9 @@ report = {
                         "bit_exact": manta["bit_exact"], "seconds": manta["seconds"]},
     "torch_to_python": {"median_s": torch_["median_s"], "GB_per_s": gbps(torch_),
                         "bit_exact": torch_["bit_exact"], "seconds": torch_["seconds"]},
+    "manta_to_manta": {"median_s": pair["median_s"], "GB_per_s": gbps(pair),
+                       "bit_exact": pair["bit_exact"], "seconds": pair["seconds"],
+                       "ballast_gib_each_gpu": ballast},
     "manta_send_side": load("manta_send"),
     "bandwidth_ratio_manta_over_torch": gbps(manta) / gbps(torch_),
 }
