@@ -50,6 +50,33 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `reps` timed broadcasts of `named` from rank 0, each after a one-element broadcast
+/// that lines both sides up; the seconds of each and their median (NaN for none).
+fn timed_rounds(
+    mut group: ProcessGroup,
+    named: &[(String, Tensor)],
+    reps: usize,
+    dev: Device,
+) -> anyhow::Result<(Vec<f64>, f64)> {
+    let marker = vec![(
+        "marker".to_string(),
+        Tensor::zeros([1], (Kind::BFloat16, dev)),
+    )];
+    let mut seconds = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        group.broadcast(&marker, 0)?;
+        let t0 = Instant::now();
+        group.broadcast(named, 0)?;
+        seconds.push(t0.elapsed().as_secs_f64());
+    }
+    let med = if seconds.is_empty() {
+        f64::NAN
+    } else {
+        median(seconds.clone())
+    };
+    Ok((seconds, med))
+}
+
 fn send(args: &[String]) -> anyhow::Result<()> {
     let [port, reps, manifest, group_name, rest @ ..] = args else {
         bail!("usage: weight_sync_nccl send PORT REPS MANIFEST GROUP [SHAPE]");
@@ -89,23 +116,7 @@ fn send(args: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     group.broadcast(&named, 0).context("check round")?;
     let first_s = started.elapsed().as_secs_f64();
-    let marker = vec![(
-        "marker".to_string(),
-        Tensor::zeros([1], (Kind::BFloat16, dev)),
-    )];
-    let mut seconds = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        group.broadcast(&marker, 0)?;
-        let t0 = Instant::now();
-        group.broadcast(&named, 0)?;
-        seconds.push(t0.elapsed().as_secs_f64());
-    }
-    drop(group);
-    let med = if seconds.is_empty() {
-        f64::NAN
-    } else {
-        median(seconds.clone())
-    };
+    let (seconds, med) = timed_rounds(group, &named, reps, dev)?;
     println!(
         "{}",
         json!({
@@ -165,23 +176,7 @@ fn recv(args: &[String]) -> anyhow::Result<()> {
         t.view_dtype(Kind::Int16)
             .equal(&pattern(i, &t.size(), dev).view_dtype(Kind::Int16))
     });
-    let marker = vec![(
-        "marker".to_string(),
-        Tensor::zeros([1], (Kind::BFloat16, dev)),
-    )];
-    let mut seconds = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        group.broadcast(&marker, 0)?;
-        let t0 = Instant::now();
-        group.broadcast(&named, 0)?;
-        seconds.push(t0.elapsed().as_secs_f64());
-    }
-    drop(group);
-    let med = if seconds.is_empty() {
-        f64::NAN
-    } else {
-        median(seconds.clone())
-    };
+    let (seconds, med) = timed_rounds(group, &named, reps, dev)?;
     println!(
         "{}",
         json!({
