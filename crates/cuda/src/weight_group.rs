@@ -213,7 +213,23 @@ impl StoreGroup {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        self.store.get(&ready).map_err(store_err)?;
+        // Polled, not a blocking get: an abort (rank 0's side failed) ends the wait at
+        // once instead of at the store's timeout.
+        let started = Instant::now();
+        while !self.store.check(&ready).map_err(store_err)? {
+            if self.aborted.load(Ordering::SeqCst) {
+                return Err(fail(format!(
+                    "the group was aborted while waiting for round {round}"
+                )));
+            }
+            if started.elapsed() > self.spec.timeout {
+                return Err(fail(format!(
+                    "rank 0 sent no round {round} within {} s",
+                    self.spec.timeout.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
         for (i, (name, t)) in tensors.iter().enumerate() {
             let bytes = self
                 .store
@@ -347,6 +363,37 @@ mod tests {
         aborter.abort().unwrap();
         let why = sending.join().unwrap();
         assert!(why.contains("aborted"), "{why}");
+    }
+
+    /// A member whose rank 0 never sends: aborting it from another thread ends its wait
+    /// long before the group's timeout (a liveness bound, not a speed figure).
+    #[test]
+    fn an_aborted_store_member_stops_waiting_for_rank_0() {
+        let mut timed = spec(0, 2, 0, "t-abort");
+        timed.timeout = Duration::from_secs(60);
+        let root = WeightGroup::join(timed.clone(), Backend::Store).unwrap();
+        timed.rank = 1;
+        timed.master_port = root.store_port();
+        let mut member = WeightGroup::join(timed, Backend::Store).unwrap();
+        let aborter = member.aborter();
+        let started = Instant::now();
+        let waiting = std::thread::spawn(move || {
+            let t = vec![(
+                "w".to_string(),
+                Tensor::zeros([4], (Kind::Float, Device::Cpu)),
+            )];
+            member.broadcast(&t, 0).unwrap_err().to_string()
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        aborter.abort().unwrap();
+        let why = waiting.join().unwrap();
+        assert!(why.contains("aborted") && why.contains("t-abort"), "{why}");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the member waited {:?} after its abort",
+            started.elapsed()
+        );
+        drop(root);
     }
 
     #[test]
