@@ -320,6 +320,165 @@ async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
     handle.await.unwrap();
 }
 
+/// A worker's engine receiving from a rank 0 that never sends: `AbortBroadcast` ends its
+/// receive at once (not at the group's 60 s timeout) and counts it; a name aborted before
+/// any engine joined it fails a later receive on it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_broadcast_ends_an_engines_receive_at_once() {
+    use manta_cuda::process_group::GroupSpec;
+    use manta_cuda::weight_group::{Backend, WeightGroup};
+    use manta_hosting::weights::WeightSyncCalls;
+    use manta_proto::weight_sync as wpb;
+
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    let (client, actors) = pool.placed().remove(0);
+    let names: Vec<String> = pool
+        .engine_digests()
+        .await
+        .remove(0)
+        .1
+        .unwrap()
+        .remove(0)
+        .tensors
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
+    // Kept alive and silent: the member waits in the group until aborted.
+    let root = WeightGroup::join(
+        GroupSpec {
+            master_address: "127.0.0.1".into(),
+            master_port: 0,
+            rank: 0,
+            world_size: 2,
+            group_name: "pool-abort-group".into(),
+            device: 0,
+            timeout: Duration::from_secs(60),
+        },
+        Backend::Store,
+    )
+    .unwrap();
+    let request = |group: &str| wpb::ReceiveBroadcastRequest {
+        version: 1,
+        pause: wpb::PauseMode::Drain as i32,
+        backend: wpb::GroupBackend::Store as i32,
+        master_address: "127.0.0.1".into(),
+        master_port: u32::from(root.store_port()),
+        group_name: group.into(),
+        world_size: 2,
+        actors: actors.clone(),
+        ranks: vec![1],
+        names: names.clone(),
+        timeout_s: 60,
+    };
+    let started = Instant::now();
+    let receiving = tokio::spawn({
+        let (client, request) = (client.clone(), request("pool-abort-group"));
+        async move { client.receive_broadcast(request).await }
+    });
+    // Time for the idle engine to pause and join (a local store): then it is receiving.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!receiving.is_finished(), "the receive waits for rank 0");
+    let aborted = client.abort_broadcast("pool-abort-group").await.unwrap();
+    assert_eq!(aborted, 1, "the engine receiving in the group");
+    let why = receiving.await.unwrap().unwrap_err().to_string();
+    assert!(why.contains("aborted"), "{why}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the receive ended {:?} after it started (the group's timeout is 60 s)",
+        started.elapsed()
+    );
+
+    // Aborted before anyone joined: a receive on that name fails at once.
+    assert_eq!(client.abort_broadcast("pool-abort-early").await.unwrap(), 0);
+    let started = Instant::now();
+    let why = client
+        .receive_broadcast(request("pool-abort-early"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(why.contains("was aborted"), "{why}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    drop(root);
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+/// Rank 0's side fails while a member waits (here: a tensor it cannot send): the driver
+/// aborts the member's receive, so the broadcast fails with rank 0's cause long before
+/// the group's 60 s timeout, and the member, not at fault, stays live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rank_0_ends_the_members_receive() {
+    use manta_cuda::weight_group::Backend;
+    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
+
+    let _serial = SERIAL.lock().await;
+    let addr = free_addr();
+    let (stop, handle) = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    let shapes = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let root = GroupRoot {
+        backend: Backend::Store,
+        timeout: Duration::from_secs(60),
+        at: RootAt::Here {
+            master_address: "127.0.0.1".into(),
+            device: 0,
+        },
+    };
+    let mut strided = false;
+    let tensors: Vec<(String, tch::Tensor)> = shapes
+        .tensors
+        .iter()
+        .map(|d| {
+            let cpu = (tch::Kind::Float, tch::Device::Cpu);
+            let t = match d.shape.as_slice() {
+                // One tensor transposed: not dense, so the store backend refuses it.
+                [rows, cols] if !strided => {
+                    strided = true;
+                    tch::Tensor::zeros([*cols, *rows], cpu).tr()
+                }
+                shape => tch::Tensor::zeros(shape, cpu),
+            };
+            (d.name.clone(), t)
+        })
+        .collect();
+    assert!(strided, "the model has a 2-D tensor");
+    let started = Instant::now();
+    let why = pool
+        .publish_broadcast(&root, Some(tensors), 1, PauseMode::Drain, false)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        why.contains("not a dense CPU tensor"),
+        "rank 0's cause: {why}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the broadcast failed {:?} after it started (the group's timeout is 60 s)",
+        started.elapsed()
+    );
+    assert_eq!(pool.live_nodes(), 1, "the member is not at fault");
+    pool.shutdown().await;
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
 /// Handles on the same tensors.
 fn shallow(tensors: &[(String, tch::Tensor)]) -> Vec<(String, tch::Tensor)> {
     tensors

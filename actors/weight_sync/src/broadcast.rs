@@ -259,6 +259,7 @@ fn receive_in(
             timeout: spec.timeout,
             names: names.to_vec(),
             rounds: rounds.to_vec(),
+            on_receive: None,
         };
         let engine = engine.clone();
         receivers.spawn(async move {

@@ -215,6 +215,34 @@ pub struct BroadcastFeed {
     /// How many consecutive `names` each broadcast round carries (a ZeRO-3 trainer sends
     /// one round per decoder layer as its ranks gather it); empty: one round of all.
     pub rounds: Vec<usize>,
+    /// Given the group's aborter once the engine is in the group, right before it
+    /// receives: lets the engine's host end the receive when rank 0's side fails.
+    pub on_receive: Option<AbortHook>,
+}
+
+/// Takes the aborter of the group an engine is about to receive in (with the group's
+/// name), so whoever handed out the feed can abort that receive from another thread.
+#[derive(Clone)]
+pub struct AbortHook(std::sync::Arc<PublishAborter>);
+
+type PublishAborter = dyn Fn(&str, manta_cuda::weight_group::GroupAborter) + Send + Sync;
+
+impl AbortHook {
+    pub fn new(
+        f: impl Fn(&str, manta_cuda::weight_group::GroupAborter) + Send + Sync + 'static,
+    ) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    pub fn publish(&self, group_name: &str, aborter: manta_cuda::weight_group::GroupAborter) {
+        (self.0)(group_name, aborter)
+    }
+}
+
+impl std::fmt::Debug for AbortHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AbortHook")
+    }
 }
 
 /// A parameter's name, shape and dtype.

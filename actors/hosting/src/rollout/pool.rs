@@ -871,6 +871,10 @@ async fn broadcast_locked(
         })
         .collect();
     let aborter = rank0.aborter();
+    // Which side failed first: rank 0 aborted for a member that failed (every member has
+    // answered then), or the members aborted for rank 0.
+    let members_failed = AtomicBool::new(false);
+    let rank0_failed = AtomicBool::new(false);
     let receiving = async {
         let replies = join_all(
             members
@@ -881,11 +885,23 @@ async fn broadcast_locked(
         .await;
         // A member that gave up leaves rank 0 waiting for it: end the wait.
         if replies.iter().any(Result::is_err) {
+            members_failed.store(true, Ordering::SeqCst);
             aborter.abort().await;
         }
         replies
     };
-    let sending = rank0.broadcast(tensors, want_digests);
+    let sending = async {
+        let (rank0, sent) = rank0.broadcast(tensors, want_digests).await;
+        // The members would wait for rank 0 until the group's timeout (on NCCL, c10d's
+        // watchdog may then take their whole worker down): end their receive now.
+        let on_its_own = !members_failed.load(Ordering::SeqCst);
+        if let (Err(cause), true) = (&sent, on_its_own) {
+            rank0_failed.store(true, Ordering::SeqCst);
+            warn!(group = %group_name, rank0 = %root.describe(), cause = %cause, "rank 0's broadcast failed: aborting the members' receive");
+            abort_members(nodes, &members, &group_name).await;
+        }
+        (rank0, sent)
+    };
     let (replies, (rank0, sent)) = tokio::join!(receiving, sending);
     let failed_anywhere = sent.is_err() || replies.iter().any(Result::is_err);
     let rank0 = match rank0 {
@@ -908,6 +924,11 @@ async fn broadcast_locked(
                 sync.nodes += 1;
                 sync.engines += reply.engines as usize;
                 sync.pause_to_resume_s = sync.pause_to_resume_s.max(reply.pause_to_resume_s);
+            }
+            // Its receive was aborted because rank 0 failed: rank 0's error is the one.
+            Err(e) if rank0_failed.load(Ordering::SeqCst) && refused(&e) => {
+                failed = true;
+                debug!(node = nodes[i].client.addr(), version, error = %e, "member's receive ended after rank 0 failed");
             }
             Err(e) => {
                 failed = true;
@@ -942,6 +963,31 @@ async fn broadcast_locked(
         root_incarnation,
     });
     Ok((sync, digests))
+}
+
+/// How long the driver waits for a member's worker to answer `AbortBroadcast`.
+const ABORT_MEMBER_LIMIT: Duration = Duration::from_secs(10);
+
+/// Has every member node abort its engines' receive in `group` at once; a worker that
+/// does not answer is left to the group's timeout (its failures are only logged).
+async fn abort_members(nodes: &[Node], members: &[usize], group: &str) {
+    let calls = members.iter().map(|&i| async move {
+        let client = &nodes[i].client;
+        match tokio::time::timeout(ABORT_MEMBER_LIMIT, client.abort_broadcast(group)).await {
+            Ok(Ok(aborted)) => {
+                debug!(node = client.addr(), group, aborted, "member's receive aborted")
+            }
+            Ok(Err(e)) => {
+                debug!(node = client.addr(), group, error = %e, "aborting a member's receive failed")
+            }
+            Err(_) => debug!(
+                node = client.addr(),
+                group,
+                "aborting a member's receive: no answer within {ABORT_MEMBER_LIMIT:?}"
+            ),
+        }
+    });
+    join_all(calls).await;
 }
 
 /// Gives a rejoined node the current weights by a broadcast from the trainer's worker at

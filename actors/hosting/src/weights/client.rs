@@ -46,6 +46,13 @@ pub trait WeightSyncCalls {
         request: wpb::ReceiveBroadcastRequest,
     ) -> impl Future<Output = Result<wpb::ApplyWeightsReply, RuntimeError>> + Send;
 
+    /// Ends the receive of the worker's engines in `group` (rank 0's side failed);
+    /// answers how many engines were receiving in it.
+    fn abort_broadcast(
+        &self,
+        group: &str,
+    ) -> impl Future<Output = Result<u32, RuntimeError>> + Send;
+
     /// Has the worker root a weight-update group for its trainer (see
     /// `OpenWeightGroup`): the store's port and the tensor order come back.
     fn open_weight_group(
@@ -139,6 +146,17 @@ impl WeightSyncCalls for WorkerClient {
             .await
             .map_err(|s| self.rpc_error(s))?;
         Ok(reply.into_inner())
+    }
+
+    async fn abort_broadcast(&self, group: &str) -> Result<u32, RuntimeError> {
+        let mut c = weight_sync_rpc(self);
+        let reply = c
+            .abort_broadcast(wpb::AbortBroadcastRequest {
+                group_name: group.to_string(),
+            })
+            .await
+            .map_err(|s| self.rpc_error(s))?;
+        Ok(reply.into_inner().aborted)
     }
 
     async fn open_weight_group(

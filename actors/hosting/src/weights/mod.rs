@@ -1,7 +1,9 @@
 //! Weights between processes over gRPC, with no shared disk: the chunked wire format
 //! ([`wire`]), the worker's `WeightSync` service ([`worker`]) and the driver's calls
-//! ([`client`]); rank 0 of a weight-update group on the trainer's worker ([`root`]).
+//! ([`client`]); rank 0 of a weight-update group on the trainer's worker ([`root`]), and
+//! the engines receiving a broadcast, for aborting them ([`aborts`]).
 
+pub mod aborts;
 pub mod client;
 pub mod root;
 pub mod wire;

@@ -7,7 +7,8 @@
 //!
 //! Broadcasts: the worker's engines join a group (`ReceiveBroadcast`), and a trainer's
 //! worker roots one (`OpenWeightGroup`, `BroadcastWeights`, `CloseWeightGroup`:
-//! [`super::root`]).
+//! [`super::root`]). `AbortBroadcast` ends the engines' receive when rank 0 failed
+//! ([`super::aborts`]).
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -26,6 +27,7 @@ use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use super::aborts::BroadcastAborts;
 use super::root::TrainerRoots;
 use super::wire::{self as weights, Assembler, WeightChunk, WeightSet, WeightsError};
 use crate::rollout::worker::HostedRollout;
@@ -54,6 +56,8 @@ pub struct WeightSyncService {
     staged: Arc<Mutex<BTreeMap<u64, NamedTensors>>>,
     /// Groups this worker roots for its trainers (`OpenWeightGroup`).
     roots: TrainerRoots,
+    /// The engines receiving a broadcast now, for `AbortBroadcast`.
+    aborts: BroadcastAborts,
 }
 
 impl WeightSyncService {
@@ -62,6 +66,7 @@ impl WeightSyncService {
             daemon,
             staged: Arc::default(),
             roots: TrainerRoots::default(),
+            aborts: BroadcastAborts::default(),
         }
     }
 
@@ -215,8 +220,16 @@ impl WeightSync for WeightSyncService {
                 "rank {rank} is not in 1..{world_size} (rank 0 is the sender)"
             )));
         }
+        if self.aborts.was_aborted(&req.group_name) {
+            return Err(Status::failed_precondition(format!(
+                "weight-update group {:?} was aborted (rank 0's broadcast failed)",
+                req.group_name
+            )));
+        }
         let hosted: BTreeMap<String, ractor::ActorRef<RolloutMsg>> =
             self.rollout_actors().await.into_iter().collect();
+        // Held until every engine answered: AbortBroadcast reaches them meanwhile.
+        let round = self.aborts.round();
         // Every member must be in the broadcast at once: all engines receive together.
         let mut receivers = tokio::task::JoinSet::new();
         for (name, rank) in req.actors.iter().zip(&req.ranks) {
@@ -237,6 +250,7 @@ impl WeightSync for WeightSyncService {
                 names: req.names.clone(),
                 // Workers' groups send every tensor in one round.
                 rounds: Vec::new(),
+                on_receive: Some(round.hook()),
             };
             let (name, version) = (name.clone(), req.version);
             receivers.spawn(async move {
@@ -264,6 +278,7 @@ impl WeightSync for WeightSyncService {
                 }
             }
         }
+        drop(round);
         if let Some(status) = first_error {
             return Err(status);
         }
@@ -278,6 +293,23 @@ impl WeightSync for WeightSyncService {
             version: req.version,
             engines: req.actors.len() as u32,
             pause_to_resume_s: longest,
+        }))
+    }
+
+    async fn abort_broadcast(
+        &self,
+        request: Request<wpb::AbortBroadcastRequest>,
+    ) -> Result<Response<wpb::AbortBroadcastReply>, Status> {
+        let group = request.into_inner().group_name;
+        let aborts = self.aborts.clone();
+        let name = group.clone();
+        // An NCCL abort may block a while: off the async threads.
+        let aborted = tokio::task::spawn_blocking(move || aborts.abort(&name))
+            .await
+            .map_err(|e| Status::internal(format!("aborting group {group:?}: {e}")))?;
+        info!(group = %group, engines = aborted, "broadcast receive aborted (rank 0 failed)");
+        Ok(Response::new(wpb::AbortBroadcastReply {
+            aborted: aborted as u32,
         }))
     }
 

@@ -373,7 +373,8 @@ impl ModelRunner {
     /// Receives every parameter from rank 0 of `feed`'s group straight into the model's
     /// memory, joining the group first when this engine is not in it. A failed broadcast
     /// leaves the group (the next update joins a new one); the parameters may then be
-    /// partly written, so the sender follows with another update.
+    /// partly written, so the sender follows with another update. The group's aborter
+    /// goes to `feed.on_receive` first, so the host can end a receive rank 0 abandoned.
     pub fn receive_broadcast(&mut self, feed: BroadcastFeed) -> Result<(), EngineError> {
         let vars = self.vs.variables();
         let mut tensors = Vec::with_capacity(feed.names.len());
@@ -393,6 +394,7 @@ impl ModelRunner {
                 )))
             }
         };
+        let on_receive = feed.on_receive.clone();
         let group = match self.weight_group.take() {
             Some(group)
                 if group.spec().group_name == feed.group_name
@@ -419,6 +421,9 @@ impl ModelRunner {
                 self.weight_group.insert(joined)
             }
         };
+        if let Some(hook) = &on_receive {
+            hook.publish(&group.spec().group_name, group.aborter());
+        }
         let started = std::time::Instant::now();
         let received = broadcast_rounds(group, &tensors, &feed.rounds);
         if received.is_err() {
