@@ -12,13 +12,13 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use common::{
     assert_success, assert_synced_to_the_checkpoint, cluster, debug_data, debug_train_args,
-    driver_with_deadline, max_diff, plain, sorted_weights, step, strings, verified_two_rank_job,
-    SAME_STEPS_FLAGS,
+    driver_with_deadline, help_from, max_diff, plain, refused, sorted_weights, step, strings,
+    verified_two_rank_job, SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -172,25 +172,7 @@ fn context_parallel_local_job_trains_and_syncs_weights_to_the_engine() {
 
 /// The driver's stderr for a run refused before it starts.
 fn refusal(trainer: &str, extra: &[&str]) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let path = cluster(dir.path(), trainer);
-    let mut args = strings(&[
-        "--cluster",
-        path.to_str().unwrap(),
-        "--model",
-        "assets/tiny-qwen3",
-        "--num-rollout",
-        "1",
-        "--runs-dir",
-        dir.path().join("runs").to_str().unwrap(),
-    ]);
-    args.extend(strings(extra));
-    let out = driver(&args, &[], dir.path());
-    assert!(
-        !out.status.success(),
-        "{extra:?} with [trainer] {trainer:?} should be refused"
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    refused(trainer, extra, DEADLINE)
 }
 
 #[test]
@@ -225,15 +207,7 @@ fn context_parallel_refusals_name_the_flag_and_help_explains_it() {
         "{err}"
     );
 
-    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout);
-    let at = help
-        .find("--context-parallel-size")
-        .expect("--help lists --context-parallel-size");
-    let text = &help[at..(at + 600).min(help.len())];
+    let text = help_from("--context-parallel-size");
     assert!(
         text.contains("Context parallelism") && text.contains("same whole batch"),
         "{text}"

@@ -15,13 +15,13 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use common::{
     assert_success, assert_synced_to_the_checkpoint, cluster, debug_data, debug_train_args,
-    driver_with_deadline, max_diff, plain, sorted_weights, step, strings, verified_two_rank_job,
-    SAME_STEPS_FLAGS,
+    driver_with_deadline, help_from, max_diff, plain, refused, sorted_weights, step, strings,
+    verified_two_rank_job, SAME_STEPS_FLAGS,
 };
 use manta_telemetry::read_metrics;
 
@@ -137,27 +137,10 @@ fn zero3_local_job_trains_and_syncs_gathered_weights_to_the_engine() {
     assert_synced_to_the_checkpoint(&run, &last);
 }
 
+/// The driver's stderr for a run with `[trainer] trainer` and `--zero-stage stage`,
+/// refused before it starts.
 fn refusal(trainer: &str, stage: &str) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let path = cluster(dir.path(), trainer);
-    let args = strings(&[
-        "--cluster",
-        path.to_str().unwrap(),
-        "--model",
-        "assets/tiny-qwen3",
-        "--num-rollout",
-        "1",
-        "--runs-dir",
-        dir.path().join("runs").to_str().unwrap(),
-        "--zero-stage",
-        stage,
-    ]);
-    let out = driver(&args, &[], dir.path());
-    assert!(
-        !out.status.success(),
-        "--zero-stage {stage} with [trainer] {trainer:?} should be refused"
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    refused(trainer, &["--zero-stage", stage], DEADLINE)
 }
 
 #[test]
@@ -177,43 +160,11 @@ fn zero_stage_refusals_name_the_flag_and_help_explains_it() {
     let err = refusal("data_parallel_ranks = 2", "three");
     assert!(err.contains("--zero-stage"), "{err}");
 
-    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout);
-    let at = help
-        .find("--zero-stage")
-        .expect("--help lists --zero-stage");
-    let text = &help[at..(at + 600).min(help.len())];
+    let text = help_from("--zero-stage");
     assert!(
         text.contains("ZeRO stage") && text.contains("parameters"),
         "{text}"
     );
-}
-
-/// `driver ARGS` in a fresh directory with `[trainer] trainer`, which must fail: its stderr.
-fn refused(trainer: &str, extra: &[&str]) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let path = cluster(dir.path(), trainer);
-    let args = [
-        strings(&[
-            "--cluster",
-            path.to_str().unwrap(),
-            "--model",
-            "assets/tiny-qwen3",
-        ]),
-        strings(&["--num-rollout", "1", "--runs-dir"]),
-        strings(&[dir.path().join("runs").to_str().unwrap()]),
-        strings(extra),
-    ]
-    .concat();
-    let out = driver(&args, &[], dir.path());
-    assert!(
-        !out.status.success(),
-        "{extra:?} with [trainer] {trainer:?} should be refused"
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
@@ -246,25 +197,21 @@ fn grad_reduce_in_bf16_reaches_the_zero3_ranks_and_is_refused_where_it_cannot_ru
         assert!(loss.is_finite(), "step {s}: loss {loss}");
     }
 
-    let err = refused("data_parallel_ranks = 2", &["--grad-reduce-in-bf16"]);
+    let err = refused(
+        "data_parallel_ranks = 2",
+        &["--grad-reduce-in-bf16"],
+        DEADLINE,
+    );
     assert!(
         err.contains("--grad-reduce-in-bf16") && err.contains("fp32"),
         "{err}"
     );
-    let err = refused("", &["--bf16", "--grad-reduce-in-bf16"]);
+    let err = refused("", &["--bf16", "--grad-reduce-in-bf16"], DEADLINE);
     assert!(
         err.contains("--grad-reduce-in-bf16") && err.contains("one trainer"),
         "{err}"
     );
-    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout);
-    let at = help
-        .find("--grad-reduce-in-bf16")
-        .expect("--help lists --grad-reduce-in-bf16");
-    let text = &help[at..(at + 600).min(help.len())];
+    let text = help_from("--grad-reduce-in-bf16");
     assert!(
         text.contains("half the gradient shard's memory") && text.contains("bf16 rounding"),
         "{text}"

@@ -91,11 +91,119 @@ async fn wait_for(pool: &RemotePool, live: usize, limit: Duration) {
     }
 }
 
+/// A worker daemon's stop signal and task.
+type Worker = (oneshot::Sender<()>, tokio::task::JoinHandle<()>);
+
+/// Stops a worker daemon and waits for it.
+async fn stop_worker((stop, handle): Worker) {
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
+
+/// A worker on a free port and a pool of that one node (no GPUs) on it.
+async fn one_worker_pool() -> (std::net::SocketAddr, RemotePool, Worker) {
+    let addr = free_addr();
+    let worker = start_worker(addr).await;
+    let node = NodeSpec {
+        address: addr.to_string(),
+        gpus: vec![],
+    };
+    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
+        .await
+        .unwrap();
+    (addr, pool, worker)
+}
+
+/// Shuts the pool down, then its worker.
+async fn finish(pool: RemotePool, worker: Worker) {
+    pool.shutdown().await;
+    stop_worker(worker).await;
+}
+
+/// The first engine's digests on the pool's first live node.
+async fn first_engine(pool: &RemotePool) -> manta_proto::weight_sync::EngineDigest {
+    pool.engine_digests().await.remove(0).1.unwrap().remove(0)
+}
+
+/// This test as rank 0 of `group`, a store-backed group of two on this host.
+fn store_rank0(group: &str, timeout: Duration) -> manta_cuda::weight_group::WeightGroup {
+    use manta_cuda::process_group::GroupSpec;
+    use manta_cuda::weight_group::{Backend, WeightGroup};
+    WeightGroup::join(
+        GroupSpec {
+            master_address: "127.0.0.1".into(),
+            master_port: 0,
+            rank: 0,
+            world_size: 2,
+            group_name: group.into(),
+            device: 0,
+            timeout,
+        },
+        Backend::Store,
+    )
+    .unwrap()
+}
+
+/// A `ReceiveBroadcast` of version `version` (`names`, drained) for `actors` as rank 1
+/// of `group`, the store group of two [`store_rank0`] roots at `port`, with `timeout_s`.
+fn receive_request(
+    group: &str,
+    port: u16,
+    version: u64,
+    actors: Vec<String>,
+    names: Vec<String>,
+    timeout_s: u32,
+) -> manta_proto::weight_sync::ReceiveBroadcastRequest {
+    use manta_proto::weight_sync as wpb;
+    wpb::ReceiveBroadcastRequest {
+        version,
+        pause: wpb::PauseMode::Drain as i32,
+        backend: wpb::GroupBackend::Store as i32,
+        master_address: "127.0.0.1".into(),
+        master_port: u32::from(port),
+        group_name: group.into(),
+        world_size: 2,
+        actors,
+        ranks: vec![1],
+        names,
+        timeout_s,
+    }
+}
+
+/// Random weights (seeded with `seed`) of the engine's tensors' names and shapes.
+fn random_weights(
+    engine: &manta_proto::weight_sync::EngineDigest,
+    seed: i64,
+) -> Vec<(String, tch::Tensor)> {
+    tch::manual_seed(seed);
+    engine
+        .tensors
+        .iter()
+        .map(|d| {
+            let t = tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
+            (d.name.clone(), t)
+        })
+        .collect()
+}
+
+/// Rank 0 in this process: a store group rooted here, with `timeout`.
+fn root_here(timeout: Duration) -> manta_hosting::rollout::pool::GroupRoot {
+    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
+    GroupRoot {
+        backend: manta_cuda::weight_group::Backend::Store,
+        timeout,
+        at: RootAt::Here {
+            master_address: "127.0.0.1".into(),
+            device: 0,
+        },
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placement_is_checked_before_anything_starts() {
     let _serial = SERIAL.lock().await;
     let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
+    let worker = start_worker(addr).await;
     let node = |address: String, gpus: Vec<u32>| NodeSpec { address, gpus };
     let err = RemotePool::start(
         &[node(addr.to_string(), vec![])],
@@ -158,8 +266,7 @@ async fn placement_is_checked_before_anything_starts() {
             && err.contains("`model` under [train]"),
         "{err}"
     );
-    let _ = stop.send(());
-    handle.await.unwrap();
+    stop_worker(worker).await;
 }
 
 /// Weights published over gRPC (in small chunks: many per tensor) are what the engine
@@ -168,17 +275,9 @@ async fn placement_is_checked_before_anything_starts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_weights_reach_the_engine_bit_for_bit() {
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let node = NodeSpec {
-        address: addr.to_string(),
-        gpus: vec![],
-    };
-    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
-        .await
-        .unwrap();
+    let (addr, pool, worker) = one_worker_pool().await;
     // The engine's tensors (names, dtypes, shapes) filled with new random values.
-    let before = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let before = first_engine(&pool).await;
     assert_eq!(before.version, 0);
     tch::manual_seed(11);
     let set = WeightSet {
@@ -204,7 +303,7 @@ async fn published_weights_reach_the_engine_bit_for_bit() {
         .await
         .unwrap();
     assert_eq!((sync.nodes, sync.engines), (1, 1));
-    let after = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let after = first_engine(&pool).await;
     assert_eq!(after.version, 5);
     assert_eq!(after.tensors, set.digests());
     assert_ne!(after.tensors, before.tensors);
@@ -223,11 +322,9 @@ async fn published_weights_reach_the_engine_bit_for_bit() {
         "{err}"
     );
     assert_eq!(pool.live_nodes(), 1);
-    let still = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+    let still = first_engine(&pool).await;
     assert_eq!((still.version, still.tensors), (5, set.digests()));
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }
 
 /// The group protocol across processes' boundary (gRPC): the test is rank 0 of a
@@ -237,49 +334,17 @@ async fn published_weights_reach_the_engine_bit_for_bit() {
 /// request naming an actor the worker does not host is refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
-    use manta_cuda::process_group::GroupSpec;
-    use manta_cuda::weight_group::{Backend, WeightGroup};
     use manta_hosting::weights::WeightSyncCalls;
-    use manta_proto::weight_sync as wpb;
 
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let node = NodeSpec {
-        address: addr.to_string(),
-        gpus: vec![],
-    };
-    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
-        .await
-        .unwrap();
+    let (_, pool, worker) = one_worker_pool().await;
     let (client, actors) = pool.placed().remove(0);
-    let before = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
-    let mut root = WeightGroup::join(
-        GroupSpec {
-            master_address: "127.0.0.1".into(),
-            master_port: 0,
-            rank: 0,
-            world_size: 2,
-            group_name: "pool-test-group".into(),
-            device: 0,
-            timeout: Duration::from_secs(30),
-        },
-        Backend::Store,
-    )
-    .unwrap();
-    let port = u32::from(root.store_port());
-    let request = |version: u64, actors: Vec<String>| wpb::ReceiveBroadcastRequest {
-        version,
-        pause: wpb::PauseMode::Drain as i32,
-        backend: wpb::GroupBackend::Store as i32,
-        master_address: "127.0.0.1".into(),
-        master_port: port,
-        group_name: "pool-test-group".into(),
-        world_size: 2,
-        actors,
-        ranks: vec![1],
-        names: before.tensors.iter().map(|d| d.name.clone()).collect(),
-        timeout_s: 30,
+    let before = first_engine(&pool).await;
+    let mut root = store_rank0("pool-test-group", Duration::from_secs(30));
+    let port = root.store_port();
+    let names: Vec<String> = before.tensors.iter().map(|d| d.name.clone()).collect();
+    let request = |version: u64, actors: Vec<String>| {
+        receive_request("pool-test-group", port, version, actors, names.clone(), 30)
     };
     let wrong = client
         .receive_broadcast(request(1, vec!["rollout-9-9".into()]))
@@ -288,16 +353,7 @@ async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
         .to_string();
     assert!(wrong.contains("no rollout actor rollout-9-9"), "{wrong}");
     for (version, seed) in [(1u64, 21i64), (2, 22)] {
-        tch::manual_seed(seed);
-        let tensors: Vec<(String, tch::Tensor)> = before
-            .tensors
-            .iter()
-            .map(|d| {
-                let t =
-                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
-                (d.name.clone(), t)
-            })
-            .collect();
+        let tensors = random_weights(&before, seed);
         let digests = weights::digest_tensors(&tensors).unwrap();
         let receiving = client.receive_broadcast(request(version, actors.clone()));
         let sending = tokio::task::spawn_blocking(move || {
@@ -310,14 +366,12 @@ async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
         sent.unwrap();
         let reply = received.unwrap();
         assert_eq!((reply.version, reply.engines), (version, 1));
-        let after = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
+        let after = first_engine(&pool).await;
         assert_eq!(after.version, version);
         assert_eq!(after.tensors, digests, "version {version} bit for bit");
         assert_ne!(after.tensors, before.tensors);
     }
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }
 
 /// A worker's engine receiving from a rank 0 that never sends: `AbortBroadcast` ends its
@@ -325,60 +379,21 @@ async fn an_engine_on_a_worker_joins_a_group_named_over_grpc() {
 /// any engine joined it fails a later receive on it at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_broadcast_ends_an_engines_receive_at_once() {
-    use manta_cuda::process_group::GroupSpec;
-    use manta_cuda::weight_group::{Backend, WeightGroup};
     use manta_hosting::weights::WeightSyncCalls;
-    use manta_proto::weight_sync as wpb;
 
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let node = NodeSpec {
-        address: addr.to_string(),
-        gpus: vec![],
-    };
-    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
-        .await
-        .unwrap();
+    let (_, pool, worker) = one_worker_pool().await;
     let (client, actors) = pool.placed().remove(0);
-    let names: Vec<String> = pool
-        .engine_digests()
+    let names: Vec<String> = first_engine(&pool)
         .await
-        .remove(0)
-        .1
-        .unwrap()
-        .remove(0)
         .tensors
         .into_iter()
         .map(|d| d.name)
         .collect();
     // Kept alive and silent: the member waits in the group until aborted.
-    let root = WeightGroup::join(
-        GroupSpec {
-            master_address: "127.0.0.1".into(),
-            master_port: 0,
-            rank: 0,
-            world_size: 2,
-            group_name: "pool-abort-group".into(),
-            device: 0,
-            timeout: Duration::from_secs(60),
-        },
-        Backend::Store,
-    )
-    .unwrap();
-    let request = |group: &str| wpb::ReceiveBroadcastRequest {
-        version: 1,
-        pause: wpb::PauseMode::Drain as i32,
-        backend: wpb::GroupBackend::Store as i32,
-        master_address: "127.0.0.1".into(),
-        master_port: u32::from(root.store_port()),
-        group_name: group.into(),
-        world_size: 2,
-        actors: actors.clone(),
-        ranks: vec![1],
-        names: names.clone(),
-        timeout_s: 60,
-    };
+    let root = store_rank0("pool-abort-group", Duration::from_secs(60));
+    let port = root.store_port();
+    let request = |group: &str| receive_request(group, port, 1, actors.clone(), names.clone(), 60);
     let started = Instant::now();
     let receiving = tokio::spawn({
         let (client, request) = (client.clone(), request("pool-abort-group"));
@@ -408,9 +423,7 @@ async fn abort_broadcast_ends_an_engines_receive_at_once() {
     assert!(why.contains("was aborted"), "{why}");
     assert!(started.elapsed() < Duration::from_secs(30));
     drop(root);
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }
 
 /// Rank 0's side fails while a member waits (here: a tensor it cannot send): the driver
@@ -418,28 +431,10 @@ async fn abort_broadcast_ends_an_engines_receive_at_once() {
 /// the group's 60 s timeout, and the member, not at fault, stays live.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_rank_0_ends_the_members_receive() {
-    use manta_cuda::weight_group::Backend;
-    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
-
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let node = NodeSpec {
-        address: addr.to_string(),
-        gpus: vec![],
-    };
-    let pool = RemotePool::start(&[node], TOKEN, spawn_config(), 1, OPTS)
-        .await
-        .unwrap();
-    let shapes = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
-    let root = GroupRoot {
-        backend: Backend::Store,
-        timeout: Duration::from_secs(60),
-        at: RootAt::Here {
-            master_address: "127.0.0.1".into(),
-            device: 0,
-        },
-    };
+    let (_, pool, worker) = one_worker_pool().await;
+    let shapes = first_engine(&pool).await;
+    let root = root_here(Duration::from_secs(60));
     let mut strided = false;
     let tensors: Vec<(String, tch::Tensor)> = shapes
         .tensors
@@ -474,9 +469,7 @@ async fn a_failed_rank_0_ends_the_members_receive() {
         started.elapsed()
     );
     assert_eq!(pool.live_nodes(), 1, "the member is not at fault");
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }
 
 /// Handles on the same tensors.
@@ -509,9 +502,6 @@ async fn holds(pool: &RemotePool, version: u64, tensors: &[(String, tch::Tensor)
 /// bit for bit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
-    use manta_cuda::weight_group::Backend;
-    use manta_hosting::rollout::pool::{GroupRoot, RootAt};
-
     let _serial = SERIAL.lock().await;
     let (a, b) = (free_addr(), free_addr());
     let (stop_a, handle_a) = start_worker(a).await;
@@ -526,27 +516,9 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     let pool = RemotePool::start(&nodes, TOKEN, spawn_config(), 1, OPTS)
         .await
         .unwrap();
-    let shapes = pool.engine_digests().await.remove(0).1.unwrap().remove(0);
-    let root = GroupRoot {
-        backend: Backend::Store,
-        timeout: Duration::from_secs(30),
-        at: RootAt::Here {
-            master_address: "127.0.0.1".into(),
-            device: 0,
-        },
-    };
-    let version_weights = |seed: i64| -> Vec<(String, tch::Tensor)> {
-        tch::manual_seed(seed);
-        shapes
-            .tensors
-            .iter()
-            .map(|d| {
-                let t =
-                    tch::Tensor::randn(d.shape.as_slice(), (tch::Kind::Float, tch::Device::Cpu));
-                (d.name.clone(), t)
-            })
-            .collect()
-    };
+    let shapes = first_engine(&pool).await;
+    let root = root_here(Duration::from_secs(30));
+    let version_weights = |seed: i64| random_weights(&shapes, seed);
 
     let w1 = version_weights(31);
     let sync = pool
@@ -609,9 +581,8 @@ async fn broadcasts_make_a_new_group_when_a_node_leaves_and_when_it_rejoins() {
     assert_eq!(pool.live_nodes(), 2);
     assert_eq!(holds(&pool, 4, &w4).await, 2);
     pool.shutdown().await;
-    for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {
-        let _ = stop.send(());
-        handle.await.unwrap();
+    for worker in [(stop_a, handle_a), (stop_b, handle_b)] {
+        stop_worker(worker).await;
     }
 }
 
@@ -802,60 +773,30 @@ async fn the_trainers_worker_roots_the_group_and_rebuilds_it_when_the_engine_nod
 
     pool.shutdown().await;
     trainer.shutdown().await;
-    for (stop, handle) in [(stop_a, handle_a), (stop_b, handle_b)] {
-        let _ = stop.send(());
-        handle.await.unwrap();
+    for worker in [(stop_a, handle_a), (stop_b, handle_b)] {
+        stop_worker(worker).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_worker_is_declared_dead_and_rejoins() {
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let pool = RemotePool::start(
-        &[NodeSpec {
-            address: addr.to_string(),
-            gpus: vec![],
-        }],
-        TOKEN,
-        spawn_config(),
-        1,
-        OPTS,
-    )
-    .await
-    .unwrap();
+    let (addr, pool, worker) = one_worker_pool().await;
     assert_eq!(pool.live_nodes(), 1);
-    let _ = stop.send(());
-    handle.await.unwrap();
+    stop_worker(worker).await;
     // The node is declared dead once its heartbeats have failed for `dead_after`. How
     // long that takes on a loaded machine is not the point: the pool's state is. The
     // deadline only stops a hang (a pool that never notices).
     wait_for(&pool, 0, HANG).await;
-    let (stop, handle) = start_worker(addr).await;
+    let worker = start_worker(addr).await;
     wait_for(&pool, 1, HANG).await;
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_actor_is_dropped_by_the_node_supervisor_and_respawned() {
     let _serial = SERIAL.lock().await;
-    let addr = free_addr();
-    let (stop, handle) = start_worker(addr).await;
-    let pool = RemotePool::start(
-        &[NodeSpec {
-            address: addr.to_string(),
-            gpus: vec![],
-        }],
-        TOKEN,
-        spawn_config(),
-        1,
-        OPTS,
-    )
-    .await
-    .unwrap();
+    let (addr, pool, worker) = one_worker_pool().await;
     let client = manta_runtime::WorkerClient::new(&addr.to_string(), TOKEN).unwrap();
     let listed = |reply: manta_proto::cluster::HeartbeatReply| reply.actors;
     let before = client.heartbeat(1, Duration::from_secs(2)).await.unwrap();
@@ -879,7 +820,5 @@ async fn a_crashed_actor_is_dropped_by_the_node_supervisor_and_respawned() {
     wait_for(&pool, 1, HANG).await;
     let after = client.heartbeat(2, Duration::from_secs(2)).await.unwrap();
     assert_eq!(listed(after), vec!["rollout-0-0".to_string()]);
-    pool.shutdown().await;
-    let _ = stop.send(());
-    handle.await.unwrap();
+    finish(pool, worker).await;
 }

@@ -219,6 +219,40 @@ pub fn cluster(dir: &Path, trainer: &str) -> PathBuf {
     path
 }
 
+/// `driver ARGS` in a fresh directory with `[trainer] trainer` (the tiny model, one
+/// rollout, then `extra`), which must fail before `deadline`: its stderr.
+pub fn refused(trainer: &str, extra: &[&str], deadline: Duration) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = cluster(dir.path(), trainer);
+    let runs = dir.path().join("runs");
+    let args = [
+        strings(&["--cluster", path.to_str().unwrap()]),
+        strings(&["--model", "assets/tiny-qwen3", "--num-rollout", "1"]),
+        strings(&["--runs-dir", runs.to_str().unwrap()]),
+        strings(extra),
+    ]
+    .concat();
+    let out = driver_with_deadline(&args, &[], dir.path(), deadline);
+    assert!(
+        !out.status.success(),
+        "{extra:?} with [trainer] {trainer:?} should be refused"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// What `driver --help` says from `flag` on (600 bytes at most).
+pub fn help_from(flag: &str) -> String {
+    let help = Command::new(env!("CARGO_BIN_EXE_driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let at = help
+        .find(flag)
+        .unwrap_or_else(|| panic!("--help lists {flag}"));
+    help[at..(at + 600).min(help.len())].to_string()
+}
+
 /// `a` as owned strings (argument lists).
 pub fn strings(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
