@@ -39,7 +39,8 @@
 # add "--save DIR --save-interval 1" to DRIVER_ARGS, else from its initial weights);
 # FAULT=engine-sync@N: SIGKILL worker B as soon as worker A starts the broadcast after
 # step N (trainer-nccl: mid-broadcast for a large enough model; worker A's log says
-# whether its collective failed). FAULT=trainer-train@N / rank1-train@N: SIGKILL worker
+# whether its collective failed); FAULT=trainer-sync@N kills worker A (the root) at that
+# moment instead, leaving the engine mid-receive. FAULT=trainer-train@N / rank1-train@N: SIGKILL worker
 # A / B FAULT_DELAY_S (0.5) seconds after its trainer starts training the step after N
 # (mid-step). In the trainer-dp2 modes a fault sets on_failure = "restart" (the lost rank
 # is re-created and the group resumes from each node's last checkpoint: add
@@ -139,8 +140,8 @@ for mode in "${MODES[@]}"; do
   if [ -n "${FAULT:-}" ]; then
     who=${FAULT%@*}; at=${FAULT#*@}
     case $who in engine|engine-sync|rank1-train) k=1 port=7102 gpu=1 name=b ;;
-      trainer|trainer-train) k=0 port=7101 gpu=0 name=a ;;
-      *) echo "FAULT=$FAULT: expected engine@N, engine-sync@N, trainer@N, trainer-train@N or rank1-train@N" >&2; exit 2 ;; esac
+      trainer|trainer-train|trainer-sync) k=0 port=7101 gpu=0 name=a ;;
+      *) echo "FAULT=$FAULT: expected engine@N, engine-sync@N, trainer@N, trainer-train@N, trainer-sync@N or rank1-train@N" >&2; exit 2 ;; esac
     [[ $mode == *-store ]] && gpu=""
     if [[ $mode == trainer-dp2* ]]; then
       # A lost rank is re-created (the whole group restarts from each node's last
@@ -149,7 +150,7 @@ for mode in "${MODES[@]}"; do
     fi
     (
       until grep -qE "^step +$at/" "$dir/progress.txt" 2>/dev/null; do sleep 0.05; done
-      if [ "$who" = engine-sync ]; then   # the next broadcast's start on worker A
+      if [[ $who == *-sync ]]; then   # the next broadcast's start on worker A
         seen=$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")
         until [ "$(grep -c "broadcasting the trainer's weights" "$dir/worker-a.log")" -gt "$seen" ]; do sleep 0.005; done
       elif [[ $who == *-train ]]; then   # mid-way through the next step's training
