@@ -50,6 +50,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Rank `rank` (on cuda:`rank`) of the two-rank group `group_name`, rank 0 hosting the
+/// store on `port`.
+fn join_pair(port: u16, rank: usize, group_name: &str) -> anyhow::Result<ProcessGroup> {
+    Ok(ProcessGroup::join(GroupSpec {
+        master_address: "127.0.0.1".into(),
+        master_port: port,
+        rank,
+        world_size: 2,
+        group_name: group_name.to_string(),
+        device: rank,
+        timeout: Duration::from_secs(600),
+    })?)
+}
+
 /// `reps` timed broadcasts of `named` from rank 0, each after a one-element broadcast
 /// that lines both sides up; the seconds of each and their median (NaN for none).
 fn timed_rounds(
@@ -104,15 +118,7 @@ fn send(args: &[String]) -> anyhow::Result<()> {
         .map(|(i, (n, s))| (n.clone(), pattern(i, s, dev)))
         .collect();
     let bytes: i64 = named.iter().map(|(_, t)| t.numel() as i64 * 2).sum();
-    let mut group = ProcessGroup::join(GroupSpec {
-        master_address: "127.0.0.1".into(),
-        master_port: port,
-        rank: 0,
-        world_size: 2,
-        group_name: group_name.clone(),
-        device: 0,
-        timeout: Duration::from_secs(600),
-    })?;
+    let mut group = join_pair(port, 0, group_name)?;
     let started = Instant::now();
     group.broadcast(&named, 0).context("check round")?;
     let first_s = started.elapsed().as_secs_f64();
@@ -162,15 +168,7 @@ fn recv(args: &[String]) -> anyhow::Result<()> {
         })
         .collect();
     let bytes: i64 = named.iter().map(|(_, t)| t.numel() as i64 * 2).sum();
-    let mut group = ProcessGroup::join(GroupSpec {
-        master_address: "127.0.0.1".into(),
-        master_port: port,
-        rank: 1,
-        world_size: 2,
-        group_name: group_name.clone(),
-        device: 1,
-        timeout: Duration::from_secs(600),
-    })?;
+    let mut group = join_pair(port, 1, group_name)?;
     group.broadcast(&named, 0).context("check round")?;
     let bit_exact = named.iter().enumerate().all(|(i, (_, t))| {
         t.view_dtype(Kind::Int16)
