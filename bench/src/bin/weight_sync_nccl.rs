@@ -65,30 +65,33 @@ fn join_pair(port: u16, rank: usize, group_name: &str) -> anyhow::Result<Process
 }
 
 /// `reps` timed broadcasts of `named` from rank 0, each after a one-element broadcast
-/// that lines both sides up; the seconds of each and their median (NaN for none).
+/// that lines both sides up: the seconds of each, their median (NaN for none), and the
+/// host seconds each spent issuing its collectives.
 fn timed_rounds(
     mut group: ProcessGroup,
     named: &[(String, Tensor)],
     reps: usize,
     dev: Device,
-) -> anyhow::Result<(Vec<f64>, f64)> {
+) -> anyhow::Result<(Vec<f64>, f64, Vec<f64>)> {
     let marker = vec![(
         "marker".to_string(),
         Tensor::zeros([1], (Kind::BFloat16, dev)),
     )];
     let mut seconds = Vec::with_capacity(reps);
+    let mut enqueue = Vec::with_capacity(reps);
     for _ in 0..reps {
         group.broadcast(&marker, 0)?;
         let t0 = Instant::now();
         group.broadcast(named, 0)?;
         seconds.push(t0.elapsed().as_secs_f64());
+        enqueue.push(group.last_enqueue().as_secs_f64());
     }
     let med = if seconds.is_empty() {
         f64::NAN
     } else {
         median(seconds.clone())
     };
-    Ok((seconds, med))
+    Ok((seconds, med, enqueue))
 }
 
 fn send(args: &[String]) -> anyhow::Result<()> {
@@ -122,11 +125,12 @@ fn send(args: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     group.broadcast(&named, 0).context("check round")?;
     let first_s = started.elapsed().as_secs_f64();
-    let (seconds, med) = timed_rounds(group, &named, reps, dev)?;
+    let (seconds, med, enqueue) = timed_rounds(group, &named, reps, dev)?;
     println!(
         "{}",
         json!({
             "role": "send",
+            "enqueue_s": enqueue,
             "sender": "manta",
             "shape": shape,
             "tensors": named.len(),
@@ -174,11 +178,12 @@ fn recv(args: &[String]) -> anyhow::Result<()> {
         t.view_dtype(Kind::Int16)
             .equal(&pattern(i, &t.size(), dev).view_dtype(Kind::Int16))
     });
-    let (seconds, med) = timed_rounds(group, &named, reps, dev)?;
+    let (seconds, med, enqueue) = timed_rounds(group, &named, reps, dev)?;
     println!(
         "{}",
         json!({
             "role": "recv",
+            "enqueue_s": enqueue,
             "receiver": "manta",
             "tensors": named.len(),
             "bytes": bytes,

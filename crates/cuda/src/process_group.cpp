@@ -219,7 +219,9 @@ int manta_pg_store_port(void* handle) {
 // Broadcasts `n` tensors (at::Tensor*, contiguous, on the group's device) from rank
 // `src`, one NCCL broadcast each in order (what torch.distributed.broadcast issues per
 // tensor), and returns once every tensor holds the root's data on this device.
-int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
+// `*enqueue_seconds`: how long issuing the n collectives took on the host, beside the
+// whole call: a launch-bound broadcast shows as the two being close.
+int manta_pg_broadcast(void* handle, void** tensors, int n, int src, double* enqueue_seconds) {
   return guarded([&] {
 #if defined(MANTA_WITH_NCCL)
     Group& g = group(handle);
@@ -240,6 +242,7 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
       connect(g);
       check_aborted();
     }
+    const auto enqueue_start = std::chrono::steady_clock::now();
     for (int i = 0; i < n; ++i) {
       const at::Tensor& t = *static_cast<at::Tensor*>(tensors[i]);
       if (!t.is_cuda() || t.get_device() != g.device) {
@@ -250,12 +253,16 @@ int manta_pg_broadcast(void* handle, void** tensors, int n, int src) {
       works.push_back(g.pg->broadcast(one, opts));
     }
     for (auto& w : works) w->wait();
+    if (enqueue_seconds != nullptr) {
+      *enqueue_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - enqueue_start).count();
+    }
     c10::Stream stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(g.device));
     stream.synchronize();
     // An aborted NCCL kernel returns early with nothing received: not a success.
     check_aborted();
 #else
-    (void)handle; (void)tensors; (void)n; (void)src;
+    (void)handle; (void)tensors; (void)n; (void)src; (void)enqueue_seconds;
     throw std::runtime_error("this build of manta-cuda has no NCCL process group");
 #endif
   });

@@ -32,6 +32,7 @@ extern "C" {
         tensors: *mut *mut c_void,
         n: c_int,
         src: c_int,
+        enqueue_seconds: *mut f64,
     ) -> c_int;
     fn manta_pg_free(handle: *mut c_void);
     fn manta_pg_aborter(handle: *mut c_void) -> *mut c_void;
@@ -160,6 +161,8 @@ impl GroupSpec {
 pub struct ProcessGroup {
     handle: *mut c_void,
     spec: GroupSpec,
+    /// Host time the last broadcast spent issuing its collectives.
+    last_enqueue: Duration,
 }
 
 // SAFETY: the handle is owned by this value; libtorch's ProcessGroupNCCL may be driven
@@ -203,7 +206,11 @@ impl ProcessGroup {
             ),
             ..e
         })?;
-        Ok(Self { handle, spec })
+        Ok(Self {
+            handle,
+            spec,
+            last_enqueue: Duration::ZERO,
+        })
     }
 
     /// A handle that aborts this group from another thread: a broadcast waiting on a
@@ -272,14 +279,30 @@ impl ProcessGroup {
             .iter()
             .map(|(_, t)| t.as_ptr() as *mut c_void)
             .collect();
-        // SAFETY: a live handle and `n` live at::Tensor handles for the call.
+        let mut enqueue_seconds = 0f64;
+        // SAFETY: a live handle, `n` live at::Tensor handles and a live f64 for the call.
         check("broadcast", unsafe {
-            manta_pg_broadcast(self.handle, ptrs.as_mut_ptr(), n, src as c_int)
+            manta_pg_broadcast(
+                self.handle,
+                ptrs.as_mut_ptr(),
+                n,
+                src as c_int,
+                &mut enqueue_seconds,
+            )
         })
         .map_err(|e| GroupError {
             message: format!("group {:?}: {}", self.spec.group_name, e.message),
             ..e
-        })
+        })?;
+        self.last_enqueue = Duration::try_from_secs_f64(enqueue_seconds).unwrap_or_default();
+        Ok(())
+    }
+
+    /// How long the last broadcast took to issue its collectives on the host (after the
+    /// communicator existed). Close to the whole broadcast's time: launch-bound, not
+    /// bandwidth-bound.
+    pub fn last_enqueue(&self) -> Duration {
+        self.last_enqueue
     }
 }
 

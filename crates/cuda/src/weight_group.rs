@@ -109,6 +109,15 @@ impl WeightGroup {
         }
     }
 
+    /// NCCL: how long the last broadcast took to issue its collectives on the host
+    /// ([`ProcessGroup::last_enqueue`]); `None` for the store backend.
+    pub fn last_enqueue(&self) -> Option<Duration> {
+        match self {
+            WeightGroup::Nccl(g) => Some(g.last_enqueue()),
+            WeightGroup::Store(_) => None,
+        }
+    }
+
     pub fn aborter(&self) -> GroupAborter {
         match self {
             WeightGroup::Nccl(g) => GroupAborter::Nccl(g.aborter()),

@@ -198,6 +198,7 @@ impl TrainerRoots {
                 *slot = None;
                 return Err(e.to_string());
             }
+            let enqueue_s = g.last_enqueue().map(|d| d.as_secs_f64());
             drop(slot);
             // The collective alone (the reply's seconds also count the digests when
             // verifying): what to set beside a bare torch.distributed broadcast.
@@ -206,6 +207,7 @@ impl TrainerRoots {
                 tensors = tensors.len(),
                 bytes,
                 seconds,
+                enqueue_s,
                 gb_per_s = bytes as f64 / seconds.max(1e-9) / 1e9,
                 "weights broadcast from the trainer's worker"
             );

@@ -440,6 +440,7 @@ impl ModelRunner {
                 tensors = tensors.len(),
                 bytes,
                 seconds,
+                enqueue_s = group.last_enqueue().map(|d| d.as_secs_f64()),
                 gb_per_s = bytes as f64 / seconds.max(1e-9) / 1e9,
                 "weights received into the engine's parameters"
             );
