@@ -13,6 +13,10 @@
 #   mid  4B shape, where both fit (no cap): ZeRO-2 and ZeRO-3 tokens/s on the same batch.
 #   cp   0.6B shape (CP_SHAPE), one multi-turn-length sample of CP_SEQ=32768 tokens:
 #        context parallel over 2 GPUs vs one GPU; the losses and tokens/s side by side.
+# MANTA_TRAINER_PROFILE=1 (inherited by the ranks) adds each rank's median seconds per
+# step phase (forward, backward, ZeRO gathers and reduce-scatters, CP collectives,
+# optimizer, ...; docs/knobs.md) to its JSON and to the run's row as `profile`; the
+# profile syncs the GPU at every phase boundary, so its steps run slower than unprofiled.
 # Writes $OUT/trainer_shards.json (+ the ranks' logs and JSON; each run's row names the
 # driver flags it stands for); prints a summary.
 # Binaries come from bin/ (cargo build --release -p manta-bench --bin trainer_dp).
@@ -131,6 +135,8 @@ def run(name, shape, ranks=(0, 1)):
         "global_samples": r[0]["global_samples"], "seq": seq,
         "mfu": tps * model_flops_per_token(shape, seq) / (len(ranks) * PEAK_TFLOPS * 1e12),
     })
+    if any(x.get("profile") for x in r):
+        row["profile"] = [x.get("profile") for x in r]  # per rank, MANTA_TRAINER_PROFILE=1
     return row
 
 names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))

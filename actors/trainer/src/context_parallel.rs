@@ -14,6 +14,7 @@ use manta_model::{CausalLm, CpGroup, CpRow};
 use tch::{Device, Kind, Tensor};
 
 use crate::data_parallel::{Collective, CollectiveError, ReduceOp};
+use crate::profile::{self, Phase};
 use crate::trainer::TrainerError;
 
 /// A [`Collective`] seen as the model's CP group.
@@ -31,17 +32,21 @@ impl CpGroup for CpComm<'_> {
     }
 
     fn cp_all_gather(&self, local: &Tensor) -> Result<Tensor, CollectiveError> {
-        let n = local.numel() as i64 * self.0.world_size() as i64;
-        let mut out = Tensor::empty([n], (local.kind(), local.device()));
-        self.0.all_gather(local, &mut out)?;
-        Ok(out)
+        profile::scoped(Phase::CpAllGather, || {
+            let n = local.numel() as i64 * self.0.world_size() as i64;
+            let mut out = Tensor::empty([n], (local.kind(), local.device()));
+            self.0.all_gather(local, &mut out)?;
+            Ok(out)
+        })
     }
 
     fn cp_reduce_scatter(&self, full: &Tensor) -> Result<Tensor, CollectiveError> {
-        let n = full.numel() as i64 / self.0.world_size() as i64;
-        let mut out = Tensor::empty([n], (full.kind(), full.device()));
-        self.0.reduce_scatter(full, &mut out, ReduceOp::Sum)?;
-        Ok(out)
+        profile::scoped(Phase::CpReduceScatter, || {
+            let n = full.numel() as i64 / self.0.world_size() as i64;
+            let mut out = Tensor::empty([n], (full.kind(), full.device()));
+            self.0.reduce_scatter(full, &mut out, ReduceOp::Sum)?;
+            Ok(out)
+        })
     }
 }
 
@@ -109,7 +114,9 @@ impl CpLocal {
             zeros.index_copy(0, &self.own, &local.to_kind(Kind::Float))
         };
         let mut all = placed.detach().copy();
-        comm.all_reduce(&mut all, ReduceOp::Sum)?;
+        profile::scoped(Phase::CpAllReduce, || {
+            comm.all_reduce(&mut all, ReduceOp::Sum)
+        })?;
         Ok(placed.where_self(&self.own_mask, &all))
     }
 

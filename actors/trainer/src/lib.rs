@@ -8,6 +8,7 @@
 //! - [`trainer`]: the model, optimizer and step, free of actor plumbing.
 //! - [`actor`]: the `TrainerActor` message interface.
 //! - [`export`]: a checkpoint (one trainer or ZeRO shards) as a Hugging Face model directory.
+//! - [`profile`]: where a step's time goes, per phase (`MANTA_TRAINER_PROFILE`).
 
 pub mod actor;
 pub mod batch;
@@ -17,6 +18,7 @@ pub mod export;
 pub mod loss;
 pub mod memory_plan;
 pub mod optimizer;
+pub mod profile;
 pub mod schedule;
 pub mod trainer;
 

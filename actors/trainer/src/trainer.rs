@@ -22,6 +22,7 @@ use crate::loss::{
 };
 use crate::memory_plan;
 use crate::optimizer::{AdamW, AdamWConfig};
+use crate::profile::{self, Phase, StepProfile};
 use crate::schedule::LrSchedule;
 
 /// How a data-parallel group shards the training state.
@@ -794,11 +795,13 @@ impl Trainer {
     }
 
     /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
-    /// gradients, clip the global norm, AdamW. Returns `train/*` metrics.
+    /// gradients, clip the global norm, AdamW. Returns `train/*` metrics, and with
+    /// `MANTA_TRAINER_PROFILE` on this rank's seconds per phase (crate::profile).
     pub fn train_step(
         &mut self,
         batch: &TrainBatch,
     ) -> Result<BTreeMap<String, f64>, TrainerError> {
+        let profile = StepProfile::start(self.opts.device);
         let steps = self.opts.algo.num_steps_per_rollout.max(1);
         let checked = self.check_batch(batch).and_then(|()| {
             if steps > batch.samples.len() {
@@ -824,7 +827,9 @@ impl Trainer {
         // π_old: the weights before this rollout's first update. With one update per
         // rollout the current weights are those, so no extra pass is needed.
         let old = if steps > 1 {
-            Some(self.old_logprobs(batch, &lengths, budget)?)
+            Some(profile::scoped(Phase::OldLogprobs, || {
+                self.old_logprobs(batch, &lengths, budget)
+            })?)
         } else {
             None
         };
@@ -874,8 +879,12 @@ impl Trainer {
                     .set_lr(schedule.lr_at(self.optimizer.step_count()));
             }
             lr = self.optimizer.config().lr;
-            let grad_norm = self.optimizer.clip_grad_norm(self.opts.clip_grad)?;
-            self.optimizer.step()?;
+            let (clip_grad, optimizer) = (self.opts.clip_grad, &mut self.optimizer);
+            let grad_norm = profile::scoped(Phase::Optimizer, || {
+                let norm = optimizer.clip_grad_norm(clip_grad)?;
+                optimizer.step()?;
+                Ok::<f64, CollectiveError>(norm)
+            })?;
             self.optimizer.zero_grad();
             *sums.entry("train/grad_norm".into()).or_default() += grad_norm;
             *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
@@ -901,6 +910,9 @@ impl Trainer {
             })
             .collect();
         m.insert("train/lr".into(), lr);
+        if let Some(profile) = profile {
+            m.extend(profile.finish());
+        }
         Ok(m)
     }
 
@@ -968,6 +980,11 @@ impl Trainer {
     /// that has run out of its own; `backward` as a training micro-batch, else as a
     /// log-prob pass.
     fn zero3_filler_pass(&mut self, backward: bool) -> Result<(), TrainerError> {
+        profile::scoped(Phase::Filler, || self.run_zero3_filler_pass(backward))
+    }
+
+    /// [`Trainer::zero3_filler_pass`]'s pass.
+    fn run_zero3_filler_pass(&mut self, backward: bool) -> Result<(), TrainerError> {
         let (ids, positions) = filler_input(self.opts.device);
         let attention = Attention::Causal { key_mask: None };
         let Some(zero) = self.optimizer.zero3_mut() else {
@@ -1122,7 +1139,11 @@ impl Trainer {
                 if let Some(msg) = &inject {
                     tch::no_grad(|| panic!("{msg}"));
                 }
-                self.micro_step(samples, advantages, old, global_samples, global_tokens, acc)
+                // Starts as the micro-batch's layout; micro_step moves on through the
+                // passes, and the phase around it resumes when it returns.
+                profile::scoped(Phase::Prepare, || {
+                    self.micro_step(samples, advantages, old, global_samples, global_tokens, acc)
+                })
             })
         }));
         match run {
@@ -1183,6 +1204,9 @@ impl Trainer {
         let old = old.map(|o| Tensor::cat(o, 0).to(device));
         let cp = self.cp_local(&packed)?;
         let comm = self.optimizer.collective();
+        if self.reference.is_some() {
+            profile::enter(Phase::RefLogprobs);
+        }
         let ref_logp = match (&self.reference, &cp, comm) {
             (Some((_, model)), Some(cp), Some(comm)) => Some(cp.logprobs(
                 model,
@@ -1260,8 +1284,11 @@ impl Trainer {
                     *acc.metrics.entry(name).or_default() += v;
                 }
             }
+            // The loss ends the forward pass: what runs after it is the backward.
+            profile::enter(Phase::Backward);
             terms.loss
         };
+        profile::enter(Phase::Forward);
         if let (Some(cp), Some(comm)) = (&cp, comm) {
             let group = CpComm(comm);
             let _ = self.model.forward_backward_cp(

@@ -28,7 +28,10 @@
 //! and the memory plan's figures beside the measured peak. GPU_CAP_GIB=N makes each GPU
 //! look like an N GiB card: a ballast tensor takes the rest before the trainer starts
 //! (an H200 standing in for an 80 GB H100); the peak reported excludes it.
+//! MANTA_TRAINER_PROFILE=1 adds `profile`: this rank's median seconds per step phase
+//! over the timed steps (`manta_trainer::profile`; the profile's syncs slow the steps).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -39,6 +42,7 @@ use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_N
 use manta_trainer::data_parallel::{Collective, NcclCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
+use manta_trainer::profile;
 use manta_trainer::TrainerError;
 use manta_trainer::{memory_plan, AlgoOptions, TrainBatch, Trainer, TrainerOptions};
 use tch::{nn, Device, Kind, Tensor};
@@ -322,12 +326,25 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         manta_cuda::peak_allocated(rank, true)?;
     }
     let mut times = Vec::new();
+    let mut phases: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for _ in 0..iters {
         let t = Instant::now();
-        trainer.train_step(&batch)?;
+        let m = trainer.train_step(&batch)?;
         tch::Cuda::synchronize(rank as i64);
         times.push(t.elapsed().as_secs_f64());
+        for (k, v) in m {
+            if let Some(phase) = k.strip_prefix(profile::METRIC_PREFIX) {
+                phases.entry(phase.to_string()).or_default().push(v);
+            }
+        }
     }
+    // MANTA_TRAINER_PROFILE: each phase's median over the timed steps.
+    let phase_medians = (!phases.is_empty()).then(|| {
+        phases
+            .into_iter()
+            .map(|(k, v)| (k, median(v)))
+            .collect::<BTreeMap<_, _>>()
+    });
     let peak = manta_cuda::peak_allocated(rank, false)?.max(checked_peak) - held_bytes;
     let shard = trainer.shard_bytes().map(|(b, kind)| {
         serde_json::json!({
@@ -337,9 +354,7 @@ fn run(a: &[String]) -> anyhow::Result<()> {
         })
     });
     drop(held);
-    let mut sorted = times.clone();
-    sorted.sort_by(|a, b| a.total_cmp(b));
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = median(times.clone());
     println!(
         "{}",
         serde_json::json!({
@@ -356,9 +371,16 @@ fn run(a: &[String]) -> anyhow::Result<()> {
             "shard_gib": shard,
             "plan": plan,
             "peak_allocated_gib": gib(peak),
+            "profile": phase_medians,
         })
     );
     Ok(())
+}
+
+/// The middle value (the upper of the two middles), NaN for none.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// A new unique id, written to `file` whole (a temporary file renamed) for the other ranks.

@@ -19,6 +19,7 @@ use tch::{Kind, Tensor};
 
 use super::{Collective, CollectiveError, FlatLayout, ReduceOp};
 use crate::optimizer::{master_update, AdamW, AdamWConfig};
+use crate::profile::{self, Phase};
 use crate::trainer::NamedTensors;
 
 /// Default bucket size: 64 Mi elements (256 MiB of fp32 gradients staged at a time).
@@ -398,16 +399,18 @@ impl ZeroAdamW {
             self.reduced = true;
             return Ok(());
         }
-        tch::no_grad(|| {
-            for b in 0..self.layout.buckets.len() {
-                let flat = self.take_bucket_grads(b)?;
-                let bucket = &self.layout.buckets[b];
-                let mut out = self
-                    .grad
-                    .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
-                self.comm.reduce_scatter(&flat, &mut out, ReduceOp::Sum)?;
-            }
-            Ok::<(), CollectiveError>(())
+        profile::scoped(Phase::GradReduce, || {
+            tch::no_grad(|| {
+                for b in 0..self.layout.buckets.len() {
+                    let flat = self.take_bucket_grads(b)?;
+                    let bucket = &self.layout.buckets[b];
+                    let mut out =
+                        self.grad
+                            .narrow(0, bucket.shard_offset as i64, bucket.shard as i64);
+                    self.comm.reduce_scatter(&flat, &mut out, ReduceOp::Sum)?;
+                }
+                Ok::<(), CollectiveError>(())
+            })
         })?;
         self.reduced = true;
         Ok(())
@@ -517,18 +520,20 @@ impl ZeroAdamW {
     /// Every rank's shard of the parameters (in their kind) into every rank's model.
     fn gather_params(&mut self) -> Result<(), CollectiveError> {
         let world = self.layout.world;
-        tch::no_grad(|| {
-            for b in 0..self.layout.buckets.len() {
-                let bucket = &self.layout.buckets[b];
-                let src = self.param_slice(b);
-                let mut flat = Tensor::empty(
-                    [bucket.padded(world) as i64],
-                    (self.kind, self.comm.device()),
-                );
-                self.comm.all_gather(&src, &mut flat)?;
-                self.scatter_into_params(b, &flat);
-            }
-            Ok(())
+        profile::scoped(Phase::ParamGather, || {
+            tch::no_grad(|| {
+                for b in 0..self.layout.buckets.len() {
+                    let bucket = &self.layout.buckets[b];
+                    let src = self.param_slice(b);
+                    let mut flat = Tensor::empty(
+                        [bucket.padded(world) as i64],
+                        (self.kind, self.comm.device()),
+                    );
+                    self.comm.all_gather(&src, &mut flat)?;
+                    self.scatter_into_params(b, &flat);
+                }
+                Ok(())
+            })
         })
     }
 
@@ -632,14 +637,16 @@ impl ZeroAdamW {
     /// ZeRO-3: bucket `b`'s parameters take their full values (views of one gathered
     /// buffer) until [`ZeroAdamW::release_bucket`] or [`ZeroAdamW::reduce_bucket`].
     pub fn gather_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
-        let (_flat, views) = self.gathered_bucket(b)?;
-        let range = self.layout.buckets[b].params.clone();
-        tch::no_grad(|| {
-            for (p, (_, view)) in self.params[range].iter_mut().zip(&views) {
-                p.set_data(view);
-            }
-        });
-        Ok(())
+        profile::scoped(Phase::ParamGather, || {
+            let (_flat, views) = self.gathered_bucket(b)?;
+            let range = self.layout.buckets[b].params.clone();
+            tch::no_grad(|| {
+                for (p, (_, view)) in self.params[range].iter_mut().zip(&views) {
+                    p.set_data(view);
+                }
+            });
+            Ok(())
+        })
     }
 
     /// ZeRO-3: bucket `b`'s parameters hold no values (their storage is freed once no
@@ -708,14 +715,16 @@ impl ZeroAdamW {
     /// count as zero.
     pub fn reduce_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
         self.allocate_state();
-        let flat = tch::no_grad(|| self.take_bucket_grads(b))?;
-        let bucket = &self.layout.buckets[b];
-        let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
-        let mut part = Tensor::empty([shard], (self.grad_kind, self.comm.device()));
-        tch::no_grad(|| -> Result<(), CollectiveError> {
-            self.comm.reduce_scatter(&flat, &mut part, ReduceOp::Sum)?;
-            let _ = self.grad.narrow(0, offset, shard).g_add_(&part);
-            Ok(())
+        profile::scoped(Phase::GradReduce, || {
+            let flat = tch::no_grad(|| self.take_bucket_grads(b))?;
+            let bucket = &self.layout.buckets[b];
+            let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
+            let mut part = Tensor::empty([shard], (self.grad_kind, self.comm.device()));
+            tch::no_grad(|| -> Result<(), CollectiveError> {
+                self.comm.reduce_scatter(&flat, &mut part, ReduceOp::Sum)?;
+                let _ = self.grad.narrow(0, offset, shard).g_add_(&part);
+                Ok(())
+            })
         })?;
         self.release_bucket(b);
         Ok(())
