@@ -230,15 +230,21 @@ impl CpRow {
         2 * self.chunk
     }
 
-    /// Where global token `index` sits among this rank's tokens, if it holds it.
+    /// Where global token `index` sits among this rank's tokens, if it holds it. O(1):
+    /// called for every trained token of a row (a search took ~0.1 s per 32k-token row).
     pub fn local_index(&self, index: i64) -> Option<i64> {
-        if index >= self.tokens {
+        if !(0..self.tokens).contains(&index) {
             return None;
         }
-        self.local
-            .iter()
-            .position(|&g| g == index)
-            .map(|p| p as i64)
+        // The rank's two chunks, each `chunk` consecutive global tokens.
+        let (first, second) = (self.local[0], self.local[self.chunk as usize]);
+        if (first..first + self.chunk).contains(&index) {
+            Some(index - first)
+        } else if (second..second + self.chunk).contains(&index) {
+            Some(self.chunk + index - second)
+        } else {
+            None
+        }
     }
 }
 
@@ -416,6 +422,48 @@ impl CausalLm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `local_index` finds each global token where `take` puts it, for every rank of
+    /// rows that divide evenly, need padding, or are shorter than the chunks.
+    #[test]
+    fn local_index_is_where_take_puts_each_token() {
+        for (lengths, size) in [
+            (vec![8i64], 2usize),
+            (vec![5, 6], 2),
+            (vec![3], 2),
+            (vec![7, 1, 9], 3),
+            (vec![13], 4),
+        ] {
+            let tokens: i64 = lengths.iter().sum();
+            let row_ids = Tensor::arange(tokens, (Kind::Int64, Device::Cpu)).view([1, -1]);
+            let mut owners = vec![0; tokens as usize];
+            for rank in 0..size {
+                let row = CpRow::new(&lengths, rank, size, Device::Cpu).unwrap();
+                let held: Vec<i64> = Vec::try_from(row.take(&row_ids).view([-1])).unwrap();
+                for g in -1..tokens + 3 {
+                    // The search this replaces, over the rank's global indices.
+                    let expected = (0..tokens)
+                        .contains(&g)
+                        .then(|| row.local.iter().position(|&l| l == g))
+                        .flatten()
+                        .map(|p| p as i64);
+                    assert_eq!(
+                        row.local_index(g),
+                        expected,
+                        "{lengths:?} rank {rank}/{size} token {g}"
+                    );
+                    if let Some(p) = expected {
+                        assert_eq!(held[p as usize], g, "take puts token {g} at {p}");
+                        owners[g as usize] += 1;
+                    }
+                }
+            }
+            assert!(
+                owners.iter().all(|&n| n == 1),
+                "{lengths:?}: every token has one owner"
+            );
+        }
+    }
 
     /// Which gathered keys each local query attends, as [local, keys] booleans.
     fn pieces_as_mask(p: &FlashPieces, local: usize, keys: usize) -> Vec<Vec<bool>> {
