@@ -9,7 +9,9 @@
 #        GPU_CAP_GIB= empty: the whole card):
 #        ZeRO-2 (expected to run out of memory) then ZeRO-3 with --grad-reduce-in-bf16
 #        (GRAD_REDUCE_BF16=1: a bf16 reduced-gradient shard); BIG_FP32_GRADS=1 adds ZeRO-3
-#        with fp32 gradient shards (big_zero3_fp32grads); STEPS steps, ITERS timed.
+#        with fp32 gradient shards (big_zero3_fp32grads); BIG_ZERO2=0 skips ZeRO-2;
+#        RECOMPUTE_LAYERS=N recomputes only the first N layers (block method) instead
+#        of every layer; STEPS steps, ITERS timed.
 #   mid  4B shape, where both fit (no cap): ZeRO-2 and ZeRO-3 tokens/s on the same batch.
 #   cp   0.6B shape (CP_SHAPE), one multi-turn-length sample of CP_SEQ=32768 tokens:
 #        context parallel over 2 GPUs vs one GPU; the losses and tokens/s side by side.
@@ -56,7 +58,7 @@ pair() {
 
 for part in $PARTS; do
   case $part in
-    big) pair big_zero2 8b zero2 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1
+    big) [ "${BIG_ZERO2:-1}" = 1 ] && pair big_zero2 8b zero2 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1
          pair big_zero3 8b zero3 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1 1
          [ "${BIG_FP32_GRADS:-0}" = 1 ] &&
            pair big_zero3_fp32grads 8b zero3 "$GLOBAL8" "$SEQ8" "$GPU_CAP" 1 0 ;;

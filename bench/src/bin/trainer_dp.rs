@@ -22,7 +22,7 @@
 //!       Prints one JSON object.
 //!
 //! RECOMPUTE=1 recomputes every layer in the backward pass instead of keeping its
-//! activations. GRAD_REDUCE_BF16=1 is `--grad-reduce-in-bf16` (WORLD > 1, bf16): the
+//! activations (RECOMPUTE_LAYERS=N with it: only the first N, the block method). GRAD_REDUCE_BF16=1 is `--grad-reduce-in-bf16` (WORLD > 1, bf16): the
 //! gradients reduce-scattered and the rank's reduced-gradient shard kept in bf16. The
 //! JSON names the driver flags the run stands for (`flags`), the sharded state's bytes
 //! and the memory plan's figures beside the measured peak. GPU_CAP_GIB=N makes each GPU
@@ -36,7 +36,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
-use manta_model::{CausalLm, ModelConfig, Recompute};
+use manta_model::{CausalLm, ModelConfig, Recompute, RecomputeMethod};
 use manta_trainer::batch::MicroBatchLayout;
 use manta_trainer::data_parallel::{nccl::UNIQUE_ID_BYTES, zero::DEFAULT_BUCKET_NUMEL};
 use manta_trainer::data_parallel::{Collective, NcclCollective};
@@ -71,9 +71,7 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
         bf16: Some(bf16),
         use_rollout_logprobs: true,
         logprob_chunk: 1024,
-        // RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations
-        // would not fit otherwise).
-        recompute: env_flag("RECOMPUTE").then_some(Recompute::EVERY_LAYER),
+        recompute: recompute_setting(),
         algo: AlgoOptions {
             grad_reduce_in_bf16: env_flag("GRAD_REDUCE_BF16"),
             ..Default::default()
@@ -84,6 +82,25 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
 /// Whether the environment variable `name` is `1`.
 fn env_flag(name: &str) -> bool {
     std::env::var(name).as_deref() == Ok("1")
+}
+
+/// RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations would
+/// not fit otherwise); RECOMPUTE_LAYERS=N as well: only the first N layers (Megatron's
+/// block method), the rest keep their activations in memory a plan has spare.
+fn recompute_setting() -> Option<Recompute> {
+    if !env_flag("RECOMPUTE") {
+        return None;
+    }
+    match std::env::var("RECOMPUTE_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(num_layers) => Some(Recompute {
+            method: RecomputeMethod::Block,
+            num_layers,
+        }),
+        None => Some(Recompute::EVERY_LAYER),
+    }
 }
 
 /// The driver's flags this run stands for.
@@ -101,11 +118,15 @@ fn driver_flags(mode: Mode, world: usize, opts: &TrainerOptions) -> Vec<String> 
     if opts.algo.grad_reduce_in_bf16 {
         flags.push("--grad-reduce-in-bf16".into());
     }
-    if opts.recompute.is_some() {
-        flags.push(
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-                .into(),
-        );
+    if let Some(r) = opts.recompute {
+        let method = match r.method {
+            RecomputeMethod::Uniform => "uniform",
+            RecomputeMethod::Block => "block",
+        };
+        flags.push(format!(
+            "--recompute-granularity full --recompute-method {method} --recompute-num-layers {}",
+            r.num_layers
+        ));
     }
     flags
 }
