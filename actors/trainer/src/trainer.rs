@@ -910,6 +910,12 @@ impl Trainer {
             })
             .collect();
         m.insert("train/lr".into(), lr);
+        // The step ends when its update is on the device: otherwise the optimizer's
+        // queued kernels run inside whatever comes next (a weight sync timed them as
+        // ~half its 8B broadcast, and held the engines paused for them).
+        if let Device::Cuda(i) = self.opts.device {
+            tch::Cuda::synchronize(i as i64);
+        }
         if let Some(profile) = profile {
             m.extend(profile.finish());
         }
