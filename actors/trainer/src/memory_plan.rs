@@ -59,6 +59,11 @@ pub struct MemoryPlan {
     /// this rank's reduced slice of them: after the backward, when the activations are
     /// gone (ZeRO-3's embedding and head are reduced last).
     pub reduce_staging: u64,
+    /// ZeRO-3's prefetch (`MANTA_ZERO3_PREFETCH`, on by default): the layer gathered
+    /// ahead with its rounded slice (when not every layer is gathered anyway), and one
+    /// layer's gradients staged for the reduce-scatter that overlaps the next layer's
+    /// backward, with its slice; beside the activations.
+    pub prefetch: u64,
 }
 
 impl MemoryPlan {
@@ -86,7 +91,8 @@ impl MemoryPlan {
 
     /// The expected peak.
     pub fn peak(&self) -> u64 {
-        self.static_bytes() + (self.activations + self.logits).max(self.reduce_staging)
+        self.static_bytes()
+            + (self.activations + self.logits + self.prefetch).max(self.reduce_staging)
     }
 }
 
@@ -222,11 +228,23 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     let logits =
         3 * 4 * inputs.logprob_chunk.min(inputs.tokens_per_gpu) as u64 * cfg.vocab_size as u64;
     // ZeRO-3: whole weights and gradients only of what is gathered at once.
+    let gathered = gathered_layers(layers, inputs.recompute);
     let resident = if zero3 {
-        outer_parameter_count(cfg)
-            + gathered_layers(layers, inputs.recompute) * layer_parameter_count(cfg)
+        outer_parameter_count(cfg) + gathered * layer_parameter_count(cfg)
     } else {
         p
+    };
+    // Read here rather than passed in: the optimizer reads the same knob when built.
+    let prefetch = if zero3 && manta_knobs::zero3_prefetch() {
+        let layer = layer_parameter_count(cfg);
+        let ahead = if gathered < layers as u64 {
+            weight_bytes * (layer + layer / ranks)
+        } else {
+            0
+        };
+        ahead + grad_bytes * (layer + layer / ranks)
+    } else {
+        0
     };
     MemoryPlan {
         weights: weight_bytes * resident,
@@ -247,6 +265,7 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
         } else {
             0
         },
+        prefetch,
         reduce_staging: if sharded {
             let largest = largest_bucket(cfg, zero3);
             grad_bytes * largest
@@ -506,6 +525,21 @@ mod tests {
         let (bf16, fp32) = (plan(&cfg, &flagged(true)), plan(&cfg, &flagged(false)));
         let gib = |b: u64| b as f64 / GIB;
         let need = |m: &MemoryPlan| gib(m.static_bytes().max(m.build_bytes()));
+        // The prefetch: a bf16 layer gathered ahead and one layer's gradients staged
+        // for the overlapped reduce-scatter (bf16 or fp32), each with its half slice.
+        let layer = layer_parameter_count(&cfg);
+        let prefetch = |grad_bytes| {
+            if manta_knobs::zero3_prefetch() {
+                2 * (layer + layer / 2) + grad_bytes * (layer + layer / 2)
+            } else {
+                0
+            }
+        };
+        assert_eq!((bf16.prefetch, fp32.prefetch), (prefetch(2), prefetch(4)));
+        assert_eq!(
+            bf16.peak(),
+            bf16.static_bytes() + bf16.activations + bf16.logits + bf16.prefetch
+        );
         // Sharded state: (4 + 8 + 2) / 2 and (4 + 8 + 4) / 2 bytes a parameter.
         let sharded = |m: &MemoryPlan| m.master_weights + m.adam_moments + m.shards;
         assert_eq!(sharded(&bf16), 7 * p);

@@ -1,6 +1,6 @@
 //! Where a training step's time goes (`MANTA_TRAINER_PROFILE=1`): the step is cut into
-//! [`Phase`]s, the device synchronized at every boundary so that a phase's seconds are
-//! its own GPU work rather than the launch queue's, and [`Trainer::train_step`] returns
+//! [`Phase`]s, the compute stream (libtorch's current one) synchronized at every boundary
+//! so that a phase's seconds are its own GPU work rather than the launch queue's, and [`Trainer::train_step`] returns
 //! each phase's seconds for the step, summed over its micro-batches (and optimizer steps),
 //! as `perf/trainer/<phase>_s`, with the whole step as `perf/trainer/total_s`. The
 //! figures are this rank's.
@@ -9,6 +9,13 @@
 //! gather in the forward, a context-parallel k/v all-gather) counts in its own phase and
 //! not in the pass around it, and whatever no phase names (checks, metric all-reduces,
 //! zeroing gradients) is `other`, so the phases sum to `total`.
+//!
+//! Work on a side stream — ZeRO-3's prefetched layer gathers and overlapped per-layer
+//! reduce-scatters — is not waited for at the boundaries: it counts where the compute
+//! stream waits for it, so `param_gather` and `grad_reduce` are the time a step loses to
+//! those collectives (the part of a prefetched gather that had not finished when its
+//! layer was reached), not their length. With `MANTA_ZERO3_PREFETCH=0` every collective
+//! runs on the compute stream and they are their whole length.
 //!
 //! The syncs take away the CPU's lead over the GPU (and, around collectives, any waiting
 //! for the slowest rank shows up in the collective), so a profiled step is slower than an
@@ -51,10 +58,13 @@ pub enum Phase {
     /// The backward pass (recomputed layers' forward included).
     Backward,
     /// ZeRO-3: the all-gathers of a layer's (or the embedding, norm and head's)
-    /// parameters; ZeRO-2: the all-gather of the updated parameters after the AdamW step.
+    /// parameters — with the prefetch, only the compute stream's wait for a gather queued
+    /// ahead, plus the rounding of the slices; ZeRO-2: the all-gather of the updated
+    /// parameters after the AdamW step.
     ParamGather,
     /// ZeRO-2: the reduce-scatter of the gradients; ZeRO-3: each layer's reduce-scatter
-    /// as its backward ends (the flattening of the gradients included).
+    /// as its backward ends (the flattening of the gradients included) — with the
+    /// prefetch, queued on the side stream, so only the compute stream's wait for it.
     GradReduce,
     /// ZeRO-3: a two-token pass a rank with fewer micro-batches runs so its collectives
     /// pair with the others'.
@@ -148,11 +158,17 @@ thread_local! {
     static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
 }
 
-/// Waits for `device`'s queued work (every stream: NCCL runs on libtorch's current one);
-/// the CPU's is done when its ops return.
+/// Waits for the work queued on `device`'s compute stream (libtorch's current one, where
+/// the tensor ops and the collectives not overlapped run), not for side streams (see the
+/// module doc); the whole device if the stream cannot be had. The CPU's work is done
+/// when its ops return.
 fn sync(device: Device) {
     if let Device::Cuda(index) = device {
-        tch::Cuda::synchronize(index as i64);
+        let synced = manta_cuda::CudaStream::current(index).and_then(|s| s.synchronize());
+        if let Err(e) = synced {
+            tracing::debug!(error = %e, "profile: synchronizing the whole device instead");
+            tch::Cuda::synchronize(index as i64);
+        }
     }
 }
 

@@ -16,7 +16,9 @@ use crate::batch::{micro_batches, MicroBatchLayout};
 use crate::context_parallel::{CpComm, CpLocal};
 use crate::data_parallel::metrics::all_reduce_metrics;
 use crate::data_parallel::zero::OUTER_BUCKET;
-use crate::data_parallel::{Collective, CollectiveError, RankOptimizer, ShardBytes, ZeroAdamW};
+use crate::data_parallel::{
+    Collective, CollectiveError, PrefetchStats, RankOptimizer, ShardBytes, ZeroAdamW,
+};
 use crate::loss::{
     policy_objective, sample_mean_weights, token_mean_weights, ClipRange, LossOptions, TokenBatch,
 };
@@ -301,26 +303,6 @@ fn infallible<T>(r: Result<T, std::convert::Infallible>) -> T {
     }
 }
 
-/// ZeRO-3's [`LayerHooks`]: decoder layer `i` is the optimizer's bucket `i + 1`.
-struct Zero3Hooks<'a>(&'a mut ZeroAdamW);
-
-impl LayerHooks for Zero3Hooks<'_> {
-    type Error = CollectiveError;
-
-    fn gather(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.0.gather_bucket(layer + 1)
-    }
-
-    fn release(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.0.release_bucket(layer + 1);
-        Ok(())
-    }
-
-    fn reduce(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.0.reduce_bucket(layer + 1)
-    }
-}
-
 /// A one-row, two-token input for ZeRO-3's filler passes.
 fn filler_input(device: Device) -> (Tensor, Tensor) {
     let ids = Tensor::zeros([1, 2], (Kind::Int64, device));
@@ -402,7 +384,10 @@ impl Trainer {
     /// all-gathered just before its forward and again before its backward (or kept from
     /// one to the other for layers not recomputed), its gradients reduce-scattered into
     /// this rank's fp32 slice as soon as its backward ends; the embedding, norm and head
-    /// are gathered for a whole micro-batch. At rest a rank holds only its slices.
+    /// are gathered for a whole micro-batch. Unless `MANTA_ZERO3_PREFETCH` is off, the
+    /// next layer's all-gather and each layer's reduce-scatter run on a side stream while
+    /// the decoder computes (crate::data_parallel::prefetch), with the same results. At
+    /// rest a rank holds only its slices.
     /// Every rank runs as many micro-batches (a rank with fewer fills in with passes of
     /// two tokens and no loss), so their collectives pair up. Refused with one rank.
     pub fn new_zero3(
@@ -708,6 +693,12 @@ impl Trainer {
         self.optimizer.zero3().map(ZeroAdamW::parameter_bytes)
     }
 
+    /// ZeRO-3: how this rank's layer prefetches went so far (all zero with
+    /// `MANTA_ZERO3_PREFETCH` off); `None` without ZeRO-3.
+    pub fn zero3_prefetch_stats(&self) -> Option<PrefetchStats> {
+        self.optimizer.zero3().map(ZeroAdamW::prefetch_stats)
+    }
+
     /// Bytes of this data-parallel rank's sharded optimizer state now, by what holds
     /// them, and the reduced gradients' kind; `None` for one trainer.
     pub fn shard_bytes(&self) -> Option<(ShardBytes, Kind)> {
@@ -953,10 +944,13 @@ impl Trainer {
                     }
                     Some(zero) => {
                         zero.gather_bucket(OUTER_BUCKET)?;
-                        let lp =
-                            packed.logprobs(&self.model, &mut Zero3Hooks(zero), temperature, chunk);
+                        let mut pass = zero.layer_pass();
+                        let lp = packed.logprobs(&self.model, &mut pass, temperature, chunk);
+                        let ended = pass.finish();
                         zero.release_bucket(OUTER_BUCKET);
-                        lp?
+                        let lp = lp?;
+                        ended?;
+                        lp
                     }
                 },
             };
@@ -997,21 +991,27 @@ impl Trainer {
             return Ok(());
         };
         zero.gather_bucket(OUTER_BUCKET)?;
-        let mut hooks = Zero3Hooks(zero);
-        if backward {
-            let _ = tch::with_grad(|| {
+        let mut pass = zero.layer_pass();
+        let ran = if backward {
+            tch::with_grad(|| {
                 self.model
-                    .forward_backward_hooked(&ids, &positions, &attention, &mut hooks, |h| {
+                    .forward_backward_hooked(&ids, &positions, &attention, &mut pass, |h| {
                         h.sum(Kind::Float) * 0.0
                     })
-            })?;
-            hooks.0.reduce_bucket(OUTER_BUCKET)?;
+            })
         } else {
-            let _ = tch::no_grad(|| {
+            tch::no_grad(|| {
                 self.model
-                    .forward_hidden_hooked(&ids, &positions, &attention, &mut hooks)
-            })?;
-            hooks.0.release_bucket(OUTER_BUCKET);
+                    .forward_hidden_hooked(&ids, &positions, &attention, &mut pass)
+            })
+        };
+        let ended = pass.finish();
+        let _ = ran?;
+        ended?;
+        if backward {
+            zero.reduce_bucket(OUTER_BUCKET)?;
+        } else {
+            zero.release_bucket(OUTER_BUCKET);
         }
         Ok(())
     }
@@ -1339,13 +1339,17 @@ impl Trainer {
             }
             Some(zero) => {
                 zero.gather_bucket(OUTER_BUCKET)?;
-                let _ = self.model.forward_backward_hooked(
+                let mut pass = zero.layer_pass();
+                let ran = self.model.forward_backward_hooked(
                     &packed.input,
                     &packed.positions,
                     &attention,
-                    &mut Zero3Hooks(&mut *zero),
+                    &mut pass,
                     loss_fn,
-                )?;
+                );
+                let ended = pass.finish();
+                let _ = ran?;
+                ended?;
                 zero.reduce_bucket(OUTER_BUCKET)?;
             }
         }

@@ -3,7 +3,8 @@
 //! per-kernel launch cost), the device's total memory (to size a KV cache from
 //! `--mem-fraction-static`), and the native engine's decode kernels: paged attention and
 //! fused element-wise ops that replace chains of small kernels (NVRTC-compiled at run time
-//! from the `.cu.inc` sources beside this file). A small C++ shim compiled against the
+//! from the `.cu.inc` sources beside this file), and side streams ordered by events
+//! ([`stream`]: collectives overlapping compute). A small C++ shim compiled against the
 //! linked libtorch.
 
 pub mod adamw;
@@ -13,7 +14,10 @@ pub mod ipc;
 pub mod process_group;
 pub mod rendezvous;
 pub mod sampling;
+pub mod stream;
 pub mod weight_group;
+
+pub use stream::CudaStream;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 

@@ -453,6 +453,34 @@ const EventApi& event_api() {
   return api;
 }
 
+// The driver's stream functions, looked up once (manta_stream_*): side streams whose
+// collectives overlap the compute on libtorch's stream, ordered by events only.
+struct StreamApi {
+  decltype(&cuCtxGetStreamPriorityRange) priority_range;
+  decltype(&cuStreamCreateWithPriority) create;
+  decltype(&cuStreamWaitEvent) wait_event;
+  decltype(&cuStreamSynchronize) synchronize;
+  decltype(&cuStreamDestroy) destroy;
+};
+
+const StreamApi& stream_api() {
+  static const StreamApi api = [] {
+    void* driver = load_driver();
+    MANTA_SYM(driver, cuCtxGetStreamPriorityRange);
+    MANTA_SYM(driver, cuStreamCreateWithPriority);
+    MANTA_SYM(driver, cuStreamWaitEvent);
+    MANTA_SYM(driver, cuStreamSynchronize);
+    MANTA_SYM(driver, cuStreamDestroy_v2);
+    return StreamApi{cuCtxGetStreamPriorityRange_fn, cuStreamCreateWithPriority_fn, cuStreamWaitEvent_fn,
+                     cuStreamSynchronize_fn, cuStreamDestroy_v2_fn};
+  }();
+  return api;
+}
+
+void check_cu(CUresult rc, const char* what) {
+  TORCH_CHECK(rc == CUDA_SUCCESS, what, " failed with CUresult ", static_cast<int>(rc));
+}
+
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
 bool decode_lt() { return knob_or(kDecodeLt, 1) == 1; }
 
@@ -681,6 +709,113 @@ int manta_event_synchronize(void* event) {
 void manta_event_free(void* event) {
 #ifdef MANTA_WITH_CUDA
   guarded([&] { event_api().destroy(static_cast<CUevent>(event)); });
+#endif
+}
+
+// A new stream on `device` that does not wait for the legacy default stream (libtorch's
+// default): only events order it with other streams. `high_priority`: the device's
+// highest priority, so a collective's kernels start while compute kernels fill the GPU.
+int manta_stream_create(int device, int high_priority, void** out) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const StreamApi& api = stream_api();
+    DeviceScope scope(device);  // the stream belongs to the device's context
+    int least = 0, greatest = 0;
+    check_cu(api.priority_range(&least, &greatest), "cuCtxGetStreamPriorityRange");
+    CUstream stream = nullptr;
+    check_cu(api.create(&stream, CU_STREAM_NON_BLOCKING, high_priority ? greatest : least),
+             "cuStreamCreateWithPriority");
+    *out = stream;
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Destroys a stream of manta_stream_create; work queued on it still runs.
+void manta_stream_destroy(int device, void* stream) {
+#ifdef MANTA_WITH_CUDA
+  guarded([&] {
+    DeviceScope scope(device);
+    stream_api().destroy(static_cast<CUstream>(stream));
+  });
+#endif
+}
+
+// Makes the work queued on `stream` of `device` after this call wait until `event` has
+// completed (the host does not wait). A null stream is the legacy default stream.
+int manta_stream_wait_event(int device, void* stream, void* event) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    DeviceScope scope(device);
+    check_cu(stream_api().wait_event(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
+             "cuStreamWaitEvent");
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Blocks the host until the work queued on `stream` of `device` has run.
+int manta_stream_synchronize(int device, void* stream) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    DeviceScope scope(device);
+    check_cu(stream_api().synchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize");
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// A new event (manta_event_free frees it) recorded on `stream` of `device`: it completes
+// once the work queued on that stream so far has run.
+int manta_event_record_on(int device, void* stream, void** out) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const EventApi& api = event_api();
+    DeviceScope scope(device);
+    CUevent event = nullptr;
+    check_cu(api.create(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    CUresult recorded = api.record(event, static_cast<CUstream>(stream));
+    if (recorded != CUDA_SUCCESS) {
+      api.destroy(event);
+      check_cu(recorded, "cuEventRecord");
+    }
+    *out = event;
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Runs `f` with `stream` of `device` as libtorch's current stream there (tensor ops queue
+// on it), then restores the stream that was current.
+int manta_with_current_stream(int device, void* stream, void (*f)(void*), void* data) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    auto index = static_cast<c10::DeviceIndex>(device);
+    c10::cuda::CUDAStream previous = c10::cuda::getCurrentCUDAStream(index);
+    c10::cuda::setCurrentCUDAStream(
+        c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), index));
+    struct Restore {
+      c10::cuda::CUDAStream previous;
+      ~Restore() {
+        try {
+          c10::cuda::setCurrentCUDAStream(previous);
+        } catch (...) {
+        }
+      }
+    } restore{previous};
+    f(data);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
 #endif
 }
 

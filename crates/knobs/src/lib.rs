@@ -53,6 +53,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
     Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
     Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
+    Knob { name: "MANTA_ZERO3_PREFETCH", values: Values::Flag, default: "on", what: "trainer: ZeRO-3 all-gathers the next decoder layer on a side stream while the current one computes (off: each gather when its layer is reached)" },
     Knob { name: "MANTA_TRAINER_PROFILE", values: Values::Flag, default: "off", what: "trainer: synchronize the GPU between a step's phases and return their seconds as `perf/trainer/<phase>_s` (slows the step)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
     Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
@@ -281,6 +282,12 @@ pub fn logits_gemv() -> bool {
 /// Trainer: the fused AdamW kernel.
 pub fn fused_adamw() -> bool {
     flag("MANTA_FUSED_ADAMW", true)
+}
+
+/// Trainer: ZeRO-3 prefetches the next layer's parameters (read when the optimizer is
+/// built).
+pub fn zero3_prefetch() -> bool {
+    flag("MANTA_ZERO3_PREFETCH", true)
 }
 
 /// Trainer: per-phase step timings, with a device sync at each phase boundary.

@@ -5,7 +5,8 @@
 //!   all-reduce, broadcast on flat contiguous tensors), with two backends:
 //!   [`ThreadCollective`] (ranks as threads of one process, on the CPU: tests and
 //!   multi-rank CPU training) and [`NcclCollective`] (the NCCL libtorch loaded, on tch
-//!   CUDA tensors and libtorch's current stream), and [`StoreCollective`] (ranks in
+//!   CUDA tensors and libtorch's current stream, or a side stream for ZeRO-3's
+//!   prefetch), and [`StoreCollective`] (ranks in
 //!   separate processes on the CPU, through rank 0's torch `TCPStore`: trainer ranks on
 //!   worker daemons without GPUs).
 //! - [`layout`]: the flattened parameter list cut into buckets, each bucket split
@@ -14,7 +15,8 @@
 //!   shard only; gradients reduce-scattered bucket by bucket; updated shards all-gathered
 //!   into every rank's model. ZeRO-3 ([`ZeroAdamW::new_stage3`]): a bucket per decoder
 //!   layer, gathered into the model when the decoder reaches it
-//!   (`manta_model::LayerHooks`) and reduce-scattered as its backward ends.
+//!   (`manta_model::LayerHooks`) and reduce-scattered as its backward ends; [`prefetch`]
+//!   gathers the next layer on a side stream while the current one computes.
 //! - [`metrics`]: summing the step's loss metrics over the ranks.
 //!
 //! Loss normalisation: each rank's loss weights divide by the *global* count (samples,
@@ -28,16 +30,19 @@ pub mod layout;
 pub mod metrics;
 pub mod nccl;
 mod nccl_api;
+pub mod prefetch;
 pub mod store;
 pub mod thread;
 pub mod zero;
 
 pub use layout::FlatLayout;
 pub use nccl::{NcclAborter, NcclCollective};
+pub use prefetch::{PrefetchStats, Zero3Pass};
 pub use store::{StoreAborter, StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
 pub use zero::{RankOptimizer, ShardBytes, ZeroAdamW};
 
+use manta_cuda::CudaStream;
 use tch::{Device, Kind, Tensor};
 
 /// How a collective combines the ranks' values.
@@ -68,6 +73,8 @@ pub enum CollectiveError {
     Unavailable(String),
     #[error("NCCL {op}: {message}")]
     Nccl { op: &'static str, message: String },
+    #[error("data parallel: CUDA stream ({op}): {message}")]
+    Stream { op: &'static str, message: String },
 }
 
 /// Checks a (rank, world size) pair before any backend is touched.
@@ -104,6 +111,38 @@ pub trait Collective: Send {
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError>;
     /// Overwrites `tensor` on every rank with rank `root`'s.
     fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CollectiveError>;
+
+    /// Whether [`Collective::all_gather_on`] and [`Collective::reduce_scatter_on`] queue
+    /// on the stream they are given (NCCL). The CPU backends run every collective at
+    /// once on the calling thread: they have no streams and ignore them.
+    fn takes_streams(&self) -> bool {
+        false
+    }
+
+    /// [`Collective::all_gather`] queued on `stream` (a side stream of this rank's GPU)
+    /// instead of libtorch's current stream; ordering it with the tensor ops around it is
+    /// the caller's (events). Backends without streams ignore `stream`.
+    fn all_gather_on(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        stream: &CudaStream,
+    ) -> Result<(), CollectiveError> {
+        let _ = stream;
+        self.all_gather(input, output)
+    }
+
+    /// [`Collective::reduce_scatter`] queued on `stream`, as [`Collective::all_gather_on`].
+    fn reduce_scatter_on(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<(), CollectiveError> {
+        let _ = stream;
+        self.reduce_scatter(input, output, op)
+    }
 
     /// [`Collective::all_reduce`] of a few scalars (loss metrics, counts, the squared
     /// gradient norm), in fp64.

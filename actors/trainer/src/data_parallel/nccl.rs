@@ -1,6 +1,8 @@
 //! [`NcclCollective`]: a rank of an NCCL communicator working straight on tch CUDA
 //! tensors' memory, queued on libtorch's current stream so the collectives are ordered
-//! with the tensor ops around them without extra syncs. NCCL is the one libtorch loaded
+//! with the tensor ops around them without extra syncs (or, through
+//! [`Collective::all_gather_on`] and [`Collective::reduce_scatter_on`], on a side stream
+//! the caller orders by events). NCCL is the one libtorch loaded
 //! (`nccl_api`): cudarc only supplies the C types.
 //!
 //! Setting up: rank 0 calls [`NcclCollective::unique_id`] and hands the 128 bytes to
@@ -14,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
+use manta_cuda::CudaStream;
 use tch::{Device, Kind, Tensor};
 
 use super::nccl_api::{nccl_api, NcclApi};
@@ -272,6 +275,75 @@ impl NcclCollective {
             })
     }
 
+    /// `stream`'s raw handle, once it is known to be on this rank's GPU (NCCL would
+    /// queue work for another device's stream on this communicator's device).
+    fn side(
+        &self,
+        op: &'static str,
+        stream: &CudaStream,
+    ) -> Result<sys::cudaStream_t, CollectiveError> {
+        if stream.device() != self.device {
+            return Err(CollectiveError::BadTensor {
+                op,
+                message: format!(
+                    "a stream of GPU {} for the communicator on GPU {}",
+                    stream.device(),
+                    self.device
+                ),
+            });
+        }
+        Ok(stream.raw() as sys::cudaStream_t)
+    }
+
+    fn reduce_scatter_queued(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+        stream: Option<&CudaStream>,
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "reduce_scatter";
+        check_pair(OP, self.device(), input, output, self.world)?;
+        let dt = dtype(OP, input.kind())?;
+        let stream = match stream {
+            Some(s) => self.side(OP, s)?,
+            None => self.stream(OP)?,
+        };
+        // SAFETY: both buffers are live, contiguous and of the checked sizes on this
+        // communicator's device; the stream is this device's (libtorch's current one
+        // orders the call with its ops; a side stream's caller orders it by events).
+        self.call(OP, |comm| unsafe {
+            (self.api.reduce_scatter)(
+                ptr(input),
+                ptr(output),
+                output.numel(),
+                dt,
+                reduce_op(op),
+                comm,
+                stream,
+            )
+        })
+    }
+
+    fn all_gather_queued(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        stream: Option<&CudaStream>,
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "all_gather";
+        check_pair(OP, self.device(), output, input, self.world)?;
+        let dt = dtype(OP, input.kind())?;
+        let stream = match stream {
+            Some(s) => self.side(OP, s)?,
+            None => self.stream(OP)?,
+        };
+        // SAFETY: as in reduce_scatter_queued.
+        self.call(OP, |comm| unsafe {
+            (self.api.all_gather)(ptr(input), ptr(output), input.numel(), dt, comm, stream)
+        })
+    }
+
     fn check(&self, op: &'static str, code: sys::ncclResult_t) -> Result<(), CollectiveError> {
         check(self.api, op, self.comm, code)
     }
@@ -323,32 +395,34 @@ impl Collective for NcclCollective {
         output: &mut Tensor,
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        const OP: &str = "reduce_scatter";
-        check_pair(OP, self.device(), input, output, self.world)?;
-        let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
-        // SAFETY: both buffers are live, contiguous and of the checked sizes on this
-        // communicator's device; the stream orders the call with libtorch's ops.
-        self.call(OP, |comm| unsafe {
-            (self.api.reduce_scatter)(
-                ptr(input),
-                ptr(output),
-                output.numel(),
-                dt,
-                reduce_op(op),
-                comm,
-                stream,
-            )
-        })
+        self.reduce_scatter_queued(input, output, op, None)
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CollectiveError> {
-        const OP: &str = "all_gather";
-        check_pair(OP, self.device(), output, input, self.world)?;
-        let (dt, stream) = (dtype(OP, input.kind())?, self.stream(OP)?);
-        // SAFETY: as in reduce_scatter.
-        self.call(OP, |comm| unsafe {
-            (self.api.all_gather)(ptr(input), ptr(output), input.numel(), dt, comm, stream)
-        })
+        self.all_gather_queued(input, output, None)
+    }
+
+    fn takes_streams(&self) -> bool {
+        true
+    }
+
+    fn all_gather_on(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        stream: &CudaStream,
+    ) -> Result<(), CollectiveError> {
+        self.all_gather_queued(input, output, Some(stream))
+    }
+
+    fn reduce_scatter_on(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<(), CollectiveError> {
+        self.reduce_scatter_queued(input, output, op, Some(stream))
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CollectiveError> {

@@ -15,8 +15,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use manta_cuda::adamw::{clear_grad, fused_adamw_masters, AdamWStep, MasterSlot};
-use tch::{Kind, Tensor};
+use manta_cuda::{CudaError, CudaEvent, CudaStream};
+use tch::{Device, Kind, Tensor};
 
+use super::prefetch::{PrefetchPlanner, PrefetchStats, Zero3Pass};
 use super::{Collective, CollectiveError, FlatLayout, ReduceOp};
 use crate::optimizer::{master_update, AdamW, AdamWConfig};
 use crate::profile::{self, Phase};
@@ -68,6 +70,77 @@ pub struct ZeroAdamW {
     /// the shards alone (the HF export) can lay them out again.
     bucket_numel: usize,
     step: u64,
+    /// ZeRO-3's layer prefetch and overlapped reduce-scatters ([`super::prefetch`]).
+    prefetch: Prefetch,
+}
+
+/// ZeRO-3's collectives in flight within a pass of the decoder ([`ZeroAdamW::layer_pass`]).
+///
+/// On a GPU with NCCL they are queued on `side`, ordered with the compute stream
+/// (libtorch's current one) by events alone: the side stream waits for an event recorded
+/// on the compute stream after the collective's input is made and its output allocated
+/// (so after every earlier user of that memory too), and the compute stream waits for an
+/// event recorded on the side stream after the collective before it reads the output.
+/// Every buffer the side stream touches is allocated on the compute stream and freed only
+/// after the compute stream has waited ([`ZeroAdamW::land`]), so libtorch's caching
+/// allocator, which orders reuse within the allocating stream only, cannot hand it out
+/// while the collective still runs. All of a pass's layer collectives go to the one side
+/// stream, so the communicator's collectives run on the GPU in the order every rank
+/// queued them; the pass ends with the compute stream waiting for the last of them, so
+/// whatever follows on the compute stream (the head's reduce-scatter, the optimizer) is
+/// ordered after all of them. On the CPU backends a queued collective has already run.
+struct Prefetch {
+    /// `MANTA_ZERO3_PREFETCH`, read when the optimizer is built (ZeRO-3 only).
+    enabled: bool,
+    /// The side stream (NCCL ranks); `None` where collectives run at once (CPU backends).
+    side: Option<CudaStream>,
+    /// The current pass's guesses; `None` between passes.
+    planner: Option<PrefetchPlanner>,
+    /// The all-gather of the layer guessed next.
+    ahead: Option<InFlight>,
+    /// The last layer's reduce-scatter, whose slice is added into the gradient shard when
+    /// the next layer is reduced or the pass ends.
+    reducing: Option<InFlight>,
+    stats: PrefetchStats,
+}
+
+/// A collective queued on the side stream (on the CPU: already run) with the buffers it
+/// reads and writes, kept until the compute stream has waited for it.
+struct InFlight {
+    bucket: usize,
+    output: Tensor,
+    input: Tensor,
+    /// Recorded on the side stream after the collective; `None`: it ran at once.
+    done: Option<CudaEvent>,
+}
+
+impl Prefetch {
+    /// ZeRO-3 prefetches unless `MANTA_ZERO3_PREFETCH` is off; on a GPU whose collective
+    /// takes streams (NCCL) through a side stream of the highest priority.
+    fn new(stage3: bool, comm: &dyn Collective) -> Result<Self, CollectiveError> {
+        let enabled = stage3 && manta_knobs::zero3_prefetch();
+        let side = match comm.device() {
+            Device::Cuda(i) if enabled && comm.takes_streams() => {
+                Some(CudaStream::new(i, true).map_err(stream_error("create side stream"))?)
+            }
+            _ => None,
+        };
+        Ok(Self {
+            enabled,
+            side,
+            planner: None,
+            ahead: None,
+            reducing: None,
+            stats: PrefetchStats::default(),
+        })
+    }
+}
+
+fn stream_error(op: &'static str) -> impl Fn(CudaError) -> CollectiveError {
+    move |e| CollectiveError::Stream {
+        op,
+        message: e.to_string(),
+    }
 }
 
 /// Bytes of a rank's sharded optimizer state ([`ZeroAdamW::shard_bytes`]).
@@ -317,6 +390,7 @@ impl ZeroAdamW {
             }
         };
         let master = zeros(Kind::Float);
+        let prefetch = Prefetch::new(stage3, comm.as_ref())?;
         let mut me = Self {
             config,
             layout,
@@ -334,6 +408,7 @@ impl ZeroAdamW {
             stage3,
             bucket_numel,
             step: 0,
+            prefetch,
         };
         // Rank 0's weights everywhere, then each rank's master shard from them.
         tch::no_grad(|| -> Result<(), CollectiveError> {
@@ -360,6 +435,8 @@ impl ZeroAdamW {
             shard_elements = me.layout.shard_numel,
             stage = if stage3 { 3 } else { 2 },
             grad_kind = ?grad_kind,
+            prefetch = me.prefetch.enabled,
+            side_stream = me.prefetch.side.is_some(),
             "ZeRO optimizer"
         );
         Ok(me)
@@ -396,6 +473,7 @@ impl ZeroAdamW {
     pub fn reduce_gradients(&mut self) -> Result<(), CollectiveError> {
         self.allocate_state();
         if self.stage3 {
+            debug_assert!(self.prefetch.reducing.is_none(), "a pass left a reduction");
             self.reduced = true;
             return Ok(());
         }
@@ -620,7 +698,13 @@ impl ZeroAdamW {
             (self.kind, self.comm.device()),
         );
         tch::no_grad(|| self.comm.all_gather(&src, &mut flat))?;
-        let views = bucket
+        let views = self.views(b, &flat);
+        Ok((flat, views))
+    }
+
+    /// Each of bucket `b`'s parameters as a view of its gathered `flat` values, by name.
+    fn views(&self, b: usize, flat: &Tensor) -> NamedTensors {
+        self.layout.buckets[b]
             .params
             .clone()
             .map(|i| {
@@ -630,23 +714,258 @@ impl ZeroAdamW {
                     .view(slot.shape.as_slice());
                 (slot.name.clone(), view)
             })
-            .collect();
-        Ok((flat, views))
+            .collect()
+    }
+
+    /// Bucket `b`'s parameters take their values from its gathered `flat` buffer.
+    fn install(&mut self, b: usize, flat: &Tensor) {
+        let views = self.views(b, flat);
+        let range = self.layout.buckets[b].params.clone();
+        tch::no_grad(|| {
+            for (p, (_, view)) in self.params[range].iter_mut().zip(&views) {
+                p.set_data(view);
+            }
+        });
     }
 
     /// ZeRO-3: bucket `b`'s parameters take their full values (views of one gathered
     /// buffer) until [`ZeroAdamW::release_bucket`] or [`ZeroAdamW::reduce_bucket`].
     pub fn gather_bucket(&mut self, b: usize) -> Result<(), CollectiveError> {
         profile::scoped(Phase::ParamGather, || {
-            let (_flat, views) = self.gathered_bucket(b)?;
-            let range = self.layout.buckets[b].params.clone();
-            tch::no_grad(|| {
-                for (p, (_, view)) in self.params[range].iter_mut().zip(&views) {
-                    p.set_data(view);
-                }
-            });
+            let (flat, _) = self.gathered_bucket(b)?;
+            self.install(b, &flat);
             Ok(())
         })
+    }
+
+    /// ZeRO-3: the [`LayerHooks`](manta_model::LayerHooks) of one pass of the decoder
+    /// (decoder layer `i` is bucket `i + 1`; the embedding, norm and head are the
+    /// caller's to gather), which prefetches the next layer unless
+    /// `MANTA_ZERO3_PREFETCH` is off ([`super::prefetch`]). End it with
+    /// [`Zero3Pass::finish`].
+    pub fn layer_pass(&mut self) -> Zero3Pass<'_> {
+        Zero3Pass::new(self)
+    }
+
+    /// Whether passes prefetch (`MANTA_ZERO3_PREFETCH` when the optimizer was built).
+    pub fn prefetches(&self) -> bool {
+        self.prefetch.enabled
+    }
+
+    /// How this rank's prefetches went so far.
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        self.prefetch.stats
+    }
+
+    pub(crate) fn begin_layer_pass(&mut self) {
+        if self.prefetch.enabled {
+            let layers = self.layout.buckets.len().saturating_sub(1);
+            self.prefetch.planner = Some(PrefetchPlanner::new(layers));
+        }
+    }
+
+    /// Ends a pass: the gather guessed ahead and never asked for is dropped and the last
+    /// reduce-scatter's slice added, so the compute stream has waited for every
+    /// collective of the pass. Both are tried even if the first fails.
+    pub(crate) fn end_layer_pass(&mut self) -> Result<(), CollectiveError> {
+        self.prefetch.planner = None;
+        let dropped = profile::scoped(Phase::ParamGather, || self.drop_ahead());
+        let reduced = profile::scoped(Phase::GradReduce, || self.complete_reduce());
+        dropped.and(reduced)
+    }
+
+    /// Decoder layer `layer` is asked for: its parameters gathered (or its prefetched
+    /// gather waited for), and the layer guessed next queued.
+    ///
+    /// The profile's `param_gather` counts what the compute stream spends here: rounding
+    /// the slices, and waiting for the gather — for a prefetched layer only the part of
+    /// its all-gather that had not finished while the layers before it ran.
+    pub(crate) fn gather_layer(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        let b = layer + 1;
+        let Some(planner) = self.prefetch.planner.as_mut() else {
+            return self.gather_bucket(b);
+        };
+        let plan = planner.gather(layer);
+        profile::scoped(Phase::ParamGather, || {
+            let flat = match self.prefetch.ahead.take() {
+                Some(g) if plan.prefetched && g.bucket == b => {
+                    self.prefetch.stats.used += 1;
+                    self.land(g)?
+                }
+                other => {
+                    // Not the layer guessed (or nothing was): drop the guess.
+                    self.prefetch.ahead = other;
+                    self.drop_ahead()?;
+                    let g = self.start_gather(b)?;
+                    self.land(g)?
+                }
+            };
+            self.install(b, &flat);
+            if let Some(next) = plan.ahead {
+                self.prefetch.ahead = Some(self.start_gather(next + 1)?);
+                self.prefetch.stats.issued += 1;
+            }
+            Ok(())
+        })
+    }
+
+    /// Decoder layer `layer`'s forward is done: its parameters released.
+    pub(crate) fn release_layer(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        if let Some(planner) = self.prefetch.planner.as_mut() {
+            if planner.release(layer).is_some() {
+                profile::scoped(Phase::ParamGather, || self.drop_ahead())?;
+            }
+        }
+        self.release_bucket(layer + 1);
+        Ok(())
+    }
+
+    /// Decoder layer `layer`'s backward is done: its gradients reduce-scattered. In a
+    /// prefetching pass the reduce-scatter is queued on the side stream (overlapping the
+    /// next layer's backward) and its slice added into the gradient shard when the next
+    /// layer is reduced or the pass ends; the same sum and the same add as
+    /// [`ZeroAdamW::reduce_bucket`], later. `grad_reduce` counts the staging and the
+    /// compute stream's wait for the previous layer's reduce-scatter.
+    pub(crate) fn reduce_layer(&mut self, layer: usize) -> Result<(), CollectiveError> {
+        let b = layer + 1;
+        let Some(planner) = self.prefetch.planner.as_mut() else {
+            return self.reduce_bucket(b);
+        };
+        if planner.reduce(layer).is_some() {
+            profile::scoped(Phase::ParamGather, || self.drop_ahead())?;
+        }
+        self.allocate_state();
+        profile::scoped(Phase::GradReduce, || {
+            self.complete_reduce()?;
+            let input = tch::no_grad(|| self.take_bucket_grads(b))?;
+            let shard = self.layout.buckets[b].shard as i64;
+            let mut output = Tensor::empty([shard], (self.grad_kind, self.comm.device()));
+            let done = match &self.prefetch.side {
+                None => {
+                    tch::no_grad(|| self.comm.reduce_scatter(&input, &mut output, ReduceOp::Sum))?;
+                    None
+                }
+                Some(side) => {
+                    self.side_waits_for_compute(side)?;
+                    tch::no_grad(|| {
+                        self.comm
+                            .reduce_scatter_on(&input, &mut output, ReduceOp::Sum, side)
+                    })?;
+                    Some(side.record().map_err(stream_error("record"))?)
+                }
+            };
+            self.prefetch.stats.on_side_stream += u64::from(done.is_some());
+            self.prefetch.reducing = Some(InFlight {
+                bucket: b,
+                output,
+                input,
+                done,
+            });
+            Ok(())
+        })?;
+        self.release_bucket(b);
+        Ok(())
+    }
+
+    /// Bucket `b`'s all-gather into a new buffer, queued on the side stream after the
+    /// compute stream's work so far (the rounding of the slice, the buffer's earlier
+    /// users), or run at once without one.
+    fn start_gather(&mut self, b: usize) -> Result<InFlight, CollectiveError> {
+        let input = self.param_slice(b);
+        let padded = self.layout.buckets[b].padded(self.layout.world) as i64;
+        let mut output = Tensor::empty([padded], (self.kind, self.comm.device()));
+        let done = match &self.prefetch.side {
+            None => {
+                tch::no_grad(|| self.comm.all_gather(&input, &mut output))?;
+                None
+            }
+            Some(side) => {
+                self.side_waits_for_compute(side)?;
+                tch::no_grad(|| self.comm.all_gather_on(&input, &mut output, side))?;
+                Some(side.record().map_err(stream_error("record"))?)
+            }
+        };
+        self.prefetch.stats.on_side_stream += u64::from(done.is_some());
+        Ok(InFlight {
+            bucket: b,
+            output,
+            input,
+            done,
+        })
+    }
+
+    /// The compute stream (libtorch's current one on this rank's GPU).
+    fn compute_stream(&self) -> Result<CudaStream, CollectiveError> {
+        match self.comm.device() {
+            Device::Cuda(i) => CudaStream::current(i).map_err(stream_error("current stream")),
+            other => Err(CollectiveError::Stream {
+                op: "current stream",
+                message: format!("no CUDA stream on {other:?}"),
+            }),
+        }
+    }
+
+    /// Makes `side` wait for the work queued on the compute stream so far.
+    fn side_waits_for_compute(&self, side: &CudaStream) -> Result<(), CollectiveError> {
+        let ready = self
+            .compute_stream()?
+            .record()
+            .map_err(stream_error("record"))?;
+        side.wait(&ready).map_err(stream_error("wait"))
+    }
+
+    /// `f`'s output, once the compute stream has waited for its collective: from then on
+    /// the compute stream may read it, and may reuse both buffers once freed. If the wait
+    /// cannot be queued the host waits instead; if that fails too the buffers are leaked
+    /// rather than handed back while the collective may still write them.
+    fn land(&self, f: InFlight) -> Result<Tensor, CollectiveError> {
+        let InFlight {
+            output,
+            input,
+            done,
+            ..
+        } = f;
+        let Some(done) = done else {
+            return Ok(output);
+        };
+        let waited = self
+            .compute_stream()
+            .and_then(|s| s.wait(&done).map_err(stream_error("wait")));
+        if let Err(e) = waited {
+            if done.synchronize().is_err() {
+                std::mem::forget(input);
+                std::mem::forget(output);
+            }
+            return Err(e);
+        }
+        drop(input);
+        Ok(output)
+    }
+
+    /// Drops the gather guessed ahead (a wrong guess, or the pass ended first).
+    fn drop_ahead(&mut self) -> Result<(), CollectiveError> {
+        match self.prefetch.ahead.take() {
+            Some(g) => {
+                self.prefetch.stats.wasted += 1;
+                self.land(g).map(drop)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Adds the last layer's reduce-scattered slice into the gradient shard.
+    fn complete_reduce(&mut self) -> Result<(), CollectiveError> {
+        let Some(r) = self.prefetch.reducing.take() else {
+            return Ok(());
+        };
+        let b = r.bucket;
+        let part = self.land(r)?;
+        let bucket = &self.layout.buckets[b];
+        let (offset, shard) = (bucket.shard_offset as i64, bucket.shard as i64);
+        tch::no_grad(|| {
+            let _ = self.grad.narrow(0, offset, shard).g_add_(&part);
+        });
+        Ok(())
     }
 
     /// ZeRO-3: bucket `b`'s parameters hold no values (their storage is freed once no
