@@ -9,8 +9,8 @@
 //! largest set is static in effect: it comes back every micro-batch) is
 //! counted exactly; activations are an estimate (the tensors one Qwen3 decoder layer
 //! keeps for backward, per token, for the layers not recomputed, plus one recomputed
-//! layer's at a time and a chunk of fp32 logits), and so is the staging of the largest
-//! bucket's gradients for their reduce-scatter, after the backward.
+//! layer's at a time and the loss's one chunk of fp32 logits), and so is the staging of
+//! the largest bucket's gradients for their reduce-scatter, after the backward.
 
 use manta_model::{ModelConfig, Recompute};
 
@@ -48,6 +48,9 @@ pub struct MemoryPlan {
     pub shards: u64,
     pub reference_weights: u64,
     pub activations: u64,
+    /// The loss path (`manta_model::DeferredLogprobs`): one chunk's fp32 logits,
+    /// log-softmax and gradient at a time, and the scored hidden rows with their
+    /// gradient, held from the loss to the backward.
     pub logits: u64,
     /// ZeRO-3: the weights not counted in `weights` (all but what is gathered at once),
     /// still whole on the GPU while the optimizer makes their shards.
@@ -224,9 +227,13 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     // Recomputed layers keep their input; one of them is rebuilt at a time in backward.
     let recomputed_inputs = recomputed as u64 * cfg.hidden_size as u64 * tokens * act_bytes;
     let rebuilding = if recomputed > 0 { per_layer } else { 0 };
-    // A chunk of fp32 logits, its log-softmax and its gradient.
+    // One chunk's fp32 logits, log-softmax and gradient: the deferred backward frees a
+    // chunk before the next (an entropy bonus holds about five such, not counted: the
+    // plan does not see the loss). The scored rows [tokens, hidden] and their gradient;
+    // the [tokens] vectors of the loss are negligible.
+    let chunk = inputs.logprob_chunk.min(inputs.tokens_per_gpu) as u64;
     let logits =
-        3 * 4 * inputs.logprob_chunk.min(inputs.tokens_per_gpu) as u64 * cfg.vocab_size as u64;
+        3 * 4 * chunk * cfg.vocab_size as u64 + 2 * tokens * cfg.hidden_size as u64 * act_bytes;
     // ZeRO-3: whole weights and gradients only of what is gathered at once.
     let gathered = gathered_layers(layers, inputs.recompute);
     let resident = if zero3 {
@@ -398,6 +405,22 @@ mod tests {
         // The 0.6B shape at 16k tokens keeps every activation in ~25 GiB.
         let gib = keep.activations as f64 / GIB;
         assert!((20.0..30.0).contains(&gib), "{gib}");
+    }
+
+    /// Issue 31: the loss holds one chunk of logits whatever the micro-batch (it held
+    /// every chunk's fp32 log-softmax before: 32 of 1024 rows, ~20 GB, for the 0.6B shape
+    /// at 32k tokens); only the scored rows' hidden states grow with the tokens.
+    #[test]
+    fn the_loss_holds_one_logits_chunk_whatever_the_tokens() {
+        let cfg = qwen3(1024, 3072, 28, 16, true);
+        let at = |tokens| plan(&cfg, &inputs(1, tokens, Some(Recompute::EVERY_LAYER))).logits;
+        let chunk = 3 * 4 * 1024 * 151_936;
+        let rows = |tokens: u64| 2 * 2 * 1024 * tokens;
+        assert_eq!(at(32768), chunk + rows(32768));
+        assert_eq!(at(32768) - at(16384), rows(16384));
+        // A micro-batch under one chunk holds a chunk of its own size.
+        assert_eq!(at(512), 3 * 4 * 512 * 151_936 + rows(512));
+        assert!((at(32768) as f64 / GIB) < 2.0, "{}", at(32768));
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use manta_core::Sample;
 use manta_model::{
-    Attention, CausalLm, LayerHooks, ModelConfig, ModelError, NoHooks, Recompute, RecomputeError,
+    Attention, CausalLm, DeferredLogprobs, LayerHooks, ModelConfig, ModelError, NoHooks, Recompute,
+    RecomputeError,
 };
 use serde::{Deserialize, Serialize};
 use tch::{nn, Device, Kind, Tensor};
@@ -1233,29 +1234,17 @@ impl Trainer {
         let (rows, width) = (packed.rows, packed.width);
         // Context parallel: every rank computes the same loss; rank 0 alone reports it.
         let report = cp.is_none() || comm.is_some_and(|c| c.rank() == 0);
+        // The LM head's backward is deferred and chunked (DeferredLogprobs): the loss
+        // path holds one chunk's softmax at a time, the entropy bonus's gradient included.
         let token_terms = |selected: &Tensor, targets: &Tensor| {
-            if loss_opts.entropy_coef != 0.0 {
-                // The entropy bonus needs its gradient: full log-softmax with autograd.
-                let mut logits = model.logits_f32(selected);
-                if opts.temperature != 1.0 {
-                    logits /= opts.temperature;
-                }
-                let all = logits.log_softmax(-1, None::<Kind>);
-                let logp = all
-                    .gather(-1, &targets.unsqueeze(-1), false)
-                    .squeeze_dim(-1);
-                let entropy = -(all.exp() * &all).sum_dim_intlist(-1, false, None::<Kind>);
-                (logp, entropy)
-            } else {
-                let (logp, entropy) = manta_model::token_logprobs(
-                    model,
-                    selected,
-                    targets,
-                    opts.temperature,
-                    opts.logprob_chunk,
-                );
-                (logp.to_kind(Kind::Float), entropy.to_kind(Kind::Float))
-            }
+            DeferredLogprobs::new(
+                model,
+                selected,
+                targets,
+                opts.temperature,
+                opts.logprob_chunk,
+                loss_opts.entropy_coef != 0.0,
+            )
         };
         // forward_backward recomputes each layer in backward when gradient checkpointing
         // is on; the loss also collects the step's metrics.
@@ -1303,16 +1292,20 @@ impl Trainer {
                 &cp.row,
                 &group,
                 |hidden| {
-                    let (logp, entropy) = if cp.owns_none() {
+                    if cp.owns_none() {
                         let none = Tensor::zeros([0], (Kind::Float, device));
-                        (none.shallow_clone(), none)
-                    } else {
-                        let selected = hidden
-                            .view([cp.row.local_len(), -1])
-                            .index_select(0, &cp.own_at);
-                        token_terms(&selected, &packed.targets.index_select(0, &cp.own))
-                    };
-                    Ok(objective(cp.full(&logp, comm)?, cp.full(&entropy, comm)?))
+                        return Ok(objective(cp.full(&none, comm)?, cp.full(&none, comm)?));
+                    }
+                    let selected = hidden
+                        .view([cp.row.local_len(), -1])
+                        .index_select(0, &cp.own_at);
+                    let terms = token_terms(&selected, &packed.targets.index_select(0, &cp.own));
+                    // `full` passes the loss's gradient to this rank's own tokens only.
+                    let loss = objective(
+                        cp.full(terms.logp(), comm)?,
+                        cp.full(terms.entropy(), comm)?,
+                    );
+                    Ok(terms.backward(&loss))
                 },
             )?;
             if report {
@@ -1324,8 +1317,12 @@ impl Trainer {
             let selected = hidden
                 .view([rows * width, -1])
                 .index_select(0, &packed.gather);
-            let (logp, entropy) = token_terms(&selected, &packed.targets);
-            objective(logp, entropy)
+            let terms = token_terms(&selected, &packed.targets);
+            let loss = objective(
+                terms.logp().shallow_clone(),
+                terms.entropy().shallow_clone(),
+            );
+            terms.backward(&loss)
         };
         let attention = packed.attention();
         match self.optimizer.zero3_mut() {

@@ -14,7 +14,7 @@ pub use transformer::{
 pub mod checkpoint;
 pub use checkpoint::{load_weights, save_pretrained, save_pretrained_tensors};
 pub mod logprobs;
-pub use logprobs::token_logprobs;
+pub use logprobs::{token_logprobs, DeferredLogprobs};
 pub mod layer_hooks;
 pub use layer_hooks::{LayerHooks, NoHooks};
 pub mod recompute;
