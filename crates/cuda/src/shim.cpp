@@ -481,6 +481,14 @@ void check_cu(CUresult rc, const char* what) {
   TORCH_CHECK(rc == CUDA_SUCCESS, what, " failed with CUresult ", static_cast<int>(rc));
 }
 
+// Makes `device`'s primary context current on this thread before a driver-API call:
+// DeviceScope skips setting a device that is already the current one, and on a thread
+// that never touched CUDA that leaves no context bound (CUresult 201, invalid context).
+void bind_context(int device) {
+  cudaError_t rc = cudaSetDevice(device);
+  TORCH_CHECK(rc == cudaSuccess, "cudaSetDevice(", device, ") failed: ", cudaGetErrorString(rc));
+}
+
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
 bool decode_lt() { return knob_or(kDecodeLt, 1) == 1; }
 
@@ -719,7 +727,8 @@ int manta_stream_create(int device, int high_priority, void** out) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const StreamApi& api = stream_api();
-    DeviceScope scope(device);  // the stream belongs to the device's context
+    DeviceScope scope(device);
+    bind_context(device);  // the stream belongs to the device's context
     int least = 0, greatest = 0;
     check_cu(api.priority_range(&least, &greatest), "cuCtxGetStreamPriorityRange");
     CUstream stream = nullptr;
@@ -738,6 +747,7 @@ void manta_stream_destroy(int device, void* stream) {
 #ifdef MANTA_WITH_CUDA
   guarded([&] {
     DeviceScope scope(device);
+    bind_context(device);
     stream_api().destroy(static_cast<CUstream>(stream));
   });
 #endif
@@ -749,6 +759,7 @@ int manta_stream_wait_event(int device, void* stream, void* event) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     DeviceScope scope(device);
+    bind_context(device);
     check_cu(stream_api().wait_event(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
              "cuStreamWaitEvent");
   });
@@ -763,6 +774,7 @@ int manta_stream_synchronize(int device, void* stream) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     DeviceScope scope(device);
+    bind_context(device);
     check_cu(stream_api().synchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize");
   });
 #else
@@ -778,6 +790,7 @@ int manta_event_record_on(int device, void* stream, void** out) {
   return guarded([&] {
     const EventApi& api = event_api();
     DeviceScope scope(device);
+    bind_context(device);
     CUevent event = nullptr;
     check_cu(api.create(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     CUresult recorded = api.record(event, static_cast<CUstream>(stream));
