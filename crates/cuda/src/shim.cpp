@@ -485,8 +485,7 @@ void check_cu(CUresult rc, const char* what) {
 // DeviceScope skips setting a device that is already the current one, and on a thread
 // that never touched CUDA that leaves no context bound (CUresult 201, invalid context).
 void bind_context(int device) {
-  cudaError_t rc = cudaSetDevice(device);
-  TORCH_CHECK(rc == cudaSuccess, "cudaSetDevice(", device, ") failed: ", cudaGetErrorString(rc));
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device), /*force=*/true);
 }
 
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
