@@ -3,14 +3,15 @@
 //! ZeRO-2, which still keeps the shard (refreshed from the masters after each update),
 //! and it resumes exactly. `--grad-reduce-in-bf16` reduce-scatters the gradients in bf16
 //! and keeps the reduced-gradient shard in bf16: half the bytes, losses within bf16
-//! noise of the fp32 reduction, and refused with fp32 weights or one trainer.
+//! noise of the fp32 reduction, and refused with fp32 weights or one trainer. On two
+//! GPUs, the one-kernel bf16-gradient update keeps the bucket loop's bits.
 
 mod common;
 
 use std::path::Path;
 
 use common::{adam, max_diff, one_at_a_time, sample_at, tiny_model};
-use manta_trainer::data_parallel::{Collective, ShardBytes, ThreadCollective};
+use manta_trainer::data_parallel::{Collective, NcclCollective, ShardBytes, ThreadCollective};
 use manta_trainer::optimizer::AdamWConfig;
 use manta_trainer::{AlgoOptions, NamedTensors, Recompute, TrainBatch, Trainer, TrainerOptions};
 use tch::Kind;
@@ -335,4 +336,130 @@ fn grad_reduce_in_bf16_is_refused_with_fp32_weights_or_one_trainer() {
         group_of_one.contains("--grad-reduce-in-bf16"),
         "{group_of_one}"
     );
+}
+
+/// The two-GPU test's clip: far below the tiny model's gradient norms.
+const CLIP_GRAD: f64 = 1e-3;
+
+/// Two NCCL ranks on GPUs 0 and 1 of `stage`, bf16 weights and gradient reduction, the
+/// gradient clipped every step (`clip_grad` far below the norm, so the update applies a
+/// pending clip scale), `steps` steps with the process's knobs as the caller set them.
+fn nccl_two_ranks(stage: Stage, steps: usize) -> Vec<RankRun> {
+    let id = NcclCollective::unique_id().expect("unique id");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let id = &id;
+                s.spawn(move || {
+                    let comm = NcclCollective::new(rank, 2, id, rank).expect("join");
+                    manta_cuda::set_device(0).expect("set device 0");
+                    let mut opts = options(&tiny_model(), 7 + 50 * rank as u64, 16, true);
+                    opts.device = tch::Device::Cuda(rank);
+                    opts.clip_grad = CLIP_GRAD;
+                    opts.adam.weight_decay = 0.1;
+                    let mut t = match stage {
+                        Stage::Two => Trainer::new_data_parallel(opts, Box::new(comm), 1000),
+                        Stage::Three => Trainer::new_zero3(opts, Box::new(comm)),
+                    }
+                    .unwrap();
+                    let batch = share(4 * rank as u64, 4 * rank as u64 + 4);
+                    let mut losses = Vec::new();
+                    let mut grad_norms = Vec::new();
+                    for _ in 0..steps {
+                        let m = t.train_step(&batch).unwrap();
+                        losses.push(m["train/loss"]);
+                        grad_norms.push(m["train/grad_norm"]);
+                    }
+                    let (bytes, grad_kind) = t.shard_bytes().expect("sharded");
+                    let cpu = |w: NamedTensors| -> NamedTensors {
+                        w.into_iter()
+                            .map(|(k, v)| (k, v.to_device(tch::Device::Cpu)))
+                            .collect()
+                    };
+                    let weights = cpu(t.export_weights());
+                    let mut masters = cpu(t.master_weights());
+                    masters.sort_by(|a, b| a.0.cmp(&b.0));
+                    RankRun {
+                        losses,
+                        grad_norms,
+                        weights,
+                        masters,
+                        bytes,
+                        grad_kind,
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// On two GPUs, bf16 gradient shards: the one-kernel update (`MANTA_FUSED_ADAMW_BF16_GRAD`,
+/// the whole shard at once, reading bf16 and scaling as it reads) ends three clipped steps
+/// with the same losses, norms, bf16 weights and fp32 masters, bit for bit, as the bucket
+/// loop (widen, `mul_`, ATen's fused AdamW), under ZeRO-2 (whose bf16 shard the kernel
+/// refreshes) and ZeRO-3. The norm kernel (`MANTA_GRAD_NORM_KERNEL`) gives step 1's
+/// norm (same weights, same gradients) within fp64 rounding of the fp64 slices' sum.
+#[ignore = "needs two CUDA devices: bench/run_gpu_tests.sh runs it"]
+#[test]
+fn nccl_bf16_gradient_kernels_keep_the_bucket_paths_bits_on_two_gpus() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!("skipped: needs two CUDA devices (a two-GPU device machine runs this)");
+        return;
+    }
+    let _serial = one_at_a_time();
+    let with = |update_kernel: bool, norm_kernel: bool, stage: Stage| {
+        let flag = |on: bool| if on { "1" } else { "0" };
+        manta_knobs::set_override("MANTA_FUSED_ADAMW_BF16_GRAD", flag(update_kernel))
+            .expect("a known knob");
+        manta_knobs::set_override("MANTA_GRAD_NORM_KERNEL", flag(norm_kernel))
+            .expect("a known knob");
+        let runs = nccl_two_ranks(stage, 3);
+        manta_knobs::clear_overrides();
+        runs
+    };
+    for stage in [Stage::Two, Stage::Three] {
+        let name = if stage == Stage::Two {
+            "ZeRO-2"
+        } else {
+            "ZeRO-3"
+        };
+        let off = with(false, true, stage);
+        // The premise: the same run twice gives the same bits.
+        let again = with(false, true, stage);
+        assert!(
+            off.iter().zip(&again).all(|(a, b)| a.losses == b.losses
+                && bit_equal(&a.weights, &b.weights)
+                && bit_equal(&a.masters, &b.masters)),
+            "{name}: two runs of the bucket loop differ: the kernels are not deterministic \
+             here, so this test cannot compare bits"
+        );
+        let on = with(true, true, stage);
+        for (rank, (a, b)) in on.iter().zip(&off).enumerate() {
+            let what = format!("{name} rank {rank}");
+            assert_eq!(a.grad_kind, Kind::BFloat16, "{what}");
+            assert!(
+                a.grad_norms.iter().all(|&n| n > CLIP_GRAD),
+                "{what}: every step should clip (norms {:?})",
+                a.grad_norms
+            );
+            assert_eq!(a.losses, b.losses, "{what}: losses");
+            assert_eq!(a.grad_norms, b.grad_norms, "{what}: gradient norms");
+            assert!(bit_equal(&a.weights, &b.weights), "{what}: bf16 weights");
+            assert!(bit_equal(&a.masters, &b.masters), "{what}: fp32 masters");
+            assert!(
+                bit_equal(&a.weights, &on[0].weights),
+                "{what}: ranks differ"
+            );
+            assert_weights_are_rounded_masters(a);
+        }
+        let sliced = with(true, false, stage);
+        for (rank, (a, b)) in on.iter().zip(&sliced).enumerate() {
+            let (x, y) = (a.grad_norms[0], b.grad_norms[0]);
+            assert!(
+                (x - y).abs() <= 1e-12 * y,
+                "{name} rank {rank}: step 1 norm {x} with the kernel, {y} from fp64 slices"
+            );
+        }
+    }
 }

@@ -1393,4 +1393,112 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
   return 1;
 #endif
 }
+
+// One AdamW update of a rank's flat fp32 state from its bf16 gradient (optimizer.cu.inc,
+// adamw_bf16_grad): `grad` bf16, `master`, `exp_avg`, `exp_avg_sq` fp32, `param` (may be
+// null) the bf16 copy refreshed from the master, all contiguous, of one length, on one
+// GPU. The hyperparameters are narrowed to fp32 here as ATen's fused AdamW narrows them
+// (`step` as its fp32 step tensor); `grad_scale` as mul_'s scalar, applied when `scaled`.
+int manta_adamw_bf16_grad(const char* source, void* grad_, void* master_, void* exp_avg_, void* exp_avg_sq_,
+                          void* param_, int scaled, double grad_scale, double lr, double beta1, double beta2,
+                          double weight_decay, double eps, double step) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& grad = tensor(grad_);
+    const at::Tensor& master = tensor(master_);
+    const at::Tensor& exp_avg = tensor(exp_avg_);
+    const at::Tensor& exp_avg_sq = tensor(exp_avg_sq_);
+    TORCH_CHECK(master.is_cuda() && master.scalar_type() == at::kFloat && master.is_contiguous(),
+                "master must be a contiguous fp32 CUDA tensor");
+    const int64_t n = master.numel();
+    for (const at::Tensor* t : {&exp_avg, &exp_avg_sq}) {
+      TORCH_CHECK(t->device() == master.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == n,
+                  "the moments must be contiguous fp32 tensors as long as the master (", n, ") on its device");
+    }
+    check_bf16(grad, "grad");
+    TORCH_CHECK(grad.device() == master.device() && grad.numel() == n, "grad must have the master's ", n,
+                " elements on its device, has ", grad.numel(), " on ", grad.device());
+    void* param_ptr = nullptr;
+    if (param_ != nullptr) {
+      const at::Tensor& param = tensor(param_);
+      check_bf16(param, "param");
+      TORCH_CHECK(param.device() == master.device() && param.numel() == n, "param must have the master's ", n,
+                  " elements on its device, has ", param.numel(), " on ", param.device());
+      param_ptr = param.data_ptr();
+    }
+    if (n == 0) return;
+    const int device = master.get_device();
+    const void* gp = grad.data_ptr();
+    void* mp = master.data_ptr();
+    void* ap = exp_avg.data_ptr();
+    void* sp = exp_avg_sq.data_ptr();
+    auto aligned = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+    const bool wide = aligned(mp, 16) && aligned(ap, 16) && aligned(sp, 16) && aligned(gp, 8) &&
+                      (param_ptr == nullptr || aligned(param_ptr, 8));
+    const int64_t per_thread = wide ? 4 : 1;
+    const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
+    // Four blocks an SM (the v4 kernel's 45 registers fit five): one wave, whose threads
+    // stride over the shard and work out the bias corrections once each.
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((n / per_thread + 255) / 256, sms * 4));
+    long long n_ll = n;
+    int scaled_i = scaled != 0;
+    float scale_f = static_cast<float>(grad_scale), lr_f = static_cast<float>(lr);
+    float beta1_f = static_cast<float>(beta1), beta2_f = static_cast<float>(beta2);
+    float wd_f = static_cast<float>(weight_decay), eps_f = static_cast<float>(eps), step_f = static_cast<float>(step);
+    void* args[] = {&gp,     &mp,     &ap,      &sp,      &param_ptr, &n_ll, &scaled_i,
+                    &scale_f, &lr_f, &beta1_f, &beta2_f, &wd_f,      &eps_f, &step_f};
+    launch(kernel(source, "", wide ? "adamw_bf16_grad_v4" : "adamw_bf16_grad_v1", device), device,
+           static_cast<unsigned>(blocks), 1, 1, 256, args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Σ x² of the flat bf16 or fp32 CUDA tensor `x` in fp64 into `out` (a one-element fp64
+// tensor on x's device), in optimizer.cu.inc's fixed order: SQ_BLOCKS (528) partials,
+// then one block adds them.
+int manta_sum_of_squares(const char* source, void* x_, void* out_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& x = tensor(x_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    TORCH_CHECK(x.is_cuda() && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+                "x must be a contiguous bf16 or fp32 CUDA tensor, is ", x.scalar_type(), " on ", x.device());
+    TORCH_CHECK(out.device() == x.device() && out.scalar_type() == at::kDouble && out.is_contiguous() && out.numel() == 1,
+                "out must be one fp64 element on x's device");
+    constexpr int64_t kBlocks = 528;  // SQ_BLOCKS
+    const int device = x.get_device();
+    at::Tensor partials = at::empty({kBlocks}, x.options().dtype(at::kDouble));
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const bool wide = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+    const char* name = bf16 ? (wide ? "sum_squares_bf16_v16" : "sum_squares_bf16_v1")
+                            : (wide ? "sum_squares_f32_v8" : "sum_squares_f32_v1");
+    const void* xp = x.data_ptr();
+    void* pp = partials.data_ptr();
+    const void* pc = pp;
+    void* op = out.data_ptr();
+    long long n = x.numel();
+    void* args[] = {&xp, &n, &pp};
+    launch(kernel(source, "", name, device), device, kBlocks, 1, 1, 256, args);
+    void* final_args[] = {&pc, &op};
+    launch(kernel(source, "", "sum_partials", device), device, 1, 1, 1, 256, final_args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles the optimizer kernels (optimizer.cu.inc) for sm_<arch> without a GPU.
+int manta_optimizer_kernels_compile_check(const char* source, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { compile_kernels(source, "", arch); });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
 }

@@ -53,6 +53,8 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
     Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
     Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
+    Knob { name: "MANTA_FUSED_ADAMW_BF16_GRAD", values: Values::Flag, default: "on", what: "trainer: ZeRO with a bf16 gradient shard on a GPU updates it in one kernel that reads the bf16 gradient and applies the clip scale itself (off: widen each bucket to fp32, scale, then the fused AdamW; same bits)" },
+    Knob { name: "MANTA_GRAD_NORM_KERNEL", values: Values::Flag, default: "on", what: "trainer: ZeRO's gradient norm on a GPU sums the shard's squares in fp64 in one kernel, in a fixed order (off: fp64 copies of 64 Mi-element slices, ATen's sum)" },
     Knob { name: "MANTA_ZERO3_PREFETCH", values: Values::Flag, default: "on", what: "trainer: ZeRO-3 all-gathers the next decoder layer on a side stream while the current one computes (off: each gather when its layer is reached)" },
     Knob { name: "MANTA_TRAINER_PROFILE", values: Values::Flag, default: "off", what: "trainer: synchronize the GPU between a step's phases and return their seconds as `perf/trainer/<phase>_s` (slows the step)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
@@ -282,6 +284,17 @@ pub fn logits_gemv() -> bool {
 /// Trainer: the fused AdamW kernel.
 pub fn fused_adamw() -> bool {
     flag("MANTA_FUSED_ADAMW", true)
+}
+
+/// Trainer: ZeRO's AdamW reads a bf16 gradient shard straight into the fused update
+/// (on a GPU, with [`fused_adamw`] on).
+pub fn fused_adamw_bf16_grad() -> bool {
+    flag("MANTA_FUSED_ADAMW_BF16_GRAD", true)
+}
+
+/// Trainer: ZeRO's gradient norm through the one-pass fp64 sum-of-squares kernel (on a GPU).
+pub fn grad_norm_kernel() -> bool {
+    flag("MANTA_GRAD_NORM_KERNEL", true)
 }
 
 /// Trainer: ZeRO-3 prefetches the next layer's parameters (read when the optimizer is

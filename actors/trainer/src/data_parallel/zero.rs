@@ -14,7 +14,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use manta_cuda::adamw::{clear_grad, fused_adamw_masters, AdamWStep, MasterSlot};
+use manta_cuda::adamw::{
+    clear_grad, fused_adamw_bf16_grad, fused_adamw_masters, AdamWStep, Bf16GradShard, MasterSlot,
+};
 use manta_cuda::{CudaError, CudaEvent, CudaStream};
 use tch::{Device, Kind, Tensor};
 
@@ -237,9 +239,24 @@ fn flat_bucket(
     flat
 }
 
-/// Σ x² of a flat tensor in fp64, a slice at a time on the device: an fp64 copy of a
-/// whole shard (an 8B model's is 4 G elements over two ranks) would take 33 GB.
+/// Σ x² of a flat tensor in fp64. On a GPU one kernel reads it once
+/// ([`manta_cuda::adamw::sum_of_squares`]; 8B's bf16 shard over two ranks: 8 GB read
+/// instead of ~140 GB of fp64 copies moved), adding the exact squares in a fixed order, so
+/// its last fp64 bits may differ from the tensor ops' sum. Elsewhere, or with
+/// `MANTA_GRAD_NORM_KERNEL` off, a slice at a time: an fp64 copy of a whole shard (an 8B
+/// model's is 4 G elements over two ranks) would take 33 GB.
 fn sum_of_squares(t: &Tensor) -> f64 {
+    if t.device().is_cuda() && manta_knobs::grad_norm_kernel() {
+        match manta_cuda::adamw::sum_of_squares(t) {
+            Ok(sum) => return sum.double_value(&[0]),
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(error = %e, "sum-of-squares kernel unavailable: the gradient norm goes through fp64 slices")
+                });
+            }
+        }
+    }
     sum_of_squares_by(t, 1 << 26)
 }
 
@@ -547,7 +564,7 @@ impl ZeroAdamW {
             let param = self.param_shard.as_ref().unwrap_or(&self.master);
             let (master, m, v) = (&self.master, &self.exp_avg, &self.exp_avg_sq);
             update_slice(param, &self.grad, master, m, v, step, c);
-        } else {
+        } else if !self.fused_bf16_grad_update(step) {
             // A bucket at a time: each widening to fp32 (clip scale applied there) is one
             // bucket's, not the shard's.
             for bucket in &self.layout.buckets {
@@ -581,6 +598,38 @@ impl ZeroAdamW {
             return Ok(());
         }
         self.gather_params()
+    }
+
+    /// A bf16 gradient shard's update in one kernel over the whole shard
+    /// ([`fused_adamw_bf16_grad`]: the bucket loop's bits, with no fp32 copy of the
+    /// gradient and the clip scale applied as it is read; 8B's ZeRO-3 shard moves 26 bytes
+    /// a parameter instead of 42). On a GPU with `MANTA_FUSED_ADAMW` and
+    /// `MANTA_FUSED_ADAMW_BF16_GRAD` on; false where the bucket loop is to run instead (the
+    /// CPU, a knob off, or the kernel unavailable, which is logged once).
+    fn fused_bf16_grad_update(&self, step: AdamWStep) -> bool {
+        if !self.master.device().is_cuda()
+            || !manta_knobs::fused_adamw()
+            || !manta_knobs::fused_adamw_bf16_grad()
+        {
+            return false;
+        }
+        let shard = Bf16GradShard {
+            grad: &self.grad,
+            master: &self.master,
+            exp_avg: &self.exp_avg,
+            exp_avg_sq: &self.exp_avg_sq,
+            param: self.param_shard.as_ref(),
+        };
+        match fused_adamw_bf16_grad(&shard, self.pending_scale, step) {
+            Ok(()) => true,
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(error = %e, "bf16-gradient AdamW kernel unavailable: widening a bucket at a time")
+                });
+                false
+            }
+        }
     }
 
     /// Bucket `b`'s slice of this rank's parameters in their kind: ZeRO-2's bf16 shard,
