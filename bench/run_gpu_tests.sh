@@ -22,7 +22,7 @@ for line in sys.stdin:
         print("bin/tests/" + name)'
   }
   build -p manta-cuda --lib --test nccl_group
-  build -p manta-model --test cuda --test segments
+  build -p manta-model --test cuda --test segments --test fused_logprobs
   build -p manta-engine --test native_engine_cuda
   build -p manta-trainer --test collectives --test zero3_prefetch --test zero3_bf16
   build -p manta-driver --test serve_weights_nccl

@@ -11,6 +11,7 @@ pub mod adamw;
 pub mod gemv;
 pub mod invariant_attention;
 pub mod ipc;
+pub mod logprobs;
 pub mod process_group;
 pub mod rendezvous;
 pub mod sampling;

@@ -1365,6 +1365,144 @@ int manta_sampling_compile_check(const char* source, int arch) {
 #endif
 }
 
+}  // extern "C"
+
+#ifdef MANTA_WITH_CUDA
+namespace {
+// The log-prob kernels' common inputs: fp32 logits [rows, vocab] on CUDA, int64 targets
+// [rows] beside them, a usable temperature. Returns rows.
+int64_t logprob_check_rows(const at::Tensor& logits, const at::Tensor& targets, double temperature) {
+  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be a contiguous float32 CUDA tensor [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "vocab must be in 1..2^31");
+  TORCH_CHECK(targets.device() == logits.device() && targets.scalar_type() == at::kLong && targets.is_contiguous() &&
+                  targets.numel() == rows,
+              "targets must be int64 [rows] on the logits' device");
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "temperature must be positive and finite, got ",
+              temperature);
+  return rows;
+}
+
+void logprob_check_f32(const at::Tensor& t, const at::Tensor& logits, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device() == logits.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.numel() == numel,
+              what, " must be a contiguous float32 tensor of ", numel, " elements on the logits' device");
+}
+}  // namespace
+#endif
+
+extern "C" {
+
+// The trainer's per-token log-probs (logprobs.cu.inc): per row of fp32 `logits` [rows, vocab]
+// at `temperature`, the target's log-prob, the entropy and the row's softmax statistics
+// (`stats` [rows, 2]: max and log-sum of logits / T), which the gradient kernel reuses.
+int manta_logprob_rows(const char* source, void* logits_, void* targets_, double temperature, void* logp_,
+                       void* entropy_, void* stats_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& logits = tensor(logits_);
+    const at::Tensor& targets = tensor(targets_);
+    at::Tensor& logp = *static_cast<at::Tensor*>(logp_);
+    at::Tensor& entropy = *static_cast<at::Tensor*>(entropy_);
+    at::Tensor& stats = *static_cast<at::Tensor*>(stats_);
+    const int64_t rows = logprob_check_rows(logits, targets, temperature);
+    logprob_check_f32(logp, logits, rows, "log-probs");
+    logprob_check_f32(entropy, logits, rows, "entropies");
+    logprob_check_f32(stats, logits, 2 * rows, "stats");
+    if (rows == 0) return;
+    const int device = logits.get_device();
+    const void* lp = logits.data_ptr();
+    const void* tp = targets.data_ptr();
+    void* op = logp.data_ptr();
+    void* ep = entropy.data_ptr();
+    void* sp = stats.data_ptr();
+    // ATen divides fp32 logits by a scalar as a product with the scalar's fp32 reciprocal.
+    float inv_t = 1.0f / static_cast<float>(temperature);
+    int vocab = static_cast<int>(logits.size(1));
+    int vec4 = vocab % 4 == 0 && aligned16({lp});
+    void* args[] = {&lp, &tp, &inv_t, &vocab, &vec4, &op, &ep, &sp};
+    launch(kernel(source, "", "logprob_rows", device), device, static_cast<unsigned>(rows), 1, 1, 512, args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// The gradient w.r.t. `logits` of g_logp · logp + g_ent · entropy (either may be null: that
+// term is absent), written to `out` [rows, vocab] in bf16 or fp16, from the forward's
+// `stats` and `entropy`.
+int manta_logprob_grad(const char* source, void* logits_, void* targets_, void* stats_, void* entropy_,
+                       void* g_logp_, void* g_ent_, double temperature, void* out_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& logits = tensor(logits_);
+    const at::Tensor& targets = tensor(targets_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    const int64_t rows = logprob_check_rows(logits, targets, temperature);
+    logprob_check_f32(tensor(stats_), logits, 2 * rows, "stats");
+    logprob_check_f32(tensor(entropy_), logits, rows, "entropies");
+    if (g_logp_ != nullptr) logprob_check_f32(tensor(g_logp_), logits, rows, "log-prob gradients");
+    if (g_ent_ != nullptr) logprob_check_f32(tensor(g_ent_), logits, rows, "entropy gradients");
+    const bool half = out.scalar_type() == at::kHalf;
+    TORCH_CHECK(out.device() == logits.device() && (half || out.scalar_type() == at::kBFloat16) &&
+                    out.is_contiguous() && out.sizes() == logits.sizes(),
+                "the logits' gradient must be a contiguous bf16 or fp16 tensor shaped like the logits, on their device");
+    const int64_t vocab = logits.size(1);
+    constexpr int64_t kTile = 256 * 4 * 8;  // LG_TILE
+    const int64_t tiles = (vocab + kTile - 1) / kTile;
+    TORCH_CHECK(tiles <= 65535, "vocab ", vocab, " is too wide for the gradient kernel's grid");
+    if (rows == 0) return;
+    const int device = logits.get_device();
+    const void* lp = logits.data_ptr();
+    const void* tp = targets.data_ptr();
+    const void* sp = tensor(stats_).data_ptr();
+    const void* ep = tensor(entropy_).data_ptr();
+    const void* gl = g_logp_ != nullptr ? tensor(g_logp_).data_ptr() : nullptr;
+    const void* ge = g_ent_ != nullptr ? tensor(g_ent_).data_ptr() : nullptr;
+    void* op = out.data_ptr();
+    float inv_t = 1.0f / static_cast<float>(temperature);
+    int vocab_i = static_cast<int>(vocab);
+    int vec4 = vocab % 4 == 0 && aligned16({lp}) && reinterpret_cast<uintptr_t>(op) % 8 == 0;
+    void* args[] = {&lp, &tp, &sp, &ep, &gl, &ge, &inv_t, &vocab_i, &vec4, &op};
+    launch(kernel(source, "", half ? "logprob_grad_f16" : "logprob_grad_bf16", device), device,
+           static_cast<unsigned>(rows), static_cast<unsigned>(tiles), 1, 256, args);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// Compiles the log-prob kernels for sm_<arch> without a GPU.
+int manta_logprob_compile_check(const char* source, int arch) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] { compile_kernels(source, "", arch); });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+// `param.grad = grad` (tch has no setter): a gradient computed outside autograd becomes the
+// parameter's, as autograd's first accumulation would make it.
+int manta_set_grad(void* param_, void* grad_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    at::Tensor& param = *static_cast<at::Tensor*>(param_);
+    const at::Tensor& grad = tensor(grad_);
+    TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
+                    grad.device() == param.device(),
+                "a gradient must match its parameter's shape, kind and device");
+    param.mutable_grad() = grad;
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
 // Compiles every decode kernel for one model shape and sm_<arch> without a GPU (NVRTC
 // needs none), with the defines a launch would use, so CPU test machines catch what would
 // fail on the device.

@@ -57,6 +57,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GRAD_NORM_KERNEL", values: Values::Flag, default: "on", what: "trainer: ZeRO's gradient norm on a GPU sums the shard's squares in fp64 in one kernel, in a fixed order (off: fp64 copies of 64 Mi-element slices, ATen's sum)" },
     Knob { name: "MANTA_ZERO3_PREFETCH", values: Values::Flag, default: "on", what: "trainer: ZeRO-3 all-gathers the next decoder layer on a side stream while the current one computes (off: each gather when its layer is reached)" },
     Knob { name: "MANTA_TRAINER_PROFILE", values: Values::Flag, default: "off", what: "trainer: synchronize the GPU between a step's phases and return their seconds as `perf/trainer/<phase>_s` (slows the step)" },
+    Knob { name: "MANTA_FUSED_LOGPROBS", values: Values::Flag, default: "on", what: "trainer: per-token log-probs, entropies and their LM-head backward through fused kernels on CUDA in bf16/fp16 (off: tensor ops and autograd)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
     Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
     Knob { name: "MANTA_PDL", values: Values::Flag, default: "on (sm_90+)", what: "CUDA kernels: programmatic dependent launch" },
@@ -306,6 +307,11 @@ pub fn zero3_prefetch() -> bool {
 /// Trainer: per-phase step timings, with a device sync at each phase boundary.
 pub fn trainer_profile() -> bool {
     flag("MANTA_TRAINER_PROFILE", false)
+}
+
+/// Trainer: log-probs and their backward through the fused CUDA kernels.
+pub fn fused_logprobs() -> bool {
+    flag("MANTA_FUSED_LOGPROBS", true)
 }
 
 /// Driver: verify every weight sync.

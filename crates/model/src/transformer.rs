@@ -822,6 +822,28 @@ impl CausalLm {
         narrow + correction
     }
 
+    /// [`CausalLm::logits_f32`]'s values without a graph, whatever needs gradients: on CUDA
+    /// in 16 bits only the GEMM writing fp32 runs (`logits_f32` also runs the bf16 product
+    /// for gradients whenever the LM head requires grad, even under `no_grad`). For scoring
+    /// passes and the fused log-prob kernels, which take the gradient themselves.
+    pub fn logits_f32_detached(&self, hidden: &Tensor) -> Tensor {
+        tch::no_grad(|| {
+            let hidden = hidden.detach();
+            let lowp = matches!(hidden.kind(), Kind::BFloat16 | Kind::Half);
+            if !(lowp && hidden.device().is_cuda()) {
+                return self.logits(&hidden).to_kind(Kind::Float);
+            }
+            let mut shape = hidden.size();
+            let width = shape.pop().unwrap_or(1);
+            let flat = hidden.reshape([-1, width]);
+            let logits = self
+                .logits_gemv(&flat)
+                .unwrap_or_else(|| flat.mm_dtype(&self.lm_head.tr(), Kind::Float));
+            shape.push(logits.size()[1]);
+            logits.view(shape.as_slice())
+        })
+    }
+
     /// The output projection [vocab, hidden]; the embedding matrix when tied.
     pub fn lm_head_weight(&self) -> &Tensor {
         &self.lm_head
