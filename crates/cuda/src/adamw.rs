@@ -51,7 +51,7 @@ extern "C" {
         step: f64,
     ) -> c_int;
     fn manta_sum_of_squares(source: *const c_char, x: *mut c_void, out: *mut c_void) -> c_int;
-    fn manta_optimizer_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
+    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
 }
 
 /// The optimizer kernels' CUDA source, NUL-terminated for NVRTC.
@@ -228,10 +228,7 @@ pub fn optimizer_kernels_compile(arch: u32) -> Result<(), CudaError> {
     crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
-        manta_optimizer_kernels_compile_check(
-            OPTIMIZER_SOURCE.as_ptr() as *const c_char,
-            arch as c_int,
-        )
+        manta_kernels_compile_check(OPTIMIZER_SOURCE.as_ptr() as *const c_char, arch as c_int)
     })
 }
 

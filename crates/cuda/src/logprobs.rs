@@ -32,7 +32,7 @@ extern "C" {
         temperature: f64,
         out: *mut c_void,
     ) -> c_int;
-    fn manta_logprob_compile_check(source: *const c_char, arch: c_int) -> c_int;
+    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
     fn manta_set_grad(param: *mut c_void, grad: *mut c_void) -> c_int;
 }
 
@@ -124,7 +124,7 @@ pub fn compile_check(arch: u32) -> Result<(), CudaError> {
     crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
-        manta_logprob_compile_check(LOGPROBS_SOURCE.as_ptr() as *const c_char, arch as c_int)
+        manta_kernels_compile_check(LOGPROBS_SOURCE.as_ptr() as *const c_char, arch as c_int)
     })
 }
 

@@ -16,7 +16,7 @@ extern "C" {
         params: *mut c_void,
         out: *mut c_void,
     ) -> c_int;
-    fn manta_sampling_compile_check(source: *const c_char, arch: c_int) -> c_int;
+    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
 }
 
 /// The sampling kernel's CUDA source, NUL-terminated for NVRTC.
@@ -45,7 +45,7 @@ pub fn sampling_compile(arch: u32) -> Result<(), CudaError> {
     crate::sync_kernel_knobs();
     // SAFETY: the source is a NUL-terminated static.
     check(unsafe {
-        manta_sampling_compile_check(SAMPLING_SOURCE.as_ptr() as *const c_char, arch as c_int)
+        manta_kernels_compile_check(SAMPLING_SOURCE.as_ptr() as *const c_char, arch as c_int)
     })
 }
 

@@ -1355,8 +1355,9 @@ int manta_sample_rows(const char* source, void* logits_, void* params_, void* ou
 #endif
 }
 
-// Compiles the sampling kernel for sm_<arch> without a GPU.
-int manta_sampling_compile_check(const char* source, int arch) {
+// Compiles a kernel source that takes no defines (the sampling, log-prob and optimizer
+// kernels) for sm_<arch> without a GPU.
+int manta_kernels_compile_check(const char* source, int arch) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] { compile_kernels(source, "", arch); });
 #else
@@ -1469,16 +1470,6 @@ int manta_logprob_grad(const char* source, void* logits_, void* targets_, void* 
     launch(kernel(source, "", half ? "logprob_grad_f16" : "logprob_grad_bf16", device), device,
            static_cast<unsigned>(rows), static_cast<unsigned>(tiles), 1, 256, args);
   });
-#else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
-
-// Compiles the log-prob kernels for sm_<arch> without a GPU.
-int manta_logprob_compile_check(const char* source, int arch) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] { compile_kernels(source, "", arch); });
 #else
   last_error() = "built without CUDA";
   return 1;
@@ -1630,13 +1621,4 @@ int manta_sum_of_squares(const char* source, void* x_, void* out_) {
 #endif
 }
 
-// Compiles the optimizer kernels (optimizer.cu.inc) for sm_<arch> without a GPU.
-int manta_optimizer_kernels_compile_check(const char* source, int arch) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] { compile_kernels(source, "", arch); });
-#else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
 }
