@@ -12,8 +12,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{adam, max_diff, one_at_a_time, sample_at, tiny_model};
-use manta_core::Sample;
+use common::{adam, global_samples, max_diff, one_at_a_time, tiny_model};
 use manta_trainer::data_parallel::{Collective, ThreadCollective};
 use manta_trainer::loss::{ClipRange, LossOptions};
 use manta_trainer::optimizer::AdamWConfig;
@@ -56,27 +55,6 @@ fn options(model_dir: &Path, seed: u64, per_token: bool, clip_grad: f64) -> Trai
         },
         ..common::options()
     }
-}
-
-/// Seven samples of different lengths and trained-token counts.
-fn global_samples() -> (Vec<Sample>, Vec<f64>) {
-    let mk = sample_at;
-    let samples = vec![
-        mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
-        mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
-        mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.7),
-        mk(3, vec![11, 12, 13, 14], vec![1, 1], -5.6),
-        mk(
-            4,
-            vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
-            vec![1, 1, 1, 1, 1, 1, 0, 1],
-            -5.5,
-        ),
-        mk(5, vec![30, 31, 32], vec![1], -5.3),
-        mk(6, vec![40, 41, 42, 43, 44, 45], vec![0, 1, 1, 1], -5.6),
-    ];
-    let advantages = vec![1.0, 0.5, -0.25, -1.0, 0.75, 0.2, -0.6];
-    (samples, advantages)
 }
 
 /// Weights copied out (export_weights aliases the live parameters).

@@ -9,7 +9,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
-use common::sample_at;
 use manta_core::Sample;
 use manta_trainer::data_parallel::ThreadCollective;
 use manta_trainer::loss::LossOptions;
@@ -67,21 +66,9 @@ fn options() -> TrainerOptions {
     }
 }
 
+/// The first six of the shared global batch.
 fn samples() -> Vec<Sample> {
-    let mk = sample_at;
-    vec![
-        mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
-        mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
-        mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.7),
-        mk(3, vec![11, 12, 13, 14], vec![1, 1], -5.6),
-        mk(
-            4,
-            vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
-            vec![1, 1, 1, 1, 1, 1, 0, 1],
-            -5.5,
-        ),
-        mk(5, vec![30, 31, 32], vec![1], -5.3),
-    ]
+    common::global_samples().0[..6].to_vec()
 }
 
 /// Samples `range` of [`samples`], out of all six.

@@ -16,8 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use common::{adam, max_diff, sample_at, tiny_model};
-use manta_core::Sample;
+use common::{adam, global_samples, max_diff, tiny_model};
 use manta_trainer::data_parallel::{Collective, NcclCollective, PrefetchStats, ThreadCollective};
 use manta_trainer::loss::ClipRange;
 use manta_trainer::optimizer::AdamWConfig;
@@ -97,26 +96,6 @@ fn options(model_dir: &Path, seed: u64, recompute: Option<Recompute>) -> Trainer
         },
         ..common::options()
     }
-}
-
-fn global_samples() -> (Vec<Sample>, Vec<f64>) {
-    let mk = sample_at;
-    let samples = vec![
-        mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
-        mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
-        mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.7),
-        mk(3, vec![11, 12, 13, 14], vec![1, 1], -5.6),
-        mk(
-            4,
-            vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
-            vec![1, 1, 1, 1, 1, 1, 0, 1],
-            -5.5,
-        ),
-        mk(5, vec![30, 31, 32], vec![1], -5.3),
-        mk(6, vec![40, 41, 42, 43, 44, 45], vec![0, 1, 1, 1], -5.6),
-    ];
-    let advantages = vec![1.0, 0.5, -0.25, -1.0, 0.75, 0.2, -0.6];
-    (samples, advantages)
 }
 
 fn pick(indices: &[usize]) -> TrainBatch {

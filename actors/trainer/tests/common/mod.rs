@@ -91,6 +91,28 @@ pub fn sample_at(id: u64, tokens: Vec<u32>, loss_mask: Vec<u8>, log_prob: f32) -
     sample(id, tokens, loss_mask, vec![log_prob; n])
 }
 
+/// Seven samples of different lengths and trained-token counts, and their advantages:
+/// the global batch the data-parallel, ZeRO-3 and prefetch tests split over ranks.
+pub fn global_samples() -> (Vec<Sample>, Vec<f64>) {
+    let mk = sample_at;
+    let samples = vec![
+        mk(0, vec![3, 17, 42, 99, 100, 7], vec![1, 1, 0, 1], -5.5),
+        mk(1, vec![5, 6, 200, 201, 13], vec![1, 1, 1], -5.4),
+        mk(2, vec![9, 8, 7, 6, 5, 4, 3], vec![1, 0, 1, 1, 1], -5.7),
+        mk(3, vec![11, 12, 13, 14], vec![1, 1], -5.6),
+        mk(
+            4,
+            vec![21, 22, 23, 24, 25, 26, 27, 28, 29],
+            vec![1, 1, 1, 1, 1, 1, 0, 1],
+            -5.5,
+        ),
+        mk(5, vec![30, 31, 32], vec![1], -5.3),
+        mk(6, vec![40, 41, 42, 43, 44, 45], vec![0, 1, 1, 1], -5.6),
+    ];
+    let advantages = vec![1.0, 0.5, -0.25, -1.0, 0.75, 0.2, -0.6];
+    (samples, advantages)
+}
+
 /// The largest element-wise difference between two same-named weight lists.
 pub fn max_diff(a: &NamedTensors, b: &NamedTensors) -> f64 {
     assert_eq!(a.len(), b.len(), "weight lists differ in length");
