@@ -47,7 +47,13 @@ use manta_trainer::TrainerError;
 use manta_trainer::{memory_plan, AlgoOptions, TrainBatch, Trainer, TrainerOptions};
 use tch::{nn, Device, Kind, Tensor};
 
-fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) -> TrainerOptions {
+fn options(
+    model_dir: &Path,
+    device: Device,
+    bf16: bool,
+    micro_tokens: usize,
+    recompute: Option<Recompute>,
+) -> TrainerOptions {
     TrainerOptions {
         model_dir: model_dir.to_path_buf(),
         seed: 0,
@@ -71,7 +77,7 @@ fn options(model_dir: &Path, device: Device, bf16: bool, micro_tokens: usize) ->
         bf16: Some(bf16),
         use_rollout_logprobs: true,
         logprob_chunk: 1024,
-        recompute: recompute_setting(),
+        recompute,
         algo: AlgoOptions {
             grad_reduce_in_bf16: env_flag("GRAD_REDUCE_BF16"),
             ..Default::default()
@@ -87,20 +93,20 @@ fn env_flag(name: &str) -> bool {
 /// RECOMPUTE=1: every layer recomputed in the backward (shapes whose activations would
 /// not fit otherwise); RECOMPUTE_LAYERS=N as well: only the first N layers (Megatron's
 /// block method), the rest keep their activations in memory a plan has spare.
-fn recompute_setting() -> Option<Recompute> {
+fn recompute_setting() -> anyhow::Result<Option<Recompute>> {
     if !env_flag("RECOMPUTE") {
-        return None;
+        return Ok(None);
     }
-    match std::env::var("RECOMPUTE_LAYERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        Some(num_layers) => Some(Recompute {
-            method: RecomputeMethod::Block,
-            num_layers,
-        }),
-        None => Some(Recompute::EVERY_LAYER),
-    }
+    let Ok(raw) = std::env::var("RECOMPUTE_LAYERS") else {
+        return Ok(Some(Recompute::EVERY_LAYER));
+    };
+    let num_layers = raw
+        .parse()
+        .with_context(|| format!("RECOMPUTE_LAYERS={raw:?} is not a layer count"))?;
+    Ok(Some(Recompute {
+        method: RecomputeMethod::Block,
+        num_layers,
+    }))
 }
 
 /// The driver's flags this run stands for.
@@ -282,7 +288,7 @@ fn run(a: &[String]) -> anyhow::Result<()> {
     } else {
         (global / 2).max(1) * seq
     };
-    let opts = options(model_dir, device, bf16, micro_tokens);
+    let opts = options(model_dir, device, bf16, micro_tokens, recompute_setting()?);
     let flags = driver_flags(mode, world, &opts);
     eprintln!("rank {rank}: as the driver's {}", flags.join(" "));
     let plan_opts = opts.clone();
