@@ -9,6 +9,7 @@
 //! - [`actor`]: the `TrainerActor` message interface.
 //! - [`export`]: a checkpoint (one trainer or ZeRO shards) as a Hugging Face model directory.
 //! - [`profile`]: where a step's time goes, per phase (`MANTA_TRAINER_PROFILE`).
+//! - `torch_trace`: a Kineto trace of one step, every kernel in it (`MANTA_TORCH_PROFILE`).
 
 pub mod actor;
 pub mod batch;
@@ -20,6 +21,7 @@ pub mod memory_plan;
 pub mod optimizer;
 pub mod profile;
 pub mod schedule;
+mod torch_trace;
 pub mod trainer;
 
 pub use actor::{

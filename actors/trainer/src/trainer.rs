@@ -27,6 +27,7 @@ use crate::memory_plan;
 use crate::optimizer::{AdamW, AdamWConfig};
 use crate::profile::{self, Phase, StepProfile};
 use crate::schedule::LrSchedule;
+use crate::torch_trace::StepTrace;
 
 /// How a data-parallel group shards the training state.
 enum Sharding {
@@ -156,6 +157,8 @@ pub struct Trainer {
     /// and moving it into place: rank 0 (`None`) when every rank sees one directory, the
     /// first rank of each node when nodes keep their own ([`Trainer::set_checkpoint_owner`]).
     checkpoint_owner: Option<bool>,
+    /// Steps begun by this trainer: `MANTA_TORCH_PROFILE_STEP` counts them from 1.
+    steps_begun: u64,
 }
 
 /// A micro-batch laid out for one forward pass: only loss-mask-1 tokens are gathered.
@@ -569,6 +572,7 @@ impl Trainer {
             inject_oom_tokens: fault::inject_oom_tokens(),
             context_parallel: false,
             checkpoint_owner: None,
+            steps_begun: 0,
         })
     }
 
@@ -788,11 +792,18 @@ impl Trainer {
 
     /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
     /// gradients, clip the global norm, AdamW. Returns `train/*` metrics, and with
-    /// `MANTA_TRAINER_PROFILE` on this rank's seconds per phase (crate::profile).
+    /// `MANTA_TRAINER_PROFILE` on this rank's seconds per phase (crate::profile). With
+    /// `MANTA_TORCH_PROFILE` one step is traced (crate::torch_trace).
     pub fn train_step(
         &mut self,
         batch: &TrainBatch,
     ) -> Result<BTreeMap<String, f64>, TrainerError> {
+        self.steps_begun += 1;
+        let trace = StepTrace::start(
+            self.steps_begun,
+            self.data_parallel_rank().0,
+            self.opts.device,
+        );
         let profile = StepProfile::start(self.opts.device);
         let steps = self.opts.algo.num_steps_per_rollout.max(1);
         let checked = self.check_batch(batch).and_then(|()| {
@@ -910,6 +921,9 @@ impl Trainer {
         }
         if let Some(profile) = profile {
             m.extend(profile.finish());
+        }
+        if let Some(trace) = trace {
+            trace.finish();
         }
         Ok(m)
     }

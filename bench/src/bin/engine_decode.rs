@@ -8,10 +8,14 @@
 //! the engine's own), to see what prefill gains from larger chunks.
 //! `MANTA_DISABLE_OVERLAP_SCHEDULE=1` runs every decode step after the host has read the
 //! one before (the engine's `disable_overlap_schedule`), for A/B runs.
+//! `MANTA_TORCH_PROFILE=DIR` adds one prefill per batch size after the timed ones, traced
+//! by Kineto into `DIR/engine_prefill_{SHAPE}_b{B}.json` (bench/py/kernel_summary.py);
+//! the timings are those of the untraced runs.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use manta_cuda::TorchProfile;
 use manta_engine::{Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
@@ -49,6 +53,7 @@ async fn main() -> anyhow::Result<()> {
     let prompt_len: usize = args.get(3).map_or(Ok(512), |s| s.parse())?;
     let new_tokens: usize = args.get(4).map_or(Ok(256), |s| s.parse())?;
     let chunk: Option<usize> = args.get(5).map(|s| s.parse()).transpose()?;
+    let trace_dir = manta_knobs::torch_profile()?.map(|at| at.dir);
     let config = manta_bench::decode_config(shape)?;
     anyhow::ensure!(
         tch::Cuda::is_available(),
@@ -147,6 +152,18 @@ async fn main() -> anyhow::Result<()> {
         }
         prefills.sort_by(f64::total_cmp);
         let prefill_s = prefills[1];
+        if let Some(dir) = &trace_dir {
+            // Another prompt set, as the timed runs use (no prefix-cache hits). The engine
+            // thread's aten ops are not in the trace (Kineto records the starting
+            // thread's); its kernels are (CUPTI records the whole process).
+            let path = dir.join(format!("engine_prefill_{shape}_b{b}.json"));
+            tch::Cuda::synchronize(0);
+            let profile = TorchProfile::start(true)?;
+            run(b, 800 + 10 * k as u64, 1).await;
+            tch::Cuda::synchronize(0);
+            profile.finish(&path)?;
+            eprintln!("torch profile of a prefill: {}", path.display());
+        }
         let decode_tps = (b * (new_tokens - 1)) as f64 / (wall - prefill_s);
         let avg_ctx = prompt_len as f64 + new_tokens as f64 / 2.0;
         let bytes_per_step = weight_bytes + b as f64 * avg_ctx * kv_bytes_per_token;

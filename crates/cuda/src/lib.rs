@@ -16,9 +16,11 @@ pub mod process_group;
 pub mod rendezvous;
 pub mod sampling;
 pub mod stream;
+pub mod torch_profiler;
 pub mod weight_group;
 
 pub use stream::CudaStream;
+pub use torch_profiler::{TorchProfile, TorchProfileError};
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 

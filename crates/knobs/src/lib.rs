@@ -11,6 +11,7 @@
 //! The CUDA shim reads the kernel knobs through `manta_cuda`, never `getenv`.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{OnceLock, RwLock};
 
@@ -23,6 +24,10 @@ pub enum Values {
     OneOf(&'static [i64]),
     /// A positive byte count (its user checks the range).
     Bytes,
+    /// A count from 1 up.
+    Positive,
+    /// A directory to write into (its user reads the text, [`raw_value`]).
+    Dir,
 }
 
 /// One documented knob.
@@ -40,6 +45,10 @@ pub struct Knob {
 pub const VERIFY_WEIGHT_SYNC: &str = "MANTA_VERIFY_WEIGHT_SYNC";
 /// Bytes per chunk of weights over gRPC.
 pub const WEIGHT_CHUNK_BYTES: &str = "MANTA_WEIGHT_CHUNK_BYTES";
+/// Where Kineto traces go ([`torch_profile`]).
+pub const TORCH_PROFILE: &str = "MANTA_TORCH_PROFILE";
+/// Which trainer step [`TORCH_PROFILE`] traces.
+pub const TORCH_PROFILE_STEP: &str = "MANTA_TORCH_PROFILE_STEP";
 
 /// Every tuning knob.
 pub const KNOBS: &[Knob] = &[
@@ -57,6 +66,8 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GRAD_NORM_KERNEL", values: Values::Flag, default: "on", what: "trainer: ZeRO's gradient norm on a GPU sums the shard's squares in fp64 in one kernel, in a fixed order (off: fp64 copies of 64 Mi-element slices, ATen's sum)" },
     Knob { name: "MANTA_ZERO3_PREFETCH", values: Values::Flag, default: "on", what: "trainer: ZeRO-3 all-gathers the next decoder layer on a side stream while the current one computes (off: each gather when its layer is reached)" },
     Knob { name: "MANTA_TRAINER_PROFILE", values: Values::Flag, default: "off", what: "trainer: synchronize the GPU between a step's phases and return their seconds as `perf/trainer/<phase>_s` (slows the step)" },
+    Knob { name: TORCH_PROFILE, values: Values::Dir, default: "off", what: "trainer and bench engine_decode: write a Chrome trace (libtorch's Kineto profiler: aten ops, and on CUDA every kernel) of one train step to `DIR/trainer_step{N}_rank{R}.json` and of one prefill per batch size to `DIR/engine_prefill_{shape}_b{B}.json`; `bench/py/kernel_summary.py` sums a trace by kernel" },
+    Knob { name: TORCH_PROFILE_STEP, values: Values::Positive, default: "2", what: "trainer: which step (counting from 1 in this process) `MANTA_TORCH_PROFILE` traces; the first is warm-up" },
     Knob { name: "MANTA_FUSED_LOGPROBS", values: Values::Flag, default: "on", what: "trainer: per-token log-probs, entropies and their LM-head backward through fused kernels on CUDA in bf16/fp16 (off: tensor ops and autograd)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
     Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
@@ -133,6 +144,13 @@ pub fn parse(knob: &Knob, raw: &str) -> Result<i64, KnobError> {
             Ok(n) if n > 0 => Ok(n),
             _ => Err(error("expected a positive number of bytes".into())),
         },
+        Values::Positive => match v.parse::<i64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(error("expected a whole number from 1 up".into())),
+        },
+        // Set: the text itself is the value.
+        Values::Dir if !v.is_empty() => Ok(1),
+        Values::Dir => Err(error("expected a directory path".into())),
     }
 }
 
@@ -140,6 +158,8 @@ pub fn parse(knob: &Knob, raw: &str) -> Result<i64, KnobError> {
 #[derive(Debug, Default, Clone)]
 pub struct Settings {
     values: BTreeMap<&'static str, i64>,
+    /// The text of every value that parsed (a [`Values::Dir`] knob's value is its text).
+    raw: BTreeMap<&'static str, String>,
     errors: Vec<KnobError>,
 }
 
@@ -152,6 +172,7 @@ impl Settings {
                 match parse(k, &raw) {
                     Ok(v) => {
                         s.values.insert(k.name, v);
+                        s.raw.insert(k.name, raw.trim().to_string());
                     }
                     Err(e) => s.errors.push(e),
                 }
@@ -165,9 +186,19 @@ impl Settings {
         self.values.get(name).copied()
     }
 
+    /// The text set for `name`, if it parsed.
+    pub fn raw(&self, name: &str) -> Option<&str> {
+        self.raw.get(name).map(String::as_str)
+    }
+
     /// Values that were set but are not ones their knob takes.
     pub fn errors(&self) -> &[KnobError] {
         &self.errors
+    }
+
+    /// The first error of `name`'s value, if it had one.
+    fn error_of(&self, name: &str) -> Option<&KnobError> {
+        self.errors.iter().find(|e| e.name == name)
     }
 }
 
@@ -186,8 +217,11 @@ pub fn generation() -> u64 {
     GENERATION.load(Ordering::Acquire)
 }
 
-fn overrides() -> &'static RwLock<BTreeMap<&'static str, i64>> {
-    static OVERRIDES: OnceLock<RwLock<BTreeMap<&'static str, i64>>> = OnceLock::new();
+/// Each overridden knob's parsed value and its text.
+type Overrides = BTreeMap<&'static str, (i64, String)>;
+
+fn overrides() -> &'static RwLock<Overrides> {
+    static OVERRIDES: OnceLock<RwLock<Overrides>> = OnceLock::new();
     OVERRIDES.get_or_init(Default::default)
 }
 
@@ -204,7 +238,7 @@ pub fn set_override(name: &str, raw: &str) -> Result<(), KnobError> {
     overrides()
         .write()
         .unwrap_or_else(|p| p.into_inner())
-        .insert(k.name, v);
+        .insert(k.name, (v, raw.trim().to_string()));
     GENERATION.fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
@@ -224,8 +258,18 @@ pub fn value(name: &str) -> Option<i64> {
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .get(name)
-        .copied();
+        .map(|(v, _)| *v);
     over.or_else(|| settings().get(name))
+}
+
+/// The text of `name`'s value: an override's, else the environment's (when it parsed).
+pub fn raw_value(name: &str) -> Option<String> {
+    let over = overrides()
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(name)
+        .map(|(_, raw)| raw.clone());
+    over.or_else(|| settings().raw(name).map(str::to_string))
 }
 
 /// Whether the flag `name` is on, `default` when it is not set.
@@ -321,14 +365,57 @@ pub fn verify_weight_sync() -> bool {
 
 /// Bytes per gRPC weight chunk when set; an unusable value is an error.
 pub fn weight_chunk_bytes() -> Result<Option<i64>, KnobError> {
-    if let Some(e) = settings()
-        .errors()
-        .iter()
-        .find(|e| e.name == WEIGHT_CHUNK_BYTES)
-    {
+    if let Some(e) = settings().error_of(WEIGHT_CHUNK_BYTES) {
         return Err(e.clone());
     }
     Ok(value(WEIGHT_CHUNK_BYTES))
+}
+
+/// Where and when [`TORCH_PROFILE`] asks for Kineto traces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TorchProfileAt {
+    /// The folder the traces are written into.
+    pub dir: PathBuf,
+    /// The trainer step to trace, counting from 1 ([`TORCH_PROFILE_STEP`]; default 2, so
+    /// the first step's warm-up — allocator growth, kernel selection — is not in it).
+    pub step: u64,
+}
+
+/// The trainer step [`TORCH_PROFILE`] traces unless [`TORCH_PROFILE_STEP`] says.
+pub const TORCH_PROFILE_DEFAULT_STEP: u64 = 2;
+
+/// [`TORCH_PROFILE`] as `settings` and `raw` (a knob's text) give it: `None` when unset;
+/// a value either knob does not take is an error naming it, even when the other is unset,
+/// so a mistyped step is never silently replaced by the default.
+fn torch_profile_in(
+    settings: &Settings,
+    raw: impl Fn(&str) -> Option<String>,
+) -> Result<Option<TorchProfileAt>, KnobError> {
+    for name in [TORCH_PROFILE, TORCH_PROFILE_STEP] {
+        if let Some(e) = settings.error_of(name) {
+            return Err(e.clone());
+        }
+    }
+    let Some(dir) = raw(TORCH_PROFILE) else {
+        return Ok(None);
+    };
+    let step = match raw(TORCH_PROFILE_STEP) {
+        None => TORCH_PROFILE_DEFAULT_STEP,
+        Some(text) => {
+            let k = knob(TORCH_PROFILE_STEP).expect("TORCH_PROFILE_STEP is in KNOBS");
+            parse(k, &text)? as u64
+        }
+    };
+    Ok(Some(TorchProfileAt {
+        dir: PathBuf::from(dir),
+        step,
+    }))
+}
+
+/// Kineto traces asked for by [`TORCH_PROFILE`] (with [`TORCH_PROFILE_STEP`]), if any; a
+/// value they do not take is an error.
+pub fn torch_profile() -> Result<Option<TorchProfileAt>, KnobError> {
+    torch_profile_in(settings(), raw_value)
 }
 
 /// The first knob set to a value it does not take: the binaries refuse to start on it.
@@ -345,6 +432,8 @@ pub fn markdown_table() -> String {
             Values::Flag => "on/off".to_string(),
             Values::OneOf(v) => v.iter().map(i64::to_string).collect::<Vec<_>>().join(", "),
             Values::Bytes => "bytes > 0".to_string(),
+            Values::Positive => "integer >= 1".to_string(),
+            Values::Dir => "a directory".to_string(),
         };
         out += &format!(
             "| `{}` | {} | {} | {} |\n",
@@ -403,14 +492,68 @@ mod tests {
         assert_eq!(s.errors()[0].name, "MANTA_GEMV_KSPLIT");
     }
 
+    /// Overrides are process-wide: tests that set and clear them take turns.
+    static OVERRIDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn overrides_win_and_are_checked() {
+        let _turn = OVERRIDING.lock().unwrap_or_else(|p| p.into_inner());
         assert!(set_override("MANTA_PAGED_TT", "5").is_err());
         assert!(set_override("MANTA_NOPE", "1").is_err());
         set_override("MANTA_PAGED_TT", "8").unwrap();
         assert_eq!(value("MANTA_PAGED_TT"), Some(8));
         clear_overrides();
         assert_eq!(value("MANTA_PAGED_TT"), settings().get("MANTA_PAGED_TT"));
+    }
+
+    #[test]
+    fn torch_profile_takes_a_directory_and_a_step() {
+        let read = |env: &[(&str, &str)]| {
+            let s = Settings::read(|name| {
+                env.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            });
+            let raw = |name: &str| s.raw(name).map(str::to_string);
+            torch_profile_in(&s, raw)
+        };
+        assert_eq!(read(&[]), Ok(None));
+        assert_eq!(
+            read(&[(TORCH_PROFILE, "/tmp/prof")]),
+            Ok(Some(TorchProfileAt {
+                dir: PathBuf::from("/tmp/prof"),
+                step: 2
+            }))
+        );
+        assert_eq!(
+            read(&[(TORCH_PROFILE, "/tmp/prof"), (TORCH_PROFILE_STEP, " 5 ")]),
+            Ok(Some(TorchProfileAt {
+                dir: PathBuf::from("/tmp/prof"),
+                step: 5
+            }))
+        );
+        for bad in ["two", "0", "-1", "1.5", ""] {
+            let e = read(&[(TORCH_PROFILE, "/tmp/prof"), (TORCH_PROFILE_STEP, bad)])
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                e.contains(TORCH_PROFILE_STEP) && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        // A bad step is an error even before the directory is set.
+        assert!(read(&[(TORCH_PROFILE_STEP, "x")]).is_err());
+        let e = read(&[(TORCH_PROFILE, "  ")]).unwrap_err();
+        assert_eq!(e.name, TORCH_PROFILE);
+    }
+
+    #[test]
+    fn a_directory_override_keeps_its_text() {
+        let _turn = OVERRIDING.lock().unwrap_or_else(|p| p.into_inner());
+        set_override(TORCH_PROFILE, "/tmp/over").unwrap();
+        assert_eq!(raw_value(TORCH_PROFILE).as_deref(), Some("/tmp/over"));
+        assert!(set_override(TORCH_PROFILE_STEP, "0").is_err());
+        clear_overrides();
     }
 
     #[test]
