@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs SGLang 0.5.17 and the wheels the GPU machine lacks (wheels.tsv beside this file) into
-# pieces of at most 60 MiB for the device tool (64 MiB a call). Runs here, needs network to PyPI,
-# ~1 GB of downloads, ~10 minutes of CPU on 2 cores.
+# pieces of at most 56 MiB for the device tool (64 MiB a call, the working tree included).
+# Runs here, needs network to PyPI, ~1 GB of downloads, ~10 minutes of CPU on 2 cores.
 # Usage: bash bench/sglang/pack.sh OUTDIR     (OUTDIR git-ignored, e.g. .whl/sgb)
 # Then carry OUTDIR/p00 .. pNN one per device call, back to back (a warm machine keeps /tmp while
 # calls follow each other), copying each into /tmp/sgb_parts there; carry SHA256SUMS, z/ and
@@ -48,7 +48,7 @@ done
 find "$W/site" -name flash_ops.abi3.so -path '*sgl_kernel*' -delete
 echo "[pack] unpacked $(du -sm "$W/site" | cut -f1) MiB"
 rm -f "$OUT"/p[0-9]*
-tar -C "$W/site" -cf - . | nice -n 10 zstd -q -T2 -15 --long=27 -c | split -b 60m -d -a 2 - "$OUT/p"
+tar -C "$W/site" -cf - . | nice -n 10 zstd -q -T2 -15 --long=27 -c | split -b 56m -d -a 2 - "$OUT/p"
 cp "$W"/whl/zstandard-*.whl "$OUT/z/"
 cp "$HERE/install.sh" "$OUT/install.sh"
 (cd "$OUT" && sha256sum p[0-9]* > SHA256SUMS)
