@@ -21,8 +21,8 @@ for line in sys.stdin:
         shutil.copy(m["executable"], "bin/tests/" + name)
         print("bin/tests/" + name)'
   }
-  build -p manta-cuda --lib --test nccl_group
-  build -p manta-model --test cuda --test segments --test fused_logprobs
+  build -p manta-cuda --lib --test nccl_group --test rope
+  build -p manta-model --test cuda --test segments --test fused_logprobs --test fused_rope
   build -p manta-engine --test native_engine_cuda
   build -p manta-trainer --test collectives --test zero3_prefetch --test zero3_bf16
   build -p manta-driver --test serve_weights_nccl

@@ -11,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/rendezvous.cpp");
     println!("cargo:rerun-if-changed=src/process_group.cpp");
     println!("cargo:rerun-if-changed=src/torch_profiler.cpp");
+    println!("cargo:rerun-if-changed=src/rope.cpp");
     println!("cargo:rerun-if-changed=src/guarded.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
@@ -57,6 +58,7 @@ fn main() {
         .file("src/rendezvous.cpp")
         .file("src/process_group.cpp")
         .file("src/torch_profiler.cpp")
+        .file("src/rope.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")

@@ -1622,3 +1622,14 @@ int manta_sum_of_squares(const char* source, void* x_, void* out_) {
 }
 
 }
+
+#ifdef MANTA_WITH_CUDA
+namespace manta {
+// For the other translation units (rope.cpp): kernel `name` of `source`, which takes no
+// defines, compiled for `device` once and launched on its current stream.
+void launch_plain_kernel(const char* source, const char* name, int device, unsigned blocks, unsigned threads,
+                         void** args) {
+  launch(kernel(source, "", name, device), device, blocks, 1, 1, threads, args);
+}
+}  // namespace manta
+#endif

@@ -69,6 +69,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: TORCH_PROFILE, values: Values::Dir, default: "off", what: "trainer and bench engine_decode: write a Chrome trace (libtorch's Kineto profiler: aten ops, and on CUDA every kernel) of one train step to `DIR/trainer_step{N}_rank{R}.json` and of one prefill per batch size to `DIR/engine_prefill_{shape}_b{B}.json`; `bench/py/kernel_summary.py` sums a trace by kernel" },
     Knob { name: TORCH_PROFILE_STEP, values: Values::Positive, default: "2", what: "trainer: which step (counting from 1 in this process) `MANTA_TORCH_PROFILE` traces; the first is warm-up" },
     Knob { name: "MANTA_FUSED_LOGPROBS", values: Values::Flag, default: "on", what: "trainer: per-token log-probs, entropies and their LM-head backward through fused kernels on CUDA in bf16/fp16 (off: tensor ops and autograd)" },
+    Knob { name: "MANTA_FUSED_ROPE", values: Values::Flag, default: "on", what: "decoder (trainer and the engine's tensor-op path): the rotary embedding of q and k and its backward through one kernel each on CUDA in bf16/fp16, bit-identical forward (off: tensor ops and autograd)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
     Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
     Knob { name: "MANTA_PDL", values: Values::Flag, default: "on (sm_90+)", what: "CUDA kernels: programmatic dependent launch" },
@@ -356,6 +357,11 @@ pub fn trainer_profile() -> bool {
 /// Trainer: log-probs and their backward through the fused CUDA kernels.
 pub fn fused_logprobs() -> bool {
     flag("MANTA_FUSED_LOGPROBS", true)
+}
+
+/// Decoder: the rotary embedding of q and k through the fused CUDA kernels.
+pub fn fused_rope() -> bool {
+    flag("MANTA_FUSED_ROPE", true)
 }
 
 /// Driver: verify every weight sync.
