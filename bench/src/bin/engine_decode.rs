@@ -20,6 +20,13 @@ use manta_engine::{Engine, GenerateRequest, NativeEngine, NativeEngineOptions, S
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
+/// Waits for `device`'s queued work (a no-op off CUDA).
+fn synchronize(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
 /// Device-to-device copy bandwidth (read + write bytes per second), median of 10.
 fn copy_bandwidth(device: Device) -> f64 {
     let n = 1i64 << 30; // 2 GiB of bf16
@@ -27,10 +34,10 @@ fn copy_bandwidth(device: Device) -> f64 {
     let mut dst = Tensor::zeros([n], (Kind::BFloat16, device));
     let mut times = Vec::new();
     for i in 0..12 {
-        tch::Cuda::synchronize(0);
+        synchronize(device);
         let t = Instant::now();
         dst.copy_(&src);
-        tch::Cuda::synchronize(0);
+        synchronize(device);
         if i >= 2 {
             times.push(t.elapsed().as_secs_f64());
         }
@@ -157,10 +164,10 @@ async fn main() -> anyhow::Result<()> {
             // thread's aten ops are not in the trace (Kineto records the starting
             // thread's); its kernels are (CUPTI records the whole process).
             let path = dir.join(format!("engine_prefill_{shape}_b{b}.json"));
-            tch::Cuda::synchronize(0);
+            synchronize(device);
             let profile = TorchProfile::start(true)?;
             run(b, 800 + 10 * k as u64, 1).await;
-            tch::Cuda::synchronize(0);
+            synchronize(device);
             profile.finish(&path)?;
             eprintln!("torch profile of a prefill: {}", path.display());
         }
