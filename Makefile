@@ -33,7 +33,7 @@ setup: $(SETUP_STAMP)
 $(SETUP_STAMP): requirements-dev.txt
 	@echo "== setting up $(VENV) (first run downloads torch, ~4.6 GB)"
 	@test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(VENV_PY) -m pip install --quiet --no-cache-dir --disable-pip-version-check -r requirements-dev.txt
 	@$(VENV_PY) -c "import torch; assert torch.__version__.startswith('2.11.0'), torch.__version__"
 	@touch $@
 

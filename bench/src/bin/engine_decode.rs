@@ -10,7 +10,8 @@
 //! one before (the engine's `disable_overlap_schedule`), for A/B runs.
 //! `MANTA_TORCH_PROFILE=DIR` adds one prefill per batch size after the timed ones, traced
 //! by Kineto into `DIR/engine_prefill_{SHAPE}_b{B}.json` (bench/py/kernel_summary.py);
-//! the timings are those of the untraced runs.
+//! the timings are those of the untraced runs. A second trace per batch size,
+//! `DIR/engine_decode_{SHAPE}_b{B}.json`, holds a prefill and 32 decode steps.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -19,6 +20,9 @@ use manta_cuda::TorchProfile;
 use manta_engine::{Engine, GenerateRequest, NativeEngine, NativeEngineOptions, SamplingParams};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
+
+/// Decode steps in the `MANTA_TORCH_PROFILE` trace of a prefill and decode.
+const DECODE_TRACE_STEPS: usize = 32;
 
 /// Waits for `device`'s queued work (a no-op off CUDA).
 fn synchronize(device: Device) {
@@ -170,6 +174,15 @@ async fn main() -> anyhow::Result<()> {
             synchronize(device);
             profile.finish(&path)?;
             eprintln!("torch profile of a prefill: {}", path.display());
+            // The same with DECODE_TRACE_STEPS decode steps after it: the difference of the
+            // two traces' kernel sums is what those decode steps cost.
+            let path = dir.join(format!("engine_decode_{shape}_b{b}.json"));
+            synchronize(device);
+            let profile = TorchProfile::start(true)?;
+            run(b, 900 + 10 * k as u64, 1 + DECODE_TRACE_STEPS).await;
+            synchronize(device);
+            profile.finish(&path)?;
+            eprintln!("torch profile of a prefill and {DECODE_TRACE_STEPS} decode steps: {}", path.display());
         }
         let decode_tps = (b * (new_tokens - 1)) as f64 / (wall - prefill_s);
         let avg_ctx = prompt_len as f64 + new_tokens as f64 / 2.0;
