@@ -182,7 +182,10 @@ async fn main() -> anyhow::Result<()> {
             run(b, 900 + 10 * k as u64, 1 + DECODE_TRACE_STEPS).await;
             synchronize(device);
             profile.finish(&path)?;
-            eprintln!("torch profile of a prefill and {DECODE_TRACE_STEPS} decode steps: {}", path.display());
+            eprintln!(
+                "torch profile of a prefill and {DECODE_TRACE_STEPS} decode steps: {}",
+                path.display()
+            );
         }
         let decode_tps = (b * (new_tokens - 1)) as f64 / (wall - prefill_s);
         let avg_ctx = prompt_len as f64 + new_tokens as f64 / 2.0;

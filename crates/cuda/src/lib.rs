@@ -958,6 +958,25 @@ mod tests {
                 &qkv, weights, &positions, &inv_freq, &slots, &kp, &vp, &mut q_out, eps,
             )
             .unwrap();
+            // The one-CTA-per-token variant writes the same bits.
+            manta_knobs::set_override("MANTA_QK_ROPE_TOKEN_CTA", "1").expect("a knob");
+            let (kp1, vp1) = (kp.zeros_like(), vp.zeros_like());
+            let mut q1 = q_out.empty_like();
+            let run = qk_norm_rope_store(
+                &qkv, weights, &positions, &inv_freq, &slots, &kp1, &vp1, &mut q1, eps,
+            );
+            manta_knobs::set_override("MANTA_QK_ROPE_TOKEN_CTA", "0").expect("a knob");
+            run.unwrap();
+            for (name, a, b) in [
+                ("queries", &q1, &q_out),
+                ("keys", &kp1, &kp),
+                ("values", &vp1, &vp),
+            ] {
+                assert!(
+                    a.equal(b),
+                    "heads {nh}/{nkv}: per-token kernel's {name} differ"
+                );
+            }
             // The reference, as the model's composite path computes it.
             let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &inv_freq;
             let emb = Tensor::cat(&[&freqs, &freqs], -1);

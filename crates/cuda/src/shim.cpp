@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kQkRopeTokenCta, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1052,8 +1052,10 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
     void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
     const int64_t heads = nh + 2 * nkv;
-    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
-           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
+    // One CTA per token (all heads), or per token and 8 heads (MANTA_QK_ROPE_TOKEN_CTA).
+    const bool per_token = knob_or(kQkRopeTokenCta, 0) == 1;
+    launch(kernel(source, defines, per_token ? "qk_norm_rope_store_tokens" : "qk_norm_rope_store", device), device,
+           static_cast<unsigned>(n), per_token ? 1u : static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
