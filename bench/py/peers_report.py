@@ -22,6 +22,7 @@ results of several device calls merge; peers.json and peers.md are written into 
                         bench/run_e2e.sh's summaries (made here from runs/MODE/metrics.jsonl
                         by e2e_report.py's summarise() when the run was cut before its report)
 (<k> is the shape with "." written "_": 0_6b, 8b.)
+Each row with a measured copy bandwidth also gets bench/py/roofline.py's floor.
 
 Definitions, per shape and batch B with NEW new tokens, the same on both sides:
   prefill_s = prefill of the B prompts and the first token;
@@ -36,6 +37,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import roofline  # noqa: E402  (this folder's module)
 DEFINITIONS = {
     "prefill_s": "prefill of the B prompts plus the first token. native: median of 3 runs of B "
                  "requests with max_new_tokens 1 (engine_decode prefill_s); sglang: prefill_latency "
@@ -377,6 +380,7 @@ def main():
                                                                sg.get("rollout_tokens_per_s"))
     if warnings:
         res["warnings"] = warnings
+    roofline.annotate(res)  # rows with a measured copy bandwidth
 
     lines = [f"Native engine vs SGLang, {res['device']}, prompt {prompt}, {new} new tokens "
              f"(SGLang {(meta.get('sglang_versions') or {}).get('sglang') or '?'}, bench_one_batch); "
@@ -401,6 +405,9 @@ def main():
                          f"{fmt(r.get('step_s'), '.2f')} |")
         lines.append(f"| native over SGLang | {fmt(res['rollout_step_native_over_sglang'], '.2f')} | "
                      f"{fmt(res['rollout_tokens_per_s_native_over_sglang'], '.2f')} | |")
+    if any("roofline" in r for r in res["rows"]):
+        lines += ["", "Wall time against the floor (bench/py/roofline.py; fractions of the floor, higher is "
+                  "closer to what the GPU allows):", "", roofline.table(res["rows"])]
     for w in warnings:
         lines.append(f"\nwarning: {w}")
     table = "\n".join(lines) + "\n"
