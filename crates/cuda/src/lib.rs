@@ -111,6 +111,18 @@ extern "C" {
         scale: f64,
         out: *mut *mut c_void,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn manta_cudnn_varlen(
+        q: *mut c_void,
+        k: *mut c_void,
+        v: *mut c_void,
+        cu_q: *mut c_void,
+        cu_k: *mut c_void,
+        max_q: i64,
+        max_k: i64,
+        scale: f64,
+        out: *mut *mut c_void,
+    ) -> c_int;
 }
 
 /// The paged attention kernels' CUDA source, NUL-terminated for NVRTC.
@@ -288,6 +300,45 @@ pub fn flash_attention_varlen(
     // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
     check(unsafe {
         manta_flash_varlen(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(cu_q),
+            ptr(cu_k),
+            max_q,
+            max_k,
+            scale,
+            &mut out,
+        )
+    })?;
+    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// [`flash_attention_varlen`] for an engine prefill: through cuDNN's fused attention where
+/// `MANTA_PREFILL_CUDNN` is on and `keys_are_queries` (no sequence has cached keys before
+/// its queries: cuDNN aligns its causal mask at a sequence's first key, which is flash
+/// attention's mask only then), else flash attention. cuDNN's result agrees with flash
+/// attention's to bf16 rounding, not bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &Tensor,
+    cu_k: &Tensor,
+    max_q: i64,
+    max_k: i64,
+    scale: f64,
+    keys_are_queries: bool,
+) -> Result<Tensor, CudaError> {
+    if !(keys_are_queries && manta_knobs::prefill_cudnn()) {
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale);
+    }
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
+    check(unsafe {
+        manta_cudnn_varlen(
             ptr(q),
             ptr(k),
             ptr(v),
@@ -632,6 +683,57 @@ mod tests {
         event.synchronize().unwrap();
         assert_eq!(host.double_value(&[0]), 7.0);
         drop(later);
+    }
+
+    /// The engine's prefill attention through cuDNN (`MANTA_PREFILL_CUDNN`) against flash
+    /// attention, on sequences without a cached prefix and grouped heads: equal to bf16
+    /// rounding. With the knob off, or with a cached prefix, it is flash attention's call.
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
+    #[test]
+    fn cudnn_prefill_attention_agrees_with_flash_attention() {
+        let Some(gpu) = crate::test_gpu() else {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        };
+        let _serial = crate::gpu_test_lock();
+        tch::manual_seed(12);
+        let dev = Device::Cuda(gpu);
+        let (heads, kv_heads, hd) = (16i64, 8i64, 128i64);
+        let lens = [7i64, 64, 1, 300, 128];
+        let total: i64 = lens.iter().sum();
+        let opts = (Kind::BFloat16, dev);
+        let q = Tensor::randn([total, heads, hd], opts);
+        let k = Tensor::randn([total, kv_heads, hd], opts);
+        let v = Tensor::randn([total, kv_heads, hd], opts);
+        let mut cu = vec![0i32];
+        for l in lens {
+            cu.push(cu[cu.len() - 1] + l as i32);
+        }
+        let cu = Tensor::from_slice(&cu).to(dev);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let flash = flash_attention_varlen(&q, &k, &v, &cu, &cu, 300, 300, scale).unwrap();
+        let prefill = |cudnn: &str, keys_are_queries: bool| {
+            manta_knobs::set_override("MANTA_PREFILL_CUDNN", cudnn).expect("a knob");
+            let out =
+                prefill_attention_varlen(&q, &k, &v, &cu, &cu, 300, 300, scale, keys_are_queries);
+            manta_knobs::set_override("MANTA_PREFILL_CUDNN", "0").expect("a knob");
+            out.unwrap()
+        };
+        let cudnn = prefill("1", true);
+        assert_eq!(cudnn.size(), flash.size());
+        let err = (cudnn.to_kind(Kind::Float) - flash.to_kind(Kind::Float))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(err < 2e-2, "cuDNN vs flash attention: max difference {err}");
+        assert!(
+            prefill("1", false).equal(&flash),
+            "a cached prefix keeps flash attention"
+        );
+        assert!(
+            prefill("0", true).equal(&flash),
+            "the knob off keeps flash attention"
+        );
     }
 
     /// Varlen flash attention against fp32 attention with an explicit mask, per sequence:

@@ -59,6 +59,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_ENGINE_PROFILE", values: Values::Flag, default: "off", what: "native engine: log per-step timings of the engine thread" },
     Knob { name: "MANTA_DISABLE_OVERLAP_SCHEDULE", values: Values::Flag, default: "off", what: "bench engine_decode: schedule each step after the host read the last one" },
     Knob { name: "MANTA_PREFILL_VARLEN", values: Values::Flag, default: "on", what: "native engine: prefill through one variable-length flash call (off: one SDPA per sequence)" },
+    Knob { name: "MANTA_PREFILL_CUDNN", values: Values::Flag, default: "off", what: "native engine: prefill attention of sequences without a cached prefix through cuDNN's fused attention instead of flash attention (agrees to bf16 rounding, not bit for bit); not yet measured on a GPU" },
     Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
     Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
     Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
@@ -317,6 +318,11 @@ pub fn overlap_schedule() -> bool {
 /// Native engine: prefill through one variable-length flash call.
 pub fn prefill_varlen() -> bool {
     flag("MANTA_PREFILL_VARLEN", true)
+}
+
+/// Native engine: prefix-free prefill attention through cuDNN.
+pub fn prefill_cudnn() -> bool {
+    flag("MANTA_PREFILL_CUDNN", false)
 }
 
 /// Native engine: decode projections through the GEMV kernel.
