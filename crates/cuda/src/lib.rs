@@ -109,18 +109,7 @@ extern "C" {
         max_q: i64,
         max_k: i64,
         scale: f64,
-        out: *mut *mut c_void,
-    ) -> c_int;
-    #[allow(clippy::too_many_arguments)]
-    fn manta_cudnn_varlen(
-        q: *mut c_void,
-        k: *mut c_void,
-        v: *mut c_void,
-        cu_q: *mut c_void,
-        cu_k: *mut c_void,
-        max_q: i64,
-        max_k: i64,
-        scale: f64,
+        cudnn: c_int,
         out: *mut *mut c_void,
     ) -> c_int;
 }
@@ -296,6 +285,19 @@ pub fn flash_attention_varlen(
     max_k: i64,
     scale: f64,
 ) -> Result<Tensor, CudaError> {
+    varlen_attention(q, k, v, (cu_q, cu_k), (max_q, max_k), scale, false)
+}
+
+/// The shim's varlen attention: flash attention, or cuDNN's (`cudnn`).
+fn varlen_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (cu_q, cu_k): (&Tensor, &Tensor),
+    (max_q, max_k): (i64, i64),
+    scale: f64,
+    cudnn: bool,
+) -> Result<Tensor, CudaError> {
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
     check(unsafe {
@@ -308,6 +310,7 @@ pub fn flash_attention_varlen(
             max_q,
             max_k,
             scale,
+            c_int::from(cudnn),
             &mut out,
         )
     })?;
@@ -332,26 +335,8 @@ pub fn prefill_attention_varlen(
     scale: f64,
     keys_are_queries: bool,
 ) -> Result<Tensor, CudaError> {
-    if !(keys_are_queries && manta_knobs::prefill_cudnn()) {
-        return flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale);
-    }
-    let mut out: *mut c_void = std::ptr::null_mut();
-    // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
-    check(unsafe {
-        manta_cudnn_varlen(
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            ptr(cu_q),
-            ptr(cu_k),
-            max_q,
-            max_k,
-            scale,
-            &mut out,
-        )
-    })?;
-    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    let cudnn = keys_are_queries && manta_knobs::prefill_cudnn();
+    varlen_attention(q, k, v, (cu_q, cu_k), (max_q, max_k), scale, cudnn)
 }
 
 /// Decode attention straight over a paged KV cache, one query token per sequence.

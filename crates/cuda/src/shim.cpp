@@ -1149,8 +1149,11 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
 // hd] (bf16 or fp16, CUDA), cumulative lengths cu_q and cu_k [seqs + 1] int32. A sequence
 // with more keys than queries (a cached prefix) has its queries at the end of its keys: the
 // causal mask is aligned at the bottom right. A new tensor like q in *out.
+// `cudnn`: through cuDNN's fused attention (libtorch's ragged path) instead. Its causal
+// mask is aligned at each sequence's first key, so the caller passes only sequences whose
+// keys are their queries (no cached prefix), where that is the mask flash attention applies.
 int manta_flash_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, int64_t max_q, int64_t max_k,
-                       double scale, void** out) {
+                       double scale, int cudnn, void** out) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const at::Tensor& q = tensor(q_);
@@ -1161,35 +1164,16 @@ int manta_flash_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, i
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [tokens, heads, head_dim]");
     TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt, "cu_q and cu_k must be int32");
     TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_q and cu_k must have one entry per sequence plus one");
+    if (cudnn) {
+      TORCH_CHECK(max_q == max_k && q.size(0) == k.size(0),
+                  "cuDNN prefill attention takes sequences without a cached prefix");
+      auto result = at::_cudnn_attention_forward(q, k, v, std::nullopt, cu_q, cu_k, max_q, max_k,
+                                                 /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true,
+                                                 /*return_debug_mask=*/false, scale);
+      *out = new at::Tensor(std::get<0>(result));
+      return;
+    }
     auto result = at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, /*is_causal=*/true,
-                                               /*return_debug_mask=*/false, scale);
-    *out = new at::Tensor(std::get<0>(result));
-  });
-#else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
-
-// The same causal varlen attention through cuDNN's fused attention (libtorch's ragged
-// path). Its causal mask is aligned at each sequence's first key, so the caller passes
-// only sequences whose keys are their queries (no cached prefix), where that is the mask
-// flash attention applies.
-int manta_cudnn_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, int64_t max_q, int64_t max_k,
-                       double scale, void** out) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] {
-    const at::Tensor& q = tensor(q_);
-    const at::Tensor& k = tensor(k_);
-    const at::Tensor& v = tensor(v_);
-    const at::Tensor& cu_q = tensor(cu_q_);
-    const at::Tensor& cu_k = tensor(cu_k_);
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [tokens, heads, head_dim]");
-    TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt, "cu_q and cu_k must be int32");
-    TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_q and cu_k must have one entry per sequence plus one");
-    TORCH_CHECK(max_q == max_k && q.size(0) == k.size(0), "cuDNN prefill attention takes sequences without a cached prefix");
-    auto result = at::_cudnn_attention_forward(q, k, v, std::nullopt, cu_q, cu_k, max_q, max_k,
-                                               /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true,
                                                /*return_debug_mask=*/false, scale);
     *out = new at::Tensor(std::get<0>(result));
   });
