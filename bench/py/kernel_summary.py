@@ -2,13 +2,18 @@
 """Where a Kineto trace's GPU time goes: a table of kernels (and copies, memsets) by total
 device time, the GPU's busy span, how much of it no kernel ran, and the top CPU ops.
 
-usage: kernel_summary.py TRACE.json [--top N] [--json OUT]
+usage: kernel_summary.py TRACE.json [--top N] [--json OUT] [--minus BASE.json [--per N]]
 
 TRACE.json is a Chrome trace from libtorch's profiler (MANTA_TORCH_PROFILE=DIR writes
 them, docs/knobs.md; torch.profiler's export_chrome_trace too). Kernels on concurrent
 streams overlap, so the idle fraction comes from the union of their intervals, per
 device, not from their summed durations. CPU op times are inclusive (aten::linear holds
 its aten::mm). Standard library only: it runs on the GPU machine as it is.
+
+--minus BASE.json: the kernels of TRACE less those of BASE, by name (time and count), for
+a trace that holds BASE's work and more: engine_decode's trace of a prefill and 32 decode
+steps minus its trace of the prefill alone is what the 32 steps cost. --per N divides the
+difference by N (per decode step).
 """
 import argparse
 import json
@@ -93,6 +98,35 @@ def busy(events):
     }
 
 
+def kernel_sums(trace):
+    """Total µs and count of the trace's GPU events, by full name."""
+    total, count = defaultdict(float), defaultdict(int)
+    for e in complete_events(trace, GPU_CATS):
+        total[e["name"]] += float(e["dur"])
+        count[e["name"]] += 1
+    return total, count
+
+
+def difference(trace, base, per=1):
+    """Kernel rows of `trace` less `base`'s by full name (total time and count), divided by
+    `per`; names whose time does not grow are left out. Largest first."""
+    (t1, c1), (t0, c0) = kernel_sums(trace), kernel_sums(base)
+    extra = {n: us - t0.get(n, 0.0) for n, us in t1.items()}
+    extra = {n: us for n, us in extra.items() if us > 0}
+    summed = sum(extra.values())
+    rows = []
+    for name, us in sorted(extra.items(), key=lambda kv: -kv[1]):
+        count = c1[name] - c0.get(name, 0)
+        rows.append({
+            "name": short(name),
+            "total_ms": us / 1e3 / per,
+            "count": count / per,
+            "mean_us": us / count if count > 0 else float("nan"),
+            "percent": 100.0 * us / summed if summed else 0.0,
+        })
+    return rows
+
+
 def summarize(trace, top):
     gpu = list(complete_events(trace, GPU_CATS))
     devices = defaultdict(list)
@@ -140,19 +174,36 @@ def report(s, top):
     return "\n".join(lines)
 
 
+def load(path):
+    """A trace file as JSON, or exit with what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"kernel_summary: cannot read {path}: {e}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trace", help="Chrome trace JSON (Kineto)")
     p.add_argument("--top", type=int, default=30, help="kernel rows to print (30)")
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
+    p.add_argument("--minus", metavar="BASE", help="subtract BASE's kernels (a trace of part of the work)")
+    p.add_argument("--per", type=int, default=1, help="with --minus: divide the difference by N (1)")
     args = p.parse_args(argv)
-    try:
-        with open(args.trace, encoding="utf-8") as f:
-            trace = json.load(f)
-    except (OSError, ValueError) as e:
-        sys.exit(f"kernel_summary: cannot read {args.trace}: {e}")
-    s = summarize(trace, args.top)
-    print(report(s, args.top))
+    if args.per < 1:
+        sys.exit(f"kernel_summary: --per must be at least 1, not {args.per}")
+    trace = load(args.trace)
+    if args.minus:
+        rows = difference(trace, load(args.minus), args.per)
+        s = {"minus": args.minus, "per": args.per, "kernels": rows[:args.top], "kernel_names": len(rows),
+             "summed_ms": sum(r["total_ms"] for r in rows)}
+        unit = f" per {args.per}" if args.per > 1 else ""
+        print(table(s["kernels"], f"GPU kernels{unit}, less the base trace (top {args.top} of {len(rows)})"))
+        print(f"\nsummed{unit}: {s['summed_ms']:.3f} ms")
+    else:
+        s = summarize(trace, args.top)
+        print(report(s, args.top))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"trace": args.trace, **s}, f, indent=1)

@@ -67,3 +67,71 @@ fn kernels_are_summed_by_name_and_idle_time_merges_overlaps() {
     assert_eq!(s["kernel_names"], 3);
     assert_eq!(s["cpu_ops"][0]["name"], "aten::mm");
 }
+
+/// `--minus BASE --per N`: what a trace adds over a trace of part of its work, per step —
+/// by name, time and count, with names that do not grow left out.
+#[test]
+fn a_trace_less_its_base_is_the_added_work_per_step() {
+    let dir = std::env::temp_dir().join(format!("manta-kernel-minus-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let event = |name: &str, ts: u32, dur: u32| {
+        format!(
+            r#"{{"ph": "X", "cat": "kernel", "name": "{name}", "pid": 0, "tid": 7, "ts": {ts}, "dur": {dur}}}"#
+        )
+    };
+    let trace = |events: &[String]| format!(r#"{{"traceEvents": [{}]}}"#, events.join(","));
+    // The base: a prefill (gemm 100 µs, norm 10 µs). The full trace: the same prefill, then
+    // two decode steps (gemm 30 µs and attention 20 µs each), and a shorter norm.
+    let base = trace(&[event("gemm", 0, 100), event("norm", 100, 10)]);
+    let full = trace(&[
+        event("gemm", 0, 100),
+        event("norm", 100, 8),
+        event("gemm", 200, 30),
+        event("attention", 230, 20),
+        event("gemm", 300, 30),
+        event("attention", 330, 20),
+    ]);
+    std::fs::write(dir.join("base.json"), base).unwrap();
+    std::fs::write(dir.join("full.json"), full).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py");
+    let run = |extra: &[&str]| {
+        Command::new(python())
+            .arg(&script)
+            .arg(dir.join("full.json"))
+            .arg("--minus")
+            .arg(dir.join("base.json"))
+            .args(extra)
+            .output()
+            .expect("run python3 (set MANTA_PYTHON)")
+    };
+    let out = run(&[
+        "--per",
+        "2",
+        "--json",
+        dir.join("minus.json").to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("summed per 2: 0.050 ms"), "{stdout}");
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("minus.json")).unwrap()).unwrap();
+    let rows = s["kernels"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["gemm", "attention"],
+        "norm shrank, so it is left out"
+    );
+    let close = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-9;
+    assert!(close(&rows[0]["total_ms"], 0.030) && close(&rows[0]["count"], 1.0));
+    assert!(close(&rows[1]["total_ms"], 0.020) && close(&rows[1]["mean_us"], 20.0));
+
+    let bad = run(&["--per", "0"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--per must be at least 1"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
