@@ -143,7 +143,10 @@ json.dump({"command": e["P_COMMAND"], "shapes": e["P_SHAPES"].split(),
            "device_kind": e.get("MANTA_DEVICE_KIND", ""), "manta_commit": e["P_COMMIT"],
            "budget_s": int(e["P_BUDGET"]), "sglang_versions": json.loads(e["P_VERSIONS"] or "{}"),
            "sglang_args": {"mem_fraction_static": e["P_MEMF"], "passes": int(e["P_PASSES"]),
-                           "decode_graph_bs": e["P_GRAPH"], "extra": e["P_EXTRA"]}},
+                           "decode_graph_bs": e["P_GRAPH"], "extra": e["P_EXTRA"]},
+           # The native side's tuning knobs set for this run (docs/knobs.md), for A/B tables.
+           "manta_knobs": {k: v for k, v in sorted(e.items()) if k.startswith("MANTA_")
+                           and k not in ("MANTA_DEVICE_KIND", "MANTA_COMMIT", "MANTA_PYTHON")}},
           open(sys.argv[1], "w"), indent=1)
 PY
 

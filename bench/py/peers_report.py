@@ -280,6 +280,7 @@ def main():
         "manta_commit": meta.get("manta_commit"),
         "sglang_versions": meta.get("sglang_versions"),
         "sglang_args": meta.get("sglang_args"),
+        "manta_knobs": meta.get("manta_knobs"),
         "prompt": prompt,
         "new_tokens": new,
         "definitions": DEFINITIONS,
@@ -384,7 +385,9 @@ def main():
 
     lines = [f"Native engine vs SGLang, {res['device']}, prompt {prompt}, {new} new tokens "
              f"(SGLang {(meta.get('sglang_versions') or {}).get('sglang') or '?'}, bench_one_batch); "
-             "tokens/s of output tokens; ratio > 1: Manta faster", "",
+             "tokens/s of output tokens; ratio > 1: Manta faster"
+             + (f"; native knobs: {' '.join(f'{k}={v}' for k, v in res['manta_knobs'].items())}"
+                if res.get("manta_knobs") else ""), "",
              "| shape | batch | Manta decode | SGLang decode | ratio | Manta e2e | SGLang e2e | ratio "
              "| Manta prefill s | SGLang prefill s | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -1,7 +1,8 @@
 //! bench/py/roofline.py and its place in bench/py/peers_report.py: the floor of a peer row
 //! checked against the weight bytes of the checkpoint tensors the benchmarks build
 //! (`manta_bench::qwen3_tensor_shapes`), so the script's shape table cannot drift from
-//! them; and the report of a synthetic run directory carries each row's floor.
+//! them; and the report of a synthetic run directory carries each row's floor and the
+//! native side's knobs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -143,7 +144,9 @@ fn the_peer_report_carries_each_rows_floor() {
     write("gpu.txt", "NVIDIA H200, 143771 MiB\n".into());
     write(
         "peers_meta.json",
-        json!({"shapes": ["0.6b"], "batches": [64], "prompt": 512, "new_tokens": 256}).to_string(),
+        json!({"shapes": ["0.6b"], "batches": [64], "prompt": 512, "new_tokens": 256,
+               "manta_knobs": {"MANTA_PREFILL_CUDNN": "1"}})
+        .to_string(),
     );
     write("peers_runs.tsv", "native\t0.6b\t0\t30\t300\n".into());
     write(
@@ -161,6 +164,10 @@ fn the_peer_report_carries_each_rows_floor() {
     ]);
     assert!(ok, "{text}");
     assert!(text.contains("Wall time against the floor"), "{text}");
+    assert!(
+        text.contains("native knobs: MANTA_PREFILL_CUDNN=1"),
+        "the knobs of the run are in the table's title: {text}"
+    );
     let doc: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("peers.json")).unwrap()).unwrap();
     let f = &doc["rows"][0]["roofline"];
