@@ -706,11 +706,15 @@ mod tests {
         };
         let cudnn = prefill("1", true);
         assert_eq!(cudnn.size(), flash.size());
-        let err = (cudnn.to_kind(Kind::Float) - flash.to_kind(Kind::Float))
-            .abs()
+        // Two bf16 results of fp32 sums may differ by an ulp: 2^-7 of the value.
+        let flash32 = flash.to_kind(Kind::Float);
+        let err = ((cudnn.to_kind(Kind::Float) - &flash32).abs() / (flash32.abs() + 1.0))
             .max()
             .double_value(&[]);
-        assert!(err < 2e-2, "cuDNN vs flash attention: max difference {err}");
+        assert!(
+            err < 2e-2,
+            "cuDNN vs flash attention: max difference {err} (relative past 1)"
+        );
         assert!(
             prefill("1", false).equal(&flash),
             "a cached prefix keeps flash attention"
