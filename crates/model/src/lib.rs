@@ -20,6 +20,7 @@ pub use layer_hooks::{LayerHooks, NoHooks};
 pub mod recompute;
 pub use recompute::{Recompute, RecomputeError, RecomputeMethod};
 pub mod error;
+mod kernel_check;
 pub use error::ModelError;
 
 pub use tch;

@@ -6,9 +6,6 @@
 //! one (`manta_cuda::logprobs`), instead of a dozen full-width tensor ops and their
 //! autograd backward; elsewhere, and for `token_logprobs` under autograd, tensor ops.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
-
 use tch::{Device, Kind, Tensor};
 
 use crate::transformer::CausalLm;
@@ -142,32 +139,12 @@ fn fused_applies(model: &CausalLm, hidden: &Tensor) -> bool {
         && model.lm_head_weight().kind() == kind
         && model.lm_head_weight().device() == hidden.device()
         && manta_knobs::fused_logprobs()
-        && kernels_usable(index)
-}
-
-/// Whether the log-prob kernels compile for GPU `index`: checked once per GPU, and a
-/// failure (no NVRTC in this install, an unsupported GPU) is logged once and leaves that
-/// GPU on the tensor ops rather than failing the step.
-fn kernels_usable(index: usize) -> bool {
-    static USABLE: Mutex<BTreeMap<usize, bool>> = Mutex::new(BTreeMap::new());
-    let mut usable = USABLE.lock().unwrap_or_else(|p| p.into_inner());
-    *usable.entry(index).or_insert_with(|| {
-        let compiled = manta_cuda::device_arch(index)
-            .and_then(|arch| manta_cuda::logprobs::compile_check(arch).map(|()| arch));
-        match compiled {
-            Ok(arch) => {
-                tracing::debug!("fused log-prob kernels compiled for sm_{arch} (cuda:{index})");
-                true
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "fused log-prob kernels unavailable on cuda:{index}, scoring through \
-                     tensor ops: {e}"
-                );
-                false
-            }
-        }
-    })
+        && crate::kernel_check::compiles_once(
+            "fused log-prob kernels",
+            "scoring through tensor ops",
+            index,
+            manta_cuda::logprobs::compile_check,
+        )
 }
 
 /// Whether autograd records operations here (tch has no query for the grad mode): an op

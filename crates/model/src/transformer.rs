@@ -5,9 +5,7 @@
 //! Methods here take tensors built by the caller (not by users) and panic with a message on
 //! shape misuse, as tch itself does; all input from outside goes through `config`/`checkpoint`.
 
-use std::collections::BTreeMap;
 use std::f64::consts::PI;
-use std::sync::Mutex;
 
 use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
@@ -218,7 +216,12 @@ fn fused_rope(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Tensor> {
         || !manta_knobs::fused_rope()
         || !table_fits(cos)
         || !table_fits(sin)
-        || !rope_kernels_usable(index)
+        || !crate::kernel_check::compiles_once(
+            "fused rotary embedding",
+            "rotating through tensor ops",
+            index,
+            manta_cuda::rope::compile_check,
+        )
     {
         return None;
     }
@@ -237,31 +240,6 @@ fn fused_rope(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Tensor> {
             None
         }
     }
-}
-
-/// Whether the rotary embedding kernels compile for GPU `index`: checked once per GPU; a
-/// failure (no NVRTC in this install, a GPU older than sm_80) is logged once and leaves that
-/// GPU on the tensor ops.
-fn rope_kernels_usable(index: usize) -> bool {
-    static USABLE: Mutex<BTreeMap<usize, bool>> = Mutex::new(BTreeMap::new());
-    let mut usable = USABLE.lock().unwrap_or_else(|p| p.into_inner());
-    *usable.entry(index).or_insert_with(|| {
-        let compiled = manta_cuda::device_arch(index)
-            .and_then(|arch| manta_cuda::rope::compile_check(arch).map(|()| arch));
-        match compiled {
-            Ok(arch) => {
-                tracing::debug!("fused rotary embedding compiled for sm_{arch} (cuda:{index})");
-                true
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "fused rotary embedding unavailable on cuda:{index}, rotating through \
-                     tensor ops: {e}"
-                );
-                false
-            }
-        }
-    })
 }
 
 /// Per-forward attention inputs shared by all layers.
