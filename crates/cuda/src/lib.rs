@@ -109,7 +109,6 @@ extern "C" {
         max_q: i64,
         max_k: i64,
         scale: f64,
-        cudnn: c_int,
         out: *mut *mut c_void,
     ) -> c_int;
 }
@@ -285,19 +284,6 @@ pub fn flash_attention_varlen(
     max_k: i64,
     scale: f64,
 ) -> Result<Tensor, CudaError> {
-    varlen_attention(q, k, v, (cu_q, cu_k), (max_q, max_k), scale, false)
-}
-
-/// The shim's varlen attention: flash attention, or cuDNN's (`cudnn`).
-fn varlen_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    (cu_q, cu_k): (&Tensor, &Tensor),
-    (max_q, max_k): (i64, i64),
-    scale: f64,
-    cudnn: bool,
-) -> Result<Tensor, CudaError> {
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: live tensor handles for the call; on success `out` is a new at::Tensor we own.
     check(unsafe {
@@ -310,33 +296,11 @@ fn varlen_attention(
             max_q,
             max_k,
             scale,
-            c_int::from(cudnn),
             &mut out,
         )
     })?;
     // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
-}
-
-/// [`flash_attention_varlen`] for an engine prefill: through cuDNN's fused attention where
-/// `MANTA_PREFILL_CUDNN` is on and `keys_are_queries` (no sequence has cached keys before
-/// its queries: cuDNN aligns its causal mask at a sequence's first key, which is flash
-/// attention's mask only then), else flash attention. cuDNN's result agrees with flash
-/// attention's to bf16 rounding, not bit for bit.
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_attention_varlen(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cu_q: &Tensor,
-    cu_k: &Tensor,
-    max_q: i64,
-    max_k: i64,
-    scale: f64,
-    keys_are_queries: bool,
-) -> Result<Tensor, CudaError> {
-    let cudnn = keys_are_queries && manta_knobs::prefill_cudnn();
-    varlen_attention(q, k, v, (cu_q, cu_k), (max_q, max_k), scale, cudnn)
 }
 
 /// Decode attention straight over a paged KV cache, one query token per sequence.
@@ -670,61 +634,6 @@ mod tests {
         drop(later);
     }
 
-    /// The engine's prefill attention through cuDNN (`MANTA_PREFILL_CUDNN`) against flash
-    /// attention, on sequences without a cached prefix and grouped heads: equal to bf16
-    /// rounding. With the knob off, or with a cached prefix, it is flash attention's call.
-    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
-    #[test]
-    fn cudnn_prefill_attention_agrees_with_flash_attention() {
-        let Some(gpu) = crate::test_gpu() else {
-            eprintln!("skipped: no CUDA device (the device machine runs this)");
-            return;
-        };
-        let _serial = crate::gpu_test_lock();
-        tch::manual_seed(12);
-        let dev = Device::Cuda(gpu);
-        let (heads, kv_heads, hd) = (16i64, 8i64, 128i64);
-        let lens = [7i64, 64, 1, 300, 128];
-        let total: i64 = lens.iter().sum();
-        let opts = (Kind::BFloat16, dev);
-        let q = Tensor::randn([total, heads, hd], opts);
-        let k = Tensor::randn([total, kv_heads, hd], opts);
-        let v = Tensor::randn([total, kv_heads, hd], opts);
-        let mut cu = vec![0i32];
-        for l in lens {
-            cu.push(cu[cu.len() - 1] + l as i32);
-        }
-        let cu = Tensor::from_slice(&cu).to(dev);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let flash = flash_attention_varlen(&q, &k, &v, &cu, &cu, 300, 300, scale).unwrap();
-        let prefill = |cudnn: &str, keys_are_queries: bool| {
-            manta_knobs::set_override("MANTA_PREFILL_CUDNN", cudnn).expect("a knob");
-            let out =
-                prefill_attention_varlen(&q, &k, &v, &cu, &cu, 300, 300, scale, keys_are_queries);
-            manta_knobs::set_override("MANTA_PREFILL_CUDNN", "0").expect("a knob");
-            out.unwrap()
-        };
-        let cudnn = prefill("1", true);
-        assert_eq!(cudnn.size(), flash.size());
-        // Two bf16 results of fp32 sums may differ by an ulp: 2^-7 of the value.
-        let flash32 = flash.to_kind(Kind::Float);
-        let err = ((cudnn.to_kind(Kind::Float) - &flash32).abs() / (flash32.abs() + 1.0))
-            .max()
-            .double_value(&[]);
-        assert!(
-            err < 2e-2,
-            "cuDNN vs flash attention: max difference {err} (relative past 1)"
-        );
-        assert!(
-            prefill("1", false).equal(&flash),
-            "a cached prefix keeps flash attention"
-        );
-        assert!(
-            prefill("0", true).equal(&flash),
-            "the knob off keeps flash attention"
-        );
-    }
-
     /// Varlen flash attention against fp32 attention with an explicit mask, per sequence:
     /// sequences with a cached prefix (more keys than queries) see keys up to their own
     /// position, aligned at the end of their keys; grouped heads (GQA) share a key head.
@@ -1049,25 +958,6 @@ mod tests {
                 &qkv, weights, &positions, &inv_freq, &slots, &kp, &vp, &mut q_out, eps,
             )
             .unwrap();
-            // The one-CTA-per-token variant writes the same bits.
-            manta_knobs::set_override("MANTA_QK_ROPE_TOKEN_CTA", "1").expect("a knob");
-            let (kp1, vp1) = (kp.zeros_like(), vp.zeros_like());
-            let mut q1 = q_out.empty_like();
-            let run = qk_norm_rope_store(
-                &qkv, weights, &positions, &inv_freq, &slots, &kp1, &vp1, &mut q1, eps,
-            );
-            manta_knobs::set_override("MANTA_QK_ROPE_TOKEN_CTA", "0").expect("a knob");
-            run.unwrap();
-            for (name, a, b) in [
-                ("queries", &q1, &q_out),
-                ("keys", &kp1, &kp),
-                ("values", &vp1, &vp),
-            ] {
-                assert!(
-                    a.equal(b),
-                    "heads {nh}/{nkv}: per-token kernel's {name} differ"
-                );
-            }
             // The reference, as the model's composite path computes it.
             let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &inv_freq;
             let emb = Tensor::cat(&[&freqs, &freqs], -1);

@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kQkRopeTokenCta, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1052,10 +1052,8 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
     void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
     const int64_t heads = nh + 2 * nkv;
-    // One CTA per token (all heads), or per token and 8 heads (MANTA_QK_ROPE_TOKEN_CTA).
-    const bool per_token = knob_or(kQkRopeTokenCta, 0) == 1;
-    launch(kernel(source, defines, per_token ? "qk_norm_rope_store_tokens" : "qk_norm_rope_store", device), device,
-           static_cast<unsigned>(n), per_token ? 1u : static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -1149,11 +1147,8 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
 // hd] (bf16 or fp16, CUDA), cumulative lengths cu_q and cu_k [seqs + 1] int32. A sequence
 // with more keys than queries (a cached prefix) has its queries at the end of its keys: the
 // causal mask is aligned at the bottom right. A new tensor like q in *out.
-// `cudnn`: through cuDNN's fused attention (libtorch's ragged path) instead. Its causal
-// mask is aligned at each sequence's first key, so the caller passes only sequences whose
-// keys are their queries (no cached prefix), where that is the mask flash attention applies.
 int manta_flash_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, int64_t max_q, int64_t max_k,
-                       double scale, int cudnn, void** out) {
+                       double scale, void** out) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const at::Tensor& q = tensor(q_);
@@ -1164,15 +1159,6 @@ int manta_flash_varlen(void* q_, void* k_, void* v_, void* cu_q_, void* cu_k_, i
     TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [tokens, heads, head_dim]");
     TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt, "cu_q and cu_k must be int32");
     TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_q and cu_k must have one entry per sequence plus one");
-    if (cudnn) {
-      TORCH_CHECK(max_q == max_k && q.size(0) == k.size(0),
-                  "cuDNN prefill attention takes sequences without a cached prefix");
-      auto result = at::_cudnn_attention_forward(q, k, v, std::nullopt, cu_q, cu_k, max_q, max_k,
-                                                 /*compute_log_sumexp=*/false, 0.0, /*is_causal=*/true,
-                                                 /*return_debug_mask=*/false, scale);
-      *out = new at::Tensor(std::get<0>(result));
-      return;
-    }
     auto result = at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, /*is_causal=*/true,
                                                /*return_debug_mask=*/false, scale);
     *out = new at::Tensor(std::get<0>(result));

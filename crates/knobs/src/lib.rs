@@ -59,7 +59,6 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_ENGINE_PROFILE", values: Values::Flag, default: "off", what: "native engine: log per-step timings of the engine thread" },
     Knob { name: "MANTA_DISABLE_OVERLAP_SCHEDULE", values: Values::Flag, default: "off", what: "bench engine_decode: schedule each step after the host read the last one" },
     Knob { name: "MANTA_PREFILL_VARLEN", values: Values::Flag, default: "on", what: "native engine: prefill through one variable-length flash call (off: one SDPA per sequence)" },
-    Knob { name: "MANTA_PREFILL_CUDNN", values: Values::Flag, default: "off", what: "native engine: prefill attention of sequences without a cached prefix through cuDNN's fused attention instead of flash attention (agrees to bf16 rounding, not bit for bit); not yet measured on a GPU" },
     Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
     Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
     Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
@@ -85,11 +84,10 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel: split of the inner dimension" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
-    Knob { name: "MANTA_QK_ROPE_TOKEN_CTA", values: Values::Flag, default: "off", what: "q/k norm + rotary + cache store kernel: one CTA per token (all heads) instead of one per token and 8 heads; compile-checked, not yet measured on a GPU" },
 ];
 
 /// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
-pub const KERNEL_KNOBS: [&str; 13] = [
+pub const KERNEL_KNOBS: [&str; 12] = [
     "MANTA_PDL",
     "MANTA_PAGED_CTAS_PER_SM",
     "MANTA_PAGED_LANES",
@@ -102,11 +100,10 @@ pub const KERNEL_KNOBS: [&str; 13] = [
     "MANTA_GEMV_KSPLIT",
     "MANTA_GEMV_WARPS",
     "MANTA_GEMV_NORM_WARPS",
-    "MANTA_QK_ROPE_TOKEN_CTA",
 ];
 
 /// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
-pub fn kernel_values() -> [i64; 13] {
+pub fn kernel_values() -> [i64; 12] {
     KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
 }
 
@@ -318,11 +315,6 @@ pub fn overlap_schedule() -> bool {
 /// Native engine: prefill through one variable-length flash call.
 pub fn prefill_varlen() -> bool {
     flag("MANTA_PREFILL_VARLEN", true)
-}
-
-/// Native engine: prefix-free prefill attention through cuDNN.
-pub fn prefill_cudnn() -> bool {
-    flag("MANTA_PREFILL_CUDNN", false)
 }
 
 /// Native engine: decode projections through the GEMV kernel.

@@ -438,7 +438,7 @@ impl SelfAttention {
         let lowp = matches!(q.kind(), Kind::BFloat16 | Kind::Half);
         if let (Some(packed), true) = (&prefill.packed, lowp) {
             let qs = q.narrow(0, prefill.start, prefill.rows).contiguous();
-            let out = manta_cuda::prefill_attention_varlen(
+            let out = manta_cuda::flash_attention_varlen(
                 &qs,
                 &k_pool.index_select(0, &prefill.slots),
                 &v_pool.index_select(0, &prefill.slots),
@@ -447,7 +447,6 @@ impl SelfAttention {
                 packed.max_q,
                 packed.max_k,
                 self.scale(),
-                packed.keys_are_queries,
             )
             .unwrap_or_else(|e| panic!("varlen flash attention: {e}"));
             return out.reshape([prefill.rows, self.num_heads * hd]);
@@ -540,8 +539,6 @@ struct PackedLengths {
     cu_k: Tensor,
     max_q: i64,
     max_k: i64,
-    /// No sequence has cached keys before its queries.
-    keys_are_queries: bool,
 }
 
 impl Prefill {
@@ -567,7 +564,6 @@ impl Prefill {
             cu_k: Tensor::from_slice(&cu_k).to(device),
             max_q: parts.iter().map(|p| p.q_len).max().unwrap_or(1),
             max_k: parts.iter().map(|p| p.ctx).max().unwrap_or(1),
-            keys_are_queries: parts.iter().all(|p| p.q_len == p.ctx),
         });
         Self {
             start: start as i64,
