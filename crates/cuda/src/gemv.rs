@@ -203,6 +203,79 @@ mod tests {
         }
     }
 
+    /// The layouts `MANTA_GEMV_ROWS` and `MANTA_GEMV_KSPLIT` select (8B o and down
+    /// projections, and the qkv projection with its norm) compile too.
+    #[test]
+    fn gemv_layouts_compile_for_hopper() {
+        if !built_with_cuda() {
+            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
+            return;
+        }
+        for (rows, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
+            manta_knobs::set_override("MANTA_GEMV_ROWS", rows).expect("a knob");
+            manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
+            let result = [(4096, 4096), (12288, 4096), (4096, 6144)]
+                .into_iter()
+                .try_for_each(|(k, n)| gemv_compile(k, n, false, MAX_ROWS, 90));
+            manta_knobs::clear_overrides();
+            if let Err(e) = result {
+                panic!("rows {rows}, k split {split}: {e}");
+            }
+        }
+    }
+
+    /// Every layout `MANTA_GEMV_ROWS` and `MANTA_GEMV_KSPLIT` select against cuBLAS, at the
+    /// 8B decode shapes they are for: o and down projections (plain), qkv (fused norm).
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
+    #[test]
+    fn gemv_layouts_match_linear() {
+        let Some(gpu) = crate::test_gpu() else {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        };
+        let _serial = crate::gpu_test_lock();
+        let dev = Device::Cuda(gpu);
+        tch::manual_seed(5);
+        for (rows_knob, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
+            manta_knobs::set_override("MANTA_GEMV_ROWS", rows_knob).expect("a knob");
+            manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
+            for (k, n) in [(4096i64, 4096i64), (12288, 4096)] {
+                for rows in [1i64, 2, 8] {
+                    let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+                    let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+                    let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
+                    let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
+                    gemv(&x, &w, &mut y, false).expect("gemv runs");
+                    let (err, scale) = max_err(&y, &want);
+                    assert!(
+                        err <= scale * 8e-3,
+                        "rows knob {rows_knob}, split {split}: k {k} n {n} rows {rows}: {err} of {scale}"
+                    );
+                }
+            }
+            let residual = Tensor::randn([1, 4096], (Kind::BFloat16, dev));
+            let weight = Tensor::rand([4096], (Kind::BFloat16, dev)) + 0.5;
+            let w = Tensor::randn([6144, 4096], (Kind::BFloat16, dev)) * 0.05;
+            let mut normed = residual.empty_like();
+            crate::add_rms_norm(&mut residual.copy(), None, &weight, &mut normed, 1e-6)
+                .expect("add_rms_norm");
+            let want = normed.linear(&w, None::<Tensor>).to_kind(Kind::Float);
+            let mut got = Tensor::empty([1, 6144], (Kind::BFloat16, dev));
+            let norm = InputNorm {
+                delta: None,
+                weight: &weight,
+                eps: 1e-6,
+            };
+            gemv_norm(&residual, norm, &w, &mut got, false).expect("gemv_norm");
+            let (err, scale) = max_err(&got, &want);
+            assert!(
+                err <= scale * 2e-2,
+                "rows knob {rows_knob}: norm qkv: {err} of {scale}"
+            );
+        }
+        manta_knobs::clear_overrides();
+    }
+
     /// Largest |got − want| and largest |want| (for a tolerance relative to the output's size).
     fn max_err(got: &Tensor, want: &Tensor) -> (f64, f64) {
         let err = (got.to_kind(Kind::Float) - want)

@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1199,11 +1199,20 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 // Defines of the small-batch GEMV (gemv.cu.inc) for inner size k, up to `rows` input rows
 // and n outputs.
 int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
-int64_t gemv_rows_per_warp(int64_t n, bool silu) { return !silu && n >= 4096 ? 2 : 1; }
+// Output rows per warp. Two share each input load, where there are enough rows that the
+// grid stays large; the LM head (fp32 out) always takes two. MANTA_GEMV_ROWS (1, 2)
+// overrides for the bf16 products with no SiLU, for A/B runs.
+int64_t gemv_rows_per_warp(int64_t n, bool silu, bool out_f32) {
+  if (silu) return 1;
+  const int64_t by_shape = n >= 4096 ? 2 : 1;
+  return out_f32 ? by_shape : knob_or(kGemvRows, by_shape);
+}
 // Warps sharing a row: with few outputs (a 0.6B model's o and down projections) one warp
-// per row leaves too few loads in flight. MANTA_GEMV_KSPLIT (1, 2 or 4) overrides, for A/B.
-int64_t gemv_k_split(int64_t k, int64_t n) {
-  const int64_t split = knob_or(kGemvKsplit, n <= 2048 ? 4 : 1);
+// per row leaves too few loads in flight. MANTA_GEMV_KSPLIT (1, 2 or 4) overrides, for A/B,
+// for the bf16 products without a fused norm (the o and down projections).
+int64_t gemv_k_split(int64_t k, int64_t n, bool norm, bool out_f32) {
+  const int64_t by_shape = n <= 2048 ? 4 : 1;
+  const int64_t split = norm || out_f32 ? by_shape : knob_or(kGemvKsplit, by_shape);
   return k % (256 * split) == 0 ? split : 1;
 }
 // Warps per CTA. The variants with the fused norm take 8: every CTA computes the norm of
@@ -1214,11 +1223,13 @@ int64_t gemv_k_split(int64_t k, int64_t n) {
 int64_t gemv_warps(bool norm) {
   return norm ? knob_or(kGemvNormWarps, 8) : knob_or(kGemvWarps, 4);
 }
-int64_t gemv_split(int64_t k, int64_t n, bool norm) { return std::min(gemv_k_split(k, n), gemv_warps(norm)); }
+int64_t gemv_split(int64_t k, int64_t n, bool norm, bool out_f32) {
+  return std::min(gemv_k_split(k, n, norm, out_f32), gemv_warps(norm));
+}
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {
-  return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) + define("R", gemv_rows_per_warp(n, silu)) +
-         define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) + define("KSPLIT", gemv_split(k, n, norm)) +
-         define("GEMV_WARPS", gemv_warps(norm));
+  return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) +
+         define("R", gemv_rows_per_warp(n, silu, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
+         define("KSPLIT", gemv_split(k, n, norm, out_f32)) + define("GEMV_WARPS", gemv_warps(norm));
 }
 // NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
 bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
@@ -1282,7 +1293,7 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     int m_i = static_cast<int>(rows), n_i = static_cast<int>(n);
     void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
     const int64_t warps = gemv_warps(norm);
-    const int64_t per_cta = warps / gemv_split(k, n, norm) * gemv_rows_per_warp(n, silu != 0);
+    const int64_t per_cta = warps / gemv_split(k, n, norm, out_f32) * gemv_rows_per_warp(n, silu != 0, out_f32);
     launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm, out_f32), "gemv", device), device,
            static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args, true);
   });
