@@ -286,8 +286,8 @@ mod tests {
     }
 
     /// Against cuBLAS through `linear` (and silu × up over its bf16 output): fp32 sums in
-    /// another order, so within a bf16 rounding step of the result. Shapes with 1,024 or
-    /// 512 outputs take the split-K layout (four warps per row).
+    /// another order, so within a bf16 rounding step of the result. Plain products take
+    /// the split-K layout (four warps per row).
     #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn gemv_matches_linear() {

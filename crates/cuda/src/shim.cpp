@@ -1207,12 +1207,14 @@ int64_t gemv_rows_per_warp(int64_t n, bool silu, bool out_f32) {
   const int64_t by_shape = n >= 4096 ? 2 : 1;
   return out_f32 ? by_shape : knob_or(kGemvRows, by_shape);
 }
-// Warps sharing a row: with few outputs (a 0.6B model's o and down projections) one warp
-// per row leaves too few loads in flight. MANTA_GEMV_KSPLIT (1, 2 or 4) overrides, for A/B,
-// for the bf16 products without a fused norm (the o and down projections).
+// Warps sharing a row. A bf16 product without a fused norm (the o and down projections)
+// takes 4: a grid of one CTA per 8 rows is about one wave on an H100/H200, so its last CTAs
+// run alone, and with 4 warps a row it is four times as many CTAs (H200, 2026-11-27, 8B
+// batch 1 decode step 4,974 -> 4,735 us; 2 was slower, 5,075 us, at ~1.5 waves). The
+// others take 4 only with few outputs (n <= 2048). MANTA_GEMV_KSPLIT (1, 2 or 4)
+// overrides for the bf16 products without a fused norm, for A/B runs.
 int64_t gemv_k_split(int64_t k, int64_t n, bool norm, bool out_f32) {
-  const int64_t by_shape = n <= 2048 ? 4 : 1;
-  const int64_t split = norm || out_f32 ? by_shape : knob_or(kGemvKsplit, by_shape);
+  const int64_t split = norm || out_f32 ? (n <= 2048 ? 4 : 1) : knob_or(kGemvKsplit, 4);
   return k % (256 * split) == 0 ? split : 1;
 }
 // Warps per CTA. The variants with the fused norm take 8: every CTA computes the norm of

@@ -81,7 +81,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_PAGED_PDL", values: Values::Flag, default: "off for the tensor-core kernel, else on", what: "paged attention: launch as a programmatic dependent" },
     Knob { name: "MANTA_SMALL_VEC", values: Values::Flag, default: "on", what: "small fused kernels: 8 bf16 per access where aligned" },
     Knob { name: "MANTA_DECODE_LT", values: Values::Flag, default: "on", what: "decode projections through cuBLASLt" },
-    Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel, bf16 products without a fused norm (o and down projections): warps sharing a row, each taking that part of the inner dimension" },
+    Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "4", what: "GEMV kernel, bf16 products without a fused norm (o and down projections): warps sharing a row, each taking that part of the inner dimension" },
     Knob { name: "MANTA_GEMV_ROWS", values: Values::OneOf(&[1, 2]), default: "by shape", what: "GEMV kernel, bf16 products without SiLU: output rows per warp" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
