@@ -134,8 +134,9 @@ P_COMMAND=$COMMAND P_SHAPES=$SHAPES P_BATCHES=$BCSV P_PROMPT=$PROMPT P_NEW=$NEW 
 P_DECODE=$DECODE P_ROLLOUT=$ROLLOUT P_COMMIT=$COMMIT P_VERSIONS=$SGLANG_VERSIONS \
 P_MEMF=${SGLANG_MEM_FRACTION:-0.7} P_PASSES=${SGLANG_PASSES:-2} P_GRAPH=${SGLANG_GRAPH_BS:-exact} \
 P_EXTRA=${SGLANG_EXTRA_ARGS:-} P_BUDGET=$BUDGET_S python3 - "$OUT/peers_meta.json" <<'PY'
-import json, os, sys
+import json, os, re, sys
 e = os.environ
+KNOBS = set(re.findall(r"^\| `(MANTA_[A-Z0-9_]+)`", open("docs/knobs.md").read(), re.M))
 json.dump({"command": e["P_COMMAND"], "shapes": e["P_SHAPES"].split(),
            "batches": [int(b) for b in e["P_BATCHES"].split(",") if b],
            "prompt": int(e["P_PROMPT"]), "new_tokens": int(e["P_NEW"]), "sides": e["P_SIDES"].split(),
@@ -144,9 +145,9 @@ json.dump({"command": e["P_COMMAND"], "shapes": e["P_SHAPES"].split(),
            "budget_s": int(e["P_BUDGET"]), "sglang_versions": json.loads(e["P_VERSIONS"] or "{}"),
            "sglang_args": {"mem_fraction_static": e["P_MEMF"], "passes": int(e["P_PASSES"]),
                            "decode_graph_bs": e["P_GRAPH"], "extra": e["P_EXTRA"]},
-           # The native side's tuning knobs set for this run (docs/knobs.md), for A/B tables.
-           "manta_knobs": {k: v for k, v in sorted(e.items()) if k.startswith("MANTA_")
-                           and k not in ("MANTA_DEVICE_KIND", "MANTA_COMMIT", "MANTA_PYTHON")}},
+           # The native side's tuning knobs set for this run (the table of docs/knobs.md),
+           # for A/B tables; other MANTA_* variables are not knobs.
+           "manta_knobs": {k: v for k, v in sorted(e.items()) if k in KNOBS}},
           open(sys.argv[1], "w"), indent=1)
 PY
 

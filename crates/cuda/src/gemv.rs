@@ -203,8 +203,8 @@ mod tests {
         }
     }
 
-    /// The layouts `MANTA_GEMV_ROWS` and `MANTA_GEMV_KSPLIT` select (8B o and down
-    /// projections, and the qkv projection with its norm) compile too.
+    /// The layouts `MANTA_GEMV_ROWS`, `MANTA_GEMV_KSPLIT` and `MANTA_GEMV_NORM_KSPLIT`
+    /// select (8B o, down, qkv and gate/up projections) compile too.
     #[test]
     fn gemv_layouts_compile_for_hopper() {
         if !built_with_cuda() {
@@ -214,9 +214,15 @@ mod tests {
         for (rows, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
             manta_knobs::set_override("MANTA_GEMV_ROWS", rows).expect("a knob");
             manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
-            let result = [(4096, 4096), (12288, 4096), (4096, 6144)]
-                .into_iter()
-                .try_for_each(|(k, n)| gemv_compile(k, n, false, MAX_ROWS, 90));
+            manta_knobs::set_override("MANTA_GEMV_NORM_KSPLIT", split).expect("a knob");
+            let result = [
+                (4096, 4096, false),
+                (12288, 4096, false),
+                (4096, 6144, false),
+            ]
+            .into_iter()
+            .chain([(4096, 12288, true)])
+            .try_for_each(|(k, n, silu)| gemv_compile(k, n, silu, MAX_ROWS, 90));
             manta_knobs::clear_overrides();
             if let Err(e) = result {
                 panic!("rows {rows}, k split {split}: {e}");
@@ -224,8 +230,9 @@ mod tests {
         }
     }
 
-    /// Every layout `MANTA_GEMV_ROWS` and `MANTA_GEMV_KSPLIT` select against cuBLAS, at the
-    /// 8B decode shapes they are for: o and down projections (plain), qkv (fused norm).
+    /// Every layout `MANTA_GEMV_ROWS`, `MANTA_GEMV_KSPLIT` and `MANTA_GEMV_NORM_KSPLIT`
+    /// select against cuBLAS, at the 8B decode shapes they are for: o and down projections
+    /// (plain), qkv (fused norm).
     #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn gemv_layouts_match_linear() {
@@ -239,6 +246,7 @@ mod tests {
         for (rows_knob, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
             manta_knobs::set_override("MANTA_GEMV_ROWS", rows_knob).expect("a knob");
             manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
+            manta_knobs::set_override("MANTA_GEMV_NORM_KSPLIT", split).expect("a knob");
             for (k, n) in [(4096i64, 4096i64), (12288, 4096)] {
                 for rows in [1i64, 2, 8] {
                     let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
@@ -270,7 +278,7 @@ mod tests {
             let (err, scale) = max_err(&got, &want);
             assert!(
                 err <= scale * 2e-2,
-                "rows knob {rows_knob}: norm qkv: {err} of {scale}"
+                "rows knob {rows_knob}, split {split}: norm qkv: {err} of {scale}"
             );
         }
         manta_knobs::clear_overrides();

@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1212,9 +1212,12 @@ int64_t gemv_rows_per_warp(int64_t n, bool silu, bool out_f32) {
 // run alone, and with 4 warps a row it is four times as many CTAs (H200, 2026-11-27, 8B
 // batch 1 decode step 4,974 -> 4,735 us; 2 was slower, 5,075 us, at ~1.5 waves). The
 // others take 4 only with few outputs (n <= 2048). MANTA_GEMV_KSPLIT (1, 2 or 4)
-// overrides for the bf16 products without a fused norm, for A/B runs.
+// overrides for the bf16 products without a fused norm, MANTA_GEMV_NORM_KSPLIT for those
+// with one (the qkv projection's 384 CTAs at 8B are ~1.5 waves too, but each CTA repeats
+// the norm), for A/B runs.
 int64_t gemv_k_split(int64_t k, int64_t n, bool norm, bool out_f32) {
-  const int64_t split = norm || out_f32 ? (n <= 2048 ? 4 : 1) : knob_or(kGemvKsplit, 4);
+  const int64_t few = n <= 2048 ? 4 : 1;
+  const int64_t split = out_f32 ? few : norm ? knob_or(kGemvNormKsplit, few) : knob_or(kGemvKsplit, 4);
   return k % (256 * split) == 0 ? split : 1;
 }
 // Warps per CTA. The variants with the fused norm take 8: every CTA computes the norm of
