@@ -145,7 +145,7 @@ fn the_peer_report_carries_each_rows_floor() {
     write(
         "peers_meta.json",
         json!({"shapes": ["0.6b"], "batches": [64], "prompt": 512, "new_tokens": 256,
-               "manta_knobs": {"MANTA_PREFILL_CUDNN": "1"}})
+               "manta_knobs": {"MANTA_GEMV_NORM_KSPLIT": "2"}})
         .to_string(),
     );
     write("peers_runs.tsv", "native\t0.6b\t0\t30\t300\n".into());
@@ -165,7 +165,7 @@ fn the_peer_report_carries_each_rows_floor() {
     assert!(ok, "{text}");
     assert!(text.contains("Wall time against the floor"), "{text}");
     assert!(
-        text.contains("native knobs: MANTA_PREFILL_CUDNN=1"),
+        text.contains("native knobs: MANTA_GEMV_NORM_KSPLIT=2"),
         "the knobs of the run are in the table's title: {text}"
     );
     let doc: Value =
