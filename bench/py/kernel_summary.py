@@ -2,13 +2,19 @@
 """Where a Kineto trace's GPU time goes: a table of kernels (and copies, memsets) by total
 device time, the GPU's busy span, how much of it no kernel ran, and the top CPU ops.
 
-usage: kernel_summary.py TRACE.json [--top N] [--json OUT] [--minus BASE.json [--per N]]
+usage: kernel_summary.py TRACE.json [--top N] [--json OUT] [--by-launch | --minus BASE.json [--per N]]
 
 TRACE.json is a Chrome trace from libtorch's profiler (MANTA_TORCH_PROFILE=DIR writes
 them, docs/knobs.md; torch.profiler's export_chrome_trace too). Kernels on concurrent
 streams overlap, so the idle fraction comes from the union of their intervals, per
 device, not from their summed durations. CPU op times are inclusive (aten::linear holds
 its aten::mm). Standard library only: it runs on the GPU machine as it is.
+
+--by-launch: kernels grouped by name and launch shape (grid and block, from the trace's
+args), with the median and quartiles of their durations: one kernel name that runs
+several projections (a GEMV) shows each apart, and a grid of about one wave shows as
+the slow one. Take the trace with MANTA_PDL=0 for it: under programmatic dependent
+launch a kernel's duration includes its wait for the kernel before.
 
 --minus BASE.json: the kernels of TRACE less those of BASE, by name (time and count), for
 a trace that holds BASE's work and more: engine_decode's trace of a prefill and 32 decode
@@ -73,6 +79,36 @@ def by_name(events, width=NAME_CHARS):
             "percent": 100.0 * us / summed if summed else 0.0,
         })
     return rows
+
+
+def quantile(sorted_values, q):
+    """The value at fraction `q` of a sorted list (nearest rank, no interpolation)."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def by_launch(events, width=60):
+    """Rows by (name, grid, block), largest total first: count, total ms, and the 25th,
+    50th and 75th percentile of the durations in µs."""
+    groups = defaultdict(list)
+    for e in events:
+        a = e.get("args") or {}
+        groups[(e["name"], str(a.get("grid", "?")), str(a.get("block", "?")))].append(float(e["dur"]))
+    rows = []
+    for (name, grid, block), durs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        durs.sort()
+        rows.append({"name": short(name, width), "grid": grid, "block": block, "count": len(durs),
+                     "total_ms": sum(durs) / 1e3, "p25_us": quantile(durs, 0.25),
+                     "median_us": quantile(durs, 0.5), "p75_us": quantile(durs, 0.75)})
+    return rows
+
+
+def launch_table(rows, title):
+    out = [f"{title:<60} {'grid':>16} {'block':>14} {'count':>7} {'total ms':>10} "
+           f"{'p25 µs':>9} {'median µs':>10} {'p75 µs':>9}"]
+    for r in rows:
+        out.append(f"{r['name']:<60} {r['grid']:>16} {r['block']:>14} {r['count']:>7} "
+                   f"{r['total_ms']:>10.3f} {r['p25_us']:>9.1f} {r['median_us']:>10.1f} {r['p75_us']:>9.1f}")
+    return "\n".join(out)
 
 
 def device_of(e):
@@ -190,7 +226,11 @@ def main(argv=None):
     p.add_argument("--json", metavar="OUT", help="also write the summary as JSON to OUT")
     p.add_argument("--minus", metavar="BASE", help="subtract BASE's kernels (a trace of part of the work)")
     p.add_argument("--per", type=int, default=1, help="with --minus: divide the difference by N (1)")
+    p.add_argument("--by-launch", action="store_true",
+                   help="group kernels by name, grid and block, with duration quartiles")
     args = p.parse_args(argv)
+    if args.by_launch and args.minus:
+        sys.exit("kernel_summary: --by-launch and --minus do not combine")
     if args.per < 1:
         sys.exit(f"kernel_summary: --per must be at least 1, not {args.per}")
     trace = load(args.trace)
@@ -201,6 +241,13 @@ def main(argv=None):
         unit = f" per {args.per}" if args.per > 1 else ""
         print(table(s["kernels"], f"GPU kernels{unit}, less the base trace (top {args.top} of {len(rows)})"))
         print(f"\nsummed{unit}: {s['summed_ms']:.3f} ms")
+    elif args.by_launch:
+        gpu = list(complete_events(trace, GPU_CATS))
+        rows = by_launch(gpu)
+        s = {"launches": rows[:args.top], "launch_shapes": len(rows), "gpu": busy(gpu)}
+        print(launch_table(s["launches"], f"GPU kernels by launch shape (top {args.top} of {len(rows)})"))
+        if s["gpu"] is not None:
+            print("\n" + busy_line("GPU", s["gpu"]))
     else:
         s = summarize(trace, args.top)
         print(report(s, args.top))

@@ -135,3 +135,66 @@ fn a_trace_less_its_base_is_the_added_work_per_step() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--per must be at least 1"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--by-launch`: one kernel name launched with two grids (a GEMV that serves two
+/// projections) is two rows, each with its own quartiles.
+#[test]
+fn kernels_by_launch_shape_keep_one_names_grids_apart() {
+    let dir = std::env::temp_dir().join(format!("manta-kernel-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let event = |grid: u32, ts: u32, dur: u32| {
+        format!(
+            r#"{{"ph": "X", "cat": "kernel", "name": "gemv", "pid": 0, "tid": 7, "ts": {ts}, "dur": {dur}, "args": {{"grid": [{grid}, 1, 1], "block": [128, 1, 1]}}}}"#
+        )
+    };
+    // Grid 512: 30, 34, 40 µs (median 34); grid 4096: 10, 11 µs (median at the upper rank).
+    let events = [
+        event(512, 0, 34),
+        event(512, 100, 30),
+        event(512, 200, 40),
+        event(4096, 300, 10),
+        event(4096, 400, 11),
+    ];
+    let trace = format!(r#"{{"traceEvents": [{}]}}"#, events.join(","));
+    std::fs::write(dir.join("trace.json"), trace).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .arg(dir.join("trace.json"))
+        .arg("--by-launch")
+        .arg("--json")
+        .arg(dir.join("launch.json"))
+        .output()
+        .expect("run python3 (set MANTA_PYTHON)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("launch.json")).unwrap()).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let rows = s["launches"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0]["grid"], "[512, 1, 1]");
+    assert_eq!(rows[0]["count"], 3);
+    assert_eq!(rows[0]["median_us"], 34.0);
+    assert_eq!(rows[0]["p25_us"], 30.0);
+    assert_eq!(rows[0]["p75_us"], 40.0);
+    assert_eq!(rows[1]["grid"], "[4096, 1, 1]");
+    assert_eq!(rows[1]["median_us"], 11.0);
+    // The two options answer different questions; together they are an error, not a guess.
+    let both = Command::new(python())
+        .arg(&script)
+        .arg(dir.join("missing.json"))
+        .args(["--by-launch", "--minus", "x.json"])
+        .output()
+        .expect("run python3");
+    assert!(!both.status.success());
+    assert!(
+        String::from_utf8_lossy(&both.stderr).contains("do not combine"),
+        "{}",
+        String::from_utf8_lossy(&both.stderr)
+    );
+}
