@@ -17,7 +17,7 @@
 #      the rollout/train split and tokens per step of each side, "device", "date", "command".
 # Needs bin/driver and bin/otlp_sink (bench/run_e2e.sh build here; carry bin, or carry
 # .devpack/manta.tar.xz, unpacked into bin when bin/driver is missing; MANTA_TARBALL names
-# another). Other knobs: STEPS (4), BATCH (32), N_SAMPLES (8), MAX_RESPONSE_LEN (64),
+# another, such as the .devpack/manta-<commit>.tar.xz of bench/pack_bin.sh). Other knobs: STEPS (4), BATCH (32), N_SAMPLES (8), MAX_RESPONSE_LEN (64),
 # MODEL_SHAPE (0.6b | 8b, as bench/run_e2e.sh), MICRO_BATCH ("64 256": TRL's micro-batch
 # sizes to run, each dividing BATCH x N_SAMPLES; 256 at the defaults is the whole step in one
 # micro-batch), MANTA_MAX_TOKENS_PER_GPU (Manta's digits run's --max-tokens-per-gpu;
@@ -29,7 +29,7 @@
 # MANTA_DEVICE_KIND (names the kind in "device").
 # Run time on one H100/H200 at the defaults: a few minutes (install ~15 s, TRL ~1 min,
 # each Manta run ~1 min). Example device call, from the repo root:
-#   carry [".devpack"]   command: MANTA_TARBALL=.devpack/m35.tar.xz bash bench/run_trl_step.sh
+#   carry [".devpack"]   command: MANTA_TARBALL=.devpack/manta-<commit>.tar.xz bash bench/run_trl_step.sh
 # Files under $OUT: trl_mbN.json and trl_mbN.log per micro-batch size N, install.log, model.log, and run_e2e.sh's own
 # (runs/, colocated/, e2e_colocated.json, report.md), colocated-digits/ and
 # e2e_colocated-digits.json, trl_step.json.
