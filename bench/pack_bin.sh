@@ -29,13 +29,7 @@ echo "[pack] building $REV in $BUILD_DIR"
 cargo build --release -p manta-driver --bin driver -p manta-bench --bin otlp_sink --bin engine_decode --bin decode_step
 cp target/release/{driver,otlp_sink,engine_decode,decode_step} bin/
 tests() {  # cargo test --no-run ARGS..., each test executable copied to bin/tests
-  cargo test --release --no-run --message-format=json "$@" | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        name = m["target"]["name"] if m["target"]["kind"] != ["lib"] else m["target"]["name"] + "_lib"
-        shutil.copy(m["executable"], "bin/tests/" + name)'
+  cargo test --release --no-run --message-format=json "$@" | python3 bench/py/copy_test_executables.py bin/tests > /dev/null
 }
 case "$PACK_TESTS" in
   decode)

@@ -12,14 +12,7 @@ set -euo pipefail
 if [ "${1:-}" = build ]; then
   mkdir -p bin/tests
   build() {  # cargo test --no-run ARGS..., copying each test executable to bin/tests
-    cargo test --release --no-run --message-format=json "$@" | python3 -c '
-import json, shutil, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        name = m["target"]["name"] if m["target"]["kind"] != ["lib"] else m["target"]["name"] + "_lib"
-        shutil.copy(m["executable"], "bin/tests/" + name)
-        print("bin/tests/" + name)'
+    cargo test --release --no-run --message-format=json "$@" | python3 bench/py/copy_test_executables.py bin/tests
   }
   build -p manta-cuda --lib --test nccl_group --test rope
   build -p manta-model --test cuda --test segments --test fused_logprobs --test fused_rope

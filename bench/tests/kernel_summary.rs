@@ -2,8 +2,9 @@
 //! sorted by total time, long names cut, and the idle fraction from the union of kernel
 //! intervals (two streams overlapping count once), not from their summed durations.
 
+use std::ffi::OsStr;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 /// Device 0: a long-named kernel twice, another overlapping the first on a second stream,
 /// a copy; span 40 µs, summed 35 µs, covered 30 µs (idle 25%). Plus a CPU op, a runtime
@@ -22,26 +23,39 @@ fn python() -> String {
     std::env::var("MANTA_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
+/// bench/py/kernel_summary.py run with `args`, whatever its exit status.
+fn kernel_summary<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Output {
+    Command::new(python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py"))
+        .args(args)
+        .output()
+        .expect("run python3 (set MANTA_PYTHON)")
+}
+
+/// Its stdout, after checking that it succeeded.
+fn stdout_of_success(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 #[test]
 fn kernels_are_summed_by_name_and_idle_time_merges_overlaps() {
     let dir = std::env::temp_dir().join(format!("manta-kernel-summary-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let long = format!("void gemm<{}>(int)", "float, ".repeat(40));
     std::fs::write(dir.join("trace.json"), TRACE.replace("LONG", &long)).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .arg(dir.join("trace.json"))
-        .args(["--top", "2", "--json"])
-        .arg(dir.join("summary.json"))
-        .output()
-        .expect("run python3 (set MANTA_PYTHON)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = stdout_of_success(&kernel_summary([
+        dir.join("trace.json").as_os_str(),
+        OsStr::new("--top"),
+        OsStr::new("2"),
+        OsStr::new("--json"),
+        dir.join("summary.json").as_os_str(),
+    ]));
     assert!(stdout.contains("idle 25.0%"), "{stdout}");
 
     let s: serde_json::Value =
@@ -93,16 +107,14 @@ fn a_trace_less_its_base_is_the_added_work_per_step() {
     ]);
     std::fs::write(dir.join("base.json"), base).unwrap();
     std::fs::write(dir.join("full.json"), full).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py");
     let run = |extra: &[&str]| {
-        Command::new(python())
-            .arg(&script)
-            .arg(dir.join("full.json"))
-            .arg("--minus")
-            .arg(dir.join("base.json"))
-            .args(extra)
-            .output()
-            .expect("run python3 (set MANTA_PYTHON)")
+        let mut args = vec![
+            dir.join("full.json").into_os_string(),
+            "--minus".into(),
+            dir.join("base.json").into_os_string(),
+        ];
+        args.extend(extra.iter().map(|a| a.into()));
+        kernel_summary(args)
     };
     let out = run(&[
         "--per",
@@ -110,12 +122,7 @@ fn a_trace_less_its_base_is_the_added_work_per_step() {
         "--json",
         dir.join("minus.json").to_str().unwrap(),
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = stdout_of_success(&out);
     assert!(stdout.contains("summed per 2: 0.050 ms"), "{stdout}");
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("minus.json")).unwrap()).unwrap();
@@ -157,21 +164,12 @@ fn kernels_by_launch_shape_keep_one_names_grids_apart() {
     ];
     let trace = format!(r#"{{"traceEvents": [{}]}}"#, events.join(","));
     std::fs::write(dir.join("trace.json"), trace).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/kernel_summary.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .arg(dir.join("trace.json"))
-        .arg("--by-launch")
-        .arg("--json")
-        .arg(dir.join("launch.json"))
-        .output()
-        .expect("run python3 (set MANTA_PYTHON)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    stdout_of_success(&kernel_summary([
+        dir.join("trace.json").as_os_str(),
+        OsStr::new("--by-launch"),
+        OsStr::new("--json"),
+        dir.join("launch.json").as_os_str(),
+    ]));
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("launch.json")).unwrap()).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
@@ -185,12 +183,7 @@ fn kernels_by_launch_shape_keep_one_names_grids_apart() {
     assert_eq!(rows[1]["grid"], "[4096, 1, 1]");
     assert_eq!(rows[1]["median_us"], 11.0);
     // The two options answer different questions; together they are an error, not a guess.
-    let both = Command::new(python())
-        .arg(&script)
-        .arg(dir.join("missing.json"))
-        .args(["--by-launch", "--minus", "x.json"])
-        .output()
-        .expect("run python3");
+    let both = kernel_summary(["missing.json", "--by-launch", "--minus", "x.json"]);
     assert!(!both.status.success());
     assert!(
         String::from_utf8_lossy(&both.stderr).contains("do not combine"),

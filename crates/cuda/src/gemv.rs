@@ -249,16 +249,8 @@ mod tests {
             manta_knobs::set_override("MANTA_GEMV_NORM_KSPLIT", split).expect("a knob");
             for (k, n) in [(4096i64, 4096i64), (12288, 4096)] {
                 for rows in [1i64, 2, 8] {
-                    let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
-                    let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
-                    let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
-                    let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
-                    gemv(&x, &w, &mut y, false).expect("gemv runs");
-                    let (err, scale) = max_err(&y, &want);
-                    assert!(
-                        err <= scale * 8e-3,
-                        "rows knob {rows_knob}, split {split}: k {k} n {n} rows {rows}: {err} of {scale}"
-                    );
+                    let what = format!("rows knob {rows_knob}, split {split}: ");
+                    plain_gemv_matches_linear(dev, (k, n, rows), &what);
                 }
             }
             let residual = Tensor::randn([1, 4096], (Kind::BFloat16, dev));
@@ -282,6 +274,26 @@ mod tests {
             );
         }
         manta_knobs::clear_overrides();
+    }
+
+    /// `gemv` of a random [rows, k] by [n, k] against cuBLAS's `linear`: within a bf16
+    /// rounding step of the output's size. Returns x and w for more checks on them.
+    fn plain_gemv_matches_linear(
+        dev: Device,
+        (k, n, rows): (i64, i64, i64),
+        what: &str,
+    ) -> (Tensor, Tensor) {
+        let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
+        let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
+        let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
+        let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
+        gemv(&x, &w, &mut y, false).expect("gemv runs");
+        let (err, scale) = max_err(&y, &want);
+        assert!(
+            err <= scale * 8e-3,
+            "{what}k {k} n {n} rows {rows}: {err} of {scale}"
+        );
+        (x, w)
     }
 
     /// Largest |got − want| and largest |want| (for a tolerance relative to the output's size).
@@ -308,16 +320,7 @@ mod tests {
         tch::manual_seed(3);
         for (k, n) in [(1024i64, 4096i64), (2048, 1024), (3072, 1024), (4096, 6144)] {
             for rows in [1i64, 2, 3, 8] {
-                let x = Tensor::randn([rows, k], (Kind::BFloat16, dev));
-                let w = Tensor::randn([n, k], (Kind::BFloat16, dev)) * 0.05;
-                let want = x.linear(&w, None::<Tensor>).to_kind(Kind::Float);
-                let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
-                gemv(&x, &w, &mut y, false).expect("gemv runs");
-                let (err, scale) = max_err(&y, &want);
-                assert!(
-                    err <= scale * 8e-3,
-                    "k {k} n {n} rows {rows}: {err} of {scale}"
-                );
+                let (x, w) = plain_gemv_matches_linear(dev, (k, n, rows), "");
                 // silu × up over [gate | up] = w split in halves.
                 let half = n / 2;
                 let gate_up = x.linear(&w, None::<Tensor>);
