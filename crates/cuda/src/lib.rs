@@ -25,7 +25,7 @@ pub use torch_profiler::{TorchProfile, TorchProfileError};
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 extern "C" {
     fn manta_set_kernel_knobs(values: *const i64, n: c_int);
@@ -75,14 +75,19 @@ extern "C" {
         qk_norm: c_int,
         arch: c_int,
     ) -> c_int;
+    fn manta_rope_table(
+        source: *const c_char,
+        positions: *mut c_void,
+        inv_freq: *mut c_void,
+        table: *mut c_void,
+    ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_qk_norm_rope_store(
         source: *const c_char,
         qkv: *mut c_void,
         q_w: *mut c_void,
         k_w: *mut c_void,
-        positions: *mut c_void,
-        inv_freq: *mut c_void,
+        rope: *mut c_void,
         slots: *mut c_void,
         k_pool: *mut c_void,
         v_pool: *mut c_void,
@@ -184,17 +189,37 @@ fn opt_ptr(t: Option<&Tensor>) -> *mut c_void {
     t.map_or(std::ptr::null_mut(), ptr)
 }
 
+/// The rotary table of a forward's tokens, [N, head_dim] bf16: row n holds
+/// `cos(positions[n] × inv_freq)` and then the sines, rounded to bf16 as the model's
+/// tables are. Computed once per forward for every layer's [`qk_norm_rope_store`].
+pub fn rope_table(positions: &Tensor, inv_freq: &Tensor) -> Result<Tensor, CudaError> {
+    let table = Tensor::empty(
+        [positions.numel() as i64, 2 * inv_freq.numel() as i64],
+        (Kind::BFloat16, positions.device()),
+    );
+    sync_kernel_knobs();
+    // SAFETY: live tensor handles for the call; the shim checks shapes, dtypes, devices.
+    check(unsafe {
+        manta_rope_table(
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            ptr(positions),
+            ptr(inv_freq),
+            ptr(&table),
+        )
+    })?;
+    Ok(table)
+}
+
 /// For every token of a flat batch: Qwen3's per-head RMS norm of queries and keys (when
-/// `qk_norm` weights are given), the rotary embedding (rotate-half layout, cos/sin of
-/// `position × inv_freq` rounded to bf16 as the model's tables are), keys and values
-/// stored in their cache `slots`, queries written to `q_out` [N, heads, head_dim].
-/// `qkv` holds each token's projected [heads | kv_heads | kv_heads] × head_dim (bf16).
+/// `qk_norm` weights are given), the rotary embedding (rotate-half layout, from `rope`,
+/// the batch's [`rope_table`]), keys and values stored in their cache `slots`, queries
+/// written to `q_out` [N, heads, head_dim]. `qkv` holds each token's projected
+/// [heads | kv_heads | kv_heads] × head_dim (bf16).
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope_store(
     qkv: &Tensor,
     qk_norm: Option<(&Tensor, &Tensor)>,
-    positions: &Tensor,
-    inv_freq: &Tensor,
+    rope: &Tensor,
     slots: &Tensor,
     k_pool: &Tensor,
     v_pool: &Tensor,
@@ -209,8 +234,7 @@ pub fn qk_norm_rope_store(
             ptr(qkv),
             opt_ptr(qk_norm.map(|n| n.0)),
             opt_ptr(qk_norm.map(|n| n.1)),
-            ptr(positions),
-            ptr(inv_freq),
+            ptr(rope),
             ptr(slots),
             ptr(k_pool),
             ptr(v_pool),
@@ -936,8 +960,14 @@ mod tests {
             let d = max_diff(&out, &expect);
             assert!(d < 6e-2, "intermediate {inter}: silu_mul max diff {d}");
         }
-        // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools.
-        for (nh, nkv, hd, norm) in [(16i64, 8i64, 128i64, true), (14, 2, 64, false)] {
+        // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools,
+        // with one token a warp and with several (6 tokens: the last group partial).
+        let shapes = [(16i64, 8i64, 128i64, true), (14, 2, 64, false)];
+        let per_warp = [None, Some("2"), Some("4")];
+        for ((nh, nkv, hd, norm), tokens) in shapes
+            .into_iter()
+            .flat_map(|shape| per_warp.map(move |t| (shape, t)))
+        {
             let n = 6i64;
             let slots_total = 64i64;
             let qkv = Tensor::randn([n, (nh + 2 * nkv) * hd], bf);
@@ -954,10 +984,14 @@ mod tests {
             let vp = Tensor::zeros([slots_total, nkv, hd], bf);
             let mut q_out = Tensor::empty([n, nh, hd], bf);
             let weights = norm.then_some((&qw, &kw));
-            qk_norm_rope_store(
-                &qkv, weights, &positions, &inv_freq, &slots, &kp, &vp, &mut q_out, eps,
-            )
-            .unwrap();
+            let rope = rope_table(&positions, &inv_freq).unwrap();
+            if let Some(t) = tokens {
+                manta_knobs::set_override("MANTA_QK_ROPE_TOKENS", t).expect("a knob");
+            }
+            let stored =
+                qk_norm_rope_store(&qkv, weights, &rope, &slots, &kp, &vp, &mut q_out, eps);
+            manta_knobs::clear_overrides();
+            stored.unwrap();
             // The reference, as the model's composite path computes it.
             let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &inv_freq;
             let emb = Tensor::cat(&[&freqs, &freqs], -1);
@@ -965,8 +999,26 @@ mod tests {
                 emb.cos().to_kind(Kind::BFloat16).unsqueeze(1),
                 emb.sin().to_kind(Kind::BFloat16).unsqueeze(1),
             );
-            let rope = |x: &Tensor| {
-                let half = hd / 2;
+            // The table holds the model's rounded cosines and sines, bit for bit.
+            let half = hd / 2;
+            assert_eq!(
+                max_diff(
+                    &rope.narrow(1, 0, half),
+                    &cos.squeeze_dim(1).narrow(1, 0, half)
+                ),
+                0.0,
+                "rope table cosines"
+            );
+            assert_eq!(
+                max_diff(
+                    &rope.narrow(1, half, half),
+                    &sin.squeeze_dim(1).narrow(1, 0, half)
+                ),
+                0.0,
+                "rope table sines"
+            );
+            let what = format!("heads {nh}/{nkv}, tokens a warp {tokens:?}");
+            let rotate = |x: &Tensor| {
                 let rot = Tensor::cat(
                     &[&x.narrow(-1, half, half).neg(), &x.narrow(-1, 0, half)],
                     -1,
@@ -984,11 +1036,11 @@ mod tests {
             } else {
                 (q, k)
             };
-            let (q, k) = (rope(&q), rope(&k));
+            let (q, k) = (rotate(&q), rotate(&k));
             let d = max_diff(&q_out, &q);
-            assert!(d < 6e-2, "heads {nh}/{nkv}: queries max diff {d}");
+            assert!(d < 6e-2, "{what}: queries max diff {d}");
             let d = max_diff(&kp.index_select(0, &slots), &k);
-            assert!(d < 6e-2, "heads {nh}/{nkv}: keys max diff {d}");
+            assert!(d < 6e-2, "{what}: keys max diff {d}");
             assert_eq!(
                 max_diff(&vp.index_select(0, &slots), &v),
                 0.0,

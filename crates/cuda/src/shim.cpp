@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kQkRopeTokens, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -309,10 +309,15 @@ int64_t small_kernel_vec(int64_t width, bool aligned) {
   return aligned && width % 8 == 0 && small_kernel_wide() ? 8 : 1;
 }
 
-std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec) {
+std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec, int64_t tokens) {
   return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0) +
-         define("VEC", vec);
+         define("VEC", vec) + define("TOKENS", tokens);
 }
+
+// Tokens per warp of qk_norm_rope_store: a prefill chunk's grid gets several rows in flight
+// per warp; a decode step's few tokens keep one each, so its grid stays as wide as it can.
+// MANTA_QK_ROPE_TOKENS pins it (A/B runs).
+int64_t qk_rope_tokens(int64_t n) { return knob_or(kQkRopeTokens, n >= 2048 ? 4 : 1); }
 
 // One CTA per row: one 8-element chunk per thread up to 1,024 threads, or with scalar
 // accesses 1,024 threads from hidden 4,096 and 256 below.
@@ -1005,18 +1010,51 @@ int manta_invariant_attention_compile_check(const char* source, int heads, int k
 
 // Qwen3's per-head q/k RMS norm (when the weights are given), rotary embedding, and the
 // store of keys and values into their cache slots, for every token of a flat batch.
-int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k_w_, void* positions_,
-                             void* inv_freq_, void* slots_, void* kp_, void* vp_, void* q_out_, float eps) {
+// The rotary table [N, head_dim] (bf16: cosines, then sines) of a forward's positions.
+int manta_rope_table(const char* source, void* positions_, void* inv_freq_, void* table_) {
+#ifdef MANTA_WITH_CUDA
+  return guarded([&] {
+    const at::Tensor& positions = tensor(positions_);
+    const at::Tensor& inv_freq = tensor(inv_freq_);
+    at::Tensor& table = *static_cast<at::Tensor*>(table_);
+    check_bf16(table, "the rotary table");
+    const int64_t n = positions.numel(), hd = 2 * inv_freq.numel();
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+                "positions must be int64 [N]");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.dim() == 1,
+                "inv_freq must be float32 [head_dim / 2]");
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == n && table.size(1) == hd, "the rotary table must be [N, head_dim]");
+    TORCH_CHECK(positions.device() == table.device() && inv_freq.device() == table.device(),
+                "positions, inv_freq and the table must be on one GPU");
+    if (n == 0) return;
+    const int device = table.get_device();
+    const void* pp = positions.data_ptr();
+    const void* fp = inv_freq.data_ptr();
+    void* tp = table.data_ptr();
+    long tokens = static_cast<long>(n);
+    void* args[] = {&pp, &fp, &tp, &tokens};
+    const int64_t threads = n * (hd / 2);
+    launch(kernel(source, define("HD", hd), "rope_table", device), device,
+           static_cast<unsigned>((threads + 255) / 256), 1, 1, 256, args, true);
+  });
+#else
+  last_error() = "built without CUDA";
+  return 1;
+#endif
+}
+
+int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k_w_, void* rope_, void* slots_,
+                             void* kp_, void* vp_, void* q_out_, float eps) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     const at::Tensor& qkv = tensor(qkv_);
-    const at::Tensor& positions = tensor(positions_);
-    const at::Tensor& inv_freq = tensor(inv_freq_);
+    const at::Tensor& rope = tensor(rope_);
     const at::Tensor& slots = tensor(slots_);
     const at::Tensor& kp = tensor(kp_);
     const at::Tensor& vp = tensor(vp_);
     at::Tensor& q_out = *static_cast<at::Tensor*>(q_out_);
     check_bf16(qkv, "qkv");
+    check_bf16(rope, "the rotary table");
     check_bf16(kp, "the key pool");
     check_bf16(vp, "the value pool");
     check_bf16(q_out, "q_out");
@@ -1030,29 +1068,28 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     const int64_t n = q_out.size(0), nh = q_out.size(1), hd = q_out.size(2), nkv = kp.size(1);
     TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "head_dim must be 64, 128 or 256");
     TORCH_CHECK(kp.size(2) == hd && qkv.numel() == n * (nh + 2 * nkv) * hd, "qkv must hold N x (heads + 2 kv_heads) x head_dim");
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == n,
-                "positions must be int64 [N]");
+    TORCH_CHECK(rope.dim() == 2 && rope.size(0) == n && rope.size(1) == hd,
+                "the rotary table must be [N, head_dim] (rope_table)");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
                 "slots must be int64 [N]");
-    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.numel() == hd / 2,
-                "inv_freq must be float32 [head_dim / 2]");
     if (n == 0) return;
     const int device = qkv.get_device();
     const void* a = qkv.data_ptr();
     const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
     const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
-    const void* pp = positions.data_ptr();
-    const void* fp = inv_freq.data_ptr();
+    const void* rp = rope.data_ptr();
     const void* sp = slots.data_ptr();
     void* kpp = kp.data_ptr();
     void* vpp = vp.data_ptr();
     void* qo = q_out.data_ptr();
     // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
-    const int64_t vec = aligned16({a, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
-    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
-    void* args[] = {&a, &qw, &kw, &pp, &fp, &sp, &kpp, &vpp, &qo, &eps};
+    const int64_t vec = aligned16({a, rp, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
+    const int64_t tokens = qk_rope_tokens(n);
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec, tokens);
+    long n_tokens = static_cast<long>(n);
+    void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &n_tokens, &eps};
     const int64_t heads = nh + 2 * nkv;
-    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>((n + tokens - 1) / tokens),
            static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
@@ -1519,6 +1556,7 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    compile_kernels(fused_source, define("HD", head_dim), arch);
     // The default lanes per token, and a whole warp per token (MANTA_PAGED_LANES=32), at
     // the engine's default block size.
     for (int64_t lanes : {paged_lanes(head_dim), int64_t{32}})
@@ -1527,8 +1565,10 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
       compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
     // The small kernels with wide and with scalar accesses (the latter for unaligned rows).
     for (int64_t aligned : {1, 0}) {
-      compile_kernels(fused_source,
-                      qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1), arch);
+      for (int64_t tokens : {1, 4})
+        compile_kernels(fused_source,
+                        qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1, tokens),
+                        arch);
       compile_kernels(fused_source, rms_norm_defines(hidden, small_kernel_vec(hidden, aligned)), arch);
       compile_kernels(fused_source, silu_defines(intermediate, small_kernel_vec(intermediate, aligned)), arch);
     }

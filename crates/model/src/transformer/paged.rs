@@ -288,8 +288,7 @@ impl SelfAttention {
         &self,
         qkv: &Tensor,
         fused: &FusedLayer,
-        positions: &Tensor,
-        inv_freq: &Tensor,
+        rope: &Tensor,
         pools: (&Tensor, &Tensor),
         batch: &PagedBatch,
     ) -> Tensor {
@@ -303,8 +302,7 @@ impl SelfAttention {
         if let Err(e) = manta_cuda::qk_norm_rope_store(
             qkv,
             norms.map(|(qn, kn)| (&qn.weight, &kn.weight)),
-            positions,
-            inv_freq,
+            rope,
             &batch.slot_mapping,
             pools.0,
             pools.1,
@@ -930,6 +928,9 @@ impl CausalLm {
         cache: &PagedKvCache,
     ) -> Tensor {
         let mut x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
+        // Every layer's rotary cosines and sines for these positions, computed once.
+        let rope = manta_cuda::rope_table(positions, &self.rotary.inv_freq)
+            .unwrap_or_else(|e| panic!("rotary table kernel: {e}"));
         let inter = self.cfg.intermediate_size;
         let gemv = fused.first().is_some_and(|f| f.gemv);
         // At a few rows, each residual add + norm goes into the GEMV after it.
@@ -948,14 +949,9 @@ impl CausalLm {
                 None,
                 (gemv, fuse_norms),
             );
-            let attn = layer.self_attn.forward_paged_kernels(
-                &qkv,
-                f,
-                positions,
-                &self.rotary.inv_freq,
-                cache.layer(i),
-                batch,
-            );
+            let attn = layer
+                .self_attn
+                .forward_paged_kernels(&qkv, f, &rope, cache.layer(i), batch);
             let act = normed_projection(
                 &mut x,
                 Some(attn),
