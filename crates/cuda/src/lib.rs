@@ -951,14 +951,15 @@ mod tests {
                 "no delta leaves the residual alone"
             );
         }
-        // silu_mul.
-        for inter in [3072i64, 4864] {
-            let gu = Tensor::randn([5, 2 * inter], bf) * 3.0;
+        // silu_mul: decode's few rows (one access a thread) and a prefill's thousands
+        // (several a thread, the last pass partial).
+        for (rows, inter) in [(5i64, 3072i64), (5, 4864), (3001, 3072)] {
+            let gu = Tensor::randn([rows, 2 * inter], bf) * 3.0;
             let expect = gu.narrow(1, 0, inter).silu() * gu.narrow(1, inter, inter);
-            let mut out = Tensor::empty([5, inter], bf);
+            let mut out = Tensor::empty([rows, inter], bf);
             silu_mul(&gu, &mut out).unwrap();
             let d = max_diff(&out, &expect);
-            assert!(d < 6e-2, "intermediate {inter}: silu_mul max diff {d}");
+            assert!(d < 6e-2, "{rows} x {inter}: silu_mul max diff {d}");
         }
         // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools,
         // with one token a warp and with several (6 tokens: the last group partial).

@@ -1225,7 +1225,10 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
     void* op = out.data_ptr();
     void* args[] = {&gp, &op, &total};
     const int64_t vec = small_kernel_vec(i, aligned16({gp, op}));
-    const long long blocks = std::min<long long>((total / vec + 255) / 256, 65535);
+    // One access a thread up to 1,024 blocks (decode: every SM busy); beyond, SILU_UNROLL
+    // (fused_ops.cu.inc) accesses a thread, so a prefill's threads keep several in flight.
+    const long long accesses = (total / vec + 255) / 256;
+    const long long blocks = std::min<long long>(accesses > 1024 ? (accesses + 3) / 4 : accesses, 65535);
     launch(kernel(source, silu_defines(i, vec), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256,
            args, true);
   });

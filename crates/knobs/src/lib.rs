@@ -82,7 +82,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_SMALL_VEC", values: Values::Flag, default: "on", what: "small fused kernels: 8 bf16 per access where aligned" },
     Knob { name: "MANTA_DECODE_LT", values: Values::Flag, default: "on", what: "decode projections through cuBLASLt" },
     Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "4", what: "GEMV kernel, bf16 products without a fused norm (o and down projections): warps sharing a row, each taking that part of the inner dimension" },
-    Knob { name: "MANTA_GEMV_NORM_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel, bf16 products with a fused norm (qkv and gate/up projections): warps sharing a row; not yet measured on a GPU" },
+    Knob { name: "MANTA_GEMV_NORM_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "4 up to 2,048 outputs, else 1", what: "GEMV kernel, bf16 products with a fused norm (qkv and gate/up projections): warps sharing a row (8B b1 decode step: 1 as fast as the default, 2 and 4 slower)" },
     Knob { name: "MANTA_GEMV_ROWS", values: Values::OneOf(&[1, 2]), default: "by shape", what: "GEMV kernel, bf16 products without SiLU: output rows per warp" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
