@@ -1088,11 +1088,9 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec, tokens);
     long n_tokens = static_cast<long>(n);
     void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &n_tokens, &eps};
-    const int64_t groups = (nh + 2 * nkv + 7) / 8;  // GROUPS: eight heads a block
-    const int64_t blocks = (n + tokens - 1) / tokens * groups;
-    TORCH_CHECK(blocks < (int64_t{1} << 31), "qk_norm_rope_store: ", n, " tokens is more than one launch takes");
-    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(blocks), 1, 1, 256,
-           args, true);
+    const int64_t heads = nh + 2 * nkv;
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>((n + tokens - 1) / tokens),
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -1225,10 +1223,7 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
     void* op = out.data_ptr();
     void* args[] = {&gp, &op, &total};
     const int64_t vec = small_kernel_vec(i, aligned16({gp, op}));
-    // One access a thread up to 1,024 blocks (decode: every SM busy); beyond, SILU_UNROLL
-    // (fused_ops.cu.inc) accesses a thread, so a prefill's threads keep several in flight.
-    const long long accesses = (total / vec + 255) / 256;
-    const long long blocks = std::min<long long>(accesses > 1024 ? (accesses + 3) / 4 : accesses, 65535);
+    const long long blocks = std::min<long long>((total / vec + 255) / 256, 65535);
     launch(kernel(source, silu_defines(i, vec), "silu_mul", device), device, static_cast<unsigned>(blocks), 1, 1, 256,
            args, true);
   });
