@@ -177,9 +177,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kQkRopeTokens, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -309,15 +309,10 @@ int64_t small_kernel_vec(int64_t width, bool aligned) {
   return aligned && width % 8 == 0 && small_kernel_wide() ? 8 : 1;
 }
 
-std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec, int64_t tokens) {
+std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec) {
   return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0) +
-         define("VEC", vec) + define("TOKENS", tokens);
+         define("VEC", vec);
 }
-
-// Tokens per warp of qk_norm_rope_store: a prefill chunk's grid gets several rows in flight
-// per warp; a decode step's few tokens keep one each, so its grid stays as wide as it can.
-// MANTA_QK_ROPE_TOKENS pins it (A/B runs).
-int64_t qk_rope_tokens(int64_t n) { return knob_or(kQkRopeTokens, n >= 2048 ? 4 : 1); }
 
 // One CTA per row: one 8-element chunk per thread up to 1,024 threads, or with scalar
 // accesses 1,024 threads from hidden 4,096 and 256 below.
@@ -1084,12 +1079,10 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     void* qo = q_out.data_ptr();
     // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
     const int64_t vec = aligned16({a, rp, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
-    const int64_t tokens = qk_rope_tokens(n);
-    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec, tokens);
-    long n_tokens = static_cast<long>(n);
-    void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &n_tokens, &eps};
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
+    void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &eps};
     const int64_t heads = nh + 2 * nkv;
-    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>((n + tokens - 1) / tokens),
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
            static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
@@ -1565,10 +1558,8 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
       compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
     // The small kernels with wide and with scalar accesses (the latter for unaligned rows).
     for (int64_t aligned : {1, 0}) {
-      for (int64_t tokens : {1, 4})
-        compile_kernels(fused_source,
-                        qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1, tokens),
-                        arch);
+      compile_kernels(fused_source,
+                      qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1), arch);
       compile_kernels(fused_source, rms_norm_defines(hidden, small_kernel_vec(hidden, aligned)), arch);
       compile_kernels(fused_source, silu_defines(intermediate, small_kernel_vec(intermediate, aligned)), arch);
     }
