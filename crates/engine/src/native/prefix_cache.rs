@@ -6,6 +6,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
+use std::ops::Bound;
 
 use super::block_pool::BlockPool;
 
@@ -23,7 +24,12 @@ struct Node {
 pub struct PrefixCache {
     block_size: usize,
     nodes: HashMap<u64, Node>,
-    lru: BTreeSet<(u64, u64)>,
+    /// The nodes without children, by (last use, key): the only ones eviction may take.
+    /// Only leaves, because a lookup or insert touches a chain from its root down, so a
+    /// node is never used more recently than its children: scanning every node in LRU
+    /// order instead met a whole batch's interior blocks before each victim (quadratic:
+    /// evicting a 256 × 512-token batch took ~0.5 s of the engine thread).
+    leaves: BTreeSet<(u64, u64)>,
     clock: u64,
 }
 
@@ -50,9 +56,11 @@ impl PrefixCache {
     fn touch(&mut self, key: u64) {
         self.clock += 1;
         if let Some(node) = self.nodes.get_mut(&key) {
-            self.lru.remove(&(node.last_used, key));
+            if node.children == 0 {
+                self.leaves.remove(&(node.last_used, key));
+                self.leaves.insert((self.clock, key));
+            }
             node.last_used = self.clock;
-            self.lru.insert((self.clock, key));
         }
     }
 
@@ -101,6 +109,10 @@ impl PrefixCache {
                 None => {
                     pool.incref(block);
                     if let Some(p) = parent.and_then(|p| self.nodes.get_mut(&p)) {
+                        if p.children == 0 {
+                            self.leaves
+                                .remove(&(p.last_used, parent.expect("a parent")));
+                        }
                         p.children += 1;
                     }
                     self.nodes.insert(
@@ -113,7 +125,7 @@ impl PrefixCache {
                             last_used: 0,
                         },
                     );
-                    self.lru.insert((0, key));
+                    self.leaves.insert((0, key));
                 }
             }
             self.touch(key);
@@ -122,23 +134,47 @@ impl PrefixCache {
         Ok(parent)
     }
 
-    /// Frees up to `want` blocks that only the cache holds, oldest leaves first.
-    /// Returns how many went back to the pool.
+    /// Frees up to `want` blocks that only the cache holds, least recently used leaves
+    /// first; a leaf's parent, once childless, is older than every other leaf, so it goes
+    /// next if nothing else holds it. Returns how many went back to the pool.
     pub fn evict(&mut self, want: usize, pool: &mut BlockPool) -> usize {
         let mut freed = 0;
+        // Leaves up to here are held by running sequences: this call frees none of those.
+        let mut held: Option<(u64, u64)> = None;
         while freed < want {
-            let victim = self.lru.iter().copied().find(|(_, key)| {
-                let node = &self.nodes[key];
-                node.children == 0 && pool.refcount(node.block) == 1
-            });
-            let Some((stamp, key)) = victim else { break };
-            self.lru.remove(&(stamp, key));
-            let node = self.nodes.remove(&key).expect("lru entries have nodes");
-            if let Some(p) = node.parent.and_then(|p| self.nodes.get_mut(&p)) {
-                p.children -= 1;
+            let next = match held {
+                None => self.leaves.iter().next(),
+                Some(h) => self
+                    .leaves
+                    .range((Bound::Excluded(h), Bound::Unbounded))
+                    .next(),
+            };
+            let Some(&(stamp, key)) = next else { break };
+            if pool.refcount(self.nodes[&key].block) != 1 {
+                held = Some((stamp, key));
+                continue;
             }
-            if pool.decref(node.block) {
-                freed += 1;
+            self.leaves.remove(&(stamp, key));
+            // The leaf, then each ancestor it leaves childless and only the cache holds.
+            let mut victim = Some(key);
+            while let Some(key) = victim.take() {
+                let node = self.nodes.remove(&key).expect("leaves are nodes");
+                if pool.decref(node.block) {
+                    freed += 1;
+                }
+                let Some(pk) = node.parent else { break };
+                let Some(p) = self.nodes.get_mut(&pk) else {
+                    break;
+                };
+                p.children -= 1;
+                if p.children > 0 {
+                    break;
+                }
+                if freed < want && pool.refcount(p.block) == 1 {
+                    victim = Some(pk);
+                } else {
+                    self.leaves.insert((p.last_used, pk));
+                }
             }
         }
         freed
@@ -149,7 +185,7 @@ impl PrefixCache {
         for (_, node) in self.nodes.drain() {
             pool.decref(node.block);
         }
-        self.lru.clear();
+        self.leaves.clear();
     }
 }
 
@@ -182,5 +218,50 @@ mod tests {
         assert_eq!(cache.evict(8, &mut pool), 2);
         assert!(cache.is_empty());
         assert_eq!(pool.num_free(), 8);
+    }
+
+    /// Chains of three one-token blocks: A (oldest), B (a running sequence still holds
+    /// its blocks), C (newest); D shares C's first block.
+    #[test]
+    fn eviction_takes_old_chains_leaf_first_and_skips_what_sequences_hold() {
+        let mut pool = BlockPool::new(16);
+        let mut cache = PrefixCache::new(1);
+        let mut chain = |tokens: &[u32], cache: &mut PrefixCache| -> Vec<u32> {
+            let blocks: Vec<u32> = tokens.iter().map(|_| pool.alloc().unwrap()).collect();
+            cache.insert(None, tokens, &blocks, &mut pool).unwrap();
+            blocks
+        };
+        let a = chain(&[1, 2, 3], &mut cache);
+        let b = chain(&[4, 5, 6], &mut cache);
+        let c = chain(&[7, 8, 9], &mut cache);
+        let d = chain(&[7, 10], &mut cache); // its first block is C's, left to C's owner
+        drop(chain);
+        // The sequences of A, C and D finished; B's runs on.
+        for &x in a.iter().chain(&c).chain(&d) {
+            pool.decref(x);
+        }
+        let free = pool.num_free();
+        // Four blocks: all of A (its leaf, then the ancestors it leaves childless), then
+        // the oldest remaining leaf that nothing holds: C's last block.
+        assert_eq!(cache.evict(4, &mut pool), 4);
+        assert_eq!(pool.num_free(), free + 4);
+        let (found, _) = cache.lookup(&[1, 2, 3], 3, &mut pool);
+        assert!(found.is_empty(), "A is gone");
+        let (found, _) = cache.lookup(&[7, 8, 9], 3, &mut pool);
+        assert_eq!(found, c[..2], "C lost its leaf only");
+        for &x in &found {
+            pool.decref(x);
+        }
+        // Everything else that only the cache holds: D's leaf, then C's 8 and, childless
+        // now, the first block C and D shared; B's blocks stay, its sequence holds them.
+        assert_eq!(cache.evict(100, &mut pool), 3);
+        let (found, _) = cache.lookup(&[4, 5, 6], 3, &mut pool);
+        assert_eq!(found, b, "B is kept while held");
+        for &x in found.iter().chain(&b) {
+            pool.decref(x);
+        }
+        assert_eq!(cache.evict(100, &mut pool), 3);
+        assert!(cache.is_empty());
+        assert_eq!(pool.num_free(), 16);
     }
 }
