@@ -234,7 +234,8 @@ mod tests {
         let a = chain(&[1, 2, 3], &mut cache);
         let b = chain(&[4, 5, 6], &mut cache);
         let c = chain(&[7, 8, 9], &mut cache);
-        let d = chain(&[7, 10], &mut cache); // its first block is C's, left to C's owner
+        // D's first block is C's, left to C's owner.
+        let d = chain(&[7, 10], &mut cache);
         // The sequences of A, C and D finished; B's runs on.
         for &x in a.iter().chain(&c).chain(&d) {
             pool.decref(x);
