@@ -951,8 +951,8 @@ mod tests {
                 "no delta leaves the residual alone"
             );
         }
-        // silu_mul: decode's few rows (one access a thread) and a prefill's thousands
-        // (several a thread, the last pass partial).
+        // silu_mul: decode's few rows and a prefill chunk's thousands (a grid of thousands
+        // of blocks).
         for (rows, inter) in [(5i64, 3072i64), (5, 4864), (3001, 3072)] {
             let gu = Tensor::randn([rows, 2 * inter], bf) * 3.0;
             let expect = gu.narrow(1, 0, inter).silu() * gu.narrow(1, inter, inter);

@@ -108,10 +108,11 @@ impl PrefixCache {
                 Some(_) => return Err(()),
                 None => {
                     pool.incref(block);
-                    if let Some(p) = parent.and_then(|p| self.nodes.get_mut(&p)) {
+                    if let Some((pk, p)) =
+                        parent.and_then(|pk| Some((pk, self.nodes.get_mut(&pk)?)))
+                    {
                         if p.children == 0 {
-                            self.leaves
-                                .remove(&(p.last_used, parent.expect("a parent")));
+                            self.leaves.remove(&(p.last_used, pk));
                         }
                         p.children += 1;
                     }
@@ -135,8 +136,8 @@ impl PrefixCache {
     }
 
     /// Frees up to `want` blocks that only the cache holds, least recently used leaves
-    /// first; a leaf's parent, once childless, is older than every other leaf, so it goes
-    /// next if nothing else holds it. Returns how many went back to the pool.
+    /// first; a victim's parent, once childless, was used no later than the victim, so it
+    /// goes next if nothing else holds it. Returns how many went back to the pool.
     pub fn evict(&mut self, want: usize, pool: &mut BlockPool) -> usize {
         let mut freed = 0;
         // Leaves up to here are held by running sequences: this call frees none of those.
