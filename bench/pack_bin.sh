@@ -3,7 +3,7 @@
 # HEAD in a clone of its own (edits in the work tree during the ~5-15 minute build do not leak
 # into it), strips them and packs bin/ into .devpack/manta-<commit>.tar.xz (~12 MB with the
 # decode test set: inside the device tool's 64 MiB carry, beside an SGLang bundle piece).
-#   bash bench/pack_bin.sh                 # driver, otlp_sink, engine_decode, decode_step + tests
+#   bash bench/pack_bin.sh                 # driver, otlp_sink, engine_decode, decode_step, paged_attention + tests
 # There (carry [".devpack"]):  mkdir -p bin && tar -xJf .devpack/manta-<commit>.tar.xz -C bin
 #   (bench/run_trl_step.sh does this itself: MANTA_TARBALL=.devpack/manta-<commit>.tar.xz)
 # Env: PACK_TESTS = decode (default: the kernel, model and engine GPU tests that
@@ -26,8 +26,8 @@ export PATH=$ROOT/.venv/bin:$PATH LIBTORCH_USE_PYTORCH=1 CARGO_INCREMENTAL=0
 export LD_LIBRARY_PATH=$ROOT/.venv/lib/python3.11/site-packages/torch/lib:${LD_LIBRARY_PATH:-}
 rm -rf bin && mkdir -p bin/tests
 echo "[pack] building $REV in $BUILD_DIR"
-cargo build --release -p manta-driver --bin driver -p manta-bench --bin otlp_sink --bin engine_decode --bin decode_step
-cp target/release/{driver,otlp_sink,engine_decode,decode_step} bin/
+cargo build --release -p manta-driver --bin driver -p manta-bench --bin otlp_sink --bin engine_decode --bin decode_step --bin paged_attention
+cp target/release/{driver,otlp_sink,engine_decode,decode_step,paged_attention} bin/
 tests() {  # cargo test --no-run ARGS..., each test executable copied to bin/tests
   cargo test --release --no-run --message-format=json "$@" | python3 bench/py/copy_test_executables.py bin/tests > /dev/null
 }
