@@ -14,6 +14,7 @@ pub mod ipc;
 pub mod logprobs;
 pub mod process_group;
 pub mod rendezvous;
+pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
 pub mod stream;

@@ -27,6 +27,7 @@ extern "C" {
 /// The rotary embedding kernels' CUDA source, NUL-terminated for NVRTC.
 const ROPE_SOURCE: &str = concat!(
     include_str!("bf16.cu.inc"),
+    include_str!("kind16.cu.inc"),
     include_str!("rope.cu.inc"),
     "\0"
 );
