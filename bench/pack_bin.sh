@@ -33,8 +33,8 @@ tests() {  # cargo test --no-run ARGS..., each test executable copied to bin/tes
 }
 case "$PACK_TESTS" in
   decode)
-    tests -p manta-cuda --lib --test rope --test rms_norm
-    tests -p manta-model --test cuda --test fused_rope
+    tests -p manta-cuda --lib --test rope --test rms_norm --test swiglu
+    tests -p manta-model --test cuda --test fused_decoder
     tests -p manta-engine --test native_engine_cuda ;;
   all) bash bench/run_gpu_tests.sh build > /dev/null ;;
 esac

@@ -14,8 +14,8 @@ if [ "${1:-}" = build ]; then
   build() {  # cargo test --no-run ARGS..., copying each test executable to bin/tests
     cargo test --release --no-run --message-format=json "$@" | python3 bench/py/copy_test_executables.py bin/tests
   }
-  build -p manta-cuda --lib --test nccl_group --test rope --test rms_norm
-  build -p manta-model --test cuda --test segments --test fused_logprobs --test fused_rope
+  build -p manta-cuda --lib --test nccl_group --test rope --test rms_norm --test swiglu
+  build -p manta-model --test cuda --test segments --test fused_logprobs --test fused_decoder
   build -p manta-engine --test native_engine_cuda
   build -p manta-trainer --test collectives --test zero3_prefetch --test zero3_bf16
   build -p manta-driver --test serve_weights_nccl

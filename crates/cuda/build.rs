@@ -13,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/torch_profiler.cpp");
     println!("cargo:rerun-if-changed=src/rope.cpp");
     println!("cargo:rerun-if-changed=src/rms_norm.cpp");
+    println!("cargo:rerun-if-changed=src/swiglu.cpp");
     println!("cargo:rerun-if-changed=src/guarded.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
@@ -61,6 +62,7 @@ fn main() {
         .file("src/torch_profiler.cpp")
         .file("src/rope.cpp")
         .file("src/rms_norm.cpp")
+        .file("src/swiglu.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")

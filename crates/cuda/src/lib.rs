@@ -18,6 +18,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
 pub mod stream;
+pub mod swiglu;
 pub mod torch_profiler;
 pub mod weight_group;
 

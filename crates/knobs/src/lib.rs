@@ -71,6 +71,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_FUSED_LOGPROBS", values: Values::Flag, default: "on", what: "trainer: per-token log-probs, entropies and their LM-head backward through fused kernels on CUDA in bf16/fp16 (off: tensor ops and autograd)" },
     Knob { name: "MANTA_FUSED_ROPE", values: Values::Flag, default: "on", what: "decoder (trainer and the engine's tensor-op path): the rotary embedding of q and k and its backward through one kernel each on CUDA in bf16/fp16, bit-identical forward (off: tensor ops and autograd)" },
     Knob { name: "MANTA_FUSED_RMSNORM", values: Values::Flag, default: "on", what: "decoder (trainer and the engine's tensor-op path): RMSNorm with Hugging Face's rounding and its backward through one kernel forward and two backward on CUDA in bf16/fp16, forward equal to the tensor ops but where their sums of squares round apart (off: tensor ops and autograd)" },
+    Knob { name: "MANTA_FUSED_SWIGLU", values: Values::Flag, default: "on", what: "decoder (trainer and the engine's tensor-op path): the MLP's `silu(gate) * up` and its backward through one kernel each on CUDA in bf16/fp16, bit-identical forward (off: tensor ops and autograd)" },
     Knob { name: VERIFY_WEIGHT_SYNC, values: Values::Flag, default: "off", what: "driver: digest every engine's weights after each sync and check them against the trainer's" },
     Knob { name: WEIGHT_CHUNK_BYTES, values: Values::Bytes, default: "1 MiB", what: "weights over gRPC: bytes per chunk message" },
     Knob { name: "MANTA_PDL", values: Values::Flag, default: "on (sm_90+)", what: "CUDA kernels: programmatic dependent launch" },
@@ -372,6 +373,11 @@ pub fn fused_rope() -> bool {
 /// Decoder: RMSNorm through the fused CUDA kernels.
 pub fn fused_rms_norm() -> bool {
     flag("MANTA_FUSED_RMSNORM", true)
+}
+
+/// Decoder: the MLP's gated activation through the fused CUDA kernels.
+pub fn fused_swiglu() -> bool {
+    flag("MANTA_FUSED_SWIGLU", true)
 }
 
 /// Driver: verify every weight sync.

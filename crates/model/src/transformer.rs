@@ -621,10 +621,43 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Tensor {
         let proj = |x: &Tensor, w: &Tensor| linear_rows(x, w, None, self.min_rows);
-        proj(
-            &(proj(x, &self.gate).silu() * proj(x, &self.up)),
-            &self.down,
+        let (gate, up) = (proj(x, &self.gate), proj(x, &self.up));
+        let act = fused_swiglu(&gate, &up).unwrap_or_else(|| gate.silu() * up);
+        proj(&act, &self.down)
+    }
+}
+
+/// `gate.silu() * up` through one CUDA kernel each way (`manta_cuda::swiglu`) instead of
+/// two forward and three backward: the same bits forward, differentiable w.r.t. both.
+/// `None` where it does not apply, and the caller takes the tensor ops: off CUDA, outside
+/// bf16/fp16, mismatched inputs, `MANTA_FUSED_SWIGLU=0`, or kernels that do not compile
+/// on this GPU.
+fn fused_swiglu(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
+    let Device::Cuda(index) = gate.device() else {
+        return None;
+    };
+    if !matches!(gate.kind(), Kind::BFloat16 | Kind::Half)
+        || up.kind() != gate.kind()
+        || up.device() != gate.device()
+        || up.size() != gate.size()
+        || !manta_knobs::fused_swiglu()
+        || !crate::kernel_check::compiles_once(
+            "fused gated activation",
+            "activating through tensor ops",
+            index,
+            manta_cuda::swiglu::compile_check,
         )
+    {
+        return None;
+    }
+    match manta_cuda::swiglu::swiglu(gate, up) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            // Every input was checked above: a failure here is a bug, not a state of the
+            // GPU; the tensor ops give the same bits.
+            tracing::warn!("fused gated activation failed, taking the tensor ops: {e}");
+            None
+        }
     }
 }
 
