@@ -120,7 +120,8 @@ fn fused_swiglu_backward_matches_autograd() {
             let g64 = g.to_kind(Kind::Double);
             let sig = g64.sigmoid();
             let d = (&g_out * &u).to_kind(Kind::Double);
-            let exact = &d * &sig * ((&g64 * (1.0 - &sig)) + 1.0);
+            let one_minus: Tensor = sig.ones_like() - &sig;
+            let exact: Tensor = &d * &sig * ((&g64 * one_minus) + 1.0);
             let bound = exact.abs() * (1.5 * unit(kind)) + d.abs() * 1e-6 + 1e-7;
             let worst = max(&((dg_f.to_kind(Kind::Double) - &exact).abs() - bound));
             assert!(
