@@ -73,9 +73,36 @@ impl AdamW {
         !self.masters.is_empty()
     }
 
+    /// The defined gradients when every one is bf16/fp16 on one CUDA device: the case ATen's
+    /// multi-tensor ops take in one launch for the whole list (a GRPO step's optimizer phase
+    /// otherwise launches several kernels per parameter). `None` otherwise, and the callers
+    /// take their per-parameter ops.
+    fn gpu_half_grads(&self) -> Option<Vec<Tensor>> {
+        let grads: Vec<Tensor> = self
+            .params
+            .values()
+            .map(|p| p.grad())
+            .filter(|g| g.defined())
+            .collect();
+        let first = grads.first()?;
+        let (device, kind) = (first.device(), first.kind());
+        let usable = matches!(device, tch::Device::Cuda(_))
+            && matches!(kind, Kind::BFloat16 | Kind::Half)
+            && grads
+                .iter()
+                .all(|g| g.device() == device && g.kind() == kind);
+        usable.then_some(grads)
+    }
+
     /// Global L2 norm of all gradients (parameters without a gradient count as zero).
     /// Sums in fp64 on the parameters' device and reads the result back once.
     pub fn grad_norm(&self) -> f64 {
+        if let Some(grads) = self.gpu_half_grads() {
+            match manta_cuda::adamw::foreach_sq_norm(&grads) {
+                Ok(sq) => return sq.double_value(&[]).sqrt(),
+                Err(e) => warn_foreach_once(&e),
+            }
+        }
         tch::no_grad(|| {
             let mut total: Option<Tensor> = None;
             for p in self.params.values() {
@@ -107,6 +134,12 @@ impl AdamW {
         let norm = self.grad_norm();
         if norm.is_finite() && norm > max_norm {
             let scale = max_norm / (norm + 1e-6);
+            if let Some(grads) = self.gpu_half_grads() {
+                match manta_cuda::adamw::foreach_scale_(&grads, scale) {
+                    Ok(()) => return norm,
+                    Err(e) => warn_foreach_once(&e),
+                }
+            }
             tch::no_grad(|| {
                 for p in self.params.values() {
                     let mut g = p.grad();
@@ -213,6 +246,12 @@ impl AdamW {
 
     /// Clears gradients before the next step.
     pub fn zero_grad(&mut self) {
+        if let Some(grads) = self.gpu_half_grads() {
+            match manta_cuda::adamw::foreach_zero_(&grads) {
+                Ok(()) => return,
+                Err(e) => warn_foreach_once(&e),
+            }
+        }
         for p in self.params.values_mut() {
             let mut g = p.grad();
             if g.defined() {
@@ -347,6 +386,15 @@ fn master_copies(params: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> 
             .map(|(k, p)| (k.clone(), p.detach().to_kind(Kind::Float)))
             .collect()
     })
+}
+
+/// Says once per process that the multi-tensor gradient ops failed (the per-parameter
+/// ops then run, with the same result).
+fn warn_foreach_once(e: &manta_cuda::CudaError) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(
+        || tracing::warn!(error = %e, "multi-tensor gradient ops unavailable: per-parameter ops"),
+    );
 }
 
 #[cfg(test)]

@@ -67,4 +67,38 @@ int manta_fused_adamw_masters(void** params, void** grads, void** masters, void*
   });
 }
 
+// The gradient list's Σ ||g||² in fp64 as a new 0-d tensor in *out, each tensor's norm
+// accumulated in fp32 by ATen's multi-tensor `_foreach_norm` (one launch for the list, where
+// a norm per parameter is four launches and the host's turn between them).
+int manta_foreach_sq_norm(void** tensors, int n, void** out) {
+  return manta::guarded([&] {
+    c10::NoGradGuard no_grad;
+    TORCH_CHECK(n > 0, "the gradient norm needs at least one tensor");
+    std::vector<at::Tensor> ts;
+    for (int i = 0; i < n; ++i) ts.push_back(as_tensor(tensors[i]));
+    const auto norms = at::_foreach_norm(ts, 2, at::kFloat);
+    *out = new at::Tensor(at::stack(norms).to(at::kDouble).square().sum());
+  });
+}
+
+// Every tensor of the list multiplied in place by `scale` (one multi-tensor launch).
+int manta_foreach_scale_(void** tensors, int n, double scale) {
+  return manta::guarded([&] {
+    c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> ts;
+    for (int i = 0; i < n; ++i) ts.push_back(as_tensor(tensors[i]));
+    at::_foreach_mul_(ts, scale);
+  });
+}
+
+// Every tensor of the list set to zero in place (one multi-tensor launch).
+int manta_foreach_zero_(void** tensors, int n) {
+  return manta::guarded([&] {
+    c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> ts;
+    for (int i = 0; i < n; ++i) ts.push_back(as_tensor(tensors[i]));
+    at::_foreach_zero_(ts);
+  });
+}
+
 }  // extern "C"

@@ -7,6 +7,10 @@
 //! [`fused_adamw_bf16_grad`], the same update read straight from a bf16 gradient with the
 //! clip scale folded in (no fp32 copy of the gradient), and [`sum_of_squares`], the
 //! gradient norm's Σ x² in fp64 without an fp64 copy.
+//!
+//! For a whole model's list of gradients: [`foreach_sq_norm`], [`foreach_scale_`] and
+//! [`foreach_zero_`], ATen's multi-tensor ops (one launch for the list where per-parameter
+//! ops launch hundreds of kernels, a GRPO step's optimizer phase mostly spent by the host).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
@@ -51,6 +55,9 @@ extern "C" {
         step: f64,
     ) -> c_int;
     fn manta_sum_of_squares(source: *const c_char, x: *mut c_void, out: *mut c_void) -> c_int;
+    fn manta_foreach_sq_norm(tensors: *mut *mut c_void, n: c_int, out: *mut *mut c_void) -> c_int;
+    fn manta_foreach_scale_(tensors: *mut *mut c_void, n: c_int, scale: f64) -> c_int;
+    fn manta_foreach_zero_(tensors: *mut *mut c_void, n: c_int) -> c_int;
     fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
 }
 
@@ -223,6 +230,47 @@ pub fn sum_of_squares(x: &Tensor) -> Result<Tensor, CudaError> {
     Ok(out)
 }
 
+/// The tensors' handles for a multi-tensor call, and their count as the shim takes it.
+fn handles(tensors: &[Tensor]) -> Result<(Vec<*mut c_void>, c_int), CudaError> {
+    let n = c_int::try_from(tensors.len()).map_err(|_| {
+        CudaError(format!(
+            "{} tensors are too many for one call",
+            tensors.len()
+        ))
+    })?;
+    Ok((
+        tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect(),
+        n,
+    ))
+}
+
+/// Σ ||t||² over `tensors` (at least one; one device and kind for the single-launch path)
+/// as a 0-d fp64 tensor on their device: each norm accumulated in fp32 by ATen's
+/// `_foreach_norm`, their squares summed in fp64. Reading it waits for the device.
+pub fn foreach_sq_norm(tensors: &[Tensor]) -> Result<Tensor, CudaError> {
+    let (mut list, n) = handles(tensors)?;
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `list` holds live at::Tensor handles owned by `tensors` for the call; on
+    // success `out` is a new at::Tensor we own.
+    check(unsafe { manta_foreach_sq_norm(list.as_mut_ptr(), n, &mut out) })?;
+    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Multiplies every tensor of `tensors` in place by `scale` (ATen's `_foreach_mul_`).
+pub fn foreach_scale_(tensors: &[Tensor], scale: f64) -> Result<(), CudaError> {
+    let (mut list, n) = handles(tensors)?;
+    // SAFETY: `list` holds live at::Tensor handles owned by `tensors` for the call.
+    check(unsafe { manta_foreach_scale_(list.as_mut_ptr(), n, scale) })
+}
+
+/// Sets every tensor of `tensors` to zero in place (ATen's `_foreach_zero_`).
+pub fn foreach_zero_(tensors: &[Tensor]) -> Result<(), CudaError> {
+    let (mut list, n) = handles(tensors)?;
+    // SAFETY: `list` holds live at::Tensor handles owned by `tensors` for the call.
+    check(unsafe { manta_foreach_zero_(list.as_mut_ptr(), n) })
+}
+
 /// Compiles the optimizer kernels for `sm_<arch>` with NVRTC (no GPU needed).
 pub fn optimizer_kernels_compile(arch: u32) -> Result<(), CudaError> {
     crate::sync_kernel_knobs();
@@ -279,6 +327,40 @@ mod tests {
         assert!(e.to_string().contains(expected), "{e}");
         let e = sum_of_squares(&master).unwrap_err();
         assert!(e.to_string().contains("CUDA tensor"), "{e}");
+    }
+
+    /// The multi-tensor helpers against per-tensor ops (ATen runs them on the CPU too).
+    #[test]
+    fn foreach_helpers_match_per_tensor_ops() {
+        tch::manual_seed(1);
+        let tensors: Vec<Tensor> = [vec![3, 5], vec![1000], vec![7, 9, 11]]
+            .iter()
+            .map(|s| {
+                Tensor::randn(s.as_slice(), (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16)
+            })
+            .collect();
+        let want: f64 = tensors
+            .iter()
+            .map(|t| {
+                t.to_kind(Kind::Double)
+                    .square()
+                    .sum(Kind::Double)
+                    .double_value(&[])
+            })
+            .sum();
+        let got = foreach_sq_norm(&tensors).expect("norm").double_value(&[]);
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+        let before: Vec<Tensor> = tensors.iter().map(|t| t.copy()).collect();
+        foreach_scale_(&tensors, 0.25).expect("scale");
+        for (t, b) in tensors.iter().zip(&before) {
+            assert!(t.equal(&(b * 0.25)), "scaled by a power of two exactly");
+        }
+        foreach_zero_(&tensors).expect("zero");
+        assert!(tensors
+            .iter()
+            .all(|t| t.abs().sum(Kind::Double).double_value(&[]) == 0.0));
+        let e = foreach_sq_norm(&[]).expect_err("no tensors").to_string();
+        assert!(e.contains("at least one"), "{e}");
     }
 
     /// `t`'s elements as integers of its width (fp32 as i32, bf16 as i16), to count ulps.
