@@ -15,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/rms_norm.cpp");
     println!("cargo:rerun-if-changed=src/swiglu.cpp");
     println!("cargo:rerun-if-changed=src/guarded.hpp");
+    println!("cargo:rerun-if-changed=src/plain_kernel.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=MANTA_CUDA_INCLUDE");
     let lib = PathBuf::from(

@@ -253,8 +253,8 @@ pub fn foreach_sq_norm(tensors: &[Tensor]) -> Result<Tensor, CudaError> {
     // SAFETY: `list` holds live at::Tensor handles owned by `tensors` for the call; on
     // success `out` is a new at::Tensor we own.
     check(unsafe { manta_foreach_sq_norm(list.as_mut_ptr(), n, &mut out) })?;
-    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    // SAFETY: on success `out` is a new heap at::Tensor nothing else owns.
+    Ok(unsafe { crate::owned_tensor(out) })
 }
 
 /// Multiplies every tensor of `tensors` in place by `scale` (ATen's `_foreach_mul_`).

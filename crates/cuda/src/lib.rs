@@ -30,6 +30,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use tch::{Kind, Tensor};
 
 extern "C" {
+    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
     fn manta_set_kernel_knobs(values: *const i64, n: c_int);
     fn manta_cuda_last_error() -> *const c_char;
     fn manta_cuda_built_with_cuda() -> c_int;
@@ -181,6 +182,24 @@ pub fn decode_kernels_compile(shape: KernelShape, arch: u32) -> Result<(), CudaE
             arch as c_int,
         )
     })
+}
+
+/// Compiles an NVRTC `source` (a NUL-terminated static) for `sm_<arch>`: no GPU needed.
+fn compile_source(source: &'static str, arch: u32) -> Result<(), CudaError> {
+    sync_kernel_knobs();
+    debug_assert!(source.ends_with('\0'), "NVRTC sources are NUL-terminated");
+    // SAFETY: the source is a NUL-terminated static.
+    check(unsafe { manta_kernels_compile_check(source.as_ptr() as *const c_char, arch as c_int) })
+}
+
+/// Owns the at::Tensor a successful shim call wrote through its out-pointer.
+///
+/// # Safety
+/// `out` must be a heap `at::Tensor` that nothing else owns (what the shim's functions
+/// returning a tensor write on success).
+unsafe fn owned_tensor(out: *mut c_void) -> Tensor {
+    // SAFETY: by the contract above; tch's tensor handle is a pointer to an at::Tensor.
+    unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -721,6 +740,49 @@ mod tests {
             );
             at_q += nq;
             at_k += nk;
+        }
+    }
+
+    /// The trainer's fused kernels (rotary embedding, RMSNorm, gated activation) compile
+    /// for Ampere and Hopper with NVRTC, with no GPU needed.
+    #[test]
+    fn trainer_kernels_compile_for_hopper_and_ampere() {
+        if !built_with_cuda() {
+            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
+            return;
+        }
+        let kernels: [(&str, fn(u32) -> Result<(), CudaError>); 3] = [
+            ("rope", rope::compile_check),
+            ("rms_norm", rms_norm::compile_check),
+            ("swiglu", swiglu::compile_check),
+        ];
+        for (name, compile) in kernels {
+            for arch in [80, 90] {
+                if let Err(e) = compile(arch) {
+                    panic!("{name}, sm_{arch}: {e}");
+                }
+            }
+        }
+    }
+
+    /// The trainer's fused ops refuse CPU tensors with an error that says so.
+    #[test]
+    fn trainer_kernels_refuse_cpu_tensors_with_an_error() {
+        if !built_with_cuda() {
+            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
+            return;
+        }
+        let rows = Tensor::zeros([4, 16], (Kind::BFloat16, Device::Cpu));
+        let table = Tensor::zeros([4, 8], (Kind::BFloat16, Device::Cpu));
+        let weight = Tensor::ones([16], (Kind::BFloat16, Device::Cpu));
+        let errors = [
+            rope::rope(&rows.view([4, 2, 8]), &table, &table).map(|_| ()),
+            rms_norm::rms_norm(&rows, &weight, 1e-6).map(|_| ()),
+            swiglu::swiglu(&rows, &rows).map(|_| ()),
+        ];
+        for e in errors {
+            let e = e.expect_err("a CPU tensor").to_string();
+            assert!(e.contains("CUDA tensor"), "{e}");
         }
     }
 

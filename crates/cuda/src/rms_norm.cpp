@@ -13,12 +13,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <algorithm>
 
-namespace manta {
-// shim.cpp: kernel `name` of `source` (no defines), compiled for `device` once, launched on
-// its current stream over `blocks` × `threads`.
-void launch_plain_kernel(const char* source, const char* name, int device, unsigned blocks, unsigned threads,
-                         void** args);
-}  // namespace manta
+#include "plain_kernel.hpp"
 
 namespace {
 

@@ -23,7 +23,6 @@ extern "C" {
         eps: f64,
         out: *mut *mut c_void,
     ) -> c_int;
-    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
 }
 
 /// The widest row the kernels take (their `RN_THREADS · 8 · 4`).
@@ -58,50 +57,11 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, CudaError> {
             &mut out,
         )
     })?;
-    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    // SAFETY: on success `out` is a new heap at::Tensor nothing else owns.
+    Ok(unsafe { crate::owned_tensor(out) })
 }
 
 /// Compiles the RMSNorm kernels for `sm_<arch>` with NVRTC (no GPU needed).
 pub fn compile_check(arch: u32) -> Result<(), CudaError> {
-    crate::sync_kernel_knobs();
-    // SAFETY: the source is a NUL-terminated static.
-    check(unsafe {
-        manta_kernels_compile_check(RMS_NORM_SOURCE.as_ptr() as *const c_char, arch as c_int)
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use tch::{Device, Kind, Tensor};
-
-    use super::*;
-    use crate::built_with_cuda;
-
-    #[test]
-    fn rms_norm_kernels_compile_for_hopper_and_ampere() {
-        if !built_with_cuda() {
-            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
-            return;
-        }
-        for arch in [80, 90] {
-            if let Err(e) = compile_check(arch) {
-                panic!("sm_{arch}: {e}");
-            }
-        }
-    }
-
-    #[test]
-    fn rms_norm_refuses_cpu_tensors_with_an_error() {
-        if !built_with_cuda() {
-            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
-            return;
-        }
-        let x = Tensor::zeros([4, 16], (Kind::BFloat16, Device::Cpu));
-        let w = Tensor::ones([16], (Kind::BFloat16, Device::Cpu));
-        let e = rms_norm(&x, &w, 1e-6)
-            .expect_err("a CPU tensor")
-            .to_string();
-        assert!(e.contains("CUDA tensor"), "{e}");
-    }
+    crate::compile_source(RMS_NORM_SOURCE, arch)
 }

@@ -1,6 +1,7 @@
 // CUDA graphs and memory info for tch callers. Every function catches C++ exceptions and
 // returns non-zero with the message kept for manta_cuda_last_error().
 #include "guarded.hpp"
+#include "plain_kernel.hpp"
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -1672,8 +1673,7 @@ int manta_sum_of_squares(const char* source, void* x_, void* out_) {
 
 #ifdef MANTA_WITH_CUDA
 namespace manta {
-// For the other translation units (rope.cpp): kernel `name` of `source`, which takes no
-// defines, compiled for `device` once and launched on its current stream.
+// plain_kernel.hpp: for the fused-op shims (rope.cpp, rms_norm.cpp, swiglu.cpp).
 void launch_plain_kernel(const char* source, const char* name, int device, unsigned blocks, unsigned threads,
                          void** args) {
   launch(kernel(source, "", name, device), device, blocks, 1, 1, threads, args);

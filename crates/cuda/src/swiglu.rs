@@ -18,7 +18,6 @@ extern "C" {
         up: *mut c_void,
         out: *mut *mut c_void,
     ) -> c_int;
-    fn manta_kernels_compile_check(source: *const c_char, arch: c_int) -> c_int;
 }
 
 /// The gated activation kernels' CUDA source, NUL-terminated for NVRTC.
@@ -47,47 +46,11 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor, CudaError> {
             &mut out,
         )
     })?;
-    // SAFETY: `out` is a heap at::Tensor, which is what tch's tensor handle points to.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    // SAFETY: on success `out` is a new heap at::Tensor nothing else owns.
+    Ok(unsafe { crate::owned_tensor(out) })
 }
 
 /// Compiles the gated activation kernels for `sm_<arch>` with NVRTC (no GPU needed).
 pub fn compile_check(arch: u32) -> Result<(), CudaError> {
-    crate::sync_kernel_knobs();
-    // SAFETY: the source is a NUL-terminated static.
-    check(unsafe {
-        manta_kernels_compile_check(SWIGLU_SOURCE.as_ptr() as *const c_char, arch as c_int)
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use tch::{Device, Kind, Tensor};
-
-    use super::*;
-    use crate::built_with_cuda;
-
-    #[test]
-    fn swiglu_kernels_compile_for_hopper_and_ampere() {
-        if !built_with_cuda() {
-            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
-            return;
-        }
-        for arch in [80, 90] {
-            if let Err(e) = compile_check(arch) {
-                panic!("sm_{arch}: {e}");
-            }
-        }
-    }
-
-    #[test]
-    fn swiglu_refuses_cpu_tensors_with_an_error() {
-        if !built_with_cuda() {
-            eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
-            return;
-        }
-        let x = Tensor::zeros([4, 16], (Kind::BFloat16, Device::Cpu));
-        let e = swiglu(&x, &x).expect_err("a CPU tensor").to_string();
-        assert!(e.contains("CUDA tensor"), "{e}");
-    }
+    crate::compile_source(SWIGLU_SOURCE, arch)
 }

@@ -17,8 +17,11 @@
 //!
 //! Returns early, saying so, without a CUDA device.
 
+mod common;
+
 use std::sync::Mutex;
 
+use common::{gpu, max, misaligned, unit};
 use manta_cuda::rms_norm::rms_norm;
 use tch::{Device, Kind, Tensor};
 
@@ -26,24 +29,6 @@ use tch::{Device, Kind, Tensor};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 const EPS: f64 = 1e-6;
-
-/// The test GPU, or None (and a "skipped" line) without one.
-fn gpu() -> Option<Device> {
-    let Some(index) = manta_cuda::test_gpu() else {
-        eprintln!("skipped: no CUDA device (the device machine runs this)");
-        return None;
-    };
-    Some(Device::Cuda(index))
-}
-
-/// The kind's unit roundoff.
-fn unit(kind: Kind) -> f64 {
-    if kind == Kind::Half {
-        2f64.powi(-11)
-    } else {
-        2f64.powi(-8)
-    }
-}
 
 /// The decoder's tensor ops (crates/model `RmsNorm::forward` off the fused path).
 fn tensor_ops(x: &Tensor, w: &Tensor) -> Tensor {
@@ -58,23 +43,10 @@ fn inputs(rows: i64, dim: i64, kind: Kind, device: Device) -> (Tensor, Tensor) {
     (x, w)
 }
 
-/// `values` copied into a buffer at 2 bytes past a 16-byte boundary.
-fn misaligned(values: &Tensor) -> Tensor {
-    let n = values.numel() as i64;
-    let buffer = Tensor::zeros([n + 1], (values.kind(), values.device()));
-    let t = buffer.narrow(0, 1, n).view(values.size().as_slice());
-    t.shallow_clone().copy_(values);
-    t
-}
-
 /// fp64 per-row rsqrt(mean(x²) + eps) [rows, 1].
 fn rstd64(x: &Tensor) -> Tensor {
     let x = x.to_kind(Kind::Double);
     (x.square().mean_dim(-1, true, Kind::Double) + EPS).rsqrt()
-}
-
-fn max(t: &Tensor) -> f64 {
-    t.max().double_value(&[])
 }
 
 #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]

@@ -14,8 +14,11 @@
 //!
 //! Returns early, saying so, without a CUDA device.
 
+mod common;
+
 use std::sync::Mutex;
 
+use common::{gpu, misaligned};
 use manta_cuda::rope::rope;
 use tch::{Device, Kind, Tensor};
 
@@ -35,17 +38,6 @@ fn tensor_ops(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     x * &cos + rotate_half(x) * &sin
 }
 
-/// Contiguous `shape` of `kind` on `device` whose data starts 2 bytes past a 16-byte
-/// boundary (the kernels' scalar path), holding `values`.
-fn misaligned(values: &Tensor) -> Tensor {
-    let n = values.numel() as i64;
-    let buffer = Tensor::zeros([n + 1], (values.kind(), values.device()));
-    let t = buffer.narrow(0, 1, n).view(values.size().as_slice());
-    t.shallow_clone().copy_(values);
-    assert!(t.is_contiguous());
-    t
-}
-
 /// Random x (values of either sign over a few octaves) and the cos/sin of random positions'
 /// angles, as the decoder's tables are: fp32 cos/sin rounded to `kind`.
 fn inputs(rows: i64, heads: i64, hd: i64, kind: Kind, device: Device) -> (Tensor, Tensor, Tensor) {
@@ -59,15 +51,6 @@ fn inputs(rows: i64, heads: i64, hd: i64, kind: Kind, device: Device) -> (Tensor
     let freqs = positions * inv_freq;
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     (x, emb.cos().to_kind(kind), emb.sin().to_kind(kind))
-}
-
-/// The test GPU, or None (and a "skipped" line) without one.
-fn gpu() -> Option<Device> {
-    let Some(index) = manta_cuda::test_gpu() else {
-        eprintln!("skipped: no CUDA device (the device machine runs this)");
-        return None;
-    };
-    Some(Device::Cuda(index))
 }
 
 #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]

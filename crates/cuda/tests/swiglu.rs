@@ -11,49 +11,22 @@
 //!
 //! Returns early, saying so, without a CUDA device.
 
+mod common;
+
 use std::sync::Mutex;
 
+use common::{gpu, max, misaligned, unit};
 use manta_cuda::swiglu::swiglu;
 use tch::{Device, Kind, Tensor};
 
 /// One test at a time: they share the CUDA generator.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// The test GPU, or None (and a "skipped" line) without one.
-fn gpu() -> Option<Device> {
-    let Some(index) = manta_cuda::test_gpu() else {
-        eprintln!("skipped: no CUDA device (the device machine runs this)");
-        return None;
-    };
-    Some(Device::Cuda(index))
-}
-
-fn unit(kind: Kind) -> f64 {
-    if kind == Kind::Half {
-        2f64.powi(-11)
-    } else {
-        2f64.powi(-8)
-    }
-}
-
 /// Gate values over silu's whole shape (large negative to large positive), up near ±1.
 fn inputs(shape: &[i64], kind: Kind, device: Device) -> (Tensor, Tensor) {
     let g = (Tensor::randn(shape, (Kind::Float, device)) * 4.0).to_kind(kind);
     let u = Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
     (g, u)
-}
-
-/// `values` copied into a buffer at 2 bytes past a 16-byte boundary.
-fn misaligned(values: &Tensor) -> Tensor {
-    let n = values.numel() as i64;
-    let buffer = Tensor::zeros([n + 1], (values.kind(), values.device()));
-    let t = buffer.narrow(0, 1, n).view(values.size().as_slice());
-    t.shallow_clone().copy_(values);
-    t
-}
-
-fn max(t: &Tensor) -> f64 {
-    t.max().double_value(&[])
 }
 
 #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
