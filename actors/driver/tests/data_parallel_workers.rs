@@ -401,7 +401,14 @@ fn rank_0s_worker_roots_the_weight_sync_to_the_engines() {
     assert_eq!(rows.len() as u64, STEPS);
     for (s, m) in &rows {
         assert_eq!(m["weights/version"], *s as f64);
-        assert!(m["train/grad_norm"] > 0.0);
+        // A step whose groups all scored alike has zero advantages and so a zero gradient
+        // (the tiny model's 4 × 4 often does): that it trained shows in its tokens.
+        let norm = m["train/grad_norm"];
+        assert!(
+            norm.is_finite() && norm >= 0.0,
+            "step {s}: grad norm {norm}"
+        );
+        assert!(m["train/tokens"] > 0.0, "step {s} trained no tokens");
     }
     assert!(a.contains("trainer spawned") && b.contains("trainer spawned"));
 }

@@ -12,7 +12,8 @@
 //!   rounded inputs, within rounding bounds scaled by each element's magnitude, and autograd
 //!   of the tensor ops against the same references (so the bounds are ones the tensor ops
 //!   meet too); the same bits on a second run (the dw reduction has a fixed order).
-//! - a row's output does not depend on the rows beside it (true on-policy mode);
+//! - a row's output does not depend on the rows beside it (true on-policy mode), and no
+//!   rows give an empty result;
 //! - bad inputs: an error that names the problem.
 //!
 //! Returns early, saying so, without a CUDA device.
@@ -179,6 +180,8 @@ fn fused_rms_norm_rows_do_not_depend_on_their_batch() {
     for dim in [128, 1024, 4096] {
         let (x, w) = inputs(1000, dim, Kind::BFloat16, device);
         let all = rms_norm(&x, &w, EPS).expect("fused");
+        let none = rms_norm(&x.narrow(0, 0, 0).contiguous(), &w, EPS).expect("no rows");
+        assert_eq!(none.size(), vec![0, dim], "zero rows");
         for (start, len) in [(0, 1), (17, 5), (999, 1)] {
             let part = rms_norm(&x.narrow(0, start, len).contiguous(), &w, EPS).expect("fused");
             assert!(

@@ -167,7 +167,8 @@ fn fused_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Tensor> {
         return None;
     }
     let shape = x.size();
-    let rows = x.contiguous().view([-1, dim]);
+    // Rows counted, not inferred: a view of zero elements cannot infer a -1 dimension.
+    let rows = x.contiguous().view([x.numel() as i64 / dim, dim]);
     match manta_cuda::rms_norm::rms_norm(&rows, weight, eps) {
         Ok(y) => Some(y.view(shape.as_slice())),
         Err(e) => {
