@@ -751,7 +751,8 @@ mod tests {
             eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
             return;
         }
-        let kernels: [(&str, fn(u32) -> Result<(), CudaError>); 3] = [
+        type CompileCheck = fn(u32) -> Result<(), CudaError>;
+        let kernels: [(&str, CompileCheck); 3] = [
             ("rope", rope::compile_check),
             ("rms_norm", rms_norm::compile_check),
             ("swiglu", swiglu::compile_check),

@@ -97,16 +97,22 @@ fn run(
     }
 }
 
-/// How `knob`'s forward compares with the tensor ops.
+/// How a fused kernel's forward compares with the tensor ops.
 #[derive(Clone, Copy, PartialEq)]
 enum Forward {
     BitIdentical,
     WithinRounding,
 }
 
-fn check(
-    knob: &str,
+/// A fused kernel under test: its knob, and what its forward promises.
+#[derive(Clone, Copy)]
+struct Case {
+    knob: &'static str,
     forward: Forward,
+}
+
+fn check(
+    Case { knob, forward }: Case,
     what: &str,
     reference: &VarStore,
     ids: &Tensor,
@@ -155,7 +161,8 @@ fn check(
 
 /// Every fused kernel of the decoder against its tensor ops: a causal batch, then packed
 /// sequences with every layer recomputed.
-fn check_knob(knob: &str, forward: Forward, compile: fn(u32) -> Result<(), manta_cuda::CudaError>) {
+fn check_knob(case: Case, compile: fn(u32) -> Result<(), manta_cuda::CudaError>) {
+    let knob = case.knob;
     let Some(index) = manta_cuda::test_gpu() else {
         eprintln!("skipped: no CUDA device (the device machine runs this)");
         return;
@@ -189,8 +196,7 @@ fn check_knob(knob: &str, forward: Forward, compile: fn(u32) -> Result<(), manta
         .contiguous();
     let causal = Attention::Causal { key_mask: None };
     check(
-        knob,
-        forward,
+        case,
         "causal B=2",
         &reference,
         &ids,
@@ -212,17 +218,17 @@ fn check_knob(knob: &str, forward: Forward, compile: fn(u32) -> Result<(), manta
     .unsqueeze(0);
     let segments = Attention::Segments { lengths: &lengths };
     let what = "segments, every layer recomputed";
-    check(
-        knob, forward, what, &reference, &ids, &positions, &segments, true,
-    );
+    check(case, what, &reference, &ids, &positions, &segments, true);
 }
 
 #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
 #[test]
 fn fused_rope_model_matches_the_tensor_ops() {
     check_knob(
-        "MANTA_FUSED_ROPE",
-        Forward::BitIdentical,
+        Case {
+            knob: "MANTA_FUSED_ROPE",
+            forward: Forward::BitIdentical,
+        },
         manta_cuda::rope::compile_check,
     );
 }
@@ -231,8 +237,10 @@ fn fused_rope_model_matches_the_tensor_ops() {
 #[test]
 fn fused_swiglu_model_matches_the_tensor_ops() {
     check_knob(
-        "MANTA_FUSED_SWIGLU",
-        Forward::BitIdentical,
+        Case {
+            knob: "MANTA_FUSED_SWIGLU",
+            forward: Forward::BitIdentical,
+        },
         manta_cuda::swiglu::compile_check,
     );
 }
@@ -241,8 +249,10 @@ fn fused_swiglu_model_matches_the_tensor_ops() {
 #[test]
 fn fused_rms_norm_model_matches_the_tensor_ops() {
     check_knob(
-        "MANTA_FUSED_RMSNORM",
-        Forward::WithinRounding,
+        Case {
+            knob: "MANTA_FUSED_RMSNORM",
+            forward: Forward::WithinRounding,
+        },
         manta_cuda::rms_norm::compile_check,
     );
 }
