@@ -4,7 +4,9 @@
 // cuBLASLt's heuristic for up to 64 algorithms, times every one over four weight copies
 // (so L2 cannot hold the weight), and prints the heuristic's first choice, the fastest,
 // and the fastest's tile / split-K / stages. The question it answers: is there a faster
-// cuBLAS kernel for 64-row projections than the one the default path takes?
+// cuBLAS kernel for 64-row projections (or 8,192-row prefill chunks) than the one the
+// default path takes? Operands hold random bf16 values in [-1, 1): a GEMM's power draw,
+// and with it the clock a compute-bound one runs at, depends on the bits it multiplies.
 //
 // build: bench/cpp/build_probe_cublaslt.sh   run: probe_cublaslt SHAPE(0.6b|8b) ROWS...
 #include <cublasLt.h>
@@ -13,6 +15,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,7 +78,20 @@ int main(int argc, char** argv) {
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
-  const int copies = 4, reps = 40;
+  const int copies = 4;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  // Random bf16 (truncated fp32) in [-1, 1), copied to the device.
+  auto fill_random = [&](void* dst, size_t elems) {
+    std::vector<uint16_t> host(elems);
+    for (auto& h : host) {
+      float f = uniform(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      h = static_cast<uint16_t>(bits >> 16);
+    }
+    CHECK_CUDA(cudaMemcpy(dst, host.data(), elems * 2, cudaMemcpyHostToDevice));
+  };
 
   for (int ai = 2; ai < argc; ++ai) {
     int m = std::atoi(argv[ai]);
@@ -83,11 +100,14 @@ int main(int argc, char** argv) {
       std::vector<void*> w(copies);
       for (auto& ptr : w) {
         CHECK_CUDA(cudaMalloc(&ptr, (size_t)p.n * p.k * 2));
-        CHECK_CUDA(cudaMemset(ptr, 0x3c, (size_t)p.n * p.k * 2));
+        fill_random(ptr, (size_t)p.n * p.k);
       }
       void *x, *y;
       CHECK_CUDA(cudaMalloc(&x, (size_t)m * p.k * 2));
-      CHECK_CUDA(cudaMemset(x, 0x3c, (size_t)m * p.k * 2));
+      fill_random(x, (size_t)m * p.k);
+      // About 20 ms of GEMMs per timing at 989 TFLOP/s, at least 3 and at most 40 calls.
+      const double flops = 2.0 * m * p.n * p.k;
+      const int reps = std::max(3, std::min(40, (int)(20e-3 * 989e12 / flops)));
       CHECK_CUDA(cudaMalloc(&y, (size_t)m * p.n * 2));
       float alpha = 1.f, beta = 0.f;
 
@@ -143,6 +163,7 @@ int main(int argc, char** argv) {
             failed = true;
         });
         if (failed) continue;
+        if (m >= 1024) std::printf("    candidate #%2d %8.1f us %5.0f TFLOP/s\n", h, t, flops / t / 1e6);
         if (h == 0) t_h0 = t;
         if (t < t_best) t_best = t, best = h;
       }
@@ -160,9 +181,11 @@ int main(int argc, char** argv) {
       double gb = (double)p.n * p.k * 2 / 1e3;
       std::printf(
           "%s rows %4d %8s n=%6d k=%6d: gemmEx %7.1f us (%4.0f GB/s) | lt[0] %7.1f | lt best "
-          "#%2d/%2d %7.1f us (%4.0f GB/s) algo %d tile %d splitk %d stages %d red %d swz %d\n",
+          "#%2d/%2d %7.1f us (%4.0f GB/s) algo %d tile %d splitk %d stages %d red %d swz %d | "
+          "TFLOP/s gemmEx %.0f best %.0f\n",
           shape.c_str(), m, p.name, p.n, p.k, t_default, gb / t_default, t_h0, best, found,
-          t_best, gb / t_best, algo_id, tile, splitk, stages, red, swizzle);
+          t_best, gb / t_best, algo_id, tile, splitk, stages, red, swizzle,
+          flops / t_default / 1e6, flops / t_best / 1e6);
       std::fflush(stdout);
       int layers = shape == "8b" ? 36 : 28;
       sum_default += t_default * layers;
