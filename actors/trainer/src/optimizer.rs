@@ -97,8 +97,14 @@ impl AdamW {
     /// Global L2 norm of all gradients (parameters without a gradient count as zero).
     /// Sums in fp64 on the parameters' device and reads the result back once.
     pub fn grad_norm(&self) -> f64 {
-        if let Some(grads) = self.gpu_half_grads() {
-            match manta_cuda::adamw::foreach_sq_norm(&grads) {
+        self.grad_norm_with(self.gpu_half_grads().as_deref())
+    }
+
+    /// [`AdamW::grad_norm`], given [`AdamW::gpu_half_grads`]'s list (so a clip collects
+    /// the gradients once for its norm and its scale).
+    fn grad_norm_with(&self, half_grads: Option<&[Tensor]>) -> f64 {
+        if let Some(grads) = half_grads {
+            match manta_cuda::adamw::foreach_sq_norm(grads) {
                 Ok(sq) => return sq.double_value(&[]).sqrt(),
                 Err(e) => warn_foreach_once(&e),
             }
@@ -131,11 +137,12 @@ impl AdamW {
 
     /// Scales gradients so their global norm is at most `max_norm`; returns the norm before.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
-        let norm = self.grad_norm();
+        let half_grads = self.gpu_half_grads();
+        let norm = self.grad_norm_with(half_grads.as_deref());
         if norm.is_finite() && norm > max_norm {
             let scale = max_norm / (norm + 1e-6);
-            if let Some(grads) = self.gpu_half_grads() {
-                match manta_cuda::adamw::foreach_scale_(&grads, scale) {
+            if let Some(grads) = &half_grads {
+                match manta_cuda::adamw::foreach_scale_(grads, scale) {
                     Ok(()) => return norm,
                     Err(e) => warn_foreach_once(&e),
                 }
