@@ -5,6 +5,44 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use tch::{Device, Kind, Tensor};
+
+/// A fused CUDA op the training forward takes where it applies, and the tensor ops it
+/// replaces (the same values) where it does not: off CUDA, outside bf16/fp16, with its
+/// knob off, or where its kernels do not compile.
+pub(crate) struct FusedOp {
+    /// The op, as logged ("fused RMSNorm").
+    pub name: &'static str,
+    /// What the model does instead, as logged ("norming through tensor ops").
+    pub instead: &'static str,
+    /// Its `MANTA_FUSED_*` knob.
+    pub enabled: fn() -> bool,
+    /// Compiles its kernels for an architecture (`sm_<arch>`).
+    pub compile: fn(u32) -> Result<(), manta_cuda::CudaError>,
+}
+
+impl FusedOp {
+    /// Whether the op may take `x` (the caller checks shapes): a bf16/fp16 CUDA tensor,
+    /// the knob on, the kernels compiling for its GPU.
+    pub fn applies_to(&self, x: &Tensor) -> bool {
+        let Device::Cuda(index) = x.device() else {
+            return false;
+        };
+        matches!(x.kind(), Kind::BFloat16 | Kind::Half)
+            && (self.enabled)()
+            && compiles_once(self.name, self.instead, index, self.compile)
+    }
+
+    /// The op's output, or `None` after a logged failure, and the caller takes the tensor
+    /// ops. Every input was checked before the call: a failure is a bug, not a state of
+    /// the GPU.
+    pub fn output(&self, result: Result<Tensor, manta_cuda::CudaError>) -> Option<Tensor> {
+        result
+            .map_err(|e| tracing::warn!("{} failed, {}: {e}", self.name, self.instead))
+            .ok()
+    }
+}
+
 /// Whether `kernels` (a family's name, as logged) compile for GPU `index`: `compile` checks
 /// them for the GPU's architecture on the first call, and a failure (no NVRTC in this
 /// install, an unsupported GPU) is logged once, saying what the model does `instead`.

@@ -11,6 +11,7 @@ use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
+use crate::kernel_check::FusedOp;
 use crate::layer_hooks::{LayerHooks, NoHooks};
 use crate::recompute::{Recompute, RecomputeError};
 
@@ -145,39 +146,27 @@ impl RmsNorm {
 /// outside bf16/fp16, a weight of another kind, `dim` not a multiple of 8 or above the
 /// kernels' widest, `MANTA_FUSED_RMSNORM=0`, or kernels that do not compile on this GPU.
 fn fused_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Tensor> {
-    let Device::Cuda(index) = x.device() else {
-        return None;
+    const OP: FusedOp = FusedOp {
+        name: "fused RMSNorm",
+        instead: "norming through tensor ops",
+        enabled: manta_knobs::fused_rms_norm,
+        compile: manta_cuda::rms_norm::compile_check,
     };
     let dim = *weight.size().first()?;
-    let kind = x.kind();
-    if !matches!(kind, Kind::BFloat16 | Kind::Half)
-        || weight.kind() != kind
+    if weight.kind() != x.kind()
         || weight.device() != x.device()
         || x.size().last() != Some(&dim)
         || dim % 8 != 0
         || dim > manta_cuda::rms_norm::MAX_DIM
-        || !manta_knobs::fused_rms_norm()
-        || !crate::kernel_check::compiles_once(
-            "fused RMSNorm",
-            "norming through tensor ops",
-            index,
-            manta_cuda::rms_norm::compile_check,
-        )
+        || !OP.applies_to(x)
     {
         return None;
     }
     let shape = x.size();
     // Rows counted, not inferred: a view of zero elements cannot infer a -1 dimension.
     let rows = x.contiguous().view([x.numel() as i64 / dim, dim]);
-    match manta_cuda::rms_norm::rms_norm(&rows, weight, eps) {
-        Ok(y) => Some(y.view(shape.as_slice())),
-        Err(e) => {
-            // Every input was checked above: a failure here is a bug, not a state of the
-            // GPU; the tensor ops give the same values.
-            tracing::warn!("fused RMSNorm failed, taking the tensor ops: {e}");
-            None
-        }
-    }
+    OP.output(manta_cuda::rms_norm::rms_norm(&rows, weight, eps))
+        .map(|y| y.view(shape.as_slice()))
 }
 
 /// Rotary position embedding frequencies (fp32), with optional llama3 scaling.
@@ -246,28 +235,20 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 /// bf16/fp16, with `MANTA_FUSED_ROPE=0`, tables of another shape (a batch of one shared by
 /// B rows), tables that require grad, or kernels that do not compile on this GPU.
 fn fused_rope(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Tensor> {
-    let Device::Cuda(index) = y.device() else {
-        return None;
+    const OP: FusedOp = FusedOp {
+        name: "fused rotary embedding",
+        instead: "rotating through tensor ops",
+        enabled: manta_knobs::fused_rope,
+        compile: manta_cuda::rope::compile_check,
     };
-    let kind = y.kind();
     let &[b, t, n, hd] = y.size().as_slice() else {
         return None;
     };
     let tables = [b, 1, t, hd];
     let table_fits = |c: &Tensor| {
-        c.size() == tables && c.kind() == kind && c.device() == y.device() && !c.requires_grad()
+        c.size() == tables && c.kind() == y.kind() && c.device() == y.device() && !c.requires_grad()
     };
-    if !matches!(kind, Kind::BFloat16 | Kind::Half)
-        || !manta_knobs::fused_rope()
-        || !table_fits(cos)
-        || !table_fits(sin)
-        || !crate::kernel_check::compiles_once(
-            "fused rotary embedding",
-            "rotating through tensor ops",
-            index,
-            manta_cuda::rope::compile_check,
-        )
-    {
+    if !table_fits(cos) || !table_fits(sin) || !OP.applies_to(y) {
         return None;
     }
     let rows = b * t;
@@ -276,15 +257,8 @@ fn fused_rope(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Tensor> {
         cos.reshape([rows, hd]).contiguous(),
         sin.reshape([rows, hd]).contiguous(),
     );
-    match manta_cuda::rope::rope(&x, &cos, &sin) {
-        Ok(out) => Some(out.view([b, t, n, hd])),
-        Err(e) => {
-            // Every input was checked above: a failure here is a bug, not a state of the
-            // GPU; the tensor ops give the same bits.
-            tracing::warn!("fused rotary embedding failed, taking the tensor ops: {e}");
-            None
-        }
-    }
+    OP.output(manta_cuda::rope::rope(&x, &cos, &sin))
+        .map(|out| out.view([b, t, n, hd]))
 }
 
 /// Per-forward attention inputs shared by all layers.
@@ -634,32 +608,20 @@ impl Mlp {
 /// bf16/fp16, mismatched inputs, `MANTA_FUSED_SWIGLU=0`, or kernels that do not compile
 /// on this GPU.
 fn fused_swiglu(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
-    let Device::Cuda(index) = gate.device() else {
-        return None;
+    const OP: FusedOp = FusedOp {
+        name: "fused gated activation",
+        instead: "activating through tensor ops",
+        enabled: manta_knobs::fused_swiglu,
+        compile: manta_cuda::swiglu::compile_check,
     };
-    if !matches!(gate.kind(), Kind::BFloat16 | Kind::Half)
-        || up.kind() != gate.kind()
+    if up.kind() != gate.kind()
         || up.device() != gate.device()
         || up.size() != gate.size()
-        || !manta_knobs::fused_swiglu()
-        || !crate::kernel_check::compiles_once(
-            "fused gated activation",
-            "activating through tensor ops",
-            index,
-            manta_cuda::swiglu::compile_check,
-        )
+        || !OP.applies_to(gate)
     {
         return None;
     }
-    match manta_cuda::swiglu::swiglu(gate, up) {
-        Ok(h) => Some(h),
-        Err(e) => {
-            // Every input was checked above: a failure here is a bug, not a state of the
-            // GPU; the tensor ops give the same bits.
-            tracing::warn!("fused gated activation failed, taking the tensor ops: {e}");
-            None
-        }
-    }
+    OP.output(manta_cuda::swiglu::swiglu(gate, up))
 }
 
 struct DecoderLayer {
