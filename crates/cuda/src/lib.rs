@@ -1026,8 +1026,19 @@ mod tests {
             let d = max_diff(&out, &expect);
             assert!(d < 6e-2, "{rows} x {inter}: silu_mul max diff {d}");
         }
-        // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools.
-        for (nh, nkv, hd, norm) in [(16i64, 8i64, 128i64, true), (14, 2, 64, false)] {
+        // qk_norm_rope_store against norm + rotate-half rope + index_copy into the pools,
+        // with 16 and 32 lanes a head; 7 + 2 × 1 heads leave half a warp with no head.
+        let cases = [
+            (16i64, 8i64, 128i64, true),
+            (14, 2, 64, false),
+            (7, 1, 128, true),
+            (4, 2, 256, true),
+        ];
+        for (lanes, (nh, nkv, hd, norm)) in ["16", "32"]
+            .into_iter()
+            .flat_map(|lanes| cases.map(|case| (lanes, case)))
+        {
+            manta_knobs::set_override("MANTA_QK_ROPE_LANES", lanes).expect("a knob value");
             let n = 6i64;
             let slots_total = 64i64;
             let qkv = Tensor::randn([n, (nh + 2 * nkv) * hd], bf);
@@ -1071,7 +1082,7 @@ mod tests {
                 0.0,
                 "rope table sines"
             );
-            let what = format!("heads {nh}/{nkv}");
+            let what = format!("heads {nh}/{nkv}, head_dim {hd}, {lanes} lanes");
             let rotate = |x: &Tensor| {
                 let rot = Tensor::cat(
                     &[&x.narrow(-1, half, half).neg(), &x.narrow(-1, 0, half)],
@@ -1110,5 +1121,6 @@ mod tests {
                 "only the given slots are written"
             );
         }
+        manta_knobs::clear_overrides();
     }
 }
