@@ -178,9 +178,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kQkRopeLanes, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -310,19 +310,9 @@ int64_t small_kernel_vec(int64_t width, bool aligned) {
   return aligned && width % 8 == 0 && small_kernel_wide() ? 8 : 1;
 }
 
-// Lanes per head of qk_norm_rope_store: 16 (two heads a warp, a 16-byte access per lane at
-// head_dim 128), or 32 with MANTA_QK_ROPE_LANES=32 (A/B runs).
-int64_t qk_rope_lanes() { return knob_or(kQkRopeLanes, 16); }
-
-// Elements per access of qk_norm_rope_store: a lane's head_dim / lanes (at most 8) where
-// every row starts 16-byte aligned, else one.
-int64_t qk_rope_vec(int64_t hd, int64_t lanes, bool aligned) {
-  return aligned && small_kernel_wide() ? std::min<int64_t>(8, hd / lanes) : 1;
-}
-
-std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t lanes, int64_t vec) {
+std::string qk_norm_rope_defines(int64_t hd, int64_t nh, int64_t nkv, bool norm, int64_t vec) {
   return define("HD", hd) + define("NH", nh) + define("NKV", nkv) + define("HAS_NORM", norm ? 1 : 0) +
-         define("LANES", lanes) + define("VEC", vec);
+         define("VEC", vec);
 }
 
 // One CTA per row: one 8-element chunk per thread up to 1,024 threads, or with scalar
@@ -1088,13 +1078,13 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
     void* kpp = kp.data_ptr();
     void* vpp = vp.data_ptr();
     void* qo = q_out.data_ptr();
-    const int64_t lanes = qk_rope_lanes();
-    const int64_t vec = qk_rope_vec(hd, lanes, aligned16({a, rp, kpp, vpp, qo}));
-    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, lanes, vec);
+    // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
+    const int64_t vec = aligned16({a, rp, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
     void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &eps};
-    const int64_t heads = nh + 2 * nkv, heads_per_cta = 256 / lanes;
+    const int64_t heads = nh + 2 * nkv;
     launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
-           static_cast<unsigned>((heads + heads_per_cta - 1) / heads_per_cta), 1, 256, args, true);
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -1569,11 +1559,8 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
       compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
     // The small kernels with wide and with scalar accesses (the latter for unaligned rows).
     for (int64_t aligned : {1, 0}) {
-      for (int64_t lanes : {int64_t{16}, int64_t{32}})
-        compile_kernels(fused_source,
-                        qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, lanes,
-                                             qk_rope_vec(head_dim, lanes, aligned != 0)),
-                        arch);
+      compile_kernels(fused_source,
+                      qk_norm_rope_defines(head_dim, heads, kv_heads, qk_norm != 0, aligned ? head_dim / 32 : 1), arch);
       compile_kernels(fused_source, rms_norm_defines(hidden, small_kernel_vec(hidden, aligned)), arch);
       compile_kernels(fused_source, silu_defines(intermediate, small_kernel_vec(intermediate, aligned)), arch);
     }

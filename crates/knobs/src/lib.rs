@@ -88,11 +88,10 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GEMV_ROWS", values: Values::OneOf(&[1, 2]), default: "by shape", what: "GEMV kernel, bf16 products without SiLU: output rows per warp" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
-    Knob { name: "MANTA_QK_ROPE_LANES", values: Values::OneOf(&[16, 32]), default: "16", what: "the engine's q/k norm + rotary + cache store kernel: lanes per head (16: two heads a warp)" },
 ];
 
 /// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
-pub const KERNEL_KNOBS: [&str; 15] = [
+pub const KERNEL_KNOBS: [&str; 14] = [
     "MANTA_PDL",
     "MANTA_PAGED_CTAS_PER_SM",
     "MANTA_PAGED_LANES",
@@ -107,11 +106,10 @@ pub const KERNEL_KNOBS: [&str; 15] = [
     "MANTA_GEMV_NORM_WARPS",
     "MANTA_GEMV_ROWS",
     "MANTA_GEMV_NORM_KSPLIT",
-    "MANTA_QK_ROPE_LANES",
 ];
 
 /// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
-pub fn kernel_values() -> [i64; 15] {
+pub fn kernel_values() -> [i64; 14] {
     KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
 }
 
