@@ -107,14 +107,6 @@ extern "C" {
     ) -> c_int;
     fn manta_silu_mul(source: *const c_char, gate_up: *mut c_void, out: *mut c_void) -> c_int;
     fn manta_lt_linear(x: *mut c_void, w: *mut c_void, y: *mut c_void) -> c_int;
-    #[cfg(test)]
-    fn manta_lt_linear_candidate(
-        x: *mut c_void,
-        w: *mut c_void,
-        y: *mut c_void,
-        index: c_int,
-        count: *mut c_int,
-    ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn manta_flash_varlen(
         q: *mut c_void,
@@ -940,67 +932,6 @@ mod tests {
     }
 
     /// The fused decode ops against the tensor ops they replace (bf16 on the GPU).
-    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
-    #[test]
-    fn tuned_lt_projection_equals_the_first_choice_bit_for_bit() {
-        let Some(gpu) = crate::test_gpu() else {
-            eprintln!("skipped: no CUDA device (the device machine runs this)");
-            return;
-        };
-        let _serial = crate::gpu_test_lock();
-        let bf = (Kind::BFloat16, Device::Cuda(gpu));
-        tch::manual_seed(11);
-        // Qwen3-8B and -0.6B projections at decode batches: every candidate the tuning may
-        // pick must give the first choice's bits, and the tuned projection too.
-        let mut timed = 0;
-        for (rows, n, k) in [
-            (64i64, 24576i64, 4096i64),
-            (64, 6144, 4096),
-            (64, 4096, 12288),
-            (256, 4096, 1024),
-            (256, 1024, 2048),
-            (256, 6144, 1024),
-            (17, 3072, 1024),
-        ] {
-            let x = Tensor::randn([rows, k], bf);
-            let w = Tensor::randn([n, k], bf) * 0.05;
-            let run = |index: i32| {
-                let y = Tensor::full([rows, n], f64::NAN, bf);
-                let mut count: c_int = 0;
-                // SAFETY: live tensor handles for the call; `count` outlives it.
-                check(unsafe {
-                    manta_lt_linear_candidate(ptr(&x), ptr(&w), ptr(&y), index, &mut count)
-                })
-                .expect("a candidate's projection");
-                (y, count)
-            };
-            let (first, count) = run(0);
-            for index in 1..count {
-                let (y, _) = run(index);
-                assert!(
-                    y.equal(&first),
-                    "{rows}x{k} by {n}x{k}: candidate {index} of {count} differs from the first"
-                );
-            }
-            if count > 1 {
-                timed += 1;
-                let mut tuned = Tensor::empty([rows, n], bf);
-                manta_knobs::set_override("MANTA_DECODE_LT_TUNE", "1").expect("a knob value");
-                linear(&x, &w, &mut tuned).expect("the tuned projection");
-                manta_knobs::clear_overrides();
-                assert!(
-                    tuned.equal(&first),
-                    "{rows}x{k} by {n}x{k}: the tuned projection differs"
-                );
-            }
-            eprintln!("{rows}x{k} by {n}x{k}: {count} candidates with the first choice's bits");
-        }
-        assert!(
-            timed > 0,
-            "no shape offered candidates to time: the test checked nothing"
-        );
-    }
-
     #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn lt_linear_matches_the_fp32_product() {

@@ -24,10 +24,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <nvrtc.h>
-#include <functional>
-#include <limits>
 #include <map>
-#include <vector>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
@@ -181,9 +178,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kDecodeLtTune, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -358,9 +355,6 @@ struct LtApi {
   decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
   decltype(&cublasLtMatmul) matmul;
-  decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_attribute;
-  decltype(&cublasLtMatmulDescDestroy) desc_destroy;
-  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy;
 };
 
 const LtApi& lt_api() {
@@ -376,15 +370,10 @@ const LtApi& lt_api() {
     MANTA_SYM(lib, cublasLtMatmulPreferenceDestroy);
     MANTA_SYM(lib, cublasLtMatmulAlgoGetHeuristic);
     MANTA_SYM(lib, cublasLtMatmul);
-    MANTA_SYM(lib, cublasLtMatmulAlgoConfigGetAttribute);
-    MANTA_SYM(lib, cublasLtMatmulDescDestroy);
-    MANTA_SYM(lib, cublasLtMatrixLayoutDestroy);
     return LtApi{cublasLtMatmulDescCreate_fn,      cublasLtMatmulDescSetAttribute_fn,
                  cublasLtMatrixLayoutCreate_fn,    cublasLtMatmulPreferenceCreate_fn,
                  cublasLtMatmulPreferenceSetAttribute_fn, cublasLtMatmulPreferenceDestroy_fn,
-                 cublasLtMatmulAlgoGetHeuristic_fn, cublasLtMatmul_fn,
-                 cublasLtMatmulAlgoConfigGetAttribute_fn, cublasLtMatmulDescDestroy_fn,
-                 cublasLtMatrixLayoutDestroy_fn};
+                 cublasLtMatmulAlgoGetHeuristic_fn, cublasLtMatmul_fn};
   }();
   return api;
 }
@@ -398,43 +387,22 @@ uint32_t alignment(const void* p) {
 
 // One shape's descriptors and chosen algorithm, made once and kept for the process (they
 // are read-only to cublasLtMatmul, so threads and CUDA graphs share them). `ok` is false
-// where the heuristic offered nothing; the caller then takes at::mm. `untimed` holds the
-// candidates still to be timed (lt_tune), `algo` the heuristic's first choice until then.
+// where the heuristic offered nothing; the caller then takes at::mm.
 struct LtPlan {
   bool ok = false;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  std::vector<cublasLtMatmulAlgo_t> untimed;
 };
 
-// An algorithm's split of the inner dimension (1: none, each output summed in one pass).
-int32_t lt_split_k(const cublasLtMatmulAlgo_t& algo) {
-  int32_t split = 0;
-  size_t written = 0;
-  const cublasStatus_t got = lt_api().algo_attribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
-                                                     sizeof split, &written);
-  return got == CUBLAS_STATUS_SUCCESS ? split : -1;
-}
-
-// The heuristic's candidates whose outputs equal its first choice's bit for bit: none of
-// them splits the inner dimension, so every output element is one pass of the same
-// fp32 sum over k, whatever the tile. (A split-K kernel adds partial sums in another
-// order.) Empty when the first choice itself splits. The GPU test
-// `tuned_lt_projection_equals_the_first_choice_bit_for_bit` checks the claim.
-std::vector<cublasLtMatmulAlgo_t> lt_same_bits(const cublasLtMatmulHeuristicResult_t* results, int count) {
-  std::vector<cublasLtMatmulAlgo_t> same;
-  if (count < 2 || lt_split_k(results[0].algo) != 1) return same;
-  for (int i = 0; i < count; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS && lt_split_k(results[i].algo) == 1)
-      same.push_back(results[i].algo);
-  return same.size() > 1 ? same : std::vector<cublasLtMatmulAlgo_t>{};
-}
-
-// Descriptors of y[m, n] = x[m, k] · w[n, k]ᵀ (bf16, fp32 accumulation) and up to `want`
-// of the heuristic's algorithms, best first, into `results`; `ok` when it offered one.
-LtPlan lt_describe(int64_t m, int64_t n, int64_t k, uint32_t aw, uint32_t ax, uint32_t ay, size_t workspace, int want,
-                   std::vector<cublasLtMatmulHeuristicResult_t>& results) {
+const LtPlan& lt_plan(int device, int64_t m, int64_t n, int64_t k, uint32_t aw, uint32_t ax, uint32_t ay,
+                      size_t workspace) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, size_t>, LtPlan> plans;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(device, m, n, k, aw, ax, ay, workspace);
+  auto found = plans.find(key);
+  if (found != plans.end()) return found->second;
   const LtApi& lt = lt_api();
   LtPlan plan;
   auto ok = [](cublasStatus_t s, const char* what) {
@@ -456,47 +424,14 @@ LtPlan lt_describe(int64_t m, int64_t n, int64_t k, uint32_t aw, uint32_t ax, ui
   ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof ax), "set B alignment");
   ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof ay), "set C alignment");
   ok(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof ay), "set D alignment");
-  results.assign(static_cast<size_t>(want), cublasLtMatmulHeuristicResult_t{});
+  cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   const cublasStatus_t found_algo = lt.heuristic(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, plan.w, plan.x,
-                                                 plan.y, plan.y, pref, want, results.data(), &returned);
+                                                 plan.y, plan.y, pref, 1, &result, &returned);
   lt.pref_destroy(pref);
   plan.ok = found_algo == CUBLAS_STATUS_SUCCESS && returned > 0;
-  results.resize(plan.ok ? static_cast<size_t>(returned) : 0);
-  if (plan.ok) plan.algo = results[0].algo;
-  return plan;
-}
-
-// Destroys the descriptors of a plan that is not kept (lt_describe's).
-void lt_release(const LtPlan& plan) {
-  const LtApi& lt = lt_api();
-  if (plan.w != nullptr) lt.layout_destroy(plan.w);
-  if (plan.x != nullptr) lt.layout_destroy(plan.x);
-  if (plan.y != nullptr) lt.layout_destroy(plan.y);
-  if (plan.desc != nullptr) lt.desc_destroy(plan.desc);
-}
-
-// How many of the heuristic's algorithms are asked for where candidates are timed.
-constexpr int kLtCandidates = 8;
-
-// The plan for this shape, made on first use (a copy: another thread may time candidates
-// into the kept one meanwhile). With `tune`, `time_candidates` times the candidates that
-// give the same bits, on this call's operands, once that is possible (lt_tune).
-LtPlan lt_plan(int device, int64_t m, int64_t n, int64_t k, uint32_t aw, uint32_t ax, uint32_t ay, size_t workspace,
-               bool tune, const std::function<void(LtPlan&)>& time_candidates) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, size_t, bool>, LtPlan> plans;
-  std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_tuple(device, m, n, k, aw, ax, ay, workspace, tune);
-  auto found = plans.find(key);
-  if (found == plans.end()) {
-    std::vector<cublasLtMatmulHeuristicResult_t> results;
-    LtPlan plan = lt_describe(m, n, k, aw, ax, ay, workspace, tune ? kLtCandidates : 1, results);
-    if (tune) plan.untimed = lt_same_bits(results.data(), static_cast<int>(results.size()));
-    found = plans.emplace(key, plan).first;
-  }
-  if (!found->second.untimed.empty()) time_candidates(found->second);
-  return found->second;
+  if (plan.ok) plan.algo = result.algo;
+  return plans.emplace(key, plan).first->second;
 }
 
 // The driver's event functions, looked up once (manta_event_*).
@@ -505,8 +440,6 @@ struct EventApi {
   decltype(&cuEventRecord) record;
   decltype(&cuEventSynchronize) synchronize;
   decltype(&cuEventDestroy) destroy;
-  decltype(&cuEventElapsedTime) elapsed;
-  decltype(&cuStreamIsCapturing) is_capturing;
 };
 
 const EventApi& event_api() {
@@ -516,10 +449,7 @@ const EventApi& event_api() {
     MANTA_SYM(driver, cuEventRecord);
     MANTA_SYM(driver, cuEventSynchronize);
     MANTA_SYM(driver, cuEventDestroy_v2);
-    MANTA_SYM(driver, cuEventElapsedTime_v2);
-    MANTA_SYM(driver, cuStreamIsCapturing);
-    return EventApi{cuEventCreate_fn,       cuEventRecord_fn,          cuEventSynchronize_fn,
-                    cuEventDestroy_v2_fn,   cuEventElapsedTime_v2_fn, cuStreamIsCapturing_fn};
+    return EventApi{cuEventCreate_fn, cuEventRecord_fn, cuEventSynchronize_fn, cuEventDestroy_v2_fn};
   }();
   return api;
 }
@@ -561,14 +491,6 @@ void bind_context(int device) {
 
 // cuBLASLt for the decode projections unless MANTA_DECODE_LT=0 (A/B runs: at::mm, cuBLAS).
 bool decode_lt() { return knob_or(kDecodeLt, 1) == 1; }
-
-// Projections of up to this many rows (decode steps, small prefill chunks) time the
-// heuristic's candidates that give the same bits and keep the fastest (lt_tune), unless
-// MANTA_DECODE_LT_TUNE=0. Larger ones keep the heuristic's first choice: at prefill
-// sizes the candidates were within ~1 % of it (probe_cublaslt, BENCHMARKS.md) and each
-// timing would cost milliseconds.
-constexpr int64_t kLtTuneRows = 512;
-bool decode_lt_tune(int64_t m) { return m <= kLtTuneRows && knob_or(kDecodeLtTune, 1) == 1; }
 
 struct Graph {
   at::cuda::CUDAGraph graph;
@@ -1206,65 +1128,6 @@ int manta_add_rms_norm(const char* source, void* residual_, void* delta_, void* 
 #endif
 }
 
-// Times each of `plan.untimed` (candidates with its first choice's bits) on these operands
-// and keeps the fastest in `plan.algo`. The L2 is flushed before each run, as a decode
-// step's weights come from memory. Not while `stream` captures a CUDA graph (no sync is
-// allowed then): the first choice is captured, with the same bits, and a later call
-// outside a capture times them. At 64 rows on an H200 the fastest candidate was up to
-// 3 % quicker than the first choice (probe_cublaslt, BENCHMARKS.md).
-void lt_tune(LtPlan& plan, int device, cudaStream_t stream, const void* w, const void* x, void* y,
-             size_t workspace) {
-  const EventApi& ev = event_api();
-  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (ev.is_capturing(reinterpret_cast<CUstream>(stream), &status) != CUDA_SUCCESS ||
-      status != CU_STREAM_CAPTURE_STATUS_NONE)
-    return;
-  auto check_cu = [](CUresult r, const char* what) {
-    TORCH_CHECK(r == CUDA_SUCCESS, what, " failed with CUresult ", static_cast<int>(r));
-  };
-  CUevent start = nullptr, stop = nullptr;
-  check_cu(ev.create(&start, CU_EVENT_DEFAULT), "cuEventCreate");
-  if (const CUresult r = ev.create(&stop, CU_EVENT_DEFAULT); r != CUDA_SUCCESS) {
-    ev.destroy(start);
-    check_cu(r, "cuEventCreate");
-  }
-  struct Destroy {
-    const EventApi& ev;
-    CUevent a, b;
-    ~Destroy() {
-      ev.destroy(a);
-      ev.destroy(b);
-    }
-  } destroy{ev, start, stop};
-  // Larger than the L2 of current GPUs (50 MB on H100 and H200); zeroed before each run.
-  at::Tensor flush = at::empty({int64_t{128} << 20}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
-  const LtApi& lt = lt_api();
-  const float alpha = 1.f, beta = 0.f;
-  void* ws = at::cuda::getCUDABlasLtWorkspace();
-  constexpr int kRuns = 5;  // after one untimed warm-up run
-  float best_ms = std::numeric_limits<float>::infinity();
-  for (const cublasLtMatmulAlgo_t& algo : plan.untimed) {
-    float total_ms = 0.f;
-    bool failed = false;
-    for (int run = 0; run <= kRuns && !failed; ++run) {
-      flush.zero_();
-      check_cu(ev.record(start, reinterpret_cast<CUstream>(stream)), "cuEventRecord");
-      failed = lt.matmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, &alpha, w, plan.w, x, plan.x, &beta, y,
-                         plan.y, y, plan.y, &algo, ws, workspace, stream) != CUBLAS_STATUS_SUCCESS;
-      check_cu(ev.record(stop, reinterpret_cast<CUstream>(stream)), "cuEventRecord");
-      check_cu(ev.synchronize(stop), "cuEventSynchronize");
-      float ms = 0.f;
-      check_cu(ev.elapsed(&ms, start, stop), "cuEventElapsedTime");
-      if (run > 0) total_ms += ms;
-    }
-    if (!failed && total_ms < best_ms) {
-      best_ms = total_ms;
-      plan.algo = algo;
-    }
-  }
-  plan.untimed.clear();
-}
-
 // y[m, n] = x[m, k] · w[n, k]ᵀ, bf16, fp32 accumulation, through cuBLASLt (lt_plan).
 int manta_lt_linear(void* x_, void* w_, void* y_) {
 #ifdef MANTA_WITH_CUDA
@@ -1287,23 +1150,16 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
     const int device = w.get_device();
     DeviceScope scope(device);  // cuBLASLt's handle and workspace are the current device's
     const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
-    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    // A timing that fails leaves the first choice (or the fastest so far): same bits.
-    auto time_candidates = [&](LtPlan& candidates) {
-      try {
-        lt_tune(candidates, device, stream, w.data_ptr(), x.data_ptr(), y.data_ptr(), workspace);
-      } catch (const std::exception&) {
-        candidates.untimed.clear();
-      }
-    };
-    const LtPlan plan = decode_lt() ? lt_plan(device, m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()),
-                                              alignment(y.data_ptr()), workspace, decode_lt_tune(m), time_candidates)
-                                    : LtPlan{};  // not ok: at::mm below
+    static const LtPlan cublas;  // not ok: at::mm below
+    const LtPlan& plan = decode_lt() ? lt_plan(device, m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()),
+                                               alignment(y.data_ptr()), workspace)
+                                     : cublas;
     if (!plan.ok) {
       at::mm_out(y2, x2, w.t());
       return;
     }
     const float alpha = 1.f, beta = 0.f;
+    auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     const cublasStatus_t done =
         lt_api().matmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, &alpha, w.data_ptr(), plan.w, x.data_ptr(),
                         plan.x, &beta, y.data_ptr(), plan.y, y.data_ptr(), plan.y, &plan.algo,
@@ -1312,56 +1168,6 @@ int manta_lt_linear(void* x_, void* w_, void* y_) {
                 " (", m, " x ", k, " by ", n, " x ", k, ")");
   });
 #else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
-
-// Test hook: y = x · wᵀ (x [m, k], w [n, k], y [m, n], bf16, contiguous) through candidate
-// `index` of the heuristic's algorithms that give its first choice's bits (lt_same_bits);
-// *count gets how many there are (0 when the first choice splits the inner dimension or
-// stands alone, and then nothing is computed). The GPU test compares every candidate's
-// output with the first's, bit for bit: what lt_tune's choice relies on.
-int manta_lt_linear_candidate(void* x_, void* w_, void* y_, int index, int* count) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] {
-    const at::Tensor& x = tensor(x_);
-    const at::Tensor& w = tensor(w_);
-    at::Tensor& y = *static_cast<at::Tensor*>(y_);
-    check_bf16(x, "x");
-    check_bf16(w, "w");
-    check_bf16(y, "y");
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && x.size(1) == w.size(1) && y.size(0) == x.size(0) &&
-                    y.size(1) == w.size(0),
-                "x [m, k], w [n, k] and y [m, n] expected");
-    TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && y.is_contiguous(), "x, w and y must be contiguous");
-    const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
-    const int device = w.get_device();
-    DeviceScope scope(device);
-    const size_t workspace = at::cuda::getCUDABlasLtWorkspaceSize();
-    std::vector<cublasLtMatmulHeuristicResult_t> results;
-    const LtPlan plan = lt_describe(m, n, k, alignment(w.data_ptr()), alignment(x.data_ptr()), alignment(y.data_ptr()),
-                                    workspace, kLtCandidates, results);
-    const std::vector<cublasLtMatmulAlgo_t> same = lt_same_bits(results.data(), static_cast<int>(results.size()));
-    *count = static_cast<int>(same.size());
-    if (index >= 0 && index < *count) {
-      const float alpha = 1.f, beta = 0.f;
-      auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-      const cublasStatus_t done =
-          lt_api().matmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.desc, &alpha, w.data_ptr(), plan.w,
-                          x.data_ptr(), plan.x, &beta, y.data_ptr(), plan.y, y.data_ptr(), plan.y,
-                          &same[static_cast<size_t>(index)], at::cuda::getCUDABlasLtWorkspace(), workspace, stream);
-      // Descriptors outlive queued work only if released after it: wait for it first.
-      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).synchronize();
-      lt_release(plan);
-      TORCH_CHECK(done == CUBLAS_STATUS_SUCCESS, "cublasLtMatmul failed with cuBLAS status ", static_cast<int>(done));
-      return;
-    }
-    lt_release(plan);
-  });
-#else
-  (void)x_, (void)w_, (void)y_, (void)index;
-  *count = 0;
   last_error() = "built without CUDA";
   return 1;
 #endif

@@ -83,7 +83,6 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_PAGED_PDL", values: Values::Flag, default: "off for the tensor-core kernel, else on", what: "paged attention: launch as a programmatic dependent" },
     Knob { name: "MANTA_SMALL_VEC", values: Values::Flag, default: "on", what: "small fused kernels: 8 bf16 per access where aligned" },
     Knob { name: "MANTA_DECODE_LT", values: Values::Flag, default: "on", what: "decode projections through cuBLASLt" },
-    Knob { name: "MANTA_DECODE_LT_TUNE", values: Values::Flag, default: "on", what: "cuBLASLt projections of up to 512 rows: time the heuristic's candidates that give its first choice's bits (no split-K) on first use and keep the fastest" },
     Knob { name: "MANTA_GEMV_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "4", what: "GEMV kernel, bf16 products without a fused norm (o and down projections): warps sharing a row, each taking that part of the inner dimension" },
     Knob { name: "MANTA_GEMV_NORM_KSPLIT", values: Values::OneOf(&[1, 2, 4]), default: "4 up to 2,048 outputs, else 1", what: "GEMV kernel, bf16 products with a fused norm (qkv and gate/up projections): warps sharing a row (8B b1 decode step: 1 as fast as the default, 2 and 4 slower)" },
     Knob { name: "MANTA_GEMV_ROWS", values: Values::OneOf(&[1, 2]), default: "by shape", what: "GEMV kernel, bf16 products without SiLU: output rows per warp" },
@@ -92,7 +91,7 @@ pub const KNOBS: &[Knob] = &[
 ];
 
 /// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
-pub const KERNEL_KNOBS: [&str; 15] = [
+pub const KERNEL_KNOBS: [&str; 14] = [
     "MANTA_PDL",
     "MANTA_PAGED_CTAS_PER_SM",
     "MANTA_PAGED_LANES",
@@ -107,11 +106,10 @@ pub const KERNEL_KNOBS: [&str; 15] = [
     "MANTA_GEMV_NORM_WARPS",
     "MANTA_GEMV_ROWS",
     "MANTA_GEMV_NORM_KSPLIT",
-    "MANTA_DECODE_LT_TUNE",
 ];
 
 /// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
-pub fn kernel_values() -> [i64; 15] {
+pub fn kernel_values() -> [i64; 14] {
     KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
 }
 
