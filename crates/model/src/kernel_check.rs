@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
 
-/// A fused CUDA op the training forward takes where it applies, and the tensor ops it
+/// A fused CUDA op the training forward (or scoring) takes where it applies, and the tensor ops it
 /// replaces (the same values) where it does not: off CUDA, outside bf16/fp16, with its
 /// knob off, or where its kernels do not compile.
 pub(crate) struct FusedOp {
@@ -46,7 +46,7 @@ impl FusedOp {
 /// Whether `kernels` (a family's name, as logged) compile for GPU `index`: `compile` checks
 /// them for the GPU's architecture on the first call, and a failure (no NVRTC in this
 /// install, an unsupported GPU) is logged once, saying what the model does `instead`.
-pub(crate) fn compiles_once(
+fn compiles_once(
     kernels: &'static str,
     instead: &'static str,
     index: usize,

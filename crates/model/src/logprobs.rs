@@ -8,6 +8,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::kernel_check::FusedOp;
 use crate::transformer::CausalLm;
 
 /// Per-token log-probs and entropy of `targets` under softmax(hidden @ lm_head^T / temperature), computed in chunks of `chunk_tokens`
@@ -131,20 +132,15 @@ fn score_fused(
 /// Whether `hidden` of `model` scores through the fused kernels: 16-bit on CUDA with the
 /// LM head in the same kind, `MANTA_FUSED_LOGPROBS` on, and the kernels compiling there.
 fn fused_applies(model: &CausalLm, hidden: &Tensor) -> bool {
-    let Device::Cuda(index) = hidden.device() else {
-        return false;
+    const OP: FusedOp = FusedOp {
+        name: "fused log-prob kernels",
+        instead: "scoring through tensor ops",
+        enabled: manta_knobs::fused_logprobs,
+        compile: manta_cuda::logprobs::compile_check,
     };
-    let kind = hidden.kind();
-    matches!(kind, Kind::BFloat16 | Kind::Half)
-        && model.lm_head_weight().kind() == kind
+    model.lm_head_weight().kind() == hidden.kind()
         && model.lm_head_weight().device() == hidden.device()
-        && manta_knobs::fused_logprobs()
-        && crate::kernel_check::compiles_once(
-            "fused log-prob kernels",
-            "scoring through tensor ops",
-            index,
-            manta_cuda::logprobs::compile_check,
-        )
+        && OP.applies_to(hidden)
 }
 
 /// Whether autograd records operations here (tch has no query for the grad mode): an op
