@@ -14,6 +14,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/rope.cpp");
     println!("cargo:rerun-if-changed=src/rms_norm.cpp");
     println!("cargo:rerun-if-changed=src/swiglu.cpp");
+    println!("cargo:rerun-if-changed=src/cudnn_attention.cpp");
     println!("cargo:rerun-if-changed=src/guarded.hpp");
     println!("cargo:rerun-if-changed=src/plain_kernel.hpp");
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
@@ -64,6 +65,7 @@ fn main() {
         .file("src/rope.cpp")
         .file("src/rms_norm.cpp")
         .file("src/swiglu.cpp")
+        .file("src/cudnn_attention.cpp")
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")
@@ -93,6 +95,34 @@ fn main() {
                     "nccl.h not found (site-packages/nvidia/nccl/include)"
                 } else {
                     "CCCL's nv/target not found beside the CUDA headers (pip nvidia-cuda-cccl)"
+                }
+            ),
+        }
+        // Prefill attention through cuDNN (cudnn_attention.cpp) needs cudnn.h (the
+        // nvidia-cudnn wheel torch brings) and the header-only cuDNN frontend (the
+        // nvidia-cudnn-frontend wheel, which installs its headers in site-packages/include).
+        let site = torch.parent().map(PathBuf::from);
+        let cudnn = site
+            .as_ref()
+            .map(|s| s.join("nvidia/cudnn/include"))
+            .filter(|p| p.join("cudnn.h").is_file());
+        let frontend = site
+            .as_ref()
+            .map(|s| s.join("include"))
+            .filter(|p| p.join("cudnn_frontend.h").is_file());
+        match (cudnn, frontend) {
+            (Some(cudnn), Some(frontend)) => {
+                build
+                    .define("MANTA_WITH_CUDNN", None)
+                    .include(cudnn)
+                    .include(frontend);
+            }
+            (cudnn, _) => println!(
+                "cargo:warning=manta-cuda: no cuDNN prefill attention in this build: {}",
+                if cudnn.is_none() {
+                    "cudnn.h not found (site-packages/nvidia/cudnn/include)"
+                } else {
+                    "cudnn_frontend.h not found (pip nvidia-cudnn-frontend)"
                 }
             ),
         }

@@ -8,6 +8,7 @@
 //! linked libtorch.
 
 pub mod adamw;
+pub mod cudnn_attention;
 pub mod gemv;
 pub mod invariant_attention;
 pub mod ipc;

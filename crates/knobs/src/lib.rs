@@ -59,6 +59,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_ENGINE_PROFILE", values: Values::Flag, default: "off", what: "native engine: log per-step timings of the engine thread" },
     Knob { name: "MANTA_DISABLE_OVERLAP_SCHEDULE", values: Values::Flag, default: "off", what: "bench engine_decode: schedule each step after the host read the last one" },
     Knob { name: "MANTA_PREFILL_VARLEN", values: Values::Flag, default: "on", what: "native engine: prefill through one variable-length flash call (off: one SDPA per sequence)" },
+    Knob { name: "MANTA_PREFILL_CUDNN", values: Values::Flag, default: "on", what: "native engine: that varlen prefill attention through cuDNN's fused flash attention where cuDNN takes the shape (off: libtorch's FlashAttention-2)" },
     Knob { name: "MANTA_DECODE_GEMV", values: Values::Flag, default: "on", what: "native engine: decode projections through the GEMV kernel where it applies (off: cuBLAS)" },
     Knob { name: "MANTA_LOGITS_GEMV", values: Values::Flag, default: "on", what: "native engine: the LM head through the GEMV kernel for small batches" },
     Knob { name: "MANTA_FUSED_ADAMW", values: Values::Flag, default: "on", what: "trainer: the fused AdamW kernel over fp32 masters (off: tensor ops)" },
@@ -321,6 +322,11 @@ pub fn overlap_schedule() -> bool {
 /// Native engine: prefill through one variable-length flash call.
 pub fn prefill_varlen() -> bool {
     flag("MANTA_PREFILL_VARLEN", true)
+}
+
+/// Native engine: the varlen prefill attention through cuDNN where it takes the shape.
+pub fn prefill_cudnn() -> bool {
+    flag("MANTA_PREFILL_CUDNN", true)
 }
 
 /// Native engine: decode projections through the GEMV kernel.

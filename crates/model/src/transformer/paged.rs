@@ -3,6 +3,8 @@
 //! flat, their keys and values go into fixed-size blocks of a pool shared by all
 //! sequences, and each sequence attends to the slots of its own context.
 
+use std::cell::OnceCell;
+
 use tch::{Device, Kind, Tensor};
 
 use super::invariant::{PagedKeys, PagedRows};
@@ -436,10 +438,17 @@ impl SelfAttention {
         let lowp = matches!(q.kind(), Kind::BFloat16 | Kind::Half);
         if let (Some(packed), true) = (&prefill.packed, lowp) {
             let qs = q.narrow(0, prefill.start, prefill.rows).contiguous();
+            let (ks, vs) = (
+                k_pool.index_select(0, &prefill.slots),
+                v_pool.index_select(0, &prefill.slots),
+            );
+            if let Some(out) = self.attend_prefill_cudnn(&qs, &ks, &vs, prefill) {
+                return out.reshape([prefill.rows, self.num_heads * hd]);
+            }
             let out = manta_cuda::flash_attention_varlen(
                 &qs,
-                &k_pool.index_select(0, &prefill.slots),
-                &v_pool.index_select(0, &prefill.slots),
+                &ks,
+                &vs,
                 &packed.cu_q,
                 &packed.cu_k,
                 packed.max_q,
@@ -501,6 +510,48 @@ impl SelfAttention {
     }
 }
 
+impl SelfAttention {
+    /// The packed prefill attention through cuDNN (`MANTA_PREFILL_CUDNN`, on by default):
+    /// `None` where the build lacks it, the knob is off, or cuDNN refuses the shape (said
+    /// once in the log; the caller runs FlashAttention-2).
+    fn attend_prefill_cudnn(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        prefill: &Prefill,
+    ) -> Option<Tensor> {
+        static REFUSED: std::sync::Once = std::sync::Once::new();
+        if !(manta_knobs::prefill_cudnn() && manta_cuda::cudnn_attention::built()) {
+            return None;
+        }
+        let lengths = prefill
+            .cudnn
+            .get_or_init(|| {
+                let q_lens: Vec<i64> = prefill.seqs.iter().map(|s| s.q_len).collect();
+                let k_lens: Vec<i64> = prefill.seqs.iter().map(|s| s.ctx).collect();
+                manta_cuda::cudnn_attention::VarlenLengths::new(
+                    &q_lens,
+                    &k_lens,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    q.device(),
+                )
+            })
+            .as_ref()?;
+        match manta_cuda::cudnn_attention::attention_varlen(q, k, v, lengths, self.scale()) {
+            Ok(out) => Some(out),
+            Err(e) => {
+                REFUSED.call_once(|| {
+                    tracing::warn!(error = %e, "cuDNN prefill attention unavailable for this shape; FlashAttention-2 runs it")
+                });
+                None
+            }
+        }
+    }
+}
+
 /// Whether prefill attention runs as one varlen flash-attention call (`MANTA_PREFILL_VARLEN`
 /// not `0`; read once).
 fn prefill_varlen_enabled() -> bool {
@@ -518,6 +569,9 @@ struct Prefill {
     slots: Tensor,
     /// What the varlen kernel needs, on CUDA unless `MANTA_PREFILL_VARLEN=0`.
     packed: Option<PackedLengths>,
+    /// What cuDNN's varlen attention needs, made by the first layer that asks (it needs
+    /// the attention's head counts) and read by the rest.
+    cudnn: OnceCell<Option<manta_cuda::cudnn_attention::VarlenLengths>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -569,6 +623,7 @@ impl Prefill {
             seqs: parts,
             slots: Tensor::from_slice(&all_slots).to(device),
             packed,
+            cudnn: OnceCell::new(),
         }
     }
 }
