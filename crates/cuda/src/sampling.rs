@@ -79,10 +79,12 @@ mod tests {
         };
         let _serial = crate::gpu_test_lock();
         tch::manual_seed(7);
-        // One chunk, a few chunks, and Qwen's vocabulary (75 chunks).
+        // One chunk, a few chunks, and Qwen's vocabulary (75 chunks): each chunk held in
+        // registers. Past 256 × 2,048 logits the chunks are longer and read twice.
         for vocab in [1000i64, 5000, 151_936] {
             check_against_float64(gpu, 48, vocab);
         }
+        check_against_float64(gpu, 8, 600_000);
     }
 
     fn check_against_float64(gpu: usize, rows: i64, vocab: i64) {
