@@ -18,9 +18,8 @@
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
 #define CUDNN_FRONTEND_SKIP_JSON_LIB
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cudnn/Handle.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/core/DeviceGuard.h>
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
@@ -211,7 +210,7 @@ int manta_cudnn_attention_varlen(void* q_, void* k_, void* v_, void* lengths_, i
     TORCH_CHECK((b & (b - 1)) == 0, "lengths must hold a power-of-two count of sequence slots, holds ", b);
     TORCH_CHECK(q.numel() < INT32_MAX && k.numel() < INT32_MAX, "cuDNN's 32-bit ragged offsets cannot address ",
                 std::max(q.numel(), k.numel()), " elements");
-    const c10::cuda::CUDAGuard guard(q.device());
+    const c10::DeviceGuard guard(q.device());  // (the CUDA guard would link cudart itself)
     load_cudnn();
     const float fscale = static_cast<float>(scale);
     uint32_t scale_bits;
