@@ -173,19 +173,32 @@ fn greedy_request(prompt: &[u32], max_new_tokens: usize) -> GenerateRequest {
 }
 
 /// Of the output tokens whose trainer-forward top two candidates are apart by more than
-/// bf16 noise (`best` from [`trainer_scores`]), how many the engine chose: (agree, clear).
-fn clear_margin_agreement(seqs: &[(Vec<u32>, usize)], best: &[Vec<(i64, f32)>]) -> (usize, usize) {
-    let (mut agree, mut clear) = (0usize, 0usize);
+/// bf16 noise (`best` from [`trainer_scores`]), how many the engine chose.
+fn clear_margin_agreement(seqs: &[(Vec<u32>, usize)], best: &[Vec<(i64, f32)>]) -> Agreement {
+    let mut a = Agreement::default();
     for ((seq, prompt_len), b) in seqs.iter().zip(best) {
         for (k, &token) in seq[*prompt_len..].iter().enumerate() {
             let (id, margin) = b[k];
             if margin > 0.25 {
-                clear += 1;
-                agree += usize::from(id == token as i64);
+                a.clear += 1;
+                if id == token as i64 {
+                    a.agree += 1;
+                } else {
+                    a.widest_flip = a.widest_flip.max(margin);
+                }
             }
         }
     }
-    (agree, clear)
+    a
+}
+
+/// How many clear-margin tokens there were, how many the engine picked as the trainer's
+/// forward does, and the trainer's margin at the widest one it did not.
+#[derive(Debug, Default)]
+struct Agreement {
+    agree: usize,
+    clear: usize,
+    widest_flip: f32,
 }
 
 /// Greedy decoding through the engine's CUDA path (decode steps as CUDA graphs, the paged
@@ -223,7 +236,7 @@ async fn greedy_cuda_decoding_follows_the_trainer_forward() {
     }
     drop(engine);
     let (trainer_lp, best) = trainer_scores(&config, &seqs, device, false);
-    let (agree, clear) = clear_margin_agreement(&seqs, &best);
+    let Agreement { agree, clear, .. } = clear_margin_agreement(&seqs, &best);
     let (mean, _, n) = logprob_gap(&engine_lp, &trainer_lp);
     eprintln!("greedy: {agree} of {clear} clear-margin tokens agree ({n} tokens); mean |Δ log-prob| {mean:.3e}");
     assert!(
@@ -274,15 +287,30 @@ async fn one_token_prefill_chunks_beside_decodes_keep_their_tokens() {
     }
     drop(engine);
     let (_, best) = trainer_scores(&config, &seqs, device, false);
-    let (agree, clear) = clear_margin_agreement(&seqs, &best);
-    eprintln!("one-token chunks: {agree} of {clear} clear-margin tokens agree (64 tokens)");
+    let Agreement {
+        agree,
+        clear,
+        widest_flip,
+    } = clear_margin_agreement(&seqs, &best);
+    eprintln!(
+        "one-token chunks: {agree} of {clear} clear-margin tokens agree (64 tokens); \
+         widest margin flipped {widest_flip:.3}"
+    );
     assert!(
         clear >= 16,
         "too few clear-margin tokens ({clear}) to mean anything"
     );
+    // A wrong row or a graph that samples the wrong rows flips most tokens, and tokens the
+    // trainer ranks first by a whole nat. Rounding apart from the trainer's attention flips
+    // at most one near the 0.25 threshold: on an H200 on 2026-11-27, 46 of 46 with
+    // FlashAttention-2 prefill and 45 of 46 with cuDNN's.
     assert!(
-        agree * 100 >= clear * 98,
+        agree + 1 >= clear,
         "only {agree} of {clear} clear-margin tokens agree"
+    );
+    assert!(
+        widest_flip < 1.0,
+        "a token the trainer ranks first by {widest_flip:.3} nats was not picked"
     );
 }
 
