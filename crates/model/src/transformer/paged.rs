@@ -508,9 +508,7 @@ impl SelfAttention {
         }
         Tensor::cat(&outs, 0)
     }
-}
 
-impl SelfAttention {
     /// The packed prefill attention through cuDNN (`MANTA_PREFILL_CUDNN`, on by default):
     /// `None` where the build lacks it, the knob is off, or cuDNN refuses the shape (said
     /// once in the log; the caller runs FlashAttention-2).
