@@ -722,6 +722,25 @@ fn hosted(ports: [u16; 2]) -> Vec<Vec<String>> {
     })
 }
 
+/// Reads the driver's stdout up to its first `step` line; a driver that ends before it
+/// fails the test with its log. The rest of stdout is drained on a thread so that the
+/// driver never blocks on a full pipe.
+fn wait_for_first_step(driver: &mut Child, driver_log: &Path) {
+    let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.starts_with("step ") => break,
+            Some(Ok(_)) => {}
+            end => {
+                let status = driver.wait().unwrap();
+                let log = std::fs::read_to_string(driver_log).unwrap_or_default();
+                panic!("the driver ended before its first step ({end:?}, {status}):\n{log}");
+            }
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+}
+
 fn interrupt(child: &Child) {
     let ok = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
@@ -739,14 +758,8 @@ fn ctrl_c_stops_the_actors_on_every_worker() {
         let c = TrainerCluster::start("stop");
         let (ports, driver_log) = (c.ports, c.driver_log.clone());
         let mut driver = c.driver(1000);
-        let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
         // Wait for the first step: every actor is placed and busy.
-        loop {
-            let line = lines.next().expect("driver output").unwrap();
-            if line.starts_with("step ") {
-                break;
-            }
-        }
+        wait_for_first_step(&mut driver, &driver_log);
         let placed = hosted(ports);
         assert_eq!(
             placed,
@@ -799,13 +812,7 @@ fn ctrl_c_stops_the_actors_on_every_worker() {
 fn a_killed_driver_leaves_no_actors_on_the_workers() {
     let c = TrainerCluster::start("stop");
     let mut driver = c.driver(1000);
-    let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
-    loop {
-        let line = lines.next().expect("driver output").unwrap();
-        if line.starts_with("step ") {
-            break;
-        }
-    }
+    wait_for_first_step(&mut driver, &c.driver_log);
     assert_eq!(
         hosted(c.ports),
         vec![

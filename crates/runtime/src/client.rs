@@ -1,7 +1,7 @@
 //! A typed client for one worker daemon; every call carries the cluster token and
 //! every error names the worker's address.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
@@ -34,6 +34,16 @@ pub struct WorkerClient {
     /// Sent with heartbeats and spawns: actors spawned through this client live while
     /// its heartbeats keep coming.
     lease: Option<Lease>,
+}
+
+/// How long the next heartbeat may take to answer: the time left before the node would
+/// be declared dead (`dead_after` since its last answer, `last_answer`), and at least one
+/// `interval`. A worker that answers slowly (a loaded host, a long collective) is alive;
+/// only `dead_after` without any answer marks it dead, whether its calls fail fast or hang.
+pub fn heartbeat_limit(last_answer: Instant, interval: Duration, dead_after: Duration) -> Duration {
+    dead_after
+        .saturating_sub(last_answer.elapsed())
+        .max(interval)
 }
 
 impl WorkerClient {
@@ -179,6 +189,8 @@ impl WorkerClient {
         Ok(reply.sequence)
     }
 
+    /// One heartbeat (renewing this client's lease), given `limit` to answer; see
+    /// [`heartbeat_limit`] for how long a liveness loop should wait.
     pub async fn heartbeat(
         &self,
         sequence: u64,
@@ -260,5 +272,24 @@ fn tls_mismatch_hint(client_tls: bool, status: &tonic::Status) -> Option<&'stati
             "if the worker serves TLS (--tls-cert/--tls-key), set cluster.tls_ca in \
              cluster.toml to its CA certificate",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_may_take_the_time_left_before_the_node_is_dead() {
+        let (interval, dead_after) = (Duration::from_millis(100), Duration::from_secs(60));
+        let fresh = heartbeat_limit(Instant::now(), interval, dead_after);
+        assert!(
+            fresh > Duration::from_secs(59) && fresh <= dead_after,
+            "{fresh:?}"
+        );
+        let answered = Instant::now();
+        std::thread::sleep(Duration::from_millis(30));
+        let short = Duration::from_millis(20);
+        assert_eq!(heartbeat_limit(answered, interval, short), interval);
     }
 }

@@ -653,7 +653,14 @@ async fn heartbeat_loop(shared: Arc<Shared>, index: usize) {
         sequence += 1;
         match node
             .client
-            .heartbeat(sequence, shared.opts.heartbeat_interval)
+            .heartbeat(
+                sequence,
+                manta_runtime::client::heartbeat_limit(
+                    last_ok,
+                    shared.opts.heartbeat_interval,
+                    shared.opts.dead_after,
+                ),
+            )
             .await
         {
             Ok(reply) => {

@@ -292,7 +292,13 @@ async fn heartbeat_loop(
     loop {
         ticker.tick().await;
         sequence += 1;
-        match client.heartbeat(sequence, interval).await {
+        match client
+            .heartbeat(
+                sequence,
+                manta_runtime::client::heartbeat_limit(last_ok, interval, dead_after),
+            )
+            .await
+        {
             Ok(_) => last_ok = Instant::now(),
             Err(e) => {
                 if *live.borrow() && last_ok.elapsed() >= dead_after {
