@@ -3,14 +3,36 @@
 //! than failing a step.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use tch::{Device, Kind, Tensor};
+
+/// The fused CUDA ops of the training forward and scoring, for [`fused_runs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fused {
+    RmsNorm,
+    Rope,
+    Swiglu,
+    /// The log-prob and entropy kernels (scoring and their gradient).
+    Logprobs,
+}
+
+static RUNS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+
+/// How many times `op`'s kernels have run in this process. The fused paths give the values
+/// of the tensor ops they replace, so a test comparing the two asserts through this that
+/// the fused one was taken at all.
+pub fn fused_runs(op: Fused) -> u64 {
+    RUNS[op as usize].load(Ordering::Relaxed)
+}
 
 /// A fused CUDA op the training forward (or scoring) takes where it applies, and the tensor ops it
 /// replaces (the same values) where it does not: off CUDA, outside bf16/fp16, with its
 /// knob off, or where its kernels do not compile.
 pub(crate) struct FusedOp {
+    /// Which op, for [`fused_runs`].
+    pub op: Fused,
     /// The op, as logged ("fused RMSNorm").
     pub name: &'static str,
     /// What the model does instead, as logged ("norming through tensor ops").
@@ -38,8 +60,14 @@ impl FusedOp {
     /// the GPU.
     pub fn output(&self, result: Result<Tensor, manta_cuda::CudaError>) -> Option<Tensor> {
         result
+            .inspect(|_| self.ran())
             .map_err(|e| tracing::warn!("{} failed, {}: {e}", self.name, self.instead))
             .ok()
+    }
+
+    /// Counts one run of the op's kernels ([`fused_runs`]).
+    pub fn ran(&self) {
+        RUNS[self.op as usize].fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -22,5 +22,6 @@ pub use recompute::{Recompute, RecomputeError, RecomputeMethod};
 pub mod error;
 mod kernel_check;
 pub use error::ModelError;
+pub use kernel_check::{fused_runs, Fused};
 
 pub use tch;

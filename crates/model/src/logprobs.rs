@@ -8,7 +8,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::kernel_check::FusedOp;
+use crate::kernel_check::{Fused, FusedOp};
 use crate::transformer::CausalLm;
 
 /// Per-token log-probs and entropy of `targets` under softmax(hidden @ lm_head^T / temperature), computed in chunks of `chunk_tokens`
@@ -66,6 +66,7 @@ fn score(
         };
     }
     if fused {
+        FUSED.ran();
         return score_fused(model, hidden, &targets, temperature, chunk);
     }
     let mut logps = Vec::new();
@@ -132,16 +133,18 @@ fn score_fused(
 /// Whether `hidden` of `model` scores through the fused kernels: 16-bit on CUDA with the
 /// LM head in the same kind, `MANTA_FUSED_LOGPROBS` on, and the kernels compiling there.
 fn fused_applies(model: &CausalLm, hidden: &Tensor) -> bool {
-    const OP: FusedOp = FusedOp {
-        name: "fused log-prob kernels",
-        instead: "scoring through tensor ops",
-        enabled: manta_knobs::fused_logprobs,
-        compile: manta_cuda::logprobs::compile_check,
-    };
     model.lm_head_weight().kind() == hidden.kind()
         && model.lm_head_weight().device() == hidden.device()
-        && OP.applies_to(hidden)
+        && FUSED.applies_to(hidden)
 }
+
+const FUSED: FusedOp = FusedOp {
+    op: Fused::Logprobs,
+    name: "fused log-prob kernels",
+    instead: "scoring through tensor ops",
+    enabled: manta_knobs::fused_logprobs,
+    compile: manta_cuda::logprobs::compile_check,
+};
 
 /// Whether autograd records operations here (tch has no query for the grad mode): an op
 /// on a leaf that requires grad requires grad only then.

@@ -11,7 +11,7 @@ use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
-use crate::kernel_check::FusedOp;
+use crate::kernel_check::{Fused, FusedOp};
 use crate::layer_hooks::{LayerHooks, NoHooks};
 use crate::recompute::{Recompute, RecomputeError};
 
@@ -147,6 +147,7 @@ impl RmsNorm {
 /// kernels' widest, `MANTA_FUSED_RMSNORM=0`, or kernels that do not compile on this GPU.
 fn fused_rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Tensor> {
     const OP: FusedOp = FusedOp {
+        op: Fused::RmsNorm,
         name: "fused RMSNorm",
         instead: "norming through tensor ops",
         enabled: manta_knobs::fused_rms_norm,
@@ -236,6 +237,7 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 /// B rows), tables that require grad, or kernels that do not compile on this GPU.
 fn fused_rope(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Tensor> {
     const OP: FusedOp = FusedOp {
+        op: Fused::Rope,
         name: "fused rotary embedding",
         instead: "rotating through tensor ops",
         enabled: manta_knobs::fused_rope,
@@ -609,6 +611,7 @@ impl Mlp {
 /// on this GPU.
 fn fused_swiglu(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
     const OP: FusedOp = FusedOp {
+        op: Fused::Swiglu,
         name: "fused gated activation",
         instead: "activating through tensor ops",
         enabled: manta_knobs::fused_swiglu,

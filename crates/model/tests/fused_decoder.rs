@@ -18,7 +18,7 @@
 
 use std::sync::Mutex;
 
-use manta_model::{Attention, CausalLm, ModelConfig};
+use manta_model::{fused_runs, Attention, CausalLm, Fused, ModelConfig};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -52,7 +52,7 @@ struct Outcome {
 /// The batch on a fresh copy of `reference`, with the fused kernel of `knob` on or off:
 /// logits without a graph, then a `forward_backward` of a log-likelihood loss.
 fn run(
-    knob: &str,
+    Case { knob, op, .. }: Case,
     reference: &VarStore,
     ids: &Tensor,
     positions: &Tensor,
@@ -61,6 +61,7 @@ fn run(
     fused: bool,
 ) -> Outcome {
     manta_knobs::set_override(knob, if fused { "1" } else { "0" }).expect("a knob");
+    let runs_before = fused_runs(op);
     let device = reference.device();
     let mut vs = VarStore::new(device);
     let mut m = CausalLm::new(&vs.root(), &config());
@@ -90,6 +91,14 @@ fn run(
         .collect();
     grads.sort_by(|a, b| a.0.cmp(&b.0));
     manta_knobs::clear_overrides();
+    // The two paths give the same values: that the kernels ran is asserted here.
+    let runs = fused_runs(op) - runs_before;
+    assert_eq!(
+        runs > 0,
+        fused,
+        "{knob}={}: {op:?} ran {runs} times",
+        fused as u8
+    );
     Outcome {
         logits,
         loss: loss.to_device(Device::Cpu),
@@ -104,15 +113,16 @@ enum Forward {
     WithinRounding,
 }
 
-/// A fused kernel under test: its knob, and what its forward promises.
+/// A fused kernel under test: its knob, the op it turns on, and what its forward promises.
 #[derive(Clone, Copy)]
 struct Case {
     knob: &'static str,
+    op: Fused,
     forward: Forward,
 }
 
 fn check(
-    Case { knob, forward }: Case,
+    case: Case,
     what: &str,
     reference: &VarStore,
     ids: &Tensor,
@@ -120,8 +130,9 @@ fn check(
     attn: &Attention,
     recompute: bool,
 ) {
-    let want = run(knob, reference, ids, positions, attn, recompute, false);
-    let got = run(knob, reference, ids, positions, attn, recompute, true);
+    let Case { knob, forward, .. } = case;
+    let want = run(case, reference, ids, positions, attn, recompute, false);
+    let got = run(case, reference, ids, positions, attn, recompute, true);
     let what = format!("{knob}, {what}");
     let differ = got
         .logits
@@ -227,6 +238,7 @@ fn fused_rope_model_matches_the_tensor_ops() {
     check_knob(
         Case {
             knob: "MANTA_FUSED_ROPE",
+            op: Fused::Rope,
             forward: Forward::BitIdentical,
         },
         manta_cuda::rope::compile_check,
@@ -239,6 +251,7 @@ fn fused_swiglu_model_matches_the_tensor_ops() {
     check_knob(
         Case {
             knob: "MANTA_FUSED_SWIGLU",
+            op: Fused::Swiglu,
             forward: Forward::BitIdentical,
         },
         manta_cuda::swiglu::compile_check,
@@ -251,6 +264,7 @@ fn fused_rms_norm_model_matches_the_tensor_ops() {
     check_knob(
         Case {
             knob: "MANTA_FUSED_RMSNORM",
+            op: Fused::RmsNorm,
             forward: Forward::WithinRounding,
         },
         manta_cuda::rms_norm::compile_check,

@@ -15,7 +15,7 @@
 //! wrong term in the gradient (the entropy's, the 1/T) is tens of percent. Returns early,
 //! saying so, without a CUDA device.
 
-use manta_model::{token_logprobs, CausalLm, DeferredLogprobs, ModelConfig};
+use manta_model::{fused_runs, token_logprobs, CausalLm, DeferredLogprobs, Fused, ModelConfig};
 use std::sync::Mutex;
 
 use tch::nn::VarStore;
@@ -101,6 +101,7 @@ fn cpu(t: &Tensor) -> Tensor {
 fn run(case: Case, reference: &VarStore, gpu: Device, batches: &[Batch], fused: bool) -> Outcome {
     manta_knobs::set_override("MANTA_FUSED_LOGPROBS", if fused { "1" } else { "0" })
         .expect("a knob");
+    let runs_before = fused_runs(Fused::Logprobs);
     let mut vs = VarStore::new(gpu);
     let m = CausalLm::new(&vs.root(), &config(case.vocab, case.tied));
     vs.set_kind(case.kind);
@@ -136,6 +137,11 @@ fn run(case: Case, reference: &VarStore, gpu: Device, batches: &[Batch], fused: 
     }
     out.g_head = cpu(&m.lm_head_weight().grad());
     manta_knobs::clear_overrides();
+    // Both paths give the same values: that the kernels ran (for every scoring) is
+    // asserted here.
+    let runs = fused_runs(Fused::Logprobs) - runs_before;
+    let want = if fused { 2 * batches.len() as u64 } else { 0 };
+    assert_eq!(runs, want, "MANTA_FUSED_LOGPROBS={}", fused as u8);
     out
 }
 
