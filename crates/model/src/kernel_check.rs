@@ -18,11 +18,14 @@ pub enum Fused {
     Logprobs,
 }
 
-static RUNS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+/// One counter per [`Fused`] variant (the last one's index + 1).
+static RUNS: [AtomicU64; Fused::Logprobs as usize + 1] =
+    [const { AtomicU64::new(0) }; Fused::Logprobs as usize + 1];
 
-/// How many times `op`'s kernels have run in this process. The fused paths give the values
-/// of the tensor ops they replace, so a test comparing the two asserts through this that
-/// the fused one was taken at all.
+/// How many calls in this process took `op`'s fused path (one per norm, rotation or
+/// activation; one per scoring pass for the log-probs, however many chunks it has). The
+/// fused paths give the values of the tensor ops they replace, so a test comparing the two
+/// asserts through this that the fused one was taken at all.
 pub fn fused_runs(op: Fused) -> u64 {
     RUNS[op as usize].load(Ordering::Relaxed)
 }
