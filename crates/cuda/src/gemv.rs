@@ -203,18 +203,67 @@ mod tests {
         }
     }
 
-    /// The layouts `MANTA_GEMV_ROWS`, `MANTA_GEMV_KSPLIT` and `MANTA_GEMV_NORM_KSPLIT`
-    /// select (8B o, down, qkv and gate/up projections) compile too.
+    /// A GEMV layout the kernel knobs select: rows per warp (plain, fused norm, SiLU),
+    /// warps sharing a row, and whether the weight loads roll.
+    #[derive(Debug, Clone, Copy)]
+    struct Layout {
+        rows: &'static str,
+        norm_rows: &'static str,
+        silu_rows: &'static str,
+        split: &'static str,
+        roll: &'static str,
+    }
+
+    impl Layout {
+        fn set(&self) {
+            for (name, value) in [
+                ("MANTA_GEMV_ROWS", self.rows),
+                ("MANTA_GEMV_NORM_ROWS", self.norm_rows),
+                ("MANTA_GEMV_SILU_ROWS", self.silu_rows),
+                ("MANTA_GEMV_KSPLIT", self.split),
+                ("MANTA_GEMV_NORM_KSPLIT", self.split),
+                ("MANTA_GEMV_ROLL", self.roll),
+            ] {
+                manta_knobs::set_override(name, value).expect("a knob");
+            }
+        }
+    }
+
+    /// The layouts the A/B knobs reach, each with rolling loads off and on.
+    fn layouts() -> Vec<Layout> {
+        let shapes = [
+            ("1", "1", "1", "1"),
+            ("1", "1", "1", "2"),
+            ("1", "2", "2", "4"),
+            ("2", "2", "1", "2"),
+            ("2", "4", "4", "4"),
+            ("4", "4", "2", "1"),
+            ("4", "1", "4", "2"),
+        ];
+        shapes
+            .into_iter()
+            .flat_map(|(rows, norm_rows, silu_rows, split)| {
+                ["0", "1"].map(|roll| Layout {
+                    rows,
+                    norm_rows,
+                    silu_rows,
+                    split,
+                    roll,
+                })
+            })
+            .collect()
+    }
+
+    /// Every layout the knobs select (8B o, down, qkv and gate/up projections) compiles.
     #[test]
     fn gemv_layouts_compile_for_hopper() {
         if !built_with_cuda() {
             eprintln!("skipped: this build has no CUDA headers or CUDA libtorch");
             return;
         }
-        for (rows, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
-            manta_knobs::set_override("MANTA_GEMV_ROWS", rows).expect("a knob");
-            manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
-            manta_knobs::set_override("MANTA_GEMV_NORM_KSPLIT", split).expect("a knob");
+        let _knobs = crate::gpu_test_lock();
+        for layout in layouts() {
+            layout.set();
             let result = [
                 (4096, 4096, false),
                 (12288, 4096, false),
@@ -225,14 +274,14 @@ mod tests {
             .try_for_each(|(k, n, silu)| gemv_compile(k, n, silu, MAX_ROWS, 90));
             manta_knobs::clear_overrides();
             if let Err(e) = result {
-                panic!("rows {rows}, k split {split}: {e}");
+                panic!("{layout:?}: {e}");
             }
         }
     }
 
-    /// Every layout `MANTA_GEMV_ROWS`, `MANTA_GEMV_KSPLIT` and `MANTA_GEMV_NORM_KSPLIT`
-    /// select against cuBLAS, at the 8B decode shapes they are for: o and down projections
-    /// (plain), qkv (fused norm).
+    /// Every layout the knobs select against cuBLAS, at the 8B decode shapes they are for:
+    /// o and down projections (plain), qkv (fused norm), gate/up (fused norm, SiLU); and
+    /// rolling loads bit for bit equal to batched ones (the same sums in the same order).
     #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
     #[test]
     fn gemv_layouts_match_linear() {
@@ -243,35 +292,60 @@ mod tests {
         let _serial = crate::gpu_test_lock();
         let dev = Device::Cuda(gpu);
         tch::manual_seed(5);
-        for (rows_knob, split) in [("1", "1"), ("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")] {
-            manta_knobs::set_override("MANTA_GEMV_ROWS", rows_knob).expect("a knob");
-            manta_knobs::set_override("MANTA_GEMV_KSPLIT", split).expect("a knob");
-            manta_knobs::set_override("MANTA_GEMV_NORM_KSPLIT", split).expect("a knob");
+        let residual = Tensor::randn([1, 4096], (Kind::BFloat16, dev));
+        let weight = Tensor::rand([4096], (Kind::BFloat16, dev)) + 0.5;
+        let mut normed = residual.empty_like();
+        crate::add_rms_norm(&mut residual.copy(), None, &weight, &mut normed, 1e-6)
+            .expect("add_rms_norm");
+        let w_qkv = Tensor::randn([6144, 4096], (Kind::BFloat16, dev)) * 0.05;
+        let w_gate_up = Tensor::randn([2 * 3072, 4096], (Kind::BFloat16, dev)) * 0.05;
+        let want_qkv = normed.linear(&w_qkv, None::<Tensor>).to_kind(Kind::Float);
+        let mut want_act = Tensor::empty([1, 3072], (Kind::BFloat16, dev));
+        gemv(&normed, &w_gate_up, &mut want_act, true).expect("silu gemv");
+        let want_act = want_act.to_kind(Kind::Float);
+        // Each layout's outputs with rolling loads off, to compare the rolling ones with.
+        let mut batched: Vec<Tensor> = Vec::new();
+        for layout in layouts() {
+            layout.set();
+            let what = format!("{layout:?}: ");
+            let mut outputs = Vec::new();
             for (k, n) in [(4096i64, 4096i64), (12288, 4096)] {
                 for rows in [1i64, 2, 8] {
-                    let what = format!("rows knob {rows_knob}, split {split}: ");
-                    let _checked = plain_gemv_matches_linear(dev, (k, n, rows), &what);
+                    tch::manual_seed(k * 10 + rows);
+                    let (x, w) = plain_gemv_matches_linear(dev, (k, n, rows), &what);
+                    let mut y = Tensor::empty([rows, n], (Kind::BFloat16, dev));
+                    gemv(&x, &w, &mut y, false).expect("gemv");
+                    outputs.push(y);
                 }
             }
-            let residual = Tensor::randn([1, 4096], (Kind::BFloat16, dev));
-            let weight = Tensor::rand([4096], (Kind::BFloat16, dev)) + 0.5;
-            let w = Tensor::randn([6144, 4096], (Kind::BFloat16, dev)) * 0.05;
-            let mut normed = residual.empty_like();
-            crate::add_rms_norm(&mut residual.copy(), None, &weight, &mut normed, 1e-6)
-                .expect("add_rms_norm");
-            let want = normed.linear(&w, None::<Tensor>).to_kind(Kind::Float);
-            let mut got = Tensor::empty([1, 6144], (Kind::BFloat16, dev));
-            let norm = InputNorm {
-                delta: None,
-                weight: &weight,
-                eps: 1e-6,
-            };
-            gemv_norm(&residual, norm, &w, &mut got, false).expect("gemv_norm");
-            let (err, scale) = max_err(&got, &want);
-            assert!(
-                err <= scale * 2e-2,
-                "rows knob {rows_knob}, split {split}: norm qkv: {err} of {scale}"
-            );
+            for (w, silu, want, out_n) in [
+                (&w_qkv, false, &want_qkv, 6144),
+                (&w_gate_up, true, &want_act, 3072),
+            ] {
+                let mut got = Tensor::empty([1, out_n], (Kind::BFloat16, dev));
+                let norm = InputNorm {
+                    delta: None,
+                    weight: &weight,
+                    eps: 1e-6,
+                };
+                gemv_norm(&residual, norm, w, &mut got, silu).expect("gemv_norm");
+                let (err, scale) = max_err(&got, want);
+                assert!(
+                    err <= scale * 2e-2,
+                    "{what}norm, silu {silu}: {err} of {scale}"
+                );
+                outputs.push(got);
+            }
+            if layout.roll == "0" {
+                batched = outputs;
+            } else {
+                for (i, (rolled, plain)) in outputs.iter().zip(&batched).enumerate() {
+                    assert!(
+                        rolled.equal(plain),
+                        "{what}output {i} differs from batched loads"
+                    );
+                }
+            }
         }
         manta_knobs::clear_overrides();
     }

@@ -606,7 +606,8 @@ fn parse_test_gpu(value: Option<&str>, count: usize) -> Result<usize, String> {
 
 /// Serialises this crate's GPU tests: a CUDA graph capture in one test thread makes any
 /// other thread's use of the CUDA random generator fail ("Offset increment outside graph
-/// capture encountered unexpectedly").
+/// capture encountered unexpectedly"). Tests that set kernel knobs (process-wide) take it
+/// too, so no other test's kernels change layout under it.
 #[cfg(test)]
 pub(crate) fn gpu_test_lock() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());

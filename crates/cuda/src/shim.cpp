@@ -178,9 +178,10 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kKnobCount
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kGemvNormRows, kGemvSiluRows, kGemvRoll,
+  kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1231,12 +1232,13 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 // and n outputs.
 int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
 // Output rows per warp. Two share each input load, where there are enough rows that the
-// grid stays large; the LM head (fp32 out) always takes two. MANTA_GEMV_ROWS (1, 2)
-// overrides for the bf16 products with no SiLU, for A/B runs.
-int64_t gemv_rows_per_warp(int64_t n, bool silu, bool out_f32) {
-  if (silu) return 1;
+// grid stays large; the LM head (fp32 out) always takes two. MANTA_GEMV_ROWS (1, 2, 4)
+// overrides for the plain bf16 products, MANTA_GEMV_NORM_ROWS for those with a fused norm
+// and no SiLU, MANTA_GEMV_SILU_ROWS for the gate/up product (1 by default), for A/B runs.
+int64_t gemv_rows_per_warp(int64_t n, bool silu, bool norm, bool out_f32) {
+  if (silu) return knob_or(kGemvSiluRows, 1);
   const int64_t by_shape = n >= 4096 ? 2 : 1;
-  return out_f32 ? by_shape : knob_or(kGemvRows, by_shape);
+  return out_f32 ? by_shape : knob_or(norm ? kGemvNormRows : kGemvRows, by_shape);
 }
 // Warps sharing a row. A bf16 product without a fused norm (the o and down projections)
 // takes 4: a grid of one CTA per 8 rows is about one wave on an H100/H200, so its last CTAs
@@ -1264,8 +1266,9 @@ int64_t gemv_split(int64_t k, int64_t n, bool norm, bool out_f32) {
 }
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {
   return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) +
-         define("R", gemv_rows_per_warp(n, silu, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
-         define("KSPLIT", gemv_split(k, n, norm, out_f32)) + define("GEMV_WARPS", gemv_warps(norm));
+         define("R", gemv_rows_per_warp(n, silu, norm, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
+         define("KSPLIT", gemv_split(k, n, norm, out_f32)) + define("GEMV_WARPS", gemv_warps(norm)) +
+         define("GEMV_ROLL", knob_or(kGemvRoll, 0));
 }
 // NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
 bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
@@ -1329,7 +1332,7 @@ int manta_gemv(const char* source, void* x_, void* delta_, void* norm_w_, void* 
     int m_i = static_cast<int>(rows), n_i = static_cast<int>(n);
     void* args[] = {&xp, &dp, &nwp, &xop, &wp, &yp, &m_i, &n_i, &eps};
     const int64_t warps = gemv_warps(norm);
-    const int64_t per_cta = warps / gemv_split(k, n, norm, out_f32) * gemv_rows_per_warp(n, silu != 0, out_f32);
+    const int64_t per_cta = warps / gemv_split(k, n, norm, out_f32) * gemv_rows_per_warp(n, silu != 0, norm, out_f32);
     launch(kernel(source, gemv_defines(k, rows, n, silu != 0, norm, out_f32), "gemv", device), device,
            static_cast<unsigned>((n + per_cta - 1) / per_cta), 1, 1, static_cast<unsigned>(warps * 32), args, true);
   });
