@@ -204,13 +204,14 @@ mod tests {
     }
 
     /// A GEMV layout the kernel knobs select: rows per warp (plain, fused norm, SiLU),
-    /// warps sharing a row, and whether the weight loads roll.
+    /// warps sharing a row, loads in flight per lane, and whether they roll.
     #[derive(Debug, Clone, Copy)]
     struct Layout {
         rows: &'static str,
         norm_rows: &'static str,
         silu_rows: &'static str,
         split: &'static str,
+        depth: &'static str,
         roll: &'static str,
     }
 
@@ -222,6 +223,7 @@ mod tests {
                 ("MANTA_GEMV_SILU_ROWS", self.silu_rows),
                 ("MANTA_GEMV_KSPLIT", self.split),
                 ("MANTA_GEMV_NORM_KSPLIT", self.split),
+                ("MANTA_GEMV_DEPTH", self.depth),
                 ("MANTA_GEMV_ROLL", self.roll),
             ] {
                 manta_knobs::set_override(name, value).expect("a knob");
@@ -232,22 +234,24 @@ mod tests {
     /// The layouts the A/B knobs reach, each with rolling loads off and on.
     fn layouts() -> Vec<Layout> {
         let shapes = [
-            ("1", "1", "1", "1"),
-            ("1", "1", "1", "2"),
-            ("1", "2", "2", "4"),
-            ("2", "2", "1", "2"),
-            ("2", "4", "4", "4"),
-            ("4", "4", "2", "1"),
-            ("4", "1", "4", "2"),
+            ("1", "1", "1", "1", "16"),
+            ("1", "1", "1", "2", "8"),
+            ("1", "2", "2", "4", "24"),
+            ("2", "2", "1", "2", "32"),
+            ("2", "4", "4", "4", "16"),
+            ("4", "4", "2", "1", "24"),
+            ("4", "1", "4", "2", "8"),
+            ("4", "2", "1", "4", "32"),
         ];
         shapes
             .into_iter()
-            .flat_map(|(rows, norm_rows, silu_rows, split)| {
+            .flat_map(|(rows, norm_rows, silu_rows, split, depth)| {
                 ["0", "1"].map(|roll| Layout {
                     rows,
                     norm_rows,
                     silu_rows,
                     split,
+                    depth,
                     roll,
                 })
             })

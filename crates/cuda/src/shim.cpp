@@ -179,9 +179,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
   kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kGemvNormRows, kGemvSiluRows, kGemvRoll,
-  kKnobCount
+  kGemvDepth, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1231,14 +1231,20 @@ int manta_silu_mul(const char* source, void* gate_up_, void* out_) {
 // Defines of the small-batch GEMV (gemv.cu.inc) for inner size k, up to `rows` input rows
 // and n outputs.
 int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
-// Output rows per warp. Two share each input load, where there are enough rows that the
-// grid stays large; the LM head (fp32 out) always takes two. MANTA_GEMV_ROWS (1, 2, 4)
-// overrides for the plain bf16 products, MANTA_GEMV_NORM_ROWS for those with a fused norm
-// and no SiLU, MANTA_GEMV_SILU_ROWS for the gate/up product (1 by default), for A/B runs.
+// Output rows per warp. The plain products (o and down) take 4: with rolling loads each
+// warp then streams four rows' weights from one set of input loads, and the grid is half as
+// many CTAs (H200, 2026-11-28, decode_step graph replay: 8B batch 1 4,572 -> 4,424 us a
+// step, batch 2 5,743 -> 5,490, 0.6B batch 1 788 -> 744; without rolling loads 8B gained
+// 0.5 %). Products with a fused norm take 2 where there are enough rows that the grid stays
+// large; the LM head (fp32 out) takes 2 too, gate/up (SiLU) 1 (2 was slower at both
+// shapes). MANTA_GEMV_ROWS (1, 2, 4) overrides for the plain bf16 products,
+// MANTA_GEMV_NORM_ROWS for those with a fused norm and no SiLU, MANTA_GEMV_SILU_ROWS for
+// the gate/up product, for A/B runs.
 int64_t gemv_rows_per_warp(int64_t n, bool silu, bool norm, bool out_f32) {
   if (silu) return knob_or(kGemvSiluRows, 1);
   const int64_t by_shape = n >= 4096 ? 2 : 1;
-  return out_f32 ? by_shape : knob_or(norm ? kGemvNormRows : kGemvRows, by_shape);
+  if (out_f32) return by_shape;
+  return norm ? knob_or(kGemvNormRows, by_shape) : knob_or(kGemvRows, 4);
 }
 // Warps sharing a row. A bf16 product without a fused norm (the o and down projections)
 // takes 4: a grid of one CTA per 8 rows is about one wave on an H100/H200, so its last CTAs
@@ -1268,7 +1274,7 @@ std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool nor
   return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) +
          define("R", gemv_rows_per_warp(n, silu, norm, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
          define("KSPLIT", gemv_split(k, n, norm, out_f32)) + define("GEMV_WARPS", gemv_warps(norm)) +
-         define("GEMV_ROLL", knob_or(kGemvRoll, 0));
+         define("GEMV_ROLL", knob_or(kGemvRoll, 1)) + define("GEMV_DEPTH", knob_or(kGemvDepth, 16));
 }
 // NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
 bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
