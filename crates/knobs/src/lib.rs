@@ -90,7 +90,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GEMV_NORM_ROWS", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel, bf16 products with a fused norm and no SiLU (the qkv projection): output rows per warp" },
     Knob { name: "MANTA_GEMV_SILU_ROWS", values: Values::OneOf(&[1, 2, 4]), default: "1", what: "GEMV kernel, the gate/up product with SiLU: output rows per warp (each a gate and an up row)" },
     Knob { name: "MANTA_GEMV_ROLL", values: Values::Flag, default: "on", what: "GEMV kernel: reload each step's weight registers as soon as they are used, so the same number of loads stays in flight to the end (off: load a batch, use it, load the next)" },
-    Knob { name: "MANTA_GEMV_DEPTH", values: Values::OneOf(&[8, 16, 24, 32]), default: "16", what: "GEMV kernel: 16-byte weight loads in flight per lane" },
+    Knob { name: "MANTA_GEMV_DEPTH", values: Values::OneOf(&[8, 16, 24, 32]), default: "8", what: "GEMV kernel: 16-byte weight loads in flight per lane" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
 ];
