@@ -1239,9 +1239,7 @@ int64_t gemv_max_rows(int64_t rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : row
 // large; the LM head (fp32 out) takes 2 too, gate/up (SiLU) 1 (2 was slower at both
 // shapes). MANTA_GEMV_ROWS (1, 2, 4) overrides for the plain bf16 products,
 // MANTA_GEMV_NORM_ROWS for those with a fused norm and no SiLU, MANTA_GEMV_SILU_ROWS for
-// the gate/up product, for A/B runs. With rolling loads 8 in flight per lane beat 16
-// (MANTA_GEMV_DEPTH; same H200 call: 8B batch 1 4,364 -> 4,226 us, 24 and 32 slower, 0.6B
-// level): fewer registers a warp, more warps resident.
+// the gate/up product, for A/B runs.
 int64_t gemv_rows_per_warp(int64_t n, bool silu, bool norm, bool out_f32) {
   if (silu) return knob_or(kGemvSiluRows, 1);
   const int64_t by_shape = n >= 4096 ? 2 : 1;
@@ -1272,6 +1270,9 @@ int64_t gemv_warps(bool norm) {
 int64_t gemv_split(int64_t k, int64_t n, bool norm, bool out_f32) {
   return std::min(gemv_k_split(k, n, norm, out_f32), gemv_warps(norm));
 }
+// Loads roll (MANTA_GEMV_ROLL=0: batched, for A/B runs), 8 in flight per lane: with rolling
+// loads 8 beat 16 (MANTA_GEMV_DEPTH; H200, 2026-11-28: 8B batch 1 4,364 -> 4,226 us a step,
+// 24 and 32 slower, 0.6B level): fewer registers a warp, more warps resident.
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {
   return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) +
          define("R", gemv_rows_per_warp(n, silu, norm, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
