@@ -178,10 +178,10 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 // with several settings (bench/decode_step).
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
-  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kGemvNormRows, kGemvSiluRows, kGemvRoll,
+  kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kGemvNormRows, kGemvSiluRows,
   kGemvDepth, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -1270,17 +1270,18 @@ int64_t gemv_warps(bool norm) {
 int64_t gemv_split(int64_t k, int64_t n, bool norm, bool out_f32) {
   return std::min(gemv_k_split(k, n, norm, out_f32), gemv_warps(norm));
 }
-// Loads roll (MANTA_GEMV_ROLL=0: batched, for A/B runs), 8 in flight per lane: with rolling
-// loads 8 beat 16 (MANTA_GEMV_DEPTH; H200, 2026-11-28: 8B batch 1 4,364 -> 4,226 us a step,
-// 24 and 32 slower, 0.6B level): fewer registers a warp, more warps resident.
+// 8 loads in flight per lane beat 16 (MANTA_GEMV_DEPTH; H200, 2026-11-28: 8B batch 1 4,364
+// -> 4,226 us a step, 24 and 32 slower, 0.6B level): fewer registers a warp, more warps
+// resident.
 std::string gemv_defines(int64_t k, int64_t rows, int64_t n, bool silu, bool norm, bool out_f32 = false) {
   return (out_f32 ? define("OUT_F32", 1) : std::string()) + define("K", k) + define("MR", gemv_max_rows(rows)) +
          define("R", gemv_rows_per_warp(n, silu, norm, out_f32)) + define("SILU", silu ? 1 : 0) + define("NORM", norm ? 1 : 0) +
          define("KSPLIT", gemv_split(k, n, norm, out_f32)) + define("GEMV_WARPS", gemv_warps(norm)) +
-         define("GEMV_ROLL", knob_or(kGemvRoll, 1)) + define("GEMV_DEPTH", knob_or(kGemvDepth, 8));
+         define("GEMV_DEPTH", knob_or(kGemvDepth, 8));
 }
-// NORM keeps the normalised input rows in static shared memory (at most 32 KiB of bf16).
-bool gemv_norm_fits(int64_t k, int64_t rows) { return gemv_max_rows(rows) * k <= 16384; }
+// NORM keeps the normalised input rows and the norm weight in static shared memory (at
+// most 40 KiB of bf16, beside the partial sums, inside the 48 KiB a CTA may declare).
+bool gemv_norm_fits(int64_t k, int64_t rows) { return (gemv_max_rows(rows) + 1) * k <= 20480; }
 
 // y = x · wᵀ (or silu(gate) × up with `silu`, w = [gate | up] rows) for at most 8 rows of x.
 // With `norm_w_`, x is a residual and the product's input is rms_norm(x (+ delta)) × norm_w;

@@ -89,14 +89,13 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_GEMV_ROWS", values: Values::OneOf(&[1, 2, 4]), default: "4", what: "GEMV kernel, bf16 products without SiLU or a fused norm (o and down projections): output rows per warp" },
     Knob { name: "MANTA_GEMV_NORM_ROWS", values: Values::OneOf(&[1, 2, 4]), default: "by shape", what: "GEMV kernel, bf16 products with a fused norm and no SiLU (the qkv projection): output rows per warp" },
     Knob { name: "MANTA_GEMV_SILU_ROWS", values: Values::OneOf(&[1, 2, 4]), default: "1", what: "GEMV kernel, the gate/up product with SiLU: output rows per warp (each a gate and an up row)" },
-    Knob { name: "MANTA_GEMV_ROLL", values: Values::Flag, default: "on", what: "GEMV kernel: reload each step's weight registers as soon as they are used, so the same number of loads stays in flight to the end (off: load a batch, use it, load the next)" },
     Knob { name: "MANTA_GEMV_DEPTH", values: Values::OneOf(&[8, 16, 24, 32]), default: "8", what: "GEMV kernel: 16-byte weight loads in flight per lane" },
     Knob { name: "MANTA_GEMV_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "4", what: "GEMV kernel: warps per CTA" },
     Knob { name: "MANTA_GEMV_NORM_WARPS", values: Values::OneOf(&[2, 4, 8, 16]), default: "8", what: "GEMV kernel with a fused norm: warps per CTA" },
 ];
 
 /// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
-pub const KERNEL_KNOBS: [&str; 18] = [
+pub const KERNEL_KNOBS: [&str; 17] = [
     "MANTA_PDL",
     "MANTA_PAGED_CTAS_PER_SM",
     "MANTA_PAGED_LANES",
@@ -113,12 +112,11 @@ pub const KERNEL_KNOBS: [&str; 18] = [
     "MANTA_GEMV_NORM_KSPLIT",
     "MANTA_GEMV_NORM_ROWS",
     "MANTA_GEMV_SILU_ROWS",
-    "MANTA_GEMV_ROLL",
     "MANTA_GEMV_DEPTH",
 ];
 
 /// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
-pub fn kernel_values() -> [i64; 18] {
+pub fn kernel_values() -> [i64; 17] {
     KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
 }
 
