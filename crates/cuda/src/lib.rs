@@ -236,7 +236,9 @@ pub fn rope_table(positions: &Tensor, inv_freq: &Tensor) -> Result<Tensor, CudaE
 /// `qk_norm` weights are given), the rotary embedding (rotate-half layout, from `rope`,
 /// the batch's [`rope_table`]), keys and values stored in their cache `slots`, queries
 /// written to `q_out` [N, heads, head_dim]. `qkv` holds each token's projected
-/// [heads | kv_heads | kv_heads] × head_dim (bf16).
+/// [heads | kv_heads | kv_heads] × head_dim (bf16). `slots` is read before the wait on the
+/// kernel launched before, so it must be written before the forward's first plain launch
+/// (a host copy, as the engine's inputs are), not by a dependent kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope_store(
     qkv: &Tensor,
