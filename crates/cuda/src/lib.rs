@@ -64,6 +64,33 @@ extern "C" {
         block_size: c_int,
         scale: f32,
     ) -> c_int;
+    fn manta_paged_fuses_qk(
+        device: c_int,
+        batch: i64,
+        kv_heads: i64,
+        head_dim: i64,
+        max_ctx: i64,
+        fuses: *mut c_int,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn manta_paged_decode_attention_qk(
+        source: *const c_char,
+        fused_source: *const c_char,
+        qkv: *mut c_void,
+        q_w: *mut c_void,
+        k_w: *mut c_void,
+        rope: *mut c_void,
+        slots: *mut c_void,
+        eps: f32,
+        k_pool: *mut c_void,
+        v_pool: *mut c_void,
+        tables: *mut c_void,
+        lens: *mut c_void,
+        counters: *mut c_void,
+        out: *mut c_void,
+        block_size: c_int,
+        scale: f32,
+    ) -> c_int;
 }
 
 extern "C" {
@@ -391,6 +418,90 @@ pub fn paged_decode_attention(
             scale as f32,
         )
     })
+}
+
+/// The q/k/v projection's rows of a decode-only batch, with what [`qk_norm_rope_store`]
+/// takes beside them, for [`paged_decode_attention_qk`].
+pub struct QkRows<'a> {
+    /// [B, (heads + 2 kv_heads) × head_dim] bf16, contiguous.
+    pub qkv: &'a Tensor,
+    /// Qwen3's q_norm and k_norm weights, where the model has them.
+    pub norms: Option<(&'a Tensor, &'a Tensor)>,
+    /// [B, head_dim]: the batch's [`rope_table`].
+    pub rope: &'a Tensor,
+    /// [B] int64: the slot of each row's new key and value. Read before the wait on the
+    /// kernel launched before, so written before the forward's first plain launch.
+    pub slots: &'a Tensor,
+    /// The norms' epsilon.
+    pub eps: f64,
+}
+
+/// [`qk_norm_rope_store`] then [`paged_decode_attention`] for a decode-only batch, in one
+/// kernel where the context is split (the lane-group kernel: small batches), which saves a
+/// launch per layer with the same bits; elsewhere the two kernels (`MANTA_PAGED_FUSED_QK=0`:
+/// always). `out` is [B, heads, head_dim].
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_qk(
+    rows: QkRows<'_>,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    tables: &Tensor,
+    lens: &Tensor,
+    counters: Option<&Tensor>,
+    out: &mut Tensor,
+    block_size: usize,
+    scale: f64,
+) -> Result<(), CudaError> {
+    sync_kernel_knobs();
+    let (q_w, k_w) = rows.norms.unzip();
+    // SAFETY: the pointers are live at::Tensor handles for the duration of the call; the
+    // shim checks shapes, dtypes and devices before touching their data.
+    check(unsafe {
+        manta_paged_decode_attention_qk(
+            PAGED_ATTENTION_SOURCE.as_ptr() as *const c_char,
+            FUSED_OPS_SOURCE.as_ptr() as *const c_char,
+            rows.qkv.as_ptr() as *mut c_void,
+            opt_ptr(q_w),
+            opt_ptr(k_w),
+            rows.rope.as_ptr() as *mut c_void,
+            rows.slots.as_ptr() as *mut c_void,
+            rows.eps as f32,
+            k_pool.as_ptr() as *mut c_void,
+            v_pool.as_ptr() as *mut c_void,
+            tables.as_ptr() as *mut c_void,
+            lens.as_ptr() as *mut c_void,
+            opt_ptr(counters),
+            out.as_mut_ptr() as *mut c_void,
+            block_size as c_int,
+            scale as f32,
+        )
+    })
+}
+
+/// Whether [`paged_decode_attention_qk`] runs as one kernel on GPU `device` for `batch`
+/// sequences whose block tables cover `max_context` tokens (rows 16-byte aligned, as fresh
+/// tensors are).
+pub fn paged_decode_fuses_qk(
+    device: usize,
+    batch: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    max_context: usize,
+) -> Result<bool, CudaError> {
+    sync_kernel_knobs();
+    let mut fuses: c_int = 0;
+    // SAFETY: plain values and a pointer to a local the shim writes once.
+    check(unsafe {
+        manta_paged_fuses_qk(
+            device as c_int,
+            batch as i64,
+            kv_heads as i64,
+            head_dim as i64,
+            max_context as i64,
+            &mut fuses,
+        )
+    })?;
+    Ok(fuses != 0)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -817,6 +928,137 @@ mod tests {
             if let Err(e) = decode_kernels_compile(shape, 90) {
                 panic!("{shape:?}: {e}");
             }
+        }
+    }
+
+    /// The attention kernel doing qk_norm_rope_store's work gives the two kernels' outputs
+    /// and cache contents bit for bit: small batches (split contexts: one fused kernel) and
+    /// one that fills the GPU (the tensor-core kernel, after qk_norm_rope_store).
+    #[ignore = "needs a CUDA device: bench/run_gpu_tests.sh runs it"]
+    #[test]
+    fn fused_qk_attention_matches_the_two_kernels() {
+        let Some(gpu) = crate::test_gpu() else {
+            eprintln!("skipped: no CUDA device (the device machine runs this)");
+            return;
+        };
+        let _serial = crate::gpu_test_lock();
+        let dev = Device::Cuda(gpu);
+        let bf = (Kind::BFloat16, dev);
+        tch::manual_seed(11);
+        let (bs, max_blocks, eps) = (16i64, 48i64, 1e-6);
+        let few = vec![1i64, 17, 200, 333, 640];
+        let many: Vec<i64> = (0..40).map(|i| 1 + (i * 97) % 384).collect();
+        let shapes = [
+            (16i64, 8i64, 128i64, true),
+            (32, 8, 128, true),
+            (32, 8, 128, false),
+            (8, 8, 64, true),
+        ];
+        for ((nh, nkv, hd, norm), lens_v) in shapes
+            .into_iter()
+            .flat_map(|s| [(s, few.clone()), (s, many.clone())])
+        {
+            let b = lens_v.len() as i64;
+            let what = format!("heads {nh}/{nkv}, head_dim {hd}, norm {norm}, batch {b}");
+            let fuses = paged_decode_fuses_qk(
+                gpu,
+                b as usize,
+                nkv as usize,
+                hd as usize,
+                (max_blocks * bs) as usize,
+            )
+            .expect("plan");
+            // Few rows split their contexts (fused); forty fill the GPU unsplit.
+            assert_eq!(fuses, b < 8, "{what}: fused");
+            // Every row its own blocks, so no row's new key lands in another's context.
+            let blocks = 1024i64;
+            let perm: Vec<i64> =
+                Vec::try_from(&Tensor::randperm(blocks, (Kind::Int64, Device::Cpu))).unwrap();
+            let mut table_v = vec![0i32; (b * max_blocks) as usize];
+            let mut next = 0usize;
+            for (row, &len) in lens_v.iter().enumerate() {
+                for j in 0..(len + bs - 1) / bs {
+                    table_v[row * max_blocks as usize + j as usize] = perm[next] as i32;
+                    next += 1;
+                }
+            }
+            let newest: Vec<i64> = lens_v
+                .iter()
+                .enumerate()
+                .map(|(row, &len)| {
+                    table_v[row * max_blocks as usize + ((len - 1) / bs) as usize] as i64 * bs
+                        + (len - 1) % bs
+                })
+                .collect();
+            let tables = Tensor::from_slice(&table_v).view([b, max_blocks]).to(dev);
+            let lens32: Vec<i32> = lens_v.iter().map(|&l| l as i32).collect();
+            let lens = Tensor::from_slice(&lens32).to(dev);
+            let slots = Tensor::from_slice(&newest).to(dev);
+            let positions = Tensor::from_slice(&lens_v).to(dev) - 1;
+            let inv_freq = Tensor::pow_scalar(
+                1_000_000f64,
+                &(Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64),
+            )
+            .reciprocal();
+            let rope = rope_table(&positions, &inv_freq).unwrap();
+            let qkv = Tensor::randn([b, (nh + 2 * nkv) * hd], bf) * 3.0;
+            let (qw, kw) = (Tensor::rand([hd], bf) + 0.5, Tensor::rand([hd], bf) + 0.5);
+            let norms = norm.then_some((&qw, &kw));
+            let kp = Tensor::randn([blocks * bs, nkv, hd], bf);
+            let vp = Tensor::randn([blocks * bs, nkv, hd], bf);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let counters = Tensor::zeros([b * nkv], (Kind::Int, dev));
+            // The two kernels.
+            let (kp_two, vp_two) = (kp.copy(), vp.copy());
+            let mut q = Tensor::empty([b, nh, hd], bf);
+            qk_norm_rope_store(&qkv, norms, &rope, &slots, &kp_two, &vp_two, &mut q, eps).unwrap();
+            let mut want = Tensor::empty([b, nh, hd], bf);
+            paged_decode_attention(
+                &q,
+                &kp_two,
+                &vp_two,
+                &tables,
+                &lens,
+                Some(&counters),
+                &mut want,
+                bs as usize,
+                scale,
+            )
+            .unwrap();
+            // One call, twice (the counters must come back to zero).
+            let (kp_one, vp_one) = (kp.copy(), vp.copy());
+            for pass in 0..2 {
+                let mut got = Tensor::empty([b, nh, hd], bf);
+                let rows = QkRows {
+                    qkv: &qkv,
+                    norms,
+                    rope: &rope,
+                    slots: &slots,
+                    eps,
+                };
+                paged_decode_attention_qk(
+                    rows,
+                    &kp_one,
+                    &vp_one,
+                    &tables,
+                    &lens,
+                    Some(&counters),
+                    &mut got,
+                    bs as usize,
+                    scale,
+                )
+                .unwrap();
+                assert!(got.equal(&want), "{what}, pass {pass}: outputs differ");
+            }
+            assert!(kp_one.equal(&kp_two), "{what}: key pools differ");
+            assert!(vp_one.equal(&vp_two), "{what}: value pools differ");
+            // The new keys are in the pool (the test would pass if neither path stored them).
+            assert!(!kp_one.equal(&kp), "{what}: no key stored");
+            assert_eq!(
+                counters.abs().sum(Kind::Int64).int64_value(&[]),
+                0,
+                "{what}: counters reset"
+            );
         }
     }
 
