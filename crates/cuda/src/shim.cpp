@@ -179,9 +179,9 @@ CUfunction kernel(const char* source, const std::string& defines, const char* na
 enum KnobId {
   kPdl, kPagedCtasPerSm, kPagedLanes, kPagedTt, kPagedWarps, kPagedMma, kPagedPdl, kSmallVec, kDecodeLt,
   kGemvKsplit, kGemvWarps, kGemvNormWarps, kGemvRows, kGemvNormKsplit, kGemvNormRows, kGemvSiluRows,
-  kGemvDepth, kPagedFusedQk, kKnobCount
+  kGemvDepth, kKnobCount
 };
-std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::atomic<int64_t> g_knobs[kKnobCount] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 int64_t knob_or(KnobId id, int64_t fallback) {
   const int64_t v = g_knobs[id].load(std::memory_order_relaxed);
   return v < 0 ? fallback : v;
@@ -291,13 +291,6 @@ bool paged_pdl(bool mma) { return knob_or(kPagedPdl, mma ? 0 : 1) == 1; }
 std::string paged_mma_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t block_size) {
   return define("HD", hd) + define("REP", rep) + define("NKV", nkv) + define("WARPS", kPagedMmaWarps) +
          define("MMA", 1) + define("BLOCK", block_size);
-}
-// The lane-group kernel that also does qk_norm_rope_store's work (FUSED_QK), for
-// decode-only batches: one launch fewer per layer. MANTA_PAGED_FUSED_QK=0 keeps the two
-// kernels (A/B runs).
-bool paged_fused_qk() { return knob_or(kPagedFusedQk, 1) == 1; }
-std::string paged_fused_defines(int64_t hd, int64_t rep, int64_t nkv, int64_t lanes, int64_t block_size, bool norm) {
-  return paged_defines(hd, rep, nkv, lanes, block_size) + define("FUSED_QK", 1) + define("QK_NORM", norm ? 1 : 0);
 }
 
 // Whether every pointer is 16-byte aligned: the small kernels then move 8 bf16 per access
@@ -847,239 +840,87 @@ void manta_graph_free(void* g) {
 }
 
 
-}  // extern "C"
-
-#ifdef MANTA_WITH_CUDA
-namespace {
-
-// Qwen3's per-head RMS norm of queries and keys (when `q_w_` and `k_w_` are given), the
-// rotary embedding from `rope`, keys and values into their cache `slots`, queries into
-// `q_out` (fused_ops.cu.inc, `source`).
-void qk_norm_rope_store(const char* source, const at::Tensor& qkv, void* q_w_, void* k_w_, const at::Tensor& rope,
-                        const at::Tensor& slots, const at::Tensor& kp, const at::Tensor& vp, at::Tensor& q_out,
-                        float eps) {
-  check_bf16(qkv, "qkv");
-  check_bf16(rope, "the rotary table");
-  check_bf16(kp, "the key pool");
-  check_bf16(vp, "the value pool");
-  check_bf16(q_out, "q_out");
-  const bool norm = q_w_ != nullptr && k_w_ != nullptr;
-  if (norm) {
-    check_bf16(tensor(q_w_), "q_norm weight");
-    check_bf16(tensor(k_w_), "k_norm weight");
-  }
-  TORCH_CHECK(kp.dim() == 3 && vp.sizes() == kp.sizes(), "pools must be [slots, kv_heads, head_dim]");
-  TORCH_CHECK(q_out.dim() == 3, "q_out must be [N, heads, head_dim]");
-  const int64_t n = q_out.size(0), nh = q_out.size(1), hd = q_out.size(2), nkv = kp.size(1);
-  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "head_dim must be 64, 128 or 256");
-  TORCH_CHECK(kp.size(2) == hd && qkv.numel() == n * (nh + 2 * nkv) * hd, "qkv must hold N x (heads + 2 kv_heads) x head_dim");
-  TORCH_CHECK(rope.dim() == 2 && rope.size(0) == n && rope.size(1) == hd,
-              "the rotary table must be [N, head_dim] (rope_table)");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
-              "slots must be int64 [N]");
-  if (n == 0) return;
-  const int device = qkv.get_device();
-  const void* a = qkv.data_ptr();
-  const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
-  const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
-  const void* rp = rope.data_ptr();
-  const void* sp = slots.data_ptr();
-  void* kpp = kp.data_ptr();
-  void* vpp = vp.data_ptr();
-  void* qo = q_out.data_ptr();
-  // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
-  const int64_t vec = aligned16({a, rp, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
-  const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
-  void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &eps};
-  const int64_t heads = nh + 2 * nkv;
-  launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
-         static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
-}
-
-// How paged_decode_attention runs for a batch of `batch` sequences whose block tables cover
-// `max_ctx` tokens: context splits, each `chunk` tokens, the tensor-core kernel or the
-// lane-group one, and whether the latter does qk_norm_rope_store's work (FUSED_QK).
-struct PagedPlan {
-  int64_t splits;
-  int chunk;
-  bool mma;
-  bool fuses_qk;
-};
-PagedPlan paged_plan(int device, int64_t batch, int64_t nkv, int64_t hd, int64_t max_ctx) {
-  // Small batches: enough CTAs to fill every SM about four times over (several CTAs stay
-  // resident per SM), each split at least 32 tokens long, at most 64 splits (the merge's
-  // width). Batches of two or more CTAs per SM alone: no split.
-  const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
-  const int64_t ctas = nkv * batch;
-  const int64_t target = paged_ctas_per_sm(ctas, sms) * sms;
-  const int64_t splits =
-      std::max<int64_t>(1, std::min<int64_t>({(target + ctas - 1) / ctas, (max_ctx + 31) / 32, 64}));
-  const bool mma = paged_mma(hd, splits);
-  return {splits, static_cast<int>((max_ctx + splits - 1) / splits), mma, !mma && paged_fused_qk()};
-}
-
-// The q/k/v side of paged_decode_attention with `q` not yet made: the projection's rows and
-// what qk_norm_rope_store takes (its kernel source, for the launches that keep it apart).
-struct QkInputs {
-  const char* fused_source;
-  const at::Tensor& qkv;
-  void* q_w;
-  void* k_w;
-  const at::Tensor& rope;
-  const at::Tensor& slots;
-  float eps;
-};
-
-// Paged decode attention (paged_attention.cu.inc, `source`) of the queries `q` [B, heads,
-// head_dim], or with `qk` of the q/k/v rows: then the lane-group kernel normalises, rotates
-// and stores them itself (FUSED_QK), and where the tensor-core kernel runs instead,
-// qk_norm_rope_store runs first. The context is split so that small batches still fill the
-// GPU; with more than one split the last CTA of each (sequence, kv head) merges the
-// partial softmaxes when `counters_` (int32 zeros, reset by the kernel) is given, else a
-// second kernel does.
-void paged_decode_attention(const char* source, const at::Tensor* q_in, const QkInputs* qk, const at::Tensor& kp,
-                            const at::Tensor& vp, const at::Tensor& tables, const at::Tensor& lens, void* counters_,
-                            at::Tensor& out, int block_size, float scale) {
-  check_bf16(kp, "the key pool");
-  check_bf16(vp, "the value pool");
-  check_bf16(out, "out");
-  TORCH_CHECK(out.dim() == 3 && kp.dim() == 3 && vp.sizes() == kp.sizes(),
-              "out must be [B, heads, head_dim], pools [slots, kv_heads, head_dim]");
-  const int64_t hd = out.size(2), nkv = kp.size(1), nh = out.size(1), batch = out.size(0);
-  if (q_in != nullptr) {
-    check_bf16(*q_in, "q");
-    TORCH_CHECK(q_in->sizes() == out.sizes(), "out must be like q");
-  } else {
-    check_bf16(qk->qkv, "qkv");
-    check_bf16(qk->rope, "the rotary table");
-    TORCH_CHECK(qk->qkv.is_contiguous() && qk->qkv.numel() == batch * (nh + 2 * nkv) * hd,
-                "qkv must be contiguous B x (heads + 2 kv_heads) x head_dim");
-    TORCH_CHECK(qk->rope.dim() == 2 && qk->rope.size(0) == batch && qk->rope.size(1) == hd && qk->rope.is_contiguous(),
-                "the rotary table must be [B, head_dim] (rope_table)");
-    TORCH_CHECK(qk->slots.scalar_type() == at::kLong && qk->slots.is_contiguous() && qk->slots.numel() == batch,
-                "slots must be int64 [B]");
-    if (qk->q_w != nullptr) {
-      check_bf16(tensor(qk->q_w), "q_norm weight");
-      check_bf16(tensor(qk->k_w), "k_norm weight");
-    }
-  }
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous() &&
-                  tables.size(0) == batch,
-              "block tables must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == batch,
-              "lengths must be int32 [B]");
-  TORCH_CHECK(kp.size(2) == hd && (hd == 64 || hd == 128 || hd == 256), "head_dim must be 64, 128 or 256");
-  TORCH_CHECK(nh % nkv == 0 && nh / nkv <= 8, "query heads per kv head must be at most 8");
-  if (batch == 0) return;
-  const int64_t rep = nh / nkv;
-  void* cp = nullptr;
-  if (counters_ != nullptr) {
-    const at::Tensor& counters = tensor(counters_);
-    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.is_contiguous() &&
-                    counters.numel() >= batch * nkv,
-                "counters must be contiguous int32 zeros, at least batch x kv_heads of them");
-    cp = counters.data_ptr();
-  }
-  const int device = out.get_device();
-  const int64_t lanes = paged_lanes(hd);
-  TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
-  int max_blocks = static_cast<int>(tables.size(1));
-  const PagedPlan plan = paged_plan(device, batch, nkv, hd, static_cast<int64_t>(max_blocks) * block_size);
-  const int64_t splits = plan.splits;
-  int chunk = plan.chunk;
-  int splits_i = static_cast<int>(splits);
-  const bool mma = plan.mma;
-  // Fused where the lane-group kernel runs and every row it reads 16 bytes of is aligned.
-  const bool fuse = qk != nullptr && plan.fuses_qk &&
-                    aligned16({qk->qkv.data_ptr(), qk->rope.data_ptr(), kp.data_ptr(), vp.data_ptr()});
-  at::Tensor q_made;
-  if (qk != nullptr && !fuse) {
-    q_made = at::empty({batch, nh, hd}, out.options());
-    qk_norm_rope_store(qk->fused_source, qk->qkv, qk->q_w, qk->k_w, qk->rope, qk->slots, kp, vp, q_made, qk->eps);
-  }
-  const at::Tensor& q = fuse ? qk->qkv : q_in != nullptr ? *q_in : q_made;
-  const std::string defines = mma    ? paged_mma_defines(hd, rep, nkv, block_size)
-                              : fuse ? paged_fused_defines(hd, rep, nkv, lanes, block_size, qk->q_w != nullptr)
-                                     : paged_defines(hd, rep, nkv, lanes, block_size);
-  const int64_t warps = mma ? kPagedMmaWarps : paged_warps(hd, rep, lanes);
-  at::Tensor part_acc, part_ml;
-  if (splits > 1) {
-    part_acc = at::empty({batch, nh, splits, hd}, out.options().dtype(at::kFloat));
-    part_ml = at::empty({batch, nh, splits, 2}, out.options().dtype(at::kFloat));
-  }
-  const void* qp = q.data_ptr();
-  const void* kpp = kp.data_ptr();
-  const void* vpp = vp.data_ptr();
-  const void* tp = tables.data_ptr();
-  const void* lp = lens.data_ptr();
-  void* op = out.data_ptr();
-  void* pa = splits > 1 ? part_acc.data_ptr() : nullptr;
-  void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
-  const void* qw = fuse && qk->q_w != nullptr ? tensor(qk->q_w).data_ptr() : nullptr;
-  const void* kw = fuse && qk->k_w != nullptr ? tensor(qk->k_w).data_ptr() : nullptr;
-  const void* rp = fuse ? qk->rope.data_ptr() : nullptr;
-  const void* sp = fuse ? qk->slots.data_ptr() : nullptr;
-  float eps = fuse ? qk->eps : 0.f;
-  void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &scale, &chunk, &splits_i,
-                  &qw, &kw, &rp, &sp, &eps};
-  launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
-         static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(warps * 32), args,
-         paged_pdl(mma));
-  if (splits > 1 && cp == nullptr) {
-    const void* pac = pa;
-    const void* pmc = pm;
-    void* combine_args[] = {&pac, &pmc, &lp, &op, &chunk, &splits_i};
-    launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
-           static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args, true);
-  }
-}
-
-}  // namespace
-#endif
-
-extern "C" {
-
-// Paged decode attention of the queries `q_` [B, heads, head_dim] (see paged_decode_attention).
+// Paged decode attention (paged_attention.cu.inc, passed in as `source`). The context is
+// split so that small batches still fill the GPU; with more than one split the last CTA of
+// each (sequence, kv head) merges the partial softmaxes when `counters_` (int32 zeros, reset
+// by the kernel) is given, else a second kernel does. NVRTC and the driver are dlopen'ed: nothing links them.
 int manta_paged_decode_attention(const char* source, void* q_, void* kp_, void* vp_, void* tables_, void* lens_,
                                  void* counters_, void* out_, int block_size, float scale) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    paged_decode_attention(source, &tensor(q_), nullptr, tensor(kp_), tensor(vp_), tensor(tables_), tensor(lens_),
-                           counters_, *static_cast<at::Tensor*>(out_), block_size, scale);
-  });
-#else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
-
-// Whether manta_paged_decode_attention_qk runs one kernel (FUSED_QK) for this shape on
-// `device`, rows aligned: 1 or 0 into `fuses`.
-int manta_paged_fuses_qk(int device, int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t max_ctx, int* fuses) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] {
-    TORCH_CHECK(device >= 0 && batch > 0 && kv_heads > 0 && max_ctx > 0, "device, batch, kv_heads and max_ctx must be positive");
-    *fuses = paged_plan(device, batch, kv_heads, head_dim, max_ctx).fuses_qk ? 1 : 0;
-  });
-#else
-  last_error() = "built without CUDA";
-  return 1;
-#endif
-}
-
-// Paged decode attention from the q/k/v projection's rows `qkv_` [B, (heads + 2 kv_heads)
-// × head_dim] of a decode-only batch: qk_norm_rope_store's work (norms when `q_w_` and
-// `k_w_` are given, rotary from `rope_`, keys and values into `slots_`) and the attention,
-// in one launch where the lane-group kernel runs (see paged_decode_attention).
-int manta_paged_decode_attention_qk(const char* source, const char* fused_source, void* qkv_, void* q_w_, void* k_w_,
-                                    void* rope_, void* slots_, float eps, void* kp_, void* vp_, void* tables_,
-                                    void* lens_, void* counters_, void* out_, int block_size, float scale) {
-#ifdef MANTA_WITH_CUDA
-  return guarded([&] {
-    TORCH_CHECK((q_w_ == nullptr) == (k_w_ == nullptr), "q_norm and k_norm weights come together");
-    const QkInputs qk{fused_source, tensor(qkv_), q_w_, k_w_, tensor(rope_), tensor(slots_), eps};
-    paged_decode_attention(source, nullptr, &qk, tensor(kp_), tensor(vp_), tensor(tables_), tensor(lens_), counters_,
-                           *static_cast<at::Tensor*>(out_), block_size, scale);
+    const at::Tensor& q = tensor(q_);
+    const at::Tensor& kp = tensor(kp_);
+    const at::Tensor& vp = tensor(vp_);
+    const at::Tensor& tables = tensor(tables_);
+    const at::Tensor& lens = tensor(lens_);
+    at::Tensor& out = *static_cast<at::Tensor*>(out_);
+    check_bf16(q, "q");
+    check_bf16(kp, "the key pool");
+    check_bf16(vp, "the value pool");
+    check_bf16(out, "out");
+    TORCH_CHECK(q.dim() == 3 && kp.dim() == 3 && vp.sizes() == kp.sizes(),
+                "q must be [B, heads, head_dim], pools [slots, kv_heads, head_dim]");
+    TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous() &&
+                    tables.size(0) == q.size(0),
+                "block tables must be contiguous int32 [B, max_blocks]");
+    TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0),
+                "lengths must be int32 [B]");
+    TORCH_CHECK(out.sizes() == q.sizes(), "out must be like q");
+    const int64_t hd = q.size(2), nkv = kp.size(1), nh = q.size(1), batch = q.size(0);
+    TORCH_CHECK(kp.size(2) == hd && (hd == 64 || hd == 128 || hd == 256), "head_dim must be 64, 128 or 256");
+    TORCH_CHECK(nh % nkv == 0 && nh / nkv <= 8, "query heads per kv head must be at most 8");
+    if (batch == 0) return;
+    const int64_t rep = nh / nkv;
+    void* cp = nullptr;
+    if (counters_ != nullptr) {
+      const at::Tensor& counters = tensor(counters_);
+      TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.is_contiguous() &&
+                      counters.numel() >= batch * nkv,
+                  "counters must be contiguous int32 zeros, at least batch x kv_heads of them");
+      cp = counters.data_ptr();
+    }
+    const int device = q.get_device();
+    const int64_t lanes = paged_lanes(hd);
+    TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+    int max_blocks = static_cast<int>(tables.size(1));
+    const int64_t max_ctx = static_cast<int64_t>(max_blocks) * block_size;
+    // Small batches: enough CTAs to fill every SM about four times over (several CTAs stay
+    // resident per SM), each split at least 32 tokens long, at most 64 splits (the merge's
+    // width). Batches of two or more CTAs per SM alone: no split.
+    const int64_t sms = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device))->multiProcessorCount;
+    const int64_t ctas = nkv * batch;
+    const int64_t target = paged_ctas_per_sm(ctas, sms) * sms;
+    int64_t splits = std::max<int64_t>(1, std::min<int64_t>({(target + ctas - 1) / ctas, (max_ctx + 31) / 32, 64}));
+    int chunk = static_cast<int>((max_ctx + splits - 1) / splits);
+    int splits_i = static_cast<int>(splits);
+    const bool mma = paged_mma(hd, splits);
+    const std::string defines =
+        mma ? paged_mma_defines(hd, rep, nkv, block_size) : paged_defines(hd, rep, nkv, lanes, block_size);
+    const int64_t warps = mma ? kPagedMmaWarps : paged_warps(hd, rep, lanes);
+    at::Tensor part_acc, part_ml;
+    if (splits > 1) {
+      part_acc = at::empty({batch, nh, splits, hd}, q.options().dtype(at::kFloat));
+      part_ml = at::empty({batch, nh, splits, 2}, q.options().dtype(at::kFloat));
+    }
+    const void* qp = q.data_ptr();
+    const void* kpp = kp.data_ptr();
+    const void* vpp = vp.data_ptr();
+    const void* tp = tables.data_ptr();
+    const void* lp = lens.data_ptr();
+    void* op = out.data_ptr();
+    void* pa = splits > 1 ? part_acc.data_ptr() : nullptr;
+    void* pm = splits > 1 ? part_ml.data_ptr() : nullptr;
+    void* args[] = {&qp, &kpp, &vpp, &tp, &lp, &op, &pa, &pm, &cp, &max_blocks, &scale, &chunk, &splits_i};
+    launch(kernel(source, defines, "paged_decode_attention", device), device, static_cast<unsigned>(nkv),
+           static_cast<unsigned>(batch), static_cast<unsigned>(splits),
+           static_cast<unsigned>(warps * 32), args, paged_pdl(mma));
+    if (splits > 1 && cp == nullptr) {
+      const void* pac = pa;
+      const void* pmc = pm;
+      void* combine_args[] = {&pac, &pmc, &lp, &op, &chunk, &splits_i};
+      launch(kernel(source, defines, "paged_decode_combine", device), device, static_cast<unsigned>(batch),
+             static_cast<unsigned>(nh), 1, static_cast<unsigned>(hd), combine_args, true);
+    }
   });
 #else
   last_error() = "built without CUDA";
@@ -1203,8 +1044,48 @@ int manta_qk_norm_rope_store(const char* source, void* qkv_, void* q_w_, void* k
                              void* kp_, void* vp_, void* q_out_, float eps) {
 #ifdef MANTA_WITH_CUDA
   return guarded([&] {
-    qk_norm_rope_store(source, tensor(qkv_), q_w_, k_w_, tensor(rope_), tensor(slots_), tensor(kp_), tensor(vp_),
-                       *static_cast<at::Tensor*>(q_out_), eps);
+    const at::Tensor& qkv = tensor(qkv_);
+    const at::Tensor& rope = tensor(rope_);
+    const at::Tensor& slots = tensor(slots_);
+    const at::Tensor& kp = tensor(kp_);
+    const at::Tensor& vp = tensor(vp_);
+    at::Tensor& q_out = *static_cast<at::Tensor*>(q_out_);
+    check_bf16(qkv, "qkv");
+    check_bf16(rope, "the rotary table");
+    check_bf16(kp, "the key pool");
+    check_bf16(vp, "the value pool");
+    check_bf16(q_out, "q_out");
+    const bool norm = q_w_ != nullptr && k_w_ != nullptr;
+    if (norm) {
+      check_bf16(tensor(q_w_), "q_norm weight");
+      check_bf16(tensor(k_w_), "k_norm weight");
+    }
+    TORCH_CHECK(kp.dim() == 3 && vp.sizes() == kp.sizes(), "pools must be [slots, kv_heads, head_dim]");
+    TORCH_CHECK(q_out.dim() == 3, "q_out must be [N, heads, head_dim]");
+    const int64_t n = q_out.size(0), nh = q_out.size(1), hd = q_out.size(2), nkv = kp.size(1);
+    TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "head_dim must be 64, 128 or 256");
+    TORCH_CHECK(kp.size(2) == hd && qkv.numel() == n * (nh + 2 * nkv) * hd, "qkv must hold N x (heads + 2 kv_heads) x head_dim");
+    TORCH_CHECK(rope.dim() == 2 && rope.size(0) == n && rope.size(1) == hd,
+                "the rotary table must be [N, head_dim] (rope_table)");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
+                "slots must be int64 [N]");
+    if (n == 0) return;
+    const int device = qkv.get_device();
+    const void* a = qkv.data_ptr();
+    const void* qw = norm ? tensor(q_w_).data_ptr() : nullptr;
+    const void* kw = norm ? tensor(k_w_).data_ptr() : nullptr;
+    const void* rp = rope.data_ptr();
+    const void* sp = slots.data_ptr();
+    void* kpp = kp.data_ptr();
+    void* vpp = vp.data_ptr();
+    void* qo = q_out.data_ptr();
+    // A lane's HD / 32 elements in one access where every row starts 16-byte aligned.
+    const int64_t vec = aligned16({a, rp, kpp, vpp, qo}) && small_kernel_wide() ? hd / 32 : 1;
+    const std::string defines = qk_norm_rope_defines(hd, nh, nkv, norm, vec);
+    void* args[] = {&a, &qw, &kw, &rp, &sp, &kpp, &vpp, &qo, &eps};
+    const int64_t heads = nh + 2 * nkv;
+    launch(kernel(source, defines, "qk_norm_rope_store", device), device, static_cast<unsigned>(n),
+           static_cast<unsigned>((heads + 7) / 8), 1, 256, args, true);
   });
 #else
   last_error() = "built without CUDA";
@@ -1689,9 +1570,6 @@ int manta_decode_kernels_compile_check(const char* paged_source, const char* fus
       compile_kernels(paged_source, paged_defines(head_dim, heads / kv_heads, kv_heads, lanes, 16), arch);
     if (head_dim == 64 || head_dim == 128)
       compile_kernels(paged_source, paged_mma_defines(head_dim, heads / kv_heads, kv_heads, 16), arch);
-    compile_kernels(paged_source,
-                    paged_fused_defines(head_dim, heads / kv_heads, kv_heads, paged_lanes(head_dim), 16, qk_norm != 0),
-                    arch);
     // The small kernels with wide and with scalar accesses (the latter for unaligned rows).
     for (int64_t aligned : {1, 0}) {
       compile_kernels(fused_source,

@@ -81,7 +81,6 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_PAGED_TT", values: Values::OneOf(&[1, 2, 4, 8]), default: "4 or 2 by lanes", what: "paged attention: tokens per lane group per step" },
     Knob { name: "MANTA_PAGED_WARPS", values: Values::OneOf(&[2, 4, 8]), default: "as many as shared memory allows", what: "paged attention: warps per CTA" },
     Knob { name: "MANTA_PAGED_MMA", values: Values::Flag, default: "on", what: "paged attention: the tensor-core kernel where it applies" },
-    Knob { name: "MANTA_PAGED_FUSED_QK", values: Values::Flag, default: "on", what: "paged attention where the context is split (small batches): the q/k norm, rotary embedding and cache store done by the attention kernel (off: a kernel of their own before it)" },
     Knob { name: "MANTA_PAGED_PDL", values: Values::Flag, default: "off for the tensor-core kernel, else on", what: "paged attention: launch as a programmatic dependent" },
     Knob { name: "MANTA_SMALL_VEC", values: Values::Flag, default: "on", what: "small fused kernels: 8 bf16 per access where aligned" },
     Knob { name: "MANTA_DECODE_LT", values: Values::Flag, default: "on", what: "decode projections through cuBLASLt" },
@@ -96,7 +95,7 @@ pub const KNOBS: &[Knob] = &[
 ];
 
 /// The knobs the CUDA shim reads, in the order of its `KnobId` (crates/cuda/src/shim.cpp).
-pub const KERNEL_KNOBS: [&str; 18] = [
+pub const KERNEL_KNOBS: [&str; 17] = [
     "MANTA_PDL",
     "MANTA_PAGED_CTAS_PER_SM",
     "MANTA_PAGED_LANES",
@@ -114,11 +113,10 @@ pub const KERNEL_KNOBS: [&str; 18] = [
     "MANTA_GEMV_NORM_ROWS",
     "MANTA_GEMV_SILU_ROWS",
     "MANTA_GEMV_DEPTH",
-    "MANTA_PAGED_FUSED_QK",
 ];
 
 /// [`KERNEL_KNOBS`]' values now, -1 where unset (the kernel's default applies).
-pub fn kernel_values() -> [i64; 18] {
+pub fn kernel_values() -> [i64; 17] {
     KERNEL_KNOBS.map(|name| value(name).unwrap_or(-1))
 }
 

@@ -301,46 +301,6 @@ impl SelfAttention {
         );
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
         let eps = norms.map_or(1e-6, |(qn, _)| qn.eps);
-        // A decode-only batch: the attention kernel does the norms, rotary and store too.
-        if let (
-            Some((
-                rows,
-                DecodeAttention::Paged {
-                    tables,
-                    lens,
-                    counters,
-                    block_size,
-                },
-            )),
-            None,
-            None,
-        ) = (&batch.decode, &batch.prefill, &batch.invariant)
-        {
-            if *rows as i64 == n {
-                let rows = manta_cuda::QkRows {
-                    qkv,
-                    norms: norms.map(|(qn, kn)| (&qn.weight, &kn.weight)),
-                    rope,
-                    slots: &batch.slot_mapping,
-                    eps,
-                };
-                if let Err(e) = manta_cuda::paged_decode_attention_qk(
-                    rows,
-                    pools.0,
-                    pools.1,
-                    tables,
-                    lens,
-                    Some(counters),
-                    &mut q,
-                    *block_size,
-                    self.scale(),
-                ) {
-                    panic!("paged decode attention: {e}");
-                }
-                let out = q.view([n, self.num_heads * self.head_dim]);
-                return project(&out, &self.o_proj, None, fused.gemv);
-            }
-        }
         if let Err(e) = manta_cuda::qk_norm_rope_store(
             qkv,
             norms.map(|(qn, kn)| (&qn.weight, &kn.weight)),
