@@ -11,7 +11,8 @@ use manta_config::TrainOverrides;
 /// Manta's built-in environments: no GPU, no network. Flags override cluster.toml's
 /// `[train]` table, which overrides the OpenReward cookbook's defaults.
 #[derive(Debug, Parser)]
-#[command(name = "driver", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+// `allow_negative_numbers`: `--lr -1` is a value (refused by validation), not a flag.
+#[command(name = "driver", version, about, long_about = None, args_conflicts_with_subcommands = true, allow_negative_numbers = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -350,6 +351,9 @@ pub struct TrainArgs {
     /// (`driver export` writes any of them).
     #[arg(long)]
     pub save_hf: bool,
+    /// Failure budget and checkpoint retention (crate::guard_flags).
+    #[command(flatten)]
+    pub guards: crate::guard_flags::GuardArgs,
 }
 
 impl TrainArgs {

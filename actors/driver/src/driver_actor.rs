@@ -15,6 +15,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tracing::field::Empty;
 use tracing::{error, info, info_span, warn, Instrument};
 
+use crate::failure_budget::{FailureBudget, StepChecks, StepFailure};
+use crate::guard_flags::Guards;
 use crate::placement::TrainerRecovery;
 use crate::sampling::GroupQueue;
 use crate::step::{run_step, StepActors};
@@ -70,6 +72,12 @@ pub struct RunPlan {
     pub run_dir: PathBuf,
     /// Set by Ctrl-C: finish the current step, save, stop.
     pub stop_requested: Arc<AtomicBool>,
+    /// Recorded in every checkpoint's manifest (crate::save_dir).
+    pub run_id: String,
+    /// The failure budget and `--keep-last`.
+    pub guards: Guards,
+    /// What makes a step a failed one (crate::failure_budget).
+    pub checks: StepChecks,
 }
 
 pub struct DriverState {
@@ -82,6 +90,8 @@ pub struct DriverState {
     weight_version: u64,
     /// Trainer restarts since the last completed step.
     restarts: u32,
+    /// Failed steps in a row.
+    budget: FailureBudget,
     reply: Option<RpcReplyPort<Result<RunSummary, String>>>,
     started: Instant,
 }
@@ -110,6 +120,7 @@ impl Actor for DriverActor {
             tensorboard,
             next_step: plan.first_step,
             weight_version: plan.weight_version,
+            budget: FailureBudget::new(&plan.guards),
             plan,
             steps_done: 0,
             trained: Vec::new(),
@@ -144,10 +155,12 @@ impl Actor for DriverActor {
                 }
                 let step = state.next_step;
                 let outcome = match one_step(state).await {
-                    Ok(()) => {
+                    Ok(None) => {
                         state.restarts = 0;
+                        state.budget.succeeded();
                         Ok(())
                     }
+                    Ok(Some(failure)) => step_failed(state, step, &failure).await,
                     Err(e) => match e.downcast_ref::<TrainerCallError>() {
                         Some(TrainerCallError::Lost { .. }) => {
                             trainer_lost(state, step, &format!("{e:#}")).await
@@ -169,7 +182,30 @@ impl Actor for DriverActor {
     }
 }
 
-async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
+/// Step `step` trained nothing: wait and try it again, or end the run once the failure
+/// budget is spent (at once when retrying cannot help).
+async fn step_failed(
+    state: &mut DriverState,
+    step: u64,
+    failure: &StepFailure,
+) -> Result<(), String> {
+    let backoff = state.budget.failed(step, failure)?;
+    let budget = state.plan.guards.max_failed_steps;
+    println!(
+        "step {step:>5}/{} failed, nothing trained: {}; trying again in {}s ({} of {budget} \
+         failed steps in a row allowed)",
+        state.plan.last_step,
+        failure.cause,
+        backoff.as_secs(),
+        state.budget.in_a_row(),
+    );
+    warn!(step, cause = %failure.cause, "step failed; nothing trained");
+    tokio::time::sleep(backoff).await;
+    Ok(())
+}
+
+/// Runs the next step; `Some` when it failed and trained nothing (it is not recorded).
+async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>> {
     let plan = &mut state.plan;
     let step = state.next_step;
     let version = state.weight_version;
@@ -191,9 +227,13 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
         plan.n_samples,
         plan.advantages,
         plan.save_debug.as_deref(),
+        plan.checks,
     )
     .instrument(span.clone())
     .await?;
+    if let Some(failure) = outcome.failed {
+        return Ok(Some(failure));
+    }
     let m = &outcome.metrics;
     if let Some(reward) = m.get("rollout/raw_reward") {
         span.record("reward", reward);
@@ -232,10 +272,17 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<()> {
             && step.is_multiple_of(plan.save_interval as u64)
             && step < plan.last_step
         {
-            save_checkpoint(&plan.actors.trainer, dir, step).await?;
+            save_checkpoint(
+                &plan.actors.trainer,
+                dir,
+                step,
+                &plan.run_id,
+                plan.guards.keep_last,
+            )
+            .await?;
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// One line per step: where its time went and how fast tokens moved. `rollout` is the
@@ -268,7 +315,14 @@ async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<Ru
     // --debug-rollout-only trains nothing: no checkpoint to write.
     if let Some(dir) = plan.save.as_ref().filter(|_| !plan.actors.rollout_only) {
         if state.steps_done > 0 {
-            save_checkpoint(&plan.actors.trainer, dir, last_done).await?;
+            save_checkpoint(
+                &plan.actors.trainer,
+                dir,
+                last_done,
+                &plan.run_id,
+                plan.guards.keep_last,
+            )
+            .await?;
         }
     }
     if interrupted {
@@ -438,25 +492,50 @@ fn append_trained_ids(run_dir: &std::path::Path, step: u64, ids: &[u64]) -> anyh
     Ok(())
 }
 
-/// Saves `dir/step_NNNNNN` and then points `dir/latest` at it (written atomically), so
-/// `--load dir` always finds a complete checkpoint.
+/// Saves `dir/step_NNNNNN`, records its files' checksums in its manifest, and then
+/// points `dir/latest` at it (written atomically), so `--load dir` always finds a
+/// complete checkpoint; then `--keep-last` deletes the oldest beyond `keep_last`. A
+/// failed save's `step_NNNNNN.tmp` is removed.
 pub async fn save_checkpoint(
     trainer: &TrainerHandle,
     dir: &std::path::Path,
     step: u64,
+    run_id: &str,
+    keep_last: Option<usize>,
 ) -> anyhow::Result<()> {
     let name = format!("step_{step:06}");
     let target = dir.join(&name);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    trainer
-        .save_checkpoint(&target, step)
+    if let Err(e) = trainer.save_checkpoint(&target, step).await {
+        let tmp = target.with_extension("tmp");
+        if tmp.is_dir() {
+            if let Err(rm) = std::fs::remove_dir_all(&tmp) {
+                warn!(dir = %tmp.display(), error = %rm, "could not remove the failed save");
+            }
+        }
+        return Err(e).with_context(|| format!("saving checkpoint {}", target.display()));
+    }
+    // Where ranks keep their parts on their workers' disks, this directory holds the
+    // driver's record of them only; it is what the manifest covers then.
+    if target.is_dir() {
+        let (target, run_id) = (target.clone(), run_id.to_string());
+        tokio::task::spawn_blocking(move || {
+            crate::checkpoint_manifest::write(&target, step, &run_id)
+        })
         .await
-        .with_context(|| format!("saving checkpoint {}", target.display()))?;
+        .context("checksumming the checkpoint")?
+        .context("writing the checkpoint's manifest")?;
+    }
     let tmp = dir.join("latest.tmp");
     std::fs::write(&tmp, &name).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, dir.join("latest"))
         .with_context(|| format!("updating {}/latest", dir.display()))?;
     info!(checkpoint = %target.display(), "checkpoint saved");
+    if let Some(keep) = keep_last {
+        for old in crate::save_dir::keep_last(dir, keep, &target)? {
+            info!(checkpoint = %old.display(), "--keep-last {keep}: deleted");
+        }
+    }
     Ok(())
 }
 

@@ -40,10 +40,15 @@ pub async fn run(args: &ExportArgs) -> anyhow::Result<Exported> {
 /// model).
 pub async fn export(dir: PathBuf, out: PathBuf, opts: ExportOptions) -> anyhow::Result<Exported> {
     let shown = format!("exporting {} to {}", dir.display(), out.display());
-    tokio::task::spawn_blocking(move || manta_trainer::export::export(&dir, &out, &opts))
-        .await
-        .with_context(|| shown.clone())?
-        .with_context(|| shown)
+    tokio::task::spawn_blocking(move || {
+        // The checkpoint must match its manifest before anything is read from it.
+        crate::checkpoint_manifest::verify(&dir)
+            .with_context(|| format!("checkpoint {} is damaged", dir.display()))?;
+        manta_trainer::export::export(&dir, &out, &opts).map_err(anyhow::Error::from)
+    })
+    .await
+    .with_context(|| shown.clone())?
+    .with_context(|| shown)
 }
 
 /// One line saying what an export wrote.

@@ -1,11 +1,14 @@
 //! The driver: configuration, placement, the step loop, checkpoints and metrics.
 //! `main.rs` is the `driver` binary; everything else is here so tests can drive it.
 
+pub mod checkpoint_manifest;
 pub mod cli;
 pub mod debug_data;
 pub mod driver_actor;
 pub mod export;
+pub mod failure_budget;
 pub mod generate;
+pub mod guard_flags;
 pub mod local;
 pub mod placement;
 pub mod prepare_tasks;
@@ -14,7 +17,9 @@ pub mod remote_ranks;
 pub mod rollouts;
 pub mod run;
 pub mod run_dir;
+pub mod run_lock;
 pub mod sampling;
+pub mod save_dir;
 pub mod shutdown;
 pub mod step;
 pub mod tasks;

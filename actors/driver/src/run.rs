@@ -15,7 +15,10 @@ use tracing::{info, warn};
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
+use crate::failure_budget::StepChecks;
+use crate::guard_flags::Guards;
 use crate::placement::{Placed, TrainerRecovery};
+use crate::run_lock::DirLock;
 use crate::step::StepActors;
 use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
 use crate::trainer_handle::data_parallel::RankDevices;
@@ -224,12 +227,31 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         train,
         mut settings,
     } = resolve_config(args)?;
-    // Settled before anything writes under runs/<run> (remote mode's weights included).
+    let guards = args.guards.resolve()?;
+    // `--load DIR` alone continues the run directory DIR's checkpoints belong to.
+    let recorded = match settings.load.as_deref() {
+        Some(load) => crate::save_dir::read_record(load)?,
+        None => None,
+    };
+    if args.run_name.is_none() && args.runs_dir.is_none() {
+        if let Some(rec) = &recorded {
+            if let (Some(parent), Some(name)) = (
+                rec.run_dir.parent(),
+                rec.run_dir.file_name().and_then(|n| n.to_str()),
+            ) {
+                settings.runs_dir = parent.to_path_buf();
+                settings.run_name = Some(name.to_string());
+            }
+        }
+    }
+    // Settled before anything writes under runs/<run> (remote mode's weights included),
+    // and held (locked) by this process until the run ends.
     let requested = settings
         .run_name
         .clone()
         .unwrap_or_else(crate::run_dir::default_run_name);
-    let run = crate::run_dir::choose(&settings.runs_dir, &requested, settings.load.as_deref())?;
+    let (run, _run_lock) =
+        crate::run_dir::choose_locked(&settings.runs_dir, &requested, settings.load.as_deref())?;
     if run.name != requested {
         println!(
             "{} holds an earlier run; this run writes to {}",
@@ -239,7 +261,9 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     } else if run.continues {
         println!("resuming into {}", run.path.display());
     }
+    let run_path = run.path.clone();
     settings.run_name = Some(run.name);
+    let (_save_lock, run_id) = prepare_save_dir(&settings, &run_path, recorded.as_ref())?;
     if args.save_hf && (settings.save.is_none() || settings.debug_rollout_only) {
         anyhow::bail!(
             "--save-hf exports the run's final checkpoint: it needs --save DIR (and training: \
@@ -271,6 +295,7 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         &settings,
         placed.recovery,
         stop,
+        (run_id, guards),
     )
     .await;
     placed.teardown.run().await;
@@ -335,6 +360,7 @@ pub(crate) async fn run_with_actors(
     settings: &TrainSettings,
     recovery: TrainerRecovery,
     stop: Arc<AtomicBool>,
+    (run_id, guards): (String, Guards),
 ) -> anyhow::Result<RunSummary> {
     // Partial rollouts: a weight update ends running generate calls at once (their
     // episodes resume with the new weights) instead of waiting for them to finish.
@@ -369,6 +395,7 @@ pub(crate) async fn run_with_actors(
     let mut first_step = 1;
     if let Some(dir) = &settings.load {
         let checkpoint = latest_checkpoint(dir)?;
+        verify_checkpoint(&checkpoint).await?;
         let step = actors
             .trainer
             .load_checkpoint(&checkpoint)
@@ -436,6 +463,12 @@ pub(crate) async fn run_with_actors(
         wandb,
         run_dir,
         stop_requested: stop,
+        run_id,
+        guards,
+        checks: StepChecks {
+            max_failed_episode_ratio: guards.max_failed_episode_ratio,
+            context_len: settings.context_len,
+        },
     };
     let (driver, handle) = Actor::spawn(Some("driver".into()), DriverActor, plan)
         .await
@@ -444,6 +477,58 @@ pub(crate) async fn run_with_actors(
     driver.stop(None);
     let _ = handle.await;
     summary.map_err(|e| anyhow::anyhow!(e))
+}
+
+/// Locks `--save` (refusing a directory another run holds, or one that cannot be
+/// written: the lock file is the probe), removes the `.tmp` directories failed saves
+/// left, and records the run directory and run id there. Returns the lock and the run
+/// id: the recorded one when resuming from this directory's run, else a new one.
+fn prepare_save_dir(
+    settings: &TrainSettings,
+    run_dir: &Path,
+    recorded: Option<&crate::save_dir::SaveRecord>,
+) -> anyhow::Result<(Option<DirLock>, String)> {
+    let run_name = settings.run_name.clone().unwrap_or_default();
+    let run_id = recorded
+        .map(|r| r.run_id.clone())
+        .unwrap_or_else(|| crate::save_dir::new_run_id(&run_name));
+    let Some(save) = settings.save.as_deref() else {
+        return Ok((None, run_id));
+    };
+    if settings.debug_rollout_only {
+        return Ok((None, run_id));
+    }
+    let lock = DirLock::acquire(save, "--save directory")?;
+    for tmp in crate::save_dir::remove_failed_saves(save)? {
+        info!(dir = %tmp.display(), "removed a failed save's temporary directory");
+    }
+    let absolute = std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf());
+    crate::save_dir::write_record(
+        save,
+        &crate::save_dir::SaveRecord {
+            run_dir: absolute,
+            run_id: run_id.clone(),
+        },
+    )?;
+    Ok((Some(lock), run_id))
+}
+
+/// `--load`: the checkpoint must match its manifest (crate::checkpoint_manifest).
+async fn verify_checkpoint(checkpoint: &Path) -> anyhow::Result<()> {
+    let dir = checkpoint.to_path_buf();
+    let verified = tokio::task::spawn_blocking(move || crate::checkpoint_manifest::verify(&dir))
+        .await
+        .context("verifying the checkpoint")?
+        .with_context(|| format!("--load: checkpoint {} is damaged", checkpoint.display()))?;
+    match verified {
+        Some(m) => {
+            info!(checkpoint = %checkpoint.display(), step = m.step, run = %m.run_id, files = m.files.len(), "checkpoint verified")
+        }
+        None => {
+            warn!(checkpoint = %checkpoint.display(), "checkpoint has no manifest.json (saved by an older version): its files are not verified")
+        }
+    }
+    Ok(())
 }
 
 /// The task every step "samples" when training from debug rollout data.

@@ -14,6 +14,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use manta_config::TrainSettings;
 
+use crate::run_lock::{DirLock, LockError};
+
 /// Files whose presence marks a directory as holding a run.
 const RUN_RECORDS: &[&str] = &["metrics.jsonl", "trained_ids.jsonl"];
 
@@ -25,6 +27,67 @@ pub struct RunDir {
     pub path: PathBuf,
     /// The directory holds the records of the run this one resumes.
     pub continues: bool,
+}
+
+/// A run name is one directory name: refused when empty, `.`, `..`, or holding a path
+/// separator (`--run-name ../x` would write outside `--runs-dir`).
+pub fn check_name(name: &str) -> anyhow::Result<()> {
+    let bad = if name.is_empty() {
+        Some("is empty")
+    } else if name == "." || name == ".." {
+        Some("is not a directory name")
+    } else if name.contains(['/', '\\']) {
+        Some("holds a path separator")
+    } else if name.contains('\0') {
+        Some("holds a NUL byte")
+    } else {
+        None
+    };
+    match bad {
+        Some(why) => anyhow::bail!(
+            "--run-name {name:?} {why}: a run name is one directory name under --runs-dir \
+             (use --runs-dir to choose where runs go)"
+        ),
+        None => Ok(()),
+    }
+}
+
+/// [`choose`], then the chosen directory locked for this process: the requested
+/// directory held by a running run is refused (naming it) rather than skipped, so the
+/// same command started twice never runs twice.
+pub fn choose_locked(
+    runs_dir: &Path,
+    name: &str,
+    load: Option<&Path>,
+) -> anyhow::Result<(RunDir, DirLock)> {
+    check_name(name)?;
+    let requested = DirLock::acquire(&runs_dir.join(name), "run directory")?;
+    let run = choose(runs_dir, name, load)?;
+    if run.name == name {
+        return Ok((run, requested));
+    }
+    drop(requested);
+    // A numbered directory another run took meanwhile is skipped, as one holding a run.
+    let mut run = run;
+    loop {
+        match DirLock::acquire(&run.path, "run directory") {
+            Ok(lock) if !holds_run(&run.path) => return Ok((run, lock)),
+            Ok(_) | Err(LockError::Held { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let n: u32 = run
+            .name
+            .rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
+        let numbered = format!("{name}-{}", n + 1);
+        run = RunDir {
+            path: runs_dir.join(&numbered),
+            name: numbered,
+            continues: false,
+        };
+    }
 }
 
 /// Picks the directory for run `name` under `runs_dir` (see the module comment).
@@ -61,7 +124,8 @@ pub fn choose(runs_dir: &Path, name: &str, load: Option<&Path>) -> anyhow::Resul
     }
 }
 
-fn holds_run(dir: &Path) -> bool {
+/// Whether `dir` holds the records of a run (metrics.jsonl or trained_ids.jsonl).
+pub fn holds_run(dir: &Path) -> bool {
     RUN_RECORDS.iter().any(|f| dir.join(f).exists())
 }
 
@@ -188,6 +252,33 @@ mod tests {
             choose(&runs, "local", Some(&other)).unwrap().name,
             "local-2"
         );
+    }
+
+    #[test]
+    fn run_names_are_one_directory_name() {
+        for bad in ["../x", "a/b", "..", ".", "", "a\\b"] {
+            let err = check_name(bad).unwrap_err().to_string();
+            assert!(err.contains("--run-name"), "{bad:?}: {err}");
+        }
+        check_name("local-2.v1").unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(choose_locked(tmp.path(), "../escape", None).is_err());
+        assert!(!tmp.path().parent().unwrap().join("escape").exists());
+    }
+
+    #[test]
+    fn a_held_run_directory_is_refused_and_a_numbered_one_locked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (first, _lock) = choose_locked(tmp.path(), "local", None).unwrap();
+        assert_eq!(first.name, "local");
+        let err = choose_locked(tmp.path(), "local", None).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("in use by another run"),
+            "{err:#}"
+        );
+        record_run(&tmp.path().join("other"), "ckpt", 1);
+        let (next, _l2) = choose_locked(tmp.path(), "other", None).unwrap();
+        assert_eq!(next.name, "other-2");
     }
 
     #[test]

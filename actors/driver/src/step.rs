@@ -58,6 +58,9 @@ pub struct StepOutcome {
     pub metrics: StepMetrics,
     /// Sample ids trained on, in order (for accounting and tests).
     pub trained_ids: Vec<u64>,
+    /// Set when the step trained nothing (crate::failure_budget): too many failed
+    /// episodes, or no generated token.
+    pub failed: Option<crate::failure_budget::StepFailure>,
 }
 
 /// Runs step `step` (1-based) on the groups `queue` collects for the trainer's weight
@@ -70,6 +73,7 @@ pub async fn run_step(
     n_samples: usize,
     advantages: AdvantageSpec,
     save_debug: Option<&str>,
+    checks: crate::failure_budget::StepChecks,
 ) -> anyhow::Result<StepOutcome> {
     let started = Instant::now();
     let mut collected = queue.collect(step, version, &actors.weights).await?;
@@ -81,6 +85,15 @@ pub async fn run_step(
     let rollout_time = started.elapsed().as_secs_f64();
 
     let mut m = rollout_metrics(&samples);
+    if let Some(failed) = crate::failure_budget::judge_step(&samples, checks) {
+        m.extend(collected.metrics);
+        record_step_time(&mut m, started, rollout_time);
+        return Ok(StepOutcome {
+            metrics: m,
+            trained_ids: Vec::new(),
+            failed: Some(failed),
+        });
+    }
     let (batch, trained_ids, zero_std) = build_batch(samples, n_samples, advantages);
     m.insert(
         "rollout/zero_std/count".into(),
@@ -93,6 +106,7 @@ pub async fn run_step(
         return Ok(StepOutcome {
             metrics: m,
             trained_ids: Vec::new(),
+            failed: None,
         });
     }
     let train_started = Instant::now();
@@ -128,6 +142,7 @@ pub async fn run_step(
     Ok(StepOutcome {
         metrics: m,
         trained_ids,
+        failed: None,
     })
 }
 
