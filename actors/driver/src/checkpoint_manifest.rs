@@ -35,18 +35,18 @@ pub struct FileDigest {
 pub enum ManifestError {
     #[error("{path}: {message}")]
     Mismatch { path: PathBuf, message: String },
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// In the message, not the source chain: printed once.
+        error: std::io::Error,
     },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ManifestError + '_ {
-    move |source| ManifestError::Io {
+    move |error| ManifestError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     }
 }
 

@@ -61,12 +61,12 @@ pub enum LockError {
         holder: Holder,
         lock: PathBuf,
     },
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {error}")]
     Io {
         what: &'static str,
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        /// In the message, not the source chain: printed once.
+        error: std::io::Error,
     },
 }
 
@@ -83,7 +83,7 @@ impl DirLock {
     pub fn acquire(dir: &Path, what: &'static str) -> Result<DirLock, LockError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
-            move |source| LockError::Io { what, path, source }
+            move |error| LockError::Io { what, path, error }
         };
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let path = dir.join(LOCK_FILE);

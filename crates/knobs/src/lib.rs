@@ -50,6 +50,9 @@ pub const TORCH_PROFILE: &str = "MANTA_TORCH_PROFILE";
 /// Which trainer step [`TORCH_PROFILE`] traces.
 pub const TORCH_PROFILE_STEP: &str = "MANTA_TORCH_PROFILE_STEP";
 
+/// Deadline of one ORS request ([`env_request_timeout`]).
+pub const ENV_REQUEST_TIMEOUT_S: &str = "MANTA_ENV_REQUEST_TIMEOUT_S";
+
 /// Every tuning knob.
 pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_DISABLE_CUDA_GRAPHS", values: Values::Flag, default: "off", what: "native engine: run decode steps eagerly instead of replaying CUDA graphs" },
@@ -68,6 +71,7 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "MANTA_ZERO3_PREFETCH", values: Values::Flag, default: "on", what: "trainer: ZeRO-3 all-gathers the next decoder layer on a side stream while the current one computes (off: each gather when its layer is reached)" },
     Knob { name: "MANTA_TRAINER_PROFILE", values: Values::Flag, default: "off", what: "trainer: synchronize the GPU between a step's phases and return their seconds as `perf/trainer/<phase>_s` (slows the step)" },
     Knob { name: TORCH_PROFILE, values: Values::Dir, default: "off", what: "trainer and bench engine_decode: write a Chrome trace (libtorch's Kineto profiler: aten ops, and on CUDA every kernel) of one train step to `DIR/trainer_step{N}_rank{R}.json` and of one prefill per batch size to `DIR/engine_prefill_{shape}_b{B}.json` (and a prefill with 32 decode steps to `DIR/engine_decode_{shape}_b{B}.json`); `bench/py/kernel_summary.py` sums a trace by kernel" },
+    Knob { name: ENV_REQUEST_TIMEOUT_S, values: Values::Positive, default: "120", what: "rollouts and task listing: seconds an environment (ORS) server has to answer one request (SSE streams: to start answering) before the attempt counts as timed out; retried like other transient failures, the log naming the call" },
     Knob { name: TORCH_PROFILE_STEP, values: Values::Positive, default: "2", what: "trainer: which step (counting from 1 in this process) `MANTA_TORCH_PROFILE` traces; the first is warm-up" },
     Knob { name: "MANTA_FUSED_LOGPROBS", values: Values::Flag, default: "on", what: "trainer: per-token log-probs, entropies and their LM-head backward through fused kernels on CUDA in bf16/fp16 (off: tensor ops and autograd)" },
     Knob { name: "MANTA_FUSED_ROPE", values: Values::Flag, default: "on", what: "decoder (trainer and the engine's tensor-op path): the rotary embedding of q and k and its backward through one kernel each on CUDA in bf16/fp16, bit-identical forward (off: tensor ops and autograd)" },
@@ -293,6 +297,12 @@ pub fn flag(name: &str, default: bool) -> bool {
         "{name} is not a flag knob"
     );
     value(name).map_or(default, |v| v != 0)
+}
+
+/// How long an environment server has to answer one request ([`ENV_REQUEST_TIMEOUT_S`]).
+pub fn env_request_timeout() -> std::time::Duration {
+    let secs = value(ENV_REQUEST_TIMEOUT_S).unwrap_or(120).max(1) as u64;
+    std::time::Duration::from_secs(secs)
 }
 
 /// Native engine: replay decode steps from CUDA graphs.

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use manta_config::TrainConfig;
@@ -209,7 +208,7 @@ pub fn environment_clients(
             deployment: (!builtin).then(|| name.clone()),
             variant: env.variant.clone(),
             secrets: train.resolved_secrets(name),
-            request_timeout: Duration::from_secs(120),
+            request_timeout: manta_knobs::env_request_timeout(),
             ..OrsClientOptions::new(String::new())
         };
         let client = OrsClient::new(options).with_context(|| format!("environment {name}"))?;

@@ -285,13 +285,8 @@ impl OrsClient {
                             ..Req::default()
                         },
                     )
-                    .header("Accept", "text/event-stream")
-                    .send()
-                    .await
-                    .map_err(|source| OrsError::Transport {
-                        url: url.clone(),
-                        source,
-                    })?;
+                    .header("Accept", "text/event-stream");
+                let resp = send_within(resp, &url, self.inner.request_timeout).await?;
                 let resp = check_status(resp, &url, None).await?;
                 read_events(resp, &url, self.inner.sse_idle_timeout, &mut sid).await
             }
@@ -348,15 +343,13 @@ impl OrsClient {
         let started = Instant::now();
         let mut failures = 0;
         loop {
-            let attempt = self
-                .request(method.clone(), url, req)
-                .timeout(self.inner.request_timeout)
-                .send()
-                .await
-                .map_err(|source| OrsError::Transport {
-                    url: url.to_string(),
-                    source,
-                });
+            let attempt = send_within(
+                self.request(method.clone(), url, req)
+                    .timeout(self.inner.request_timeout),
+                url,
+                self.inner.request_timeout,
+            )
+            .await;
             let err = match attempt {
                 Ok(resp) => match check_status(resp, url, req.sid).await {
                     Ok(resp) => return Ok(resp),
@@ -371,7 +364,11 @@ impl OrsClient {
                 .next_delay(&err, failures, started.elapsed())
             {
                 Some(d) => {
-                    tracing::debug!(%url, error = %err, delay = ?d, "retrying ORS request");
+                    if matches!(err, OrsError::Timeout { .. }) {
+                        tracing::warn!(%url, error = %err, attempt = failures, "ORS request timed out; retrying");
+                    } else {
+                        tracing::debug!(%url, error = %err, delay = ?d, "retrying ORS request");
+                    }
                     tokio::time::sleep(d).await
                 }
                 None => return Err(err),
@@ -395,6 +392,28 @@ impl OrsClient {
             url: url.to_string(),
             message: format!("{e} in {}", truncate(&text, 300)),
         })
+    }
+}
+
+/// Sends `req`, waiting at most `deadline` for the answer's headers: a server that
+/// accepts the connection and never answers is an [`OrsError::Timeout`] naming the URL.
+pub(crate) async fn send_within(
+    req: reqwest::RequestBuilder,
+    url: &str,
+    deadline: Duration,
+) -> Result<reqwest::Response, OrsError> {
+    let timeout = || OrsError::Timeout {
+        url: url.to_string(),
+        after: deadline,
+    };
+    match tokio::time::timeout(deadline, req.send()).await {
+        Err(_) => Err(timeout()),
+        Ok(Err(source)) if source.is_timeout() => Err(timeout()),
+        Ok(Err(source)) => Err(OrsError::Transport {
+            url: url.to_string(),
+            source,
+        }),
+        Ok(Ok(resp)) => Ok(resp),
     }
 }
 

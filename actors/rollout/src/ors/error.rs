@@ -39,6 +39,10 @@ pub enum OrsError {
         #[source]
         source: reqwest::Error,
     },
+    /// The server did not answer within the request deadline
+    /// (`MANTA_ENV_REQUEST_TIMEOUT_S`): a silent or hung environment server.
+    #[error("{url}: no answer within {} s (the deadline of one request, MANTA_ENV_REQUEST_TIMEOUT_S)", after.as_secs())]
+    Timeout { url: String, after: Duration },
     /// An SSE stream that stopped early or went quiet past the heartbeat timeout.
     #[error("{url}: event stream interrupted: {message}")]
     Stream { url: String, message: String },

@@ -38,7 +38,7 @@ impl Default for RetryPolicy {
 pub(crate) fn is_transient(err: &OrsError) -> bool {
     match err {
         OrsError::Http { status, .. } => matches!(status, 429 | 502 | 503 | 504),
-        OrsError::Transport { .. } | OrsError::Stream { .. } => true,
+        OrsError::Transport { .. } | OrsError::Stream { .. } | OrsError::Timeout { .. } => true,
         _ => false,
     }
 }

@@ -7,7 +7,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
-use super::client::{check_status, OrsClient, Req};
+use super::client::{check_status, send_within, OrsClient, Req};
 use super::error::OrsError;
 use super::retry::backend_starting;
 use super::sse::{read_events, SseEnd};
@@ -201,13 +201,8 @@ impl OrsSession {
                 let resp = self
                     .client
                     .request(Method::POST, &url, req)
-                    .header("Accept", "text/event-stream")
-                    .send()
-                    .await
-                    .map_err(|source| OrsError::Transport {
-                        url: url.clone(),
-                        source,
-                    })?;
+                    .header("Accept", "text/event-stream");
+                let resp = send_within(resp, &url, inner.request_timeout).await?;
                 let resp = check_status(resp, &url, Some(&self.sid)).await?;
                 read_events(resp, &url, inner.sse_idle_timeout, &mut task_id).await
             }
