@@ -5,6 +5,7 @@ pub mod checkpoint_manifest;
 pub mod cli;
 pub mod debug_data;
 pub mod driver_actor;
+pub mod error_report;
 pub mod export;
 pub mod failure_budget;
 pub mod generate;

@@ -265,7 +265,12 @@ pub async fn start(
         0
     };
     let trainer = if host_trainer {
-        let device = local_device("trainer.gpus", &cluster.trainer.gpus, cuda_devices)?;
+        let device = local_device(
+            &cluster.path,
+            "trainer.gpus",
+            &cluster.trainer.gpus,
+            cuda_devices,
+        )?;
         let options = TrainerOptions {
             bf16: cluster.trainer.bf16,
             ..trainer_options(settings, device)
@@ -292,7 +297,12 @@ pub async fn start(
         };
         let engine: Arc<dyn Engine> = match cluster.rollout.engine {
             EngineKind::Native => {
-                let device = local_device("rollout.gpus_per_engine", &gpus, cuda_devices)?;
+                let device = local_device(
+                    &cluster.path,
+                    "rollout.gpus_per_engine",
+                    &gpus,
+                    cuda_devices,
+                )?;
                 let defaults = NativeEngineOptions::new(model_dir, device);
                 NativeEngine::start(NativeEngineOptions {
                     seed: settings.seed,
@@ -462,22 +472,28 @@ pub async fn start_trainer(
     Ok(TrainerHandle::local_ranks(ranks, steps, kind))
 }
 
-/// The device for GPUs `gpus` named by cluster.toml key `key` in local mode: the CPU
-/// when none are named, else the first of them, which this process must see through
-/// CUDA (`cuda_devices` of them).
-pub fn local_device(key: &str, gpus: &[u32], cuda_devices: i64) -> anyhow::Result<Device> {
+/// The device for GPUs `gpus` named by key `key` of the cluster file `file` in local
+/// mode: the CPU when none are named, else the first of them, which this process must
+/// see through CUDA (`cuda_devices` of them).
+pub fn local_device(
+    file: &Path,
+    key: &str,
+    gpus: &[u32],
+    cuda_devices: i64,
+) -> anyhow::Result<Device> {
+    let file = file.display();
     let Some(&first) = gpus.first() else {
         return Ok(Device::Cpu);
     };
     if cuda_devices == 0 {
         anyhow::bail!(
-            "cluster.toml {key} asks for GPUs {gpus:?}, but CUDA is not available to libtorch in \
+            "{file}: {key} asks for GPUs {gpus:?}, but CUDA is not available to libtorch in \
              this process (no GPU, or a CPU-only libtorch); remove the GPUs to run on the CPU"
         );
     }
     if let Some(bad) = gpus.iter().find(|&&g| i64::from(g) >= cuda_devices) {
         anyhow::bail!(
-            "cluster.toml {key} asks for GPU {bad}, but this process sees {cuda_devices} CUDA \
+            "{file}: {key} asks for GPU {bad}, but this process sees {cuda_devices} CUDA \
              device(s) (0..{})",
             cuda_devices - 1
         );
@@ -548,6 +564,7 @@ pub async fn place_saved(
     settings: &TrainSettings,
     devices: RankDevices,
     bf16: Option<bool>,
+    cluster_file: &Path,
 ) -> anyhow::Result<Placed> {
     // Saved group k of a rollout is group k of its step: a filter that drops groups
     // would shift every later step onto the wrong file's groups.
@@ -568,7 +585,7 @@ pub async fn place_saved(
             } else {
                 0
             };
-            local_device("trainer.gpus", gpus, cuda)?
+            local_device(cluster_file, "trainer.gpus", gpus, cuda)?
         }
     };
     let options = TrainerOptions {
@@ -635,15 +652,20 @@ mod tests {
 
     #[test]
     fn gpus_need_cuda_and_errors_name_the_key() {
-        assert_eq!(local_device("trainer.gpus", &[], 0).unwrap(), Device::Cpu);
-        let err = local_device("trainer.gpus", &[0], 0)
+        let file = Path::new("conf/my-cluster.toml");
+        assert_eq!(
+            local_device(file, "trainer.gpus", &[], 0).unwrap(),
+            Device::Cpu
+        );
+        let err = local_device(file, "trainer.gpus", &[0], 0)
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("trainer.gpus") && err.contains("CUDA is not available"),
+            err.contains("conf/my-cluster.toml: trainer.gpus")
+                && err.contains("CUDA is not available"),
             "{err}"
         );
-        let err = local_device("rollout.gpus_per_engine", &[3], 2)
+        let err = local_device(file, "rollout.gpus_per_engine", &[3], 2)
             .unwrap_err()
             .to_string();
         assert!(
@@ -651,7 +673,7 @@ mod tests {
             "{err}"
         );
         assert_eq!(
-            local_device("trainer.gpus", &[1, 2], 4).unwrap(),
+            local_device(file, "trainer.gpus", &[1, 2], 4).unwrap(),
             Device::Cuda(1)
         );
     }

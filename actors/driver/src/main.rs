@@ -42,7 +42,7 @@ async fn run(cli: Cli) -> ExitCode {
             return match manta_driver::generate::generate(&args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", manta_driver::error_report::render(&e));
                     ExitCode::FAILURE
                 }
             };
@@ -51,7 +51,7 @@ async fn run(cli: Cli) -> ExitCode {
             return match manta_serve::serve(&args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", manta_driver::error_report::render(&e));
                     ExitCode::FAILURE
                 }
             };
@@ -63,7 +63,7 @@ async fn run(cli: Cli) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", manta_driver::error_report::render(&e));
                     ExitCode::FAILURE
                 }
             };
@@ -75,7 +75,7 @@ async fn run(cli: Cli) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", manta_driver::error_report::render(&e));
                     ExitCode::FAILURE
                 }
             };
@@ -108,7 +108,7 @@ async fn run(cli: Cli) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", manta_driver::error_report::render(&e));
             ExitCode::FAILURE
         }
     }

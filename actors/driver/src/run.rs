@@ -345,7 +345,14 @@ async fn place(
             ClusterMode::Local => RankDevices::Cpu(cluster.trainer.data_parallel_world()),
             ClusterMode::Remote => RankDevices::Cpu(1),
         };
-        return crate::local::place_saved(template, settings, devices, cluster.trainer.bf16).await;
+        return crate::local::place_saved(
+            template,
+            settings,
+            devices,
+            cluster.trainer.bf16,
+            &cluster.path,
+        )
+        .await;
     }
     match cluster.mode {
         ClusterMode::Local => crate::local::place(cluster, train, settings).await,

@@ -81,6 +81,12 @@ impl SamplingParams {
                 format!("{} must be in (0, 1]", self.top_p),
             );
         }
+        if self.top_k < -1 {
+            return bad(
+                "sampling_params.top_k",
+                format!("{} must be -1 or 0 (off) or at least 1", self.top_k),
+            );
+        }
         if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
             return bad(
                 "sampling_params.min_p",

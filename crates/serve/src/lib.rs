@@ -14,7 +14,7 @@ pub mod routes;
 pub mod wire;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -249,6 +249,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             model_path.display()
         );
     }
+    check_context_length(&model_path.join("config.json"), args.context_length)?;
     let tokenizer_path = args
         .tokenizer_path
         .clone()
@@ -427,5 +428,56 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+/// `--context-length N` longer than the model's `max_position_embeddings` is refused,
+/// as SGLang refuses it: positions past the trained ones give garbage, not an error.
+fn check_context_length(config: &Path, asked: Option<usize>) -> anyhow::Result<()> {
+    let Some(asked) = asked else {
+        return Ok(());
+    };
+    let text =
+        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", config.display()))?;
+    let model = value
+        .get("max_position_embeddings")
+        .and_then(|v| v.as_u64())
+        .or_else(|| {
+            value
+                .get("text_config")
+                .and_then(|t| t.get("max_position_embeddings"))
+                .and_then(|v| v.as_u64())
+        });
+    match model {
+        Some(max) if asked as u64 > max => bail!(
+            "--context-length {asked} is longer than the model's context: {} sets \
+             max_position_embeddings = {max}",
+            config.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod context_tests {
+    use super::*;
+
+    #[test]
+    fn a_context_over_the_models_is_refused_naming_both() {
+        let config =
+            std::env::temp_dir().join(format!("manta-serve-context-{}.json", std::process::id()));
+        std::fs::write(&config, r#"{"max_position_embeddings": 2048}"#).unwrap();
+        check_context_length(&config, None).unwrap();
+        check_context_length(&config, Some(2048)).unwrap();
+        let err = check_context_length(&config, Some(100_000))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--context-length 100000")
+                && err.contains("max_position_embeddings = 2048"),
+            "{err}"
+        );
+        let _ = std::fs::remove_file(&config);
     }
 }

@@ -853,6 +853,11 @@ mod tests {
         assert!(
             err(r#"{"input_ids":[1],"sampling_params":{"n":2}}"#).starts_with("sampling_params.n")
         );
+        let top_k = err(r#"{"input_ids":[1],"sampling_params":{"top_k":-7}}"#);
+        assert!(
+            top_k.starts_with("sampling_params.top_k") && top_k.contains("-7"),
+            "{top_k}"
+        );
         assert!(
             err(r#"{"input_ids":[1],"sampling_params":{"frequency_penalty":0.5}}"#)
                 .starts_with("sampling_params.frequency_penalty")
