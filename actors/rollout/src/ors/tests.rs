@@ -537,3 +537,52 @@ async fn dropped_call_stream_is_resumed_without_rerunning_the_tool() {
     session.close().await.expect("close");
     server.shutdown().await;
 }
+
+/// A peer that accepts connections and never answers: every call, the SSE ones
+/// included, ends at the request deadline with an error naming the URL, after the
+/// configured attempts.
+#[tokio::test]
+async fn a_silent_server_is_a_named_timeout_on_every_call() {
+    let listener = TcpListener::bind(local()).await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            held.push(sock);
+        }
+    });
+    let ors = OrsClient::new(OrsClientOptions {
+        variant: Some("quiet".into()),
+        request_timeout: Duration::from_millis(300),
+        retry: RetryPolicy {
+            max_attempts: 2,
+            base_delay: Duration::from_millis(10),
+            ..RetryPolicy::default()
+        },
+        ..OrsClientOptions::new(&base)
+    })
+    .expect("client");
+    let started = std::time::Instant::now();
+    match ors.list_tasks("train").await {
+        Err(e @ OrsError::Timeout { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("{base}/quiet/tasks")) && text.contains("no answer within"),
+                "{text}"
+            );
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    match ors.open_session("t", &json!({})).await {
+        Err(OrsError::Timeout { url, .. }) => assert!(url.ends_with("/create_session"), "{url}"),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        accepted.load(Ordering::SeqCst) >= 4,
+        "both calls retried once"
+    );
+}
