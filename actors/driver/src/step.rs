@@ -65,6 +65,8 @@ pub struct StepOutcome {
 
 /// Runs step `step` (1-based) on the groups `queue` collects for the trainer's weight
 /// `version` (`n_samples` per group).
+// Each argument is one of the step's inputs; a struct of them would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_step(
     actors: &StepActors,
     step: u64,
