@@ -506,6 +506,22 @@ fn prepare_save_dir(
         return Ok((None, run_id));
     }
     let lock = DirLock::acquire(save, "--save directory")?;
+    if let (Some(need), Some(free)) = (
+        crate::save_dir::checkpoint_estimate(&settings.model),
+        crate::save_dir::free_bytes(save),
+    ) {
+        if free < need {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            warn!(
+                "--save {}: {:.1} GiB free, and one checkpoint of {} takes about {:.1} GiB: \
+                 the first save may fail",
+                save.display(),
+                gib(free),
+                settings.model.display(),
+                gib(need)
+            );
+        }
+    }
     for tmp in crate::save_dir::remove_failed_saves(save)? {
         info!(dir = %tmp.display(), "removed a failed save's temporary directory");
     }

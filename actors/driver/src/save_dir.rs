@@ -98,6 +98,30 @@ pub fn keep_last(save: &Path, keep: usize, latest: &Path) -> anyhow::Result<Vec<
     Ok(deleted)
 }
 
+/// A rough size of one checkpoint of the model in `model_dir`: its weights files again,
+/// plus fp32 AdamW moments and masters (12 bytes a parameter, the weights read as
+/// 2-byte values). `None` for a model without weights files (random init).
+pub fn checkpoint_estimate(model_dir: &Path) -> Option<u64> {
+    let weights: u64 = std::fs::read_dir(model_dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    (weights > 0).then(|| weights + weights / 2 * 12)
+}
+
+/// Bytes free to this process on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `stat` is a valid out-pointer for the call.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut stat) };
+    (rc == 0).then(|| stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +145,15 @@ mod tests {
             ]
         );
         assert!(tmp.path().join("step_000003").is_dir() && latest.is_dir());
+    }
+
+    #[test]
+    fn a_checkpoint_is_estimated_from_the_weights_and_free_space_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert_eq!(checkpoint_estimate(tmp.path()), None);
+        std::fs::write(tmp.path().join("model.safetensors"), vec![0u8; 1000]).unwrap();
+        assert_eq!(checkpoint_estimate(tmp.path()), Some(1000 + 500 * 12));
+        assert!(free_bytes(tmp.path()).is_some_and(|b| b > 0));
     }
 
     #[test]

@@ -456,3 +456,40 @@ fn a_server_that_never_answers_is_a_named_timeout() {
     );
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+#[test]
+fn keep_last_keeps_the_newest_checkpoints_each_with_its_manifest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = debug_data(tmp.path(), 4, 7);
+    let (save, runs) = (tmp.path().join("ckpt"), tmp.path().join("runs"));
+    // A failed save's leftovers from an earlier crash go when the run starts.
+    std::fs::create_dir_all(save.join("step_000009.tmp")).unwrap();
+    let mut args = debug_train_args(&data, 4, &save, 1, &runs, "k");
+    args.extend(common::strings(&["--keep-last", "2"]));
+    assert_success(driver_run(&args));
+    let mut steps: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step_"))
+        .collect();
+    steps.sort();
+    assert_eq!(steps, ["step_000003", "step_000004"]);
+    for s in &steps {
+        let manifest: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(save.join(s).join("manifest.json")).unwrap(),
+        )
+        .unwrap();
+        assert!(manifest["files"]["model.safetensors"]["sha256"].is_string());
+    }
+    let out = driver_run(&{
+        let mut a = debug_train_args(&data, 1, &save, 1, &runs, "k0");
+        a.extend(common::strings(&["--keep-last", "0"]));
+        a
+    });
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--keep-last 0"),
+        "{}",
+        text(&out.stderr)
+    );
+}
