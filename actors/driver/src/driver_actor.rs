@@ -192,11 +192,11 @@ async fn step_failed(
     let backoff = state.budget.failed(step, failure)?;
     let budget = state.plan.guards.max_failed_steps;
     println!(
-        "step {step:>5}/{} failed, nothing trained: {}; trying again in {}s ({} of {budget} \
+        "retrying step {step}/{} in {}s: it failed and trained nothing: {} ({} of {budget} \
          failed steps in a row allowed)",
         state.plan.last_step,
-        failure.cause,
         backoff.as_secs(),
+        failure.cause,
         state.budget.in_a_row(),
     );
     warn!(step, cause = %failure.cause, "step failed; nothing trained");
