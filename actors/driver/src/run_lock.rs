@@ -70,11 +70,14 @@ pub enum LockError {
     },
 }
 
-/// A held directory; the lock is released (and the holder record cleared) on drop.
+/// A held directory; the lock is released (and the holder record cleared) on drop. A
+/// directory the lock created and nothing else wrote to is removed again, so a run that
+/// stops before it starts (a placement refused) leaves no empty run directory behind.
 #[derive(Debug)]
 pub struct DirLock {
     file: File,
     dir: PathBuf,
+    created: bool,
 }
 
 impl DirLock {
@@ -85,6 +88,7 @@ impl DirLock {
             let path = path.to_path_buf();
             move |error| LockError::Io { what, path, error }
         };
+        let created = !dir.exists();
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let path = dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
@@ -128,6 +132,7 @@ impl DirLock {
         Ok(DirLock {
             file,
             dir: dir.to_path_buf(),
+            created,
         })
     }
 
@@ -141,6 +146,18 @@ impl Drop for DirLock {
     fn drop(&mut self) {
         // Cleared while still locked; closing the file releases the lock.
         let _ = write_holder(&mut self.file, None);
+        let only_the_lock = std::fs::read_dir(&self.dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok())
+                    .all(|e| e.file_name() == LOCK_FILE)
+            })
+            .unwrap_or(false);
+        if self.created && only_the_lock {
+            let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
+            // Fails, harmlessly, if another run wrote into it meanwhile.
+            let _ = std::fs::remove_dir(&self.dir);
+        }
     }
 }
 
@@ -211,6 +228,7 @@ mod tests {
             err.contains(&format!("pid {}", std::process::id())) && err.contains("in use"),
             "{err}"
         );
+        std::fs::write(dir.join("metrics.jsonl"), "").unwrap();
         drop(first);
         assert_eq!(
             std::fs::read_to_string(dir.join(LOCK_FILE)).unwrap(),
@@ -218,6 +236,10 @@ mod tests {
             "a released lock names no holder"
         );
         DirLock::acquire(&dir, "run directory").unwrap();
+        // A directory the lock made and nothing wrote to goes with the lock.
+        let unused = tmp.path().join("unused");
+        drop(DirLock::acquire(&unused, "run directory").unwrap());
+        assert!(!unused.exists());
     }
 
     #[test]
