@@ -234,10 +234,14 @@ fn exports_of_every_checkpoint_kind_load_in_transformers_and_agree() {
     assert_success(export(&zero3.join("step_000001"), &hf3, &[]));
     assert!(max_diff(&exported, &sorted_weights(&hf3.join("model.safetensors"))) > 0.0);
 
-    // Broken checkpoints: each failure names its file and leaves no export.
+    // Broken checkpoints: each failure names its file and leaves no export. With its
+    // manifest.json the export refuses a changed file before reading it (tests/integrity.rs);
+    // without one (a checkpoint from before manifests) its own cross-checks must find
+    // each fault, so the copies here have none.
     let broken = dir.join("broken");
     let dest = dir.join("hf-broken");
     copy_dir(&last, &broken);
+    std::fs::remove_file(broken.join("manifest.json")).unwrap();
     std::fs::remove_file(broken.join("optimizer.rank1-of-2.safetensors")).unwrap();
     assert_refused(
         export(&broken, &dest, &[]),
@@ -270,6 +274,7 @@ fn exports_of_every_checkpoint_kind_load_in_transformers_and_agree() {
     );
     // A torn weights file.
     copy_dir(&last, &broken);
+    let _ = std::fs::remove_file(broken.join("manifest.json"));
     let weights = broken.join("model.safetensors");
     let len = std::fs::metadata(&weights).unwrap().len();
     std::fs::OpenOptions::new()
