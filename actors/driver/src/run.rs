@@ -2,8 +2,6 @@
 //! tasks, resume, then the DriverActor's loop.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use anyhow::Context;
 use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
@@ -217,8 +215,11 @@ async fn list_tasks(
 }
 
 /// Runs a whole training job, local or remote (cluster.toml `[cluster] mode`). `stop` is
-/// polled between steps.
-pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<RunSummary> {
+/// polled between steps (and, with `--on-stop abandon-step`, during rollouts).
+pub async fn train(
+    args: &TrainArgs,
+    stop: crate::signals::StopRequest,
+) -> anyhow::Result<RunSummary> {
     let ResolvedConfig {
         cluster,
         train,
@@ -239,6 +240,13 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
     } else if run.continues {
         println!("resuming into {}", run.path.display());
     }
+    // The run's log and status endpoint from here on, before the long start-up work.
+    std::fs::create_dir_all(&run.path)
+        .with_context(|| format!("creating {}", run.path.display()))?;
+    let log = run.path.join("driver.log");
+    manta_telemetry::run_log::open(&log).with_context(|| format!("opening {}", log.display()))?;
+    crate::status_server::start(args.status_addr).await?;
+    crate::status_server::write_addr_file(&run.path)?;
     settings.run_name = Some(run.name);
     if args.save_hf && (settings.save.is_none() || settings.debug_rollout_only) {
         anyhow::bail!(
@@ -263,7 +271,17 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         mode = ?cluster.mode,
         "starting training"
     );
-    let placed = place(&cluster, &train, &mut settings).await?;
+    crate::status::describe_cluster(
+        match cluster.mode {
+            ClusterMode::Local => "local",
+            ClusterMode::Remote => "remote",
+        },
+        (cluster.mode == ClusterMode::Local).then(|| local_node(&cluster)),
+    );
+    let placed = {
+        let _progress = manta_telemetry::Progress::start("placing actors and loading the model");
+        place(&cluster, &train, &mut settings).await?
+    };
     let result = run_with_actors(
         &placed.env_clients,
         placed.actors,
@@ -279,6 +297,29 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         save_hf(save, &settings.model).await?;
     }
     Ok(summary)
+}
+
+/// Local mode's one node for `driver status`: this host, the trainer's GPUs, and the
+/// actors local placement names (trainer ranks, `rollout-<i>`).
+fn local_node(cluster: &ClusterConfig) -> crate::status::NodeStatus {
+    let gpus = cluster.trainer.gpus.clone();
+    let ranks = cluster.trainer.data_parallel_world();
+    let mut actors: Vec<String> = if ranks > 1 {
+        (0..ranks).map(|r| format!("trainer-{r}")).collect()
+    } else {
+        vec!["trainer".into()]
+    };
+    actors.extend((0..cluster.rollout.engines.max(1)).map(|i| format!("rollout-{i}")));
+    crate::status::NodeStatus {
+        address: "local".into(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default(),
+        gpus,
+        actors,
+        healthy: true,
+        error: None,
+    }
 }
 
 /// `--save-hf`: the latest checkpoint under `save` as a Hugging Face model directory in
@@ -334,7 +375,7 @@ pub(crate) async fn run_with_actors(
     train: &TrainConfig,
     settings: &TrainSettings,
     recovery: TrainerRecovery,
-    stop: Arc<AtomicBool>,
+    stop: crate::signals::StopRequest,
 ) -> anyhow::Result<RunSummary> {
     // Partial rollouts: a weight update ends running generate calls at once (their
     // episodes resume with the new weights) instead of waiting for them to finish.
@@ -369,6 +410,10 @@ pub(crate) async fn run_with_actors(
     let mut first_step = 1;
     if let Some(dir) = &settings.load {
         let checkpoint = latest_checkpoint(dir)?;
+        let _progress = manta_telemetry::Progress::start(format!(
+            "loading checkpoint {}",
+            checkpoint.display()
+        ));
         let step = actors
             .trainer
             .load_checkpoint(&checkpoint)
@@ -437,6 +482,7 @@ pub(crate) async fn run_with_actors(
         run_dir,
         stop_requested: stop,
     };
+    crate::status::start_run(&plan.run_dir, first_step, plan.last_step);
     let (driver, handle) = Actor::spawn(Some("driver".into()), DriverActor, plan)
         .await
         .context("starting the driver actor")?;
