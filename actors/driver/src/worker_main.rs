@@ -111,6 +111,9 @@ async fn serve(nccl_env: &'static str) -> ExitCode {
                 Ok(name) => eprintln!("{name}: stopping the hosted actors and leaving"),
                 Err(e) => eprintln!("error: watching SIGINT and SIGTERM: {e}"),
             }
+            // Actors first: the driver's calls into them fail now (and are re-queued)
+            // instead of the server waiting for them to end.
+            daemon.stop_all().await;
             daemon.request_shutdown();
             finished.await
         }
