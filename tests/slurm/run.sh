@@ -52,7 +52,7 @@ dd if=/dev/urandom of="$work/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$work/munge/munge.key"
 munged --foreground --force --key-file="$work/munge/munge.key" \
     --socket="$work/munge/munge.socket" --pid-file="$work/munge/munged.pid" \
-    --log-file="$work/munge.log" --seed-file="$work/munge/seed" &
+    --log-file="$work/munge.log" --seed-file="$work/munge/seed" 2>>"$work/munge.log" &
 pids+=($!)
 for _ in $(seq 1 50); do [[ -S $work/munge/munge.socket ]] && break; sleep 0.1; done
 [[ -S $work/munge/munge.socket ]] || skip "munged did not start (see $work/munge.log)"
@@ -173,4 +173,6 @@ for p in "$port2" $((port2 + 1)) "$status_port"; do
     if ss -ltn "( sport = :$p )" | grep -q LISTEN; then fail "port $p still open after scancel"; fi
 done
 echo "job $job: scancel after step 1 left no driver, worker or port"
+cleanup
+rm -rf "$work"
 echo "PASSED tests/slurm/run.sh"
