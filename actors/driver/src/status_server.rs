@@ -103,10 +103,9 @@ async fn status_json() -> axum::response::Response {
 async fn metrics() -> axum::response::Response {
     let body = match current().await {
         Some(s) => status::prometheus(&s),
-        None => format!(
-            "# HELP manta_phase 1 for the phase the step is in.\n# TYPE manta_phase gauge\n\
-             manta_phase{{phase=\"starting\"}} 1\n"
-        ),
+        None => "# HELP manta_phase 1 for the phase the step is in.\n# TYPE manta_phase gauge\n\
+                 manta_phase{phase=\"starting\"} 1\n"
+            .to_string(),
     };
     (
         [(

@@ -261,7 +261,7 @@ fn sigterm_mid_step_checkpoints_the_finished_step_and_load_resumes_after_it() {
     let (steps, ids) = trained(&run_dir);
     let last = *steps.last().unwrap();
     assert_eq!(steps, (1..=last).collect::<Vec<_>>());
-    assert!(last >= 2 && last < 1000);
+    assert!((2..1000).contains(&last));
     let latest = std::fs::read_to_string(dir.join("ckpt/latest")).unwrap();
     assert_eq!(latest.trim(), format!("step_{last:06}"), "{stderr}");
     assert_eq!(ids, (0..last * 4).collect::<Vec<_>>());
