@@ -47,6 +47,24 @@ pub enum Command {
     /// a failed export leaves no half-written directory; an earlier export there is
     /// replaced, any other non-empty directory is refused.
     Export(ExportArgs),
+    /// Ask a running driver what it is doing: nodes, GPUs, actors and their health, the
+    /// step and its phase, episodes in flight, the weight version of each engine.
+    Status(StatusArgs),
+}
+
+/// Options of `driver status`.
+#[derive(Debug, Args, Clone)]
+#[command(group(ArgGroup::new("target").required(true).args(["addr", "run_dir"])))]
+pub struct StatusArgs {
+    /// The driver's status address (its --status-addr, as written to RUN_DIR/status_addr).
+    #[arg(long)]
+    pub addr: Option<String>,
+    /// A running run's directory (runs/NAME): its status_addr file names the address.
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Print the JSON the driver answers instead of the summary.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Options of `driver export`.
@@ -354,6 +372,17 @@ pub struct TrainArgs {
     /// Failure budget and checkpoint retention (crate::guard_flags).
     #[command(flatten)]
     pub guards: crate::guard_flags::GuardArgs,
+    /// What SIGINT (Ctrl-C) or SIGTERM (scancel, kill, a pod deletion) does with the step
+    /// in flight: finish-step runs it to its end; abandon-step drops it if it is still in
+    /// its rollouts (they run again on resume), for jobs whose scheduler kills soon after
+    /// SIGTERM. Either way the last finished step is checkpointed (with --save), the
+    /// actors are stopped and the driver exits 0; a second signal exits at once (130).
+    #[arg(long, value_enum, default_value = "finish-step")]
+    pub on_stop: crate::signals::OnStop,
+    /// Serve the run's status (GET /status, JSON) and Prometheus metrics (GET /metrics)
+    /// here; port 0 picks a free one. The address is written to RUN_DIR/status_addr.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub status_addr: std::net::SocketAddr,
 }
 
 impl TrainArgs {

@@ -3,9 +3,7 @@
 //! place where the run advances.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use manta_config::TrainerFailurePolicy;
@@ -24,6 +22,9 @@ use crate::trainer_handle::TrainerHandle;
 
 /// Trainer restarts in a row (no step completed in between) before the run gives up.
 const MAX_TRAINER_RESTARTS: u32 = 3;
+
+/// The curves PNG is redrawn after a step when it is older than this (and after step 1).
+const PLOT_EVERY: Duration = Duration::from_secs(30);
 
 /// How long the end of a run waits for the W&B sidecar to upload its last steps.
 const WANDB_FINISH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -70,8 +71,8 @@ pub struct RunPlan {
     /// Weights & Biases, when `--wandb-project` is set and its sidecar started.
     pub wandb: Option<WandbSink>,
     pub run_dir: PathBuf,
-    /// Set by Ctrl-C: finish the current step, save, stop.
-    pub stop_requested: Arc<AtomicBool>,
+    /// Set by SIGINT or SIGTERM: finish (or abandon) the current step, save, stop.
+    pub stop_requested: crate::signals::StopRequest,
     /// Recorded in every checkpoint's manifest (crate::save_dir).
     pub run_id: String,
     /// The failure budget and `--keep-last`.
@@ -94,6 +95,8 @@ pub struct DriverState {
     budget: FailureBudget,
     reply: Option<RpcReplyPort<Result<RunSummary, String>>>,
     started: Instant,
+    /// When the curves PNG was last drawn.
+    plotted: Option<Instant>,
 }
 
 pub struct DriverActor;
@@ -127,6 +130,7 @@ impl Actor for DriverActor {
             restarts: 0,
             reply: None,
             started: Instant::now(),
+            plotted: None,
         })
     }
 
@@ -143,7 +147,7 @@ impl Actor for DriverActor {
                 myself.send_message(DriverMsg::Step)?;
             }
             DriverMsg::Step => {
-                let interrupted = state.plan.stop_requested.load(Ordering::SeqCst);
+                let interrupted = state.plan.stop_requested.is_requested();
                 if interrupted || state.next_step > state.plan.last_step {
                     let result = finish(state, interrupted)
                         .await
@@ -155,12 +159,16 @@ impl Actor for DriverActor {
                 }
                 let step = state.next_step;
                 let outcome = match one_step(state).await {
-                    Ok(None) => {
+                    Ok(StepEnd::Abandoned) => {
+                        // Abandoned on request: the next message finishes the run.
+                        Ok(())
+                    }
+                    Ok(StepEnd::Trained) => {
                         state.restarts = 0;
                         state.budget.succeeded();
                         Ok(())
                     }
-                    Ok(Some(failure)) => step_failed(state, step, &failure).await,
+                    Ok(StepEnd::Failed(failure)) => step_failed(state, step, &failure).await,
                     Err(e) => match e.downcast_ref::<TrainerCallError>() {
                         Some(TrainerCallError::Lost { .. }) => {
                             trainer_lost(state, step, &format!("{e:#}")).await
@@ -204,8 +212,18 @@ async fn step_failed(
     Ok(())
 }
 
-/// Runs the next step; `Some` when it failed and trained nothing (it is not recorded).
-async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>> {
+/// How a step ended.
+enum StepEnd {
+    Trained,
+    /// A stop request abandoned it during its rollouts (`--on-stop abandon-step`): nothing
+    /// of it is recorded and the trainer is untouched.
+    Abandoned,
+    /// It failed and trained nothing (it is not recorded).
+    Failed(StepFailure),
+}
+
+/// Runs the next step.
+async fn one_step(state: &mut DriverState) -> anyhow::Result<StepEnd> {
     let plan = &mut state.plan;
     let step = state.next_step;
     let version = state.weight_version;
@@ -219,7 +237,8 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>
         reward = Empty,
         loss = Empty
     );
-    let outcome = run_step(
+    crate::status::step_started(step);
+    let running = run_step(
         &plan.actors,
         step,
         &mut plan.queue,
@@ -229,10 +248,18 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>
         plan.save_debug.as_deref(),
         plan.checks,
     )
-    .instrument(span.clone())
-    .await?;
+    .instrument(span.clone());
+    let stop = plan.stop_requested.clone();
+    let outcome = tokio::select! {
+        outcome = running => outcome?,
+        () = stop.abandon_while_collecting() => {
+            crate::status::set_phase(crate::status::Phase::Stopping);
+            warn!(step, "step {step} abandoned during its rollouts (--on-stop abandon-step)");
+            return Ok(StepEnd::Abandoned);
+        }
+    };
     if let Some(failure) = outcome.failed {
-        return Ok(Some(failure));
+        return Ok(StepEnd::Failed(failure));
     }
     let m = &outcome.metrics;
     if let Some(reward) = m.get("rollout/raw_reward") {
@@ -251,7 +278,18 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>
     if let Some(wandb) = &plan.wandb {
         wandb.log(step, m);
     }
-    println!("{}", progress_line(step, plan.last_step, m));
+    let trained = !plan.actors.rollout_only;
+    let version_after = if trained { step } else { state.weight_version };
+    let (elapsed, eta) = crate::status::step_finished(step, version_after, m);
+    let line = format!(
+        "{}  elapsed {}  eta {}",
+        progress_line(step, plan.last_step, m),
+        crate::status::human_duration(elapsed),
+        eta.map(crate::status::human_duration)
+            .unwrap_or_else(|| "-".into())
+    );
+    println!("{line}");
+    manta_telemetry::run_log::line(&line);
     if m.get("rollout/failed_count").copied().unwrap_or(0.0) > 0.0 {
         warn!(
             step,
@@ -261,7 +299,6 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>
     }
     append_trained_ids(&plan.run_dir, step, &outcome.trained_ids)?;
     state.trained.push((step, outcome.trained_ids));
-    let trained = !plan.actors.rollout_only;
     if trained {
         state.weight_version = step;
     }
@@ -282,7 +319,15 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<Option<StepFailure>
             .await?;
         }
     }
-    Ok(None)
+    if state.plotted.is_none_or(|t| t.elapsed() >= PLOT_EVERY) {
+        state.plotted = Some(Instant::now());
+        let png = plan.run_dir.join("curves.png");
+        if let Err(e) = manta_telemetry::plot_curves(plan.metrics.path(), &png) {
+            warn!(error = %e, "curves not redrawn");
+        }
+    }
+    crate::status::set_phase(crate::status::Phase::Idle);
+    Ok(StepEnd::Trained)
 }
 
 /// One line per step: where its time went and how fast tokens moved. `rollout` is the
@@ -306,6 +351,7 @@ pub fn progress_line(step: u64, last_step: u64, m: &manta_telemetry::StepMetrics
 }
 
 async fn finish(state: &mut DriverState, interrupted: bool) -> anyhow::Result<RunSummary> {
+    crate::status::set_phase(crate::status::Phase::Stopping);
     if let Some(wandb) = state.plan.wandb.take() {
         // Blocking wait for the sidecar's upload, off the runtime's worker threads.
         let _ = tokio::task::spawn_blocking(move || wandb.finish(WANDB_FINISH_TIMEOUT)).await;
@@ -446,6 +492,7 @@ async fn restart_trainer(
         state.tensorboard = None;
     }
     plan.queue.rewind(from);
+    crate::status::rewound(from);
     state.next_step = from + 1;
     state.weight_version = from;
     info!(
@@ -506,7 +553,12 @@ pub async fn save_checkpoint(
     let name = format!("step_{step:06}");
     let target = dir.join(&name);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let phase = crate::status::phase();
+    crate::status::set_phase(crate::status::Phase::Checkpoint);
+    let progress =
+        manta_telemetry::Progress::start(format!("saving checkpoint {}", target.display()));
     if let Err(e) = trainer.save_checkpoint(&target, step).await {
+        crate::status::set_phase(phase);
         let tmp = target.with_extension("tmp");
         if tmp.is_dir() {
             if let Err(rm) = std::fs::remove_dir_all(&tmp) {
@@ -515,6 +567,7 @@ pub async fn save_checkpoint(
         }
         return Err(e).with_context(|| format!("saving checkpoint {}", target.display()));
     }
+    drop(progress);
     // Where ranks keep their parts on their workers' disks, this directory holds the
     // driver's record of them only; it is what the manifest covers then.
     if target.is_dir() {
@@ -536,6 +589,7 @@ pub async fn save_checkpoint(
             info!(checkpoint = %old.display(), "--keep-last {keep}: deleted");
         }
     }
+    crate::status::set_phase(phase);
     Ok(())
 }
 

@@ -40,6 +40,7 @@ pub async fn run(args: &ExportArgs) -> anyhow::Result<Exported> {
 /// model).
 pub async fn export(dir: PathBuf, out: PathBuf, opts: ExportOptions) -> anyhow::Result<Exported> {
     let shown = format!("exporting {} to {}", dir.display(), out.display());
+    let _progress = manta_telemetry::Progress::start(shown.clone());
     tokio::task::spawn_blocking(move || {
         // The checkpoint must match its manifest before anything is read from it.
         crate::checkpoint_manifest::verify(&dir)

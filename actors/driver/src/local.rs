@@ -327,9 +327,12 @@ pub async fn start(
                     settings.seed,
                     logs.join(format!("{i}.log")),
                 );
+                let progress =
+                    manta_telemetry::Progress::start(format!("starting SGLang engine {i}"));
                 let engine = SglangEngine::launch(opts).await.with_context(|| {
                     format!("starting SGLang engine {i} (rollout.engine = \"sglang\")")
                 })?;
+                drop(progress);
                 if let Some(device) = trainer_at.gpu.filter(|_| trainer.is_some()) {
                     feed_sglang(&engine, i, device, &engine_at).await?;
                 }

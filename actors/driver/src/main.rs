@@ -1,8 +1,6 @@
 //! `driver`: trains an LLM with GRPO on OpenReward environments.
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 use clap::Parser;
 use manta_driver::cli::{Cli, Command};
@@ -80,24 +78,26 @@ async fn run(cli: Cli) -> ExitCode {
                 }
             };
         }
+        Some(Command::Status(args)) => {
+            return match manta_driver::status_cmd::status(&args).await {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         None => cli.train,
     };
-    // First Ctrl-C: finish the current step, checkpoint, stop every actor. Second: stop
-    // the actors on the workers (2 s at most) and exit now.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    tokio::spawn(async move {
-        while tokio::signal::ctrl_c().await.is_ok() {
-            if flag.swap(true, Ordering::SeqCst) {
-                eprintln!("second Ctrl-C: stopping actors on the workers and exiting now");
-                let stopped =
-                    manta_driver::shutdown::force_stop(std::time::Duration::from_secs(2)).await;
-                eprintln!("stopped {stopped} remote actors");
-                std::process::exit(130);
-            }
-            eprintln!("Ctrl-C: stopping after the current step (press again to exit now)");
-        }
-    });
+    // SIGINT or SIGTERM: end the run (manta_driver::signals); a second: exit now (130).
+    let stop = manta_driver::signals::StopRequest::new(args.on_stop);
+    if let Err(e) = manta_driver::signals::watch(stop.clone()) {
+        eprintln!("error: watching SIGINT and SIGTERM: {e}");
+        return ExitCode::FAILURE;
+    }
     match manta_driver::run::train(&args, stop).await {
         Ok(summary) => {
             println!(

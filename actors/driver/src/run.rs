@@ -2,8 +2,6 @@
 //! tasks, resume, then the DriverActor's loop.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use anyhow::Context;
 use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
@@ -220,8 +218,11 @@ async fn list_tasks(
 }
 
 /// Runs a whole training job, local or remote (cluster.toml `[cluster] mode`). `stop` is
-/// polled between steps.
-pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<RunSummary> {
+/// polled between steps (and, with `--on-stop abandon-step`, during rollouts).
+pub async fn train(
+    args: &TrainArgs,
+    stop: crate::signals::StopRequest,
+) -> anyhow::Result<RunSummary> {
     let ResolvedConfig {
         cluster,
         train,
@@ -262,6 +263,13 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         println!("resuming into {}", run.path.display());
     }
     let run_path = run.path.clone();
+    // The run's log and status endpoint from here on, before the long start-up work.
+    std::fs::create_dir_all(&run.path)
+        .with_context(|| format!("creating {}", run.path.display()))?;
+    let log = run.path.join("driver.log");
+    manta_telemetry::run_log::open(&log).with_context(|| format!("opening {}", log.display()))?;
+    crate::status_server::start(args.status_addr).await?;
+    crate::status_server::write_addr_file(&run.path)?;
     settings.run_name = Some(run.name);
     let (_save_lock, run_id) = prepare_save_dir(&settings, &run_path, recorded.as_ref())?;
     if args.save_hf && (settings.save.is_none() || settings.debug_rollout_only) {
@@ -287,7 +295,17 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         mode = ?cluster.mode,
         "starting training"
     );
-    let placed = place(&cluster, &train, &mut settings).await?;
+    crate::status::describe_cluster(
+        match cluster.mode {
+            ClusterMode::Local => "local",
+            ClusterMode::Remote => "remote",
+        },
+        (cluster.mode == ClusterMode::Local).then(|| local_node(&cluster)),
+    );
+    let placed = {
+        let _progress = manta_telemetry::Progress::start("placing actors and loading the model");
+        place(&cluster, &train, &mut settings).await?
+    };
     let result = run_with_actors(
         &placed.env_clients,
         placed.actors,
@@ -304,6 +322,29 @@ pub async fn train(args: &TrainArgs, stop: Arc<AtomicBool>) -> anyhow::Result<Ru
         save_hf(save, &settings.model).await?;
     }
     Ok(summary)
+}
+
+/// Local mode's one node for `driver status`: this host, the trainer's GPUs, and the
+/// actors local placement names (trainer ranks, `rollout-<i>`).
+fn local_node(cluster: &ClusterConfig) -> crate::status::NodeStatus {
+    let gpus = cluster.trainer.gpus.clone();
+    let ranks = cluster.trainer.data_parallel_world();
+    let mut actors: Vec<String> = if ranks > 1 {
+        (0..ranks).map(|r| format!("trainer-{r}")).collect()
+    } else {
+        vec!["trainer".into()]
+    };
+    actors.extend((0..cluster.rollout.engines.max(1)).map(|i| format!("rollout-{i}")));
+    crate::status::NodeStatus {
+        address: "local".into(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default(),
+        gpus,
+        actors,
+        healthy: true,
+        error: None,
+    }
 }
 
 /// `--save-hf`: the latest checkpoint under `save` as a Hugging Face model directory in
@@ -366,7 +407,7 @@ pub(crate) async fn run_with_actors(
     train: &TrainConfig,
     settings: &TrainSettings,
     recovery: TrainerRecovery,
-    stop: Arc<AtomicBool>,
+    stop: crate::signals::StopRequest,
     (run_id, guards): (String, Guards),
 ) -> anyhow::Result<RunSummary> {
     // Partial rollouts: a weight update ends running generate calls at once (their
@@ -403,6 +444,10 @@ pub(crate) async fn run_with_actors(
     if let Some(dir) = &settings.load {
         let checkpoint = latest_checkpoint(dir)?;
         verify_checkpoint(&checkpoint).await?;
+        let _progress = manta_telemetry::Progress::start(format!(
+            "loading checkpoint {}",
+            checkpoint.display()
+        ));
         let step = actors
             .trainer
             .load_checkpoint(&checkpoint)
@@ -477,6 +522,7 @@ pub(crate) async fn run_with_actors(
             context_len: settings.context_len,
         },
     };
+    crate::status::start_run(&plan.run_dir, first_step, plan.last_step);
     let (driver, handle) = Actor::spawn(Some("driver".into()), DriverActor, plan)
         .await
         .context("starting the driver actor")?;

@@ -27,6 +27,18 @@ pub fn register(client: WorkerClient, actors: Vec<String>) {
     }
 }
 
+/// One client per worker that hosts registered actors (for `driver status`).
+pub fn placed_clients() -> Vec<WorkerClient> {
+    let placed = PLACED.lock().map(|p| p.clone()).unwrap_or_default();
+    let mut clients: Vec<WorkerClient> = Vec::new();
+    for (client, _) in placed {
+        if clients.iter().all(|c| c.addr() != client.addr()) {
+            clients.push(client);
+        }
+    }
+    clients
+}
+
 /// Stops every registered actor, all workers at once, waiting at most `limit`.
 /// Returns how many stop calls succeeded.
 pub async fn force_stop(limit: Duration) -> usize {

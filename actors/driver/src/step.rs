@@ -112,6 +112,7 @@ pub async fn run_step(
         });
     }
     let train_started = Instant::now();
+    crate::status::set_phase(crate::status::Phase::Train);
     let released = actors.rollouts.release_memory().await;
     m.insert("rollout/kv_released_engines".into(), released.len() as f64);
     if batch.samples.is_empty() {
@@ -135,6 +136,7 @@ pub async fn run_step(
         );
     }
     actors.rollouts.resume_memory(&released).await?;
+    crate::status::set_phase(crate::status::Phase::WeightSync);
     let synced = actors.weights.sync(step).await?;
     synced.record(&mut m);
     if let Some(live) = actors.rollouts.live_nodes() {

@@ -25,6 +25,9 @@ struct Args {
     /// Private key (PEM) of --tls-cert; needs --tls-cert.
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics (GET /metrics: GPUs, hosted actors, uptime) here.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<SocketAddr>,
 }
 
 fn main() -> ExitCode {
@@ -77,7 +80,8 @@ async fn serve(nccl_env: &'static str) -> ExitCode {
     let scheme = if tls.is_some() { "TLS" } else { "plaintext" };
     println!("worker listening on {} ({scheme})", args.listen);
     // Actors run on this (multi-thread) runtime; gRPC on a control-plane thread.
-    let daemon = manta_runtime::WorkerDaemon::new(args.gpus);
+    let daemon = manta_runtime::WorkerDaemon::new(args.gpus.clone());
+    let metrics_token = token.clone();
     let server = match manta_hosting::spawn_control_plane(daemon.clone(), listener, token, tls) {
         Ok(s) => s,
         Err(e) => {
@@ -85,11 +89,31 @@ async fn serve(nccl_env: &'static str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(addr) = args.metrics_addr {
+        match manta_driver::worker_metrics::start(addr, args.listen, metrics_token, args.gpus).await
+        {
+            Ok(bound) => println!("worker metrics on http://{bound}/metrics"),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                daemon.request_shutdown();
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let finished = tokio::task::spawn_blocking(move || server.join());
     tokio::pin!(finished);
+    // SIGINT or SIGTERM (scancel, a pod deletion): stop the hosted actors and leave; the
+    // driver sees the node go and re-queues its episodes elsewhere.
     let joined = tokio::select! {
         joined = &mut finished => joined,
-        _ = tokio::signal::ctrl_c() => {
+        signal = manta_driver::signals::worker_stop_signal() => {
+            match signal {
+                Ok(name) => eprintln!("{name}: stopping the hosted actors and leaving"),
+                Err(e) => eprintln!("error: watching SIGINT and SIGTERM: {e}"),
+            }
+            // Actors first: the driver's calls into them fail now (and are re-queued)
+            // instead of the server waiting for them to end.
+            daemon.stop_all().await;
             daemon.request_shutdown();
             finished.await
         }

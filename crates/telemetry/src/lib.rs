@@ -4,6 +4,8 @@
 pub mod logging;
 pub mod metrics;
 pub mod plot;
+pub mod progress;
+pub mod run_log;
 pub mod tensorboard;
 pub mod trace_context;
 pub mod wandb;
@@ -11,6 +13,7 @@ pub mod wandb;
 pub use logging::{init_logging, shutdown_tracing, TracingGuard, OTLP_ENDPOINT_ENV};
 pub use metrics::{read_metrics, MetricsWriter, StepMetrics};
 pub use plot::{plot_curves, PlotError, PlottedSeries, PLOTTED_METRICS};
+pub use progress::Progress;
 pub use tensorboard::{read_event_steps, TensorBoardWriter};
 pub use trace_context::{
     inject_into_metadata, inject_trace_context, set_parent_from, set_parent_from_metadata,

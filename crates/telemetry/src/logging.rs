@@ -36,7 +36,8 @@ impl Drop for TracingGuard {
     }
 }
 
-/// Logs to stderr (`RUST_LOG` overrides the default level, `info`) and, when
+/// Logs to stderr (`RUST_LOG` overrides the default level, `info`) and to the run log
+/// once one is opened ([`crate::run_log`]), and, when
 /// `OTEL_EXPORTER_OTLP_ENDPOINT` is set, exports Manta's spans (`manta*` targets, info
 /// and above, whatever `RUST_LOG` says) over OTLP/gRPC with `service.name` =
 /// `service_name` (e.g. `manta-driver`, `manta-worker`). Call it inside a multi-thread
@@ -48,6 +49,12 @@ pub fn init_logging(service_name: &str) -> TracingGuard {
         .with_target(false)
         .with_writer(std::io::stderr)
         .with_filter(filter);
+    // The run directory's driver.log: info and above whatever RUST_LOG says, no colours.
+    let run_log = tracing_subscriber::fmt::layer()
+        .with_target(false)
+        .with_ansi(false)
+        .with_writer(crate::run_log::RunLogWriter)
+        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
     let endpoint = std::env::var(OTLP_ENDPOINT_ENV)
         .ok()
         .filter(|v| !v.trim().is_empty());
@@ -71,6 +78,7 @@ pub fn init_logging(service_name: &str) -> TracingGuard {
     };
     let installed = tracing_subscriber::registry()
         .with(fmt)
+        .with(run_log)
         .with(otel)
         .try_init()
         .is_ok();

@@ -71,7 +71,11 @@ impl Rollouts {
         requests: Vec<EpisodeRequest>,
         generation: GenerationSettings,
     ) -> anyhow::Result<Vec<Sample>> {
-        self.0.run_episodes(requests, generation).await
+        // Counted for `driver status` while they run (also when the call is dropped).
+        let in_flight = InFlight::new(requests.len());
+        let samples = self.0.run_episodes(requests, generation).await;
+        drop(in_flight);
+        samples
     }
 
     pub async fn release_memory(&self) -> Released {
@@ -84,5 +88,21 @@ impl Rollouts {
 
     pub fn live_nodes(&self) -> Option<usize> {
         self.0.live_nodes()
+    }
+}
+
+/// Episodes counted as in flight (crate::status) for as long as it lives.
+struct InFlight(i64);
+
+impl InFlight {
+    fn new(n: usize) -> Self {
+        crate::status::episodes_in_flight(n as i64);
+        Self(n as i64)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        crate::status::episodes_in_flight(-self.0);
     }
 }
