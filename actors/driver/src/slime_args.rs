@@ -100,6 +100,7 @@ pub const IGNORED: &[Ignored] = &[
     ignored("--moe-router-load-balancing-type", true, ARCHITECTURE),
     ignored("--moe-aux-loss-coeff", true, ARCHITECTURE),
     ignored("--moe-router-dtype", true, ARCHITECTURE),
+    ignored("--model-name", true, ARCHITECTURE),
     // The cookbook's plug-ins, which Manta's episode loop implements.
     ignored("--custom-generate-function-path", true, EPISODE),
     ignored("--custom-rm-path", true, EPISODE),
@@ -383,5 +384,421 @@ where
         tokens.next().map(|(_, t)| t.to_string_lossy().into_owned())
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use manta_config::TrainSettings;
+
+    /// Translates and parses a training command line.
+    fn parse(args: &[&str]) -> (crate::cli::TrainArgs, TrainSettings, Translated) {
+        let mut argv = vec!["driver"];
+        argv.extend_from_slice(args);
+        let translated = translate(argv).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let cli = Cli::try_parse_from(&translated.args).unwrap_or_else(|e| panic!("{e}"));
+        let flags = cli.train.overrides();
+        flags
+            .validate(std::path::Path::new("command line"), "--")
+            .unwrap();
+        flags.validate_merged().unwrap();
+        let settings = flags.resolve();
+        (cli.train, settings, translated)
+    }
+
+    fn refused(args: &[&str]) -> Vec<String> {
+        let mut argv = vec!["driver"];
+        argv.extend_from_slice(args);
+        translate(argv)
+            .expect_err("refused")
+            .0
+            .into_iter()
+            .map(|(flag, _)| flag)
+            .collect()
+    }
+
+    /// What the Miles cookbook run.sh hands train_async.py, with its defaults, then
+    /// its README's `-- EXTRA_ARGS` example.
+    const MILES_RUN_SH: &[&str] = &[
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "4",
+        "--rollout-num-gpus",
+        "4",
+        "--rollout-num-gpus-per-engine",
+        "4",
+        "--train-backend",
+        "fsdp",
+        "--hf-checkpoint",
+        "/models/Qwen3-4B",
+        "--save",
+        "/ckpt/",
+        "--load",
+        "/ckpt/",
+        "--save-interval",
+        "10",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        "0.0",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.999",
+        "--adam-eps",
+        "1e-8",
+        "--advantage-estimator",
+        "grpo",
+        "--prompt-data",
+        "/data/tasks.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-shuffle",
+        "--custom-generate-function-path",
+        "generate.generate",
+        "--n-samples-per-prompt",
+        "16",
+        "--rollout-batch-size",
+        "32",
+        "--num-steps-per-rollout",
+        "1",
+        "--global-batch-size",
+        "512",
+        "--rollout-max-response-len",
+        "4096",
+        "--rollout-temperature",
+        "0.8",
+        "--num-rollout",
+        "3000",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "8192",
+        "--gradient-checkpointing",
+        "--sglang-mem-fraction-static",
+        "0.8",
+        "--use-wandb",
+        "--wandb-project",
+        "miles-openreward",
+        "--wandb-run-name",
+        "miles-rl-openreward-1",
+        "--wandb-key",
+        "secret",
+        "--wandb-group",
+        "miles-openreward",
+        "--",
+        "--context-parallel-size",
+        "2",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+    ];
+
+    #[test]
+    fn miles_run_sh_reaches_the_settings_with_slime_meanings() {
+        let (args, s, translated) = parse(MILES_RUN_SH);
+        assert_eq!(s.model, std::path::PathBuf::from("/models/Qwen3-4B"));
+        assert_eq!(s.save.as_deref(), Some(std::path::Path::new("/ckpt/")));
+        assert_eq!(s.load.as_deref(), Some(std::path::Path::new("/ckpt/")));
+        assert_eq!((s.save_interval, s.num_rollout), (10, 3000));
+        assert_eq!((s.lr, s.weight_decay), (1e-5, 0.0));
+        assert_eq!((s.adam_beta1, s.adam_beta2, s.adam_eps), (0.9, 0.999, 1e-8));
+        assert_eq!(s.algo.lr_decay_style, "cosine");
+        assert_eq!(s.algo.advantage_estimator, "grpo");
+        assert_eq!(
+            s.task_data.as_deref(),
+            Some(std::path::Path::new("/data/tasks.jsonl"))
+        );
+        assert_eq!((s.n_samples, s.rollout_batch_size), (16, 32));
+        assert_eq!(s.algo.num_steps_per_rollout, 1);
+        assert_eq!((s.max_response_len, s.temperature), (4096, 0.8));
+        assert_eq!(s.max_tokens_per_gpu, 8192);
+        assert!(s.recompute.is_some(), "bare --gradient-checkpointing is on");
+        assert_eq!(s.wandb_project.as_deref(), Some("miles-openreward"));
+        assert_eq!(s.wandb_run.as_deref(), Some("miles-rl-openreward-1"));
+        assert!(args.use_wandb && args.use_dynamic_batch_size && args.rollout_shuffle);
+        // After `--`: parsed the same way.
+        assert_eq!(s.context_parallel_size, 2);
+        assert!(s.algo.use_kl_loss);
+        assert_eq!(s.algo.kl_loss_coef, 0.01);
+        let warning = translated.warning().expect("one warning");
+        for flag in [
+            "--actor-num-nodes",
+            "--actor-num-gpus-per-node",
+            "--rollout-num-gpus",
+            "--rollout-num-gpus-per-engine",
+            "--train-backend",
+            "--custom-generate-function-path",
+            "--sglang-mem-fraction-static",
+            "--wandb-key",
+            "--wandb-group",
+        ] {
+            assert!(warning.contains(flag), "{flag} not in {warning}");
+        }
+        assert!(!warning.contains("secret"), "values stay out: {warning}");
+    }
+
+    #[test]
+    fn slime_run_sh_with_megatron_flags_runs_with_one_warning() {
+        let (_, s, translated) = parse(&[
+            "--actor-num-nodes",
+            "1",
+            "--actor-num-gpus-per-node",
+            "4",
+            "--rollout-num-gpus",
+            "4",
+            "--colocate",
+            "--rollout-num-gpus-per-engine",
+            "4",
+            "--num-layers",
+            "48",
+            "--hidden-size",
+            "2048",
+            "--swiglu",
+            "--qk-layernorm",
+            "--hf-checkpoint",
+            "/models/Qwen3-4B",
+            "--load",
+            "/megatron/ckpt",
+            "--save",
+            "/ckpt",
+            "--eps-clip",
+            "0.2",
+            "--tensor-model-parallel-size",
+            "4",
+            "--pipeline-model-parallel-size",
+            "1",
+            "--context-parallel-size",
+            "1",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+            "--attention-dropout",
+            "0.0",
+            "--hidden-dropout",
+            "0.0",
+            "--accumulate-allreduce-grads-in-fp32",
+            "--attention-softmax-in-fp32",
+            "--attention-backend",
+            "flash",
+            "--model-name",
+            "qwen3-30b-a3b",
+        ]);
+        assert_eq!(s.eps_clip, 0.2);
+        assert_eq!(s.recompute.map(|r| r.num_layers), Some(1));
+        let warning = translated.warning().unwrap();
+        assert_eq!(warning.lines().count(), 1, "{warning}");
+        assert!(
+            warning.contains("--swiglu") && warning.contains("config.json"),
+            "{warning}"
+        );
+        assert!(
+            warning.contains("--tensor-model-parallel-size") && warning.contains("cluster.toml")
+        );
+    }
+
+    #[test]
+    fn run_sh_own_flags_are_accepted() {
+        let (_, s, translated) = parse(&[
+            "--model",
+            "/m",
+            "--lr",
+            "5e-6",
+            "--n-samples",
+            "8",
+            "--rollout-batch-size",
+            "16",
+            "--max-response-len",
+            "1024",
+            "--max-total-len",
+            "4096",
+            "--max-tokens-per-gpu",
+            "4096",
+            "--temperature",
+            "1.0",
+            "--num-rollout",
+            "5",
+            "--task-data",
+            "t.jsonl",
+            "--config",
+            "c.yaml",
+            "--wandb-project",
+            "p",
+            "--wandb-run",
+            "r",
+            "--actor-gpus",
+            "4",
+            "--rollout-gpus",
+            "4",
+            "--tp",
+            "4",
+            "--actor-nodes",
+            "1",
+            "--train-backend",
+            "megatron",
+            "--megatron-ckpt",
+            "/x",
+            "--model-args",
+            "m.sh",
+            "--megatron-path",
+            "/mp",
+            "--slime-path",
+            "/sp",
+            "--num-gpus",
+            "4",
+        ]);
+        assert_eq!(
+            (s.n_samples, s.rollout_batch_size, s.context_len),
+            (8, 16, 4096)
+        );
+        assert_eq!(s.wandb_run.as_deref(), Some("r"));
+        assert_eq!(translated.ignored.len(), 10);
+    }
+
+    #[test]
+    fn every_refused_flag_is_named_in_one_error() {
+        let mut argv = vec!["driver", "--lr", "1e-5"];
+        argv.extend([
+            "--enable-mtp-training",
+            "--mtp-num-layers",
+            "1",
+            "--mtp-loss-scaling-factor",
+            "0.2",
+            "--sglang-speculative-algorithm",
+            "EAGLE",
+            "--sglang-speculative-num-steps",
+            "3",
+            "--sglang-speculative-eagle-topk",
+            "1",
+            "--sglang-speculative-num-draft-tokens",
+            "4",
+            "--sglang-speculative-draft-model-path",
+            "/d",
+            "--sglang-enable-draft-weights-cpu-backup",
+            "--deterministic-mode",
+            "--sglang-enable-deterministic-inference",
+            "--optimizer",
+            "sgd",
+            "--input-key",
+            "question",
+            "--rollout-top-p",
+            "0.9",
+            "--use-wandbx",
+            "--",
+            "--not-a-flag",
+            "3",
+        ]);
+        let err = translate(argv).unwrap_err();
+        let names: Vec<&str> = err.0.iter().map(|(f, _)| f.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "--enable-mtp-training",
+                "--mtp-num-layers",
+                "--mtp-loss-scaling-factor",
+                "--sglang-speculative-algorithm",
+                "--sglang-speculative-num-steps",
+                "--sglang-speculative-eagle-topk",
+                "--sglang-speculative-num-draft-tokens",
+                "--sglang-speculative-draft-model-path",
+                "--sglang-enable-draft-weights-cpu-backup",
+                "--deterministic-mode",
+                "--sglang-enable-deterministic-inference",
+                "--optimizer sgd",
+                "--input-key question",
+                "--rollout-top-p 0.9",
+                "--use-wandbx",
+                "--not-a-flag",
+            ]
+        );
+        let text = err.to_string();
+        assert!(text.starts_with("16 flags cannot be used"), "{text}");
+        assert!(
+            text.contains("AdamW") && text.contains("multi-token"),
+            "{text}"
+        );
+        // No clap "did you mean" misdirection.
+        assert!(!text.contains("--use-unbiased-kl"), "{text}");
+    }
+
+    #[test]
+    fn one_value_flags_accept_their_value_and_inline_values_work() {
+        let (_, _, t) = parse(&[
+            "--optimizer=adam",
+            "--rollout-top-p",
+            "1.0",
+            "--rollout-top-k",
+            "-1",
+            "--metadata-key",
+            "metadata",
+            "--tp=2",
+        ]);
+        assert_eq!(t.ignored.len(), 1);
+        assert_eq!(refused(&["--rollout-top-k", "20"]), ["--rollout-top-k 20"]);
+    }
+
+    #[test]
+    fn global_batch_size_derives_and_is_checked() {
+        let (_, s, _) = parse(&[
+            "--rollout-batch-size",
+            "4",
+            "--n-samples",
+            "4",
+            "--global-batch-size",
+            "8",
+        ]);
+        assert_eq!(s.algo.num_steps_per_rollout, 2);
+        for bad in [
+            &[
+                "--rollout-batch-size",
+                "4",
+                "--n-samples",
+                "4",
+                "--global-batch-size",
+                "5",
+            ][..],
+            &[
+                "--rollout-batch-size",
+                "4",
+                "--n-samples",
+                "4",
+                "--global-batch-size",
+                "8",
+                "--num-steps-per-rollout",
+                "1",
+            ],
+        ] {
+            let mut argv = vec!["driver"];
+            argv.extend_from_slice(bad);
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let err = cli
+                .train
+                .overrides()
+                .validate_merged()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--global-batch-size"), "{err}");
+        }
+    }
+
+    #[test]
+    fn later_flags_win_as_in_argparse_and_other_commands_pass_through() {
+        let (_, s, _) = parse(&["--lr", "1e-5", "--", "--lr", "2e-5"]);
+        assert_eq!(s.lr, 2e-5);
+        let (_, s, _) = parse(&["--gradient-checkpointing", "false"]);
+        assert!(s.recompute.is_none());
+        let t = translate(["driver", "prepare-tasks", "--tp", "4"]).unwrap();
+        assert_eq!(t.args.len(), 4);
     }
 }
