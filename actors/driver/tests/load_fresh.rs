@@ -47,7 +47,10 @@ fn load_of_an_empty_directory_starts_fresh_then_resumes_to_the_total() {
     let runs = tmp.path().join("runs");
     // Missing directory: fresh.
     let first = run(&ckpt, &runs, "first", "2");
-    assert!(first.contains("no checkpoint there yet; starting fresh"), "{first}");
+    assert!(
+        first.contains("no checkpoint there yet; starting fresh"),
+        "{first}"
+    );
     assert_eq!(steps(&first).len(), 2, "{first}");
     assert!(ckpt.join("latest").is_file());
     // The same directory again, with a total of 3 steps: only step 3 is trained.

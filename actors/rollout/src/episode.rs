@@ -688,6 +688,17 @@ mod tests {
     use crate::ors::ToolSpec;
 
     #[test]
+    fn thinking_boundary_is_the_cookbooks() {
+        let chars = |t: &str| t.chars().count();
+        assert_eq!(thinking_boundary("no tags here", 12, chars), 0);
+        let text = "<think>a</think>\n \r\nanswer";
+        assert_eq!(thinking_boundary(text, 100, chars), 20);
+        // Tabs are not in the cookbook's whitespace set; the count is capped.
+        assert_eq!(thinking_boundary("</think>\tx", 100, chars), 8);
+        assert_eq!(thinking_boundary(text, 5, chars), 5);
+    }
+
+    #[test]
     fn assistant_text_drops_markers_and_the_call() {
         let turn = "<think>\nhmm\n</think>\n\nLet me add.<tool_call>\n{\"name\": \"add\"}\n</tool_call><|im_end|>";
         let msgs = assistant_messages(turn, &parse_tool_call(turn));
