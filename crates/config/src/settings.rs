@@ -619,7 +619,7 @@ impl TrainOverrides {
         let n_samples = self.n_samples.unwrap_or(DEFAULT_N_SAMPLES);
         let samples = rollout_batch_size * n_samples;
         let origin = Path::new("command line or cluster.toml [train]");
-        if global == 0 || samples % global != 0 {
+        if global == 0 || !samples.is_multiple_of(global) {
             return Err(ConfigError::invalid(
                 origin,
                 "--global-batch-size",
