@@ -9,10 +9,12 @@ use manta_config::TrainOverrides;
 ///
 /// With the default cluster.toml it trains a tiny model locally on the CPU against
 /// Manta's built-in environments: no GPU, no network. Flags override cluster.toml's
-/// `[train]` table, which overrides the OpenReward cookbook's defaults.
+/// `[train]` table, which overrides the OpenReward cookbook's defaults. slime's and
+/// Miles' flag names work too (also after `--`, as run.sh passes them); flags Manta has
+/// no use for are ignored with a warning (docs/migration.md).
 #[derive(Debug, Parser)]
 // `allow_negative_numbers`: `--lr -1` is a value (refused by validation), not a flag.
-#[command(name = "driver", version, about, long_about = None, args_conflicts_with_subcommands = true, allow_negative_numbers = true)]
+#[command(name = "driver", version, about, long_about = None, args_conflicts_with_subcommands = true, allow_negative_numbers = true, args_override_self = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -29,8 +31,8 @@ pub enum Command {
     /// Generate from a checkpoint with the native engine: smoke-tests a model and makes
     /// parity with Hugging Face checkable from outside.
     Generate(GenerateArgs),
-    /// Write tasks.jsonl from the environments of train_config.yaml, like the cookbook's
-    /// prepare_tasks.py: every configured split, shuffled with seed 42, capped per split.
+    /// Write tasks.jsonl from the environments of train_config.yaml as the cookbook's
+    /// prepare_tasks.py does: the same rows in the same order for the same --seed.
     PrepareTasks(PrepareTasksArgs),
     /// Serve the native engine over SGLang's HTTP API (flags as SGLang's launch_server),
     /// for anything that launches and talks to an SGLang server.
@@ -98,10 +100,13 @@ pub struct PrepareTasksArgs {
     /// Where to write the tasks (one JSON object per line; replaced atomically).
     #[arg(long, default_value = "tasks.jsonl")]
     pub output: PathBuf,
-    /// Most tasks per split; the smaller of this and the environment's `num_samples`
-    /// applies [all].
+    /// Most tasks per split of an environment whose `num_samples` is unset (the
+    /// cookbook's `num_samples or --max-tasks`) [all].
     #[arg(long)]
     pub max_tasks: Option<u64>,
+    /// Seed of Python's `random`, which picks and orders the tasks [42].
+    #[arg(long, default_value_t = crate::prepare_tasks::TASK_SEED, allow_negative_numbers = true)]
+    pub seed: i64,
 }
 
 /// Options of `driver generate`.
@@ -143,32 +148,40 @@ pub struct TrainArgs {
     /// `cluster.train_config`.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Model directory in Hugging Face layout (config.json, tokenizer.json, weights).
-    /// Without weights, the model is randomly initialised from --seed.
-    #[arg(long)]
+    /// Model directory in Hugging Face layout (config.json, tokenizer.json, weights), or
+    /// a hub name (ORG/NAME) found in the local Hugging Face cache (HF_HUB_CACHE, else
+    /// HF_HOME/hub, else ~/.cache/huggingface/hub). Without weights, the model is
+    /// randomly initialised from --seed.
+    #[arg(long, visible_alias = "hf-checkpoint")]
     pub model: Option<PathBuf>,
     /// Learning rate [cookbook: 1e-5].
     #[arg(long)]
     pub lr: Option<f64>,
     /// Samples per prompt: the GRPO group size [16].
-    #[arg(long)]
+    #[arg(long, visible_alias = "n-samples-per-prompt")]
     pub n_samples: Option<usize>,
     /// Prompts per step [32].
     #[arg(long)]
     pub rollout_batch_size: Option<usize>,
     /// Most tokens per generate call [4096].
-    #[arg(long)]
+    #[arg(long, visible_alias = "rollout-max-response-len")]
     pub max_response_len: Option<usize>,
     /// Training tokens per micro-batch per GPU [8192].
     #[arg(long)]
     pub max_tokens_per_gpu: Option<usize>,
-    /// Sampling temperature [1.0].
+    /// slime's switch for packing micro-batches by --max-tokens-per-gpu, which Manta
+    /// always does; accepted for run.sh.
     #[arg(long)]
+    pub use_dynamic_batch_size: bool,
+    /// Sampling temperature [1.0].
+    #[arg(long, visible_alias = "rollout-temperature")]
     pub temperature: Option<f64>,
     /// Directory for checkpoints (HF weights + optimizer + trainer state).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from the latest checkpoint in this directory.
+    /// Resume from the latest checkpoint in this directory; a directory without one
+    /// (missing, empty, or only other files) starts the run fresh, as Miles does, so
+    /// run.sh can pass the same directory to --save and --load.
     #[arg(long)]
     pub load: Option<PathBuf>,
     /// Steps between checkpoints [10]; 0 saves only at the end.
@@ -201,8 +214,9 @@ pub struct TrainArgs {
     /// Gradient norm clip [1.0].
     #[arg(long)]
     pub clip_grad: Option<f64>,
-    /// Recompute each layer in backward instead of keeping activations [true].
-    #[arg(long, value_name = "BOOL")]
+    /// Recompute each layer in backward instead of keeping activations; bare (as slime
+    /// spells it) means true [true].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub gradient_checkpointing: Option<bool>,
     /// Megatron's activation recompute: full (layers, with --recompute-method and
     /// --recompute-num-layers) or selective (core attention only, which SDPA's flash
@@ -243,11 +257,15 @@ pub struct TrainArgs {
     #[arg(long)]
     pub bf16: bool,
     /// Whole-episode token budget: prompt plus all turns [8192].
-    #[arg(long)]
+    #[arg(long, visible_alias = "max-total-len")]
     pub context_len: Option<usize>,
     /// tasks.jsonl to train from (from `prepare-tasks`); default: list tasks from the servers.
-    #[arg(long)]
+    #[arg(long, visible_alias = "prompt-data")]
     pub task_data: Option<PathBuf>,
+    /// slime's switch for shuffling the prompts every epoch, which Manta always does
+    /// (seeded by --seed); accepted for run.sh.
+    #[arg(long)]
+    pub rollout_shuffle: bool,
     /// Name of this run's folder under --runs-dir [a timestamp].
     #[arg(long)]
     pub run_name: Option<String>,
@@ -259,8 +277,12 @@ pub struct TrainArgs {
     #[arg(long)]
     pub wandb_project: Option<String>,
     /// W&B run name [the run's directory name under --runs-dir].
-    #[arg(long)]
+    #[arg(long, visible_alias = "wandb-run-name")]
     pub wandb_run: Option<String>,
+    /// slime's switch for W&B logging: needs --wandb-project (which alone turns W&B
+    /// on in Manta).
+    #[arg(long)]
+    pub use_wandb: bool,
     /// How rewards become advantages, and the policy loss: grpo, gspo (sequence-level
     /// ratio), cispo, reinforce_plus_plus, reinforce_plus_plus_baseline [grpo].
     #[arg(long)]
@@ -323,9 +345,15 @@ pub struct TrainArgs {
     /// Average the loss over all tokens of the step instead of per sample first.
     #[arg(long)]
     pub calculate_per_token_loss: bool,
-    /// Optimizer steps per rollout; the step's samples are split in order [1].
+    /// Optimizer steps per rollout; the step's samples are split in order [1, or
+    /// rollout-batch-size × n-samples ÷ --global-batch-size].
     #[arg(long)]
     pub num_steps_per_rollout: Option<usize>,
+    /// Samples per optimizer step (slime's name): must divide rollout-batch-size ×
+    /// n-samples; checked against --num-steps-per-rollout when both are set
+    /// [rollout-batch-size × n-samples].
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
     /// LR decay over the run: constant, linear, cosine [constant].
     #[arg(long)]
     pub lr_decay_style: Option<String>,
@@ -441,6 +469,7 @@ impl TrainArgs {
             opsm_delta: self.opsm_delta,
             calculate_per_token_loss: flag(self.calculate_per_token_loss),
             num_steps_per_rollout: self.num_steps_per_rollout,
+            global_batch_size: self.global_batch_size,
             lr_decay_style: self.lr_decay_style.clone(),
             lr_warmup_iters: self.lr_warmup_iters,
             min_lr: self.min_lr,

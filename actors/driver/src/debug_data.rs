@@ -1,6 +1,9 @@
 //! slime's debug rollout data: `--save-debug-rollout-data PATH` writes each step's
 //! samples to `PATH` with `{rollout_id}` replaced by the step (from 0), one JSON object
-//! per line; `--load-debug-rollout-data PATH` trains from such files instead of rollouts.
+//! per line, group after group; `--load-debug-rollout-data PATH` trains from such files
+//! instead of rollouts. As slime's, `group_index` and `index` count across the whole run
+//! (each group and each sample takes the next number), and a loader reads samples by
+//! their position in the file, not by those numbers.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -31,8 +34,14 @@ pub fn path_for(template: &str, rollout_id: u64) -> PathBuf {
     PathBuf::from(template.replace("{rollout_id}", &rollout_id.to_string()))
 }
 
-/// Writes `samples` as rollout `rollout_id`'s debug file (replaced atomically).
-pub fn save(template: &str, rollout_id: u64, samples: &[Sample]) -> anyhow::Result<PathBuf> {
+/// Writes `samples` as rollout `rollout_id`'s debug file (replaced atomically), with
+/// slime's run-wide `index`: group `g`'s sample `i` is number `g × n_samples + i`.
+pub fn save(
+    template: &str,
+    rollout_id: u64,
+    samples: &[Sample],
+    n_samples: usize,
+) -> anyhow::Result<PathBuf> {
     let path = path_for(template, rollout_id);
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -44,7 +53,7 @@ pub fn save(template: &str, rollout_id: u64, samples: &[Sample]) -> anyhow::Resu
     for s in samples {
         let record = Record {
             group_index: s.group_index,
-            index: s.index,
+            index: run_wide_index(s.group_index, s.index, n_samples),
             tokens: s.tokens.clone(),
             response_length: s.response_length,
             loss_mask: s.loss_mask.clone(),
@@ -63,7 +72,14 @@ pub fn save(template: &str, rollout_id: u64, samples: &[Sample]) -> anyhow::Resu
     Ok(path)
 }
 
-/// Reads rollout `rollout_id`'s samples; ids are numbered from `first_id` in file order.
+/// slime's sample counter for group `group`'s sample `index` when every group holds
+/// `n_samples`.
+fn run_wide_index(group: u32, index: u32, n_samples: usize) -> u32 {
+    let n = u32::try_from(n_samples).unwrap_or(u32::MAX);
+    group.saturating_mul(n).saturating_add(index)
+}
+
+/// Reads rollout `rollout_id`'s samples in file order (their numbers as written); ids are numbered from `first_id` in file order.
 /// Errors name the file and line.
 pub fn load(template: &str, rollout_id: u64, first_id: u64) -> anyhow::Result<Vec<Sample>> {
     let path = path_for(template, rollout_id);
@@ -124,7 +140,7 @@ mod tests {
             weight_version: 4,
             metadata: EpisodeMetadata::default(),
         };
-        let path = save(template, 3, std::slice::from_ref(&s)).unwrap();
+        let path = save(template, 3, std::slice::from_ref(&s), 4).unwrap();
         assert!(path.ends_with("debug_3.jsonl"));
         let text = std::fs::read_to_string(&path).unwrap();
         let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
@@ -141,6 +157,11 @@ mod tests {
             assert!(v.get(key).is_some(), "{key} missing: {v}");
         }
         assert_eq!(v["status"], "truncated");
+        // slime's run-wide numbering: group 1's sample 2 of 4 per group is number 6.
+        assert_eq!(
+            (v["group_index"].as_u64(), v["index"].as_u64()),
+            (Some(1), Some(6))
+        );
         assert_eq!(v["weight_versions"], serde_json::json!(["4"]));
         let back = load(template, 3, 100).unwrap();
         assert_eq!(back.len(), 1);

@@ -22,9 +22,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // slime's and Miles' flags: ignored ones dropped, all refused ones named at once.
+    let translated = match manta_driver::slime_args::translate(std::env::args_os()) {
+        Ok(t) => t,
+        Err(refused) => {
+            eprintln!("error: {refused}");
+            return ExitCode::from(2);
+        }
+    };
     runtime.block_on(async {
-        let cli = Cli::parse();
+        let cli = Cli::parse_from(&translated.args);
         let _telemetry = manta_telemetry::init_logging("manta-driver");
+        if let Some(warning) = translated.warning() {
+            tracing::warn!("{warning}");
+        }
         tracing::debug!(nccl_env, "NCCL environment");
         let code = run(cli).await;
         // Export the last spans while the runtime (which runs the OTLP connection) is up.

@@ -1,6 +1,8 @@
-//! `driver prepare-tasks`: the cookbook's prepare_tasks.py. Lists every configured
-//! split of every environment in train_config.yaml, shuffles each with seed 42, caps
-//! it, and writes tasks.jsonl in the cookbook's schema (which `--task-data` reads).
+//! `driver prepare-tasks`: the cookbook's prepare_tasks.py, row for row. Python's
+//! `random` is seeded once with `--seed`; every configured split of every environment
+//! (in train_config.yaml's order) is listed, shuffled and cut to `num_samples or
+//! --max-tasks`; the rows are shuffled once more and written as `json.dumps` writes
+//! them, in the cookbook's schema (which `--task-data` reads).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -8,15 +10,15 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use manta_config::TrainConfig;
-use serde::Serialize;
-use serde_json::Value;
+use manta_core::pyjson;
+use serde_json::{json, Value};
 
 use crate::cli::PrepareTasksArgs;
 use crate::local::{environment_clients, start_builtin_server};
-use crate::tasks::{shuffle_and_cap, task_hash};
+use crate::tasks::{cookbook_cap, task_hash, CookbookSelection};
 
-/// The cookbook's shuffle seed.
-pub const TASK_SEED: u64 = 42;
+/// The cookbook's default `--seed`.
+pub const TASK_SEED: i64 = 42;
 
 /// What a run of `prepare-tasks` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,33 +27,6 @@ pub struct PrepareSummary {
     pub tasks: usize,
     /// Tasks written per (`Owner/Name`, split), in file order.
     pub per_split: Vec<(String, String, usize)>,
-}
-
-/// One line of tasks.jsonl.
-#[derive(Serialize)]
-struct TaskLine {
-    prompt: String,
-    label: &'static str,
-    /// A JSON string, as the cookbook writes it.
-    metadata: String,
-}
-
-/// The `metadata` JSON of a line; names follow the `openreward` SDK's `Task`.
-#[derive(Serialize)]
-struct TaskMetadata<'a> {
-    /// `Owner/Name` as in train_config.yaml.
-    env_name: &'a str,
-    /// `namespace/server_name` (= `env_name`), the SDK's deployment id.
-    deployment_name: &'a str,
-    /// The part after the `/`.
-    server_name: &'a str,
-    /// The environment's name on its server (what sessions are opened with).
-    environment_name: &'a str,
-    /// The part before the `/`; null without one.
-    namespace: Option<&'a str>,
-    split: &'a str,
-    task_spec: &'a Value,
-    task_hash: &'a str,
 }
 
 /// The tasks.jsonl line of one task.
@@ -66,21 +41,22 @@ fn task_line(
         Some((owner, name)) => (Some(owner), name),
         None => (None, env_name),
     };
-    let metadata = serde_json::to_string(&TaskMetadata {
-        env_name,
-        deployment_name: env_name,
-        server_name,
-        environment_name: server_env,
-        namespace,
-        split,
-        task_spec: spec,
-        task_hash: &hash,
-    })?;
-    Ok(serde_json::to_string(&TaskLine {
-        prompt: format!("[{env_name}:{split}:{hash}]"),
-        label: "",
-        metadata,
-    })?)
+    // Key order and text as the cookbook's `json.dumps` of its dicts.
+    let metadata = pyjson::dumps_default(&json!({
+        "env_name": env_name,
+        "deployment_name": env_name,
+        "server_name": server_name,
+        "environment_name": server_env,
+        "namespace": namespace,
+        "split": split,
+        "task_spec": spec,
+        "task_hash": hash,
+    }));
+    Ok(pyjson::dumps_default(&json!({
+        "prompt": format!("[{env_name}:{split}:{hash}]"),
+        "label": "",
+        "metadata": metadata,
+    })))
 }
 
 /// Lists, shuffles, caps and writes the tasks of `args.config` to `args.output`.
@@ -91,6 +67,7 @@ pub async fn prepare_tasks(args: &PrepareTasksArgs) -> anyhow::Result<PrepareSum
         &train,
         server.as_ref().map(|s| s.base_url()),
         args.max_tasks,
+        args.seed,
     )
     .await;
     if let Some(server) = server {
@@ -110,6 +87,7 @@ async fn collect(
     train: &TrainConfig,
     builtin_url: Option<String>,
     max_tasks: Option<u64>,
+    seed: i64,
 ) -> anyhow::Result<Collected> {
     let clients = environment_clients(train, builtin_url.as_deref())?;
     let total_splits: usize = train.environments.values().map(|e| e.splits.len()).sum();
@@ -119,14 +97,12 @@ async fn collect(
             .context("progress bar template")?
             .progress_chars("=> "),
     );
+    let mut selection = CookbookSelection::new(seed);
     let mut lines = Vec::new();
     let mut per_split = Vec::new();
     for (name, env) in &train.environments {
         let (client, _) = &clients[name];
-        let cap = match (env.num_samples, max_tasks) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let cap = cookbook_cap(env.num_samples, max_tasks);
         for split in &env.splits {
             bar.set_message(format!("{name}:{split}"));
             let listed = client
@@ -134,7 +110,9 @@ async fn collect(
                 .await
                 .with_context(|| format!("listing tasks of {name} split {split}"))?;
             let found = listed.tasks.len();
-            let chosen = shuffle_and_cap(listed.tasks, TASK_SEED, cap);
+            // The index fallback of the client lists in index order, so shuffling its
+            // result draws the same numbers as the cookbook's shuffled index list.
+            let chosen = selection.split(listed.tasks, cap);
             for spec in &chosen {
                 lines.push(task_line(name, &listed.env_name, split, spec)?);
             }
@@ -144,6 +122,7 @@ async fn collect(
         }
     }
     bar.finish_and_clear();
+    selection.finish(&mut lines);
     if lines.is_empty() {
         anyhow::bail!(
             "no tasks: the environments of {} listed none",

@@ -274,7 +274,7 @@ pub async fn place_saved_ranks(
     Ok(Placed {
         actors: StepActors {
             trainer: handle.clone(),
-            rollouts: Rollouts::saved(template, settings.rollout_batch_size),
+            rollouts: Rollouts::saved(template, settings.rollout_batch_size, settings.n_samples),
             weights: WeightSync::none(Arc::new(handle.clone())),
             rollout_only: false,
         },

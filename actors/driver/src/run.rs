@@ -18,7 +18,7 @@ use crate::guard_flags::Guards;
 use crate::placement::{Placed, TrainerRecovery};
 use crate::run_lock::DirLock;
 use crate::step::StepActors;
-use crate::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash, TaskSampler};
+use crate::tasks::{cookbook_cap, read_tasks_jsonl, task_hash, CookbookSelection, TaskSampler};
 use crate::trainer_handle::data_parallel::RankDevices;
 
 /// Configuration after all layers are applied.
@@ -37,7 +37,17 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     }
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
-    let settings = flags.over(cluster.train.clone()).resolve();
+    let merged = flags.over(cluster.train.clone());
+    merged.validate_merged()?;
+    let mut settings = merged.resolve();
+    if args.use_wandb && settings.wandb_project.is_none() {
+        anyhow::bail!(
+            "--use-wandb logs to Weights & Biases and needs --wandb-project NAME \
+             (or [train] wandb_project in {})",
+            args.cluster.display()
+        );
+    }
+    settings.model = crate::hf_cache::resolve_model(&settings.model)?;
     check_zero_stage(&cluster, &settings, &args.cluster)?;
     check_context_parallel(&cluster, &settings, &args.cluster)?;
     check_grad_reduce_in_bf16(&cluster, &settings, &args.cluster)?;
@@ -184,13 +194,15 @@ fn check_grad_reduce_in_bf16(
     Ok(())
 }
 
-/// Lists every configured split of every environment from its server, shuffled with
-/// the cookbook's seed 42 and capped by `num_samples`.
+/// Lists every configured split of every environment from its server and picks tasks
+/// as the cookbook's prepare_tasks.py does with its default seed (42) and no
+/// `--max-tasks`.
 async fn list_tasks(
     env_clients: &std::collections::BTreeMap<String, OrsClient>,
     train: &TrainConfig,
 ) -> anyhow::Result<Vec<TaskRef>> {
     let mut tasks = Vec::new();
+    let mut selection = CookbookSelection::new(crate::prepare_tasks::TASK_SEED);
     for (name, env) in &train.environments {
         let client = &env_clients[name];
         for split in &env.splits {
@@ -211,9 +223,10 @@ async fn list_tasks(
                 })
                 .collect();
             info!(environment = %name, split = %split, tasks = refs.len(), "tasks listed");
-            tasks.extend(shuffle_and_cap(refs, 42, env.num_samples));
+            tasks.extend(selection.split(refs, cookbook_cap(env.num_samples, None)));
         }
     }
+    selection.finish(&mut tasks);
     Ok(tasks)
 }
 
@@ -228,6 +241,17 @@ pub async fn train(
         train,
         mut settings,
     } = resolve_config(args)?;
+    if let Some(dir) = settings.load.clone() {
+        if crate::load_dir::checkpoint_to_resume(&dir)?.is_none() {
+            // Miles: a --load directory without a checkpoint yet means a fresh start.
+            println!(
+                "--load {}: no checkpoint there yet; starting fresh",
+                dir.display()
+            );
+            info!(load = %dir.display(), "no checkpoint to resume; starting fresh");
+            settings.load = None;
+        }
+    }
     let guards = args.guards.resolve()?;
     // `--load DIR` alone continues the run directory DIR's checkpoints belong to.
     let recorded = match settings.load.as_deref() {

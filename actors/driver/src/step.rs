@@ -81,7 +81,7 @@ pub async fn run_step(
     let mut collected = queue.collect(step, version, &actors.weights).await?;
     let samples = std::mem::take(&mut collected.samples);
     if let Some(template) = save_debug {
-        crate::debug_data::save(template, step - 1, &samples)
+        crate::debug_data::save(template, step - 1, &samples, n_samples)
             .context("--save-debug-rollout-data")?;
     }
     let rollout_time = started.elapsed().as_secs_f64();

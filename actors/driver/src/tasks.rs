@@ -4,6 +4,8 @@
 use std::path::Path;
 
 use manta_core::pyjson;
+
+use crate::py_random::PyRandom;
 use manta_rollout::TaskRef;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -17,7 +19,42 @@ pub fn task_hash(task_spec: &Value) -> String {
     hex::encode(digest)[..16].to_string()
 }
 
-/// The cookbook's seed-42 shuffle, then a cap.
+/// The cookbook's choice of tasks (prepare_tasks.py): one Python `random` seeded once,
+/// each split's tasks shuffled and cut to the cap, all rows shuffled once at the end.
+pub struct CookbookSelection {
+    rng: PyRandom,
+}
+
+impl CookbookSelection {
+    /// `random.seed(seed)`.
+    pub fn new(seed: i64) -> Self {
+        Self {
+            rng: PyRandom::new(i128::from(seed)),
+        }
+    }
+
+    /// One split: `random.shuffle(tasks)` then `tasks[:cap]`.
+    pub fn split<T>(&mut self, mut tasks: Vec<T>, cap: Option<u64>) -> Vec<T> {
+        self.rng.shuffle(&mut tasks);
+        if let Some(cap) = cap {
+            tasks.truncate(usize::try_from(cap).unwrap_or(usize::MAX));
+        }
+        tasks
+    }
+
+    /// The closing `random.shuffle(rows)`.
+    pub fn finish<T>(&mut self, rows: &mut [T]) {
+        self.rng.shuffle(rows);
+    }
+}
+
+/// The cap of one environment's splits: Python's `num_samples or max_tasks` (an unset
+/// or zero `num_samples` defers to `--max-tasks`).
+pub fn cookbook_cap(num_samples: Option<u64>, max_tasks: Option<u64>) -> Option<u64> {
+    num_samples.filter(|n| *n != 0).or(max_tasks)
+}
+
+/// A seeded shuffle of Manta's own (the per-epoch order of a run's tasks), then a cap.
 pub fn shuffle_and_cap<T>(mut items: Vec<T>, seed: u64, cap: Option<u64>) -> Vec<T> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     items.shuffle(&mut rng);

@@ -182,3 +182,54 @@ fn help_parsing_finds_long_flags_only() {
     assert_eq!(list(&doc_flags(doc, "driver serve").unwrap()), "--port");
     assert!(doc_flags(doc, "worker").is_none());
 }
+
+/// docs/migration.md names only flags that exist: Manta's (in `driver --help` or
+/// `driver prepare-tasks --help`, aliases included) or slime's that the driver knows
+/// (ignored, one-value or refused), so the page cannot drift from the binary.
+#[test]
+fn migration_page_names_only_flags_the_driver_knows() {
+    use manta_driver::slime_args::{IGNORED, ONE_VALUE, UNSUPPORTED};
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/migration.md"),
+    )
+    .expect("docs/migration.md");
+    let help_text = format!(
+        "{}\n{}",
+        help(DRIVER, &["--help"]),
+        help(DRIVER, &["prepare-tasks", "--help"])
+    );
+    let manta: BTreeSet<String> = long_flags(&help_text).collect();
+    let slime: BTreeSet<&str> = IGNORED
+        .iter()
+        .map(|e| e.flag)
+        .chain(ONE_VALUE.iter().map(|e| e.flag))
+        .chain(UNSUPPORTED.iter().map(|e| e.flag))
+        .collect();
+    let mut unknown = Vec::new();
+    for flag in long_flags(&doc) {
+        let known = if flag.ends_with('-') {
+            // A family such as `--sglang-speculative-*`.
+            slime.iter().any(|s| s.starts_with(&flag))
+        } else {
+            manta.contains(&flag) || slime.contains(flag.as_str())
+        };
+        if !known {
+            unknown.push(flag);
+        }
+    }
+    assert!(
+        unknown.is_empty(),
+        "docs/migration.md names unknown flags: {unknown:?}"
+    );
+    // The page covers every refused flag.
+    for e in UNSUPPORTED {
+        let covered = doc.contains(e.flag)
+            || (e.flag.starts_with("--sglang-speculative-")
+                && doc.contains("--sglang-speculative-*"));
+        assert!(
+            covered,
+            "docs/migration.md does not name refused {}",
+            e.flag
+        );
+    }
+}

@@ -199,3 +199,58 @@ fn replaying_more_groups_than_were_saved_names_the_file_and_group() {
         "{err}"
     );
 }
+
+/// A dump in slime's numbering (`group_index` and `index` counted across the run: the
+/// second rollout's groups are 2 and 3, its samples 4..7) trains: samples are read by
+/// their position in each file, as slime's loader reads them.
+#[test]
+fn a_dump_in_slimes_run_wide_numbering_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let template = tmp.path().join("slime_{rollout_id}.jsonl");
+    let (groups, n) = (2u32, 2u32);
+    for rollout in 0..2u32 {
+        let mut text = String::new();
+        for g in 0..groups {
+            let group_index = rollout * groups + g;
+            for i in 0..n {
+                let row = serde_json::json!({
+                    "group_index": group_index,
+                    "index": group_index * n + i,
+                    "tokens": [10, 11, 12, 40 + i, 50 + g],
+                    "response_length": 2,
+                    "loss_mask": [1, 1],
+                    "rollout_log_probs": [-0.5, -0.7],
+                    "reward": f64::from(i),
+                    "status": "completed",
+                });
+                text.push_str(&format!("{row}\n"));
+            }
+        }
+        let path = template
+            .to_str()
+            .unwrap()
+            .replace("{rollout_id}", &rollout.to_string());
+        std::fs::write(path, text).unwrap();
+    }
+    let runs = tmp.path().join("runs");
+    let out = driver(&[
+        "--cluster",
+        "cluster.toml",
+        "--runs-dir",
+        runs.to_str().unwrap(),
+        "--run-name",
+        "slime-dump",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--num-rollout",
+        "2",
+        "--load-debug-rollout-data",
+        template.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("step     2/2"), "{stdout}");
+    let rows = manta_telemetry::read_metrics(&runs.join("slime-dump/metrics.jsonl")).unwrap();
+    assert_eq!(rows.len(), 2);
+}

@@ -10,9 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use manta_driver::tasks::{read_tasks_jsonl, shuffle_and_cap, task_hash};
-use manta_rollout::ors::{OrsClient, OrsClientOptions};
-use serde_json::Value;
+use manta_driver::tasks::{read_tasks_jsonl, task_hash};
+use serde_json::{json, Value};
 
 fn python() -> PathBuf {
     std::env::var_os("MANTA_PYTHON")
@@ -84,8 +83,8 @@ fn check_line(prompt: &str, meta: &Value, server_env: &str) -> (String, String, 
     (env, split, hash)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn builtin_environments_give_capped_seeded_cookbook_lines() {
+#[test]
+fn builtin_environments_give_capped_seeded_cookbook_lines() {
     let tmp = tempfile::tempdir().unwrap();
     let config = tmp.path().join("train_config.yaml");
     std::fs::write(
@@ -99,56 +98,39 @@ async fn builtin_environments_give_capped_seeded_cookbook_lines() {
     let text = std::fs::read(&a).unwrap();
     assert_eq!(text, std::fs::read(&b).unwrap(), "seed 42: runs agree");
 
-    // The expected tasks: the server's listing, shuffled with seed 42, capped by the
-    // smaller of num_samples and --max-tasks.
-    let server = manta_envs::serve(
-        "127.0.0.1:0".parse().unwrap(),
-        manta_envs::builtin_environments(),
-    )
-    .await
-    .unwrap();
-    let mut expected: Vec<(String, String, String)> = Vec::new();
-    // Environments in train_config key order (BTreeMap): Counter, then Digits.
-    for (env, variant, split, cap) in [
-        ("manta/Counter", "counter", "train", 5),
-        ("manta/Digits", "digits", "train", 2),
-        ("manta/Digits", "digits", "test", 2),
-    ] {
-        let client = OrsClient::new(OrsClientOptions {
-            variant: Some(variant.into()),
-            ..OrsClientOptions::new(server.base_url())
-        })
-        .unwrap();
-        let listed = client.list_tasks(split).await.unwrap();
-        assert!(listed.tasks.len() > cap);
-        let hashes: Vec<String> = listed.tasks.iter().map(task_hash).collect();
-        for h in shuffle_and_cap(hashes.clone(), 42, Some(cap as u64)) {
-            expected.push((env.into(), split.into(), h));
-        }
-        // A shuffle, not the server's order.
-        assert_ne!(
-            shuffle_and_cap(hashes.clone(), 42, Some(cap as u64)),
-            hashes[..cap].to_vec()
-        );
-    }
-    server.shutdown().await;
-
+    // The cap is the cookbook's `num_samples or --max-tasks`: Digits keeps 2 per
+    // split, Counter (num_samples null) 5. The order is checked against Python in
+    // `sdk_server_rows_match_the_cookbook_rules`.
     let lines = read_lines(&a);
-    let got: Vec<(String, String, String)> = lines
+    let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for (prompt, meta) in &lines {
+        let server_env = if meta["env_name"] == "manta/Digits" {
+            "digits"
+        } else {
+            "counter"
+        };
+        let (env, split, _) = check_line(prompt, meta, server_env);
+        *counts.entry((env, split)).or_default() += 1;
+    }
+    let count = |env: &str, split: &str| counts[&(env.to_string(), split.to_string())];
+    assert_eq!(
+        (
+            count("manta/Counter", "train"),
+            count("manta/Digits", "train"),
+            count("manta/Digits", "test")
+        ),
+        (5, 2, 2)
+    );
+    // Not the server's order: the rows are shuffled across environments.
+    let envs: Vec<&str> = lines
         .iter()
-        .map(|(prompt, meta)| {
-            let server_env = if meta["env_name"] == "manta/Digits" {
-                "digits"
-            } else {
-                "counter"
-            };
-            check_line(prompt, meta, server_env)
-        })
+        .map(|(_, m)| m["env_name"].as_str().unwrap())
         .collect();
-    assert_eq!(got, expected);
+    let mut grouped = envs.clone();
+    grouped.sort();
+    assert_ne!(envs, grouped, "rows are shuffled across environments");
 
-    // Without --max-tasks, num_samples alone caps Digits; Counter keeps all 1000, and
-    // the capped run is a prefix of the full shuffle.
+    // Without --max-tasks, num_samples alone caps Digits; Counter keeps all 1000.
     let full = tmp.path().join("full.jsonl");
     prepare(&config, &full, &[]);
     let full_lines = read_lines(&full);
@@ -161,10 +143,6 @@ async fn builtin_environments_give_capped_seeded_cookbook_lines() {
     assert_eq!(count("manta/Counter", "train"), 1000);
     assert_eq!(count("manta/Digits", "train"), 2);
     assert_eq!(count("manta/Digits", "test"), 2);
-    assert_eq!(
-        full_lines[..5].iter().map(|l| &l.0).collect::<Vec<_>>(),
-        lines[..5].iter().map(|l| &l.0).collect::<Vec<_>>()
-    );
 
     // The driver's reader takes the file back.
     let tasks = read_tasks_jsonl(&a).unwrap();
@@ -234,11 +212,17 @@ impl Drop for PyServer {
 }
 
 fn start_index_only_server() -> (PyServer, String) {
+    start_sdk_server("index_only_env.py")
+}
+
+fn start_sdk_server(script: &str) -> (PyServer, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("free port")
         .port();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/index_only_env.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/py")
+        .join(script);
     let child = Command::new(python())
         .arg(&script)
         .args(["127.0.0.1", &port.to_string()])
@@ -294,20 +278,105 @@ fn sdk_server_that_refuses_listing_is_read_by_index() {
             .or_default()
             .push(meta["task_spec"]["n"].as_i64().unwrap());
     }
-    // train: 9 tasks capped at 6; test: all 4. Each is the seed-42 shuffle of the
-    // index order the fallback reads.
-    assert_eq!(
-        per_split["train"],
-        shuffle_and_cap((0..9).collect(), 42, Some(6))
-    );
-    assert_eq!(
-        per_split["test"],
-        shuffle_and_cap((0..4).collect(), 42, Some(6))
-    );
-    let split_order: Vec<&str> = lines
+    // train: 9 tasks capped at 6; test: all 4; in the order of the cookbook's index
+    // fallback (shuffled indices) and final shuffle, as Python computes it.
+    let got: Vec<(String, i64)> = lines
         .iter()
-        .map(|(_, m)| m["split"].as_str().unwrap())
+        .map(|(_, m)| {
+            (
+                m["split"].as_str().unwrap().to_string(),
+                m["task_spec"]["n"].as_i64().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(split_order[..6], ["train"; 6]);
+    let expected = Command::new(python())
+        .args([
+            "-c",
+            "import random, json\nrandom.seed(42)\nrows = []\n\
+             for split, num in [('train', 9), ('test', 4)]:\n\
+             \x20   idx = list(range(num)); random.shuffle(idx)\n\
+             \x20   rows += [[split, i] for i in idx[:min(6, num)]]\n\
+             random.shuffle(rows)\nprint(json.dumps(rows))",
+        ])
+        .output()
+        .expect("python runs");
+    let expected: Vec<(String, i64)> =
+        serde_json::from_slice(&expected.stdout).expect("python prints the rows");
+    assert_eq!(got, expected);
+    assert_eq!(per_split["train"].len(), 6);
+    assert_eq!(per_split["test"].len(), 4);
     assert_eq!(read_tasks_jsonl(&out).unwrap().len(), 10);
+}
+
+/// acceptance: prepare-tasks against two environments served by the real `openreward`
+/// SDK writes the very bytes that the cookbook's rules (Python's `random`, `json.dumps`)
+/// give for the same server, for several num_samples / --max-tasks / --seed settings;
+/// the specs hold non-ASCII text and floats such as 1e-05 and 1e+16.
+#[test]
+fn sdk_server_rows_match_the_cookbook_rules() {
+    let (_server, base) = start_sdk_server("cookbook_envs.py");
+    let tmp = tempfile::tempdir().unwrap();
+    let reference =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/cookbook_prepare_tasks.py");
+    // (alpha num_samples, beta num_samples, --max-tasks, --seed)
+    let cases: [(Option<u64>, Option<u64>, Option<u64>, i64); 5] = [
+        (None, None, None, 42),
+        (Some(5), None, Some(3), 42),
+        (None, Some(4), Some(9), 7),
+        (Some(0), Some(2), Some(4), 123_456_789_012),
+        (Some(30), None, None, -3),
+    ];
+    for (i, (alpha, beta, max_tasks, seed)) in cases.into_iter().enumerate() {
+        let yaml_cap = |n: Option<u64>| n.map_or("null".to_string(), |n| n.to_string());
+        let config = tmp.path().join(format!("config{i}.yaml"));
+        // Beta first: the cookbook walks environments in the file's order.
+        std::fs::write(
+            &config,
+            format!(
+                "environments:\n  Acme/Beta:\n    url: {base}\n    variant: beta\n    splits: [train]\n    num_samples: {}\n  Acme/Alpha:\n    url: {base}\n    variant: alpha\n    splits: [test, train]\n    num_samples: {}\n",
+                yaml_cap(beta),
+                yaml_cap(alpha)
+            ),
+        )
+        .unwrap();
+        let ours = tmp.path().join(format!("ours{i}.jsonl"));
+        let mut extra = vec!["--seed".to_string(), seed.to_string()];
+        if let Some(m) = max_tasks {
+            extra.extend(["--max-tasks".to_string(), m.to_string()]);
+        }
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        prepare(&config, &ours, &extra);
+        let theirs = tmp.path().join(format!("theirs{i}.jsonl"));
+        let spec = json!({
+            "seed": seed,
+            "max_tasks": max_tasks,
+            "environments": [
+                ["Acme/Beta", "beta", ["train"], beta],
+                ["Acme/Alpha", "alpha", ["test", "train"], alpha],
+            ],
+        });
+        let out = Command::new(python())
+            .arg(&reference)
+            .args([base.as_str(), &spec.to_string(), theirs.to_str().unwrap()])
+            .output()
+            .expect("python runs");
+        assert!(
+            out.status.success(),
+            "reference failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (ours_text, theirs_text) = (
+            std::fs::read_to_string(&ours).unwrap(),
+            std::fs::read_to_string(&theirs).unwrap(),
+        );
+        assert!(!theirs_text.is_empty());
+        assert_eq!(ours_text, theirs_text, "case {i}: {spec}");
+        // The specs exercise what json.dumps writes its own way.
+        assert!(theirs_text.contains("1e-05") && theirs_text.contains("1e+16"));
+        assert!(theirs_text.contains("\\\\u00e9"), "non-ASCII is escaped");
+        assert_eq!(
+            read_tasks_jsonl(&ours).unwrap().len(),
+            theirs_text.lines().count()
+        );
+    }
 }

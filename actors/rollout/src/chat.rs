@@ -33,6 +33,11 @@ impl ChatFormat {
         &self.tokenizer
     }
 
+    /// train_config.yaml's `thinking`: the model writes its own `<think>` block.
+    pub fn thinking(&self) -> bool {
+        self.thinking
+    }
+
     fn template_extra(&self) -> Map<String, Value> {
         let mut extra = Map::new();
         extra.insert("enable_thinking".into(), Value::Bool(self.thinking));

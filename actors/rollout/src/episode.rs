@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use manta_config::{format_system_prompt, EnvironmentConfig};
-use manta_core::pyjson::dumps;
+use manta_core::pyjson::dumps_default as dumps;
 use manta_core::{EpisodeMetadata, Sample, SampleStatus};
 use serde_json::{json, Map, Value};
 use tracing::field::Empty;
@@ -144,6 +144,14 @@ impl Trajectory {
         self.logprobs.extend(std::iter::repeat_n(0.0f32, ids.len()));
         self.versions
             .extend(std::iter::repeat_n(version, ids.len()));
+    }
+    /// Of the last `turn_len` response tokens, sets the first `count` to mask 0.
+    fn mask_last(&mut self, turn_len: usize, count: usize) {
+        let start = self.loss_mask.len().saturating_sub(turn_len);
+        let end = (start + count).min(self.loss_mask.len());
+        for m in &mut self.loss_mask[start..end] {
+            *m = 0;
+        }
     }
     /// The oldest version behind any of its tokens.
     fn oldest_version(&self) -> u64 {
@@ -403,6 +411,14 @@ async fn episode_loop(
             Ok(t) => t,
             Err(e) => return failed("tokenizer_error", format!("decoding output: {e}")),
         };
+        if ctx.chat.thinking() {
+            // The cookbook trains on the answer only: the thinking tokens of the turn,
+            // through `</think>` and the whitespace after it, leave the loss.
+            let boundary = thinking_boundary(&generated, out.output_ids.len(), |t| {
+                tokenizer.encode(t).map(|ids| ids.len()).unwrap_or(0)
+            });
+            traj.mask_last(out.output_ids.len(), boundary);
+        }
         let budget_hit = out.finish == FinishReason::Length && max_new < settings.max_response_len;
         let parsed = parse_tool_call(&generated);
         if recording {
@@ -574,6 +590,24 @@ fn rollout_info(env: &EnvironmentHandle, request: &EpisodeRequest, version: u64)
     }
 }
 
+/// How many of a turn's `generated_len` tokens are thinking, by the cookbook's rule
+/// (generate.py's `_find_think_boundary`): the text through the first `</think>` and
+/// the newlines, carriage returns and spaces after it, counted as the tokens
+/// `count_tokens` encodes it into, at most the turn's tokens; 0 without `</think>`.
+pub fn thinking_boundary(
+    text: &str,
+    generated_len: usize,
+    count_tokens: impl Fn(&str) -> usize,
+) -> usize {
+    let Some(at) = text.find("</think>") else {
+        return 0;
+    };
+    let after = at + "</think>".len();
+    let rest = &text[after..];
+    let end = after + (rest.len() - rest.trim_start_matches(['\n', '\r', ' ']).len());
+    count_tokens(&text[..end]).min(generated_len)
+}
+
 /// The visible part of a turn (chat markers such as `<|im_end|>` removed): a `reasoning`
 /// message for a `<think>` block, then the text before the tool call (the call itself is
 /// its own message). A turn without a valid call is always recorded, tags included, so
@@ -652,6 +686,17 @@ fn terminal() -> Outcome {
 mod tests {
     use super::*;
     use crate::ors::ToolSpec;
+
+    #[test]
+    fn thinking_boundary_is_the_cookbooks() {
+        let chars = |t: &str| t.chars().count();
+        assert_eq!(thinking_boundary("no tags here", 12, chars), 0);
+        let text = "<think>a</think>\n \r\nanswer";
+        assert_eq!(thinking_boundary(text, 100, chars), 20);
+        // Tabs are not in the cookbook's whitespace set; the count is capped.
+        assert_eq!(thinking_boundary("</think>\tx", 100, chars), 8);
+        assert_eq!(thinking_boundary(text, 5, chars), 5);
+    }
 
     #[test]
     fn assistant_text_drops_markers_and_the_call() {

@@ -306,3 +306,57 @@ async fn unreachable_environment_gives_a_failed_sample_not_a_panic() {
         .contains("opening session"));
     server.shutdown().await;
 }
+
+/// `thinking: true`: as the cookbook's generate.py, each turn's tokens through
+/// `</think>` and the whitespace after it are out of the loss; the answer after it is
+/// trained, and a turn without `</think>` is trained whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn thinking_tokens_through_the_close_tag_are_out_of_the_loss() {
+    let yaml =
+        "environments:\n  manta/Counter:\n    reward_reduction: sum\n    max_turns: 4\nthinking: true\n";
+    let think = "<think>\nadd two first\n</think>\n\n \r\n";
+    let call = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"amount\": 2}}\n</tool_call>";
+    let submit = "<tool_call>\n{\"name\": \"submit\", \"arguments\": {}}\n</tool_call>";
+    let turns = vec![
+        Box::leak(format!("{think}{call}").into_boxed_str()) as &'static str,
+        submit,
+    ];
+    let (server, _policy, ctx, env) = setup(yaml, "counter", turns).await;
+    let sample = run_episode(
+        &ctx,
+        &env,
+        &request("manta/Counter", "counter", json!({"start": 1, "target": 3})),
+        GenerationSettings {
+            max_response_len: 256,
+            ..SETTINGS
+        },
+    )
+    .await;
+    assert_eq!(
+        sample.status,
+        SampleStatus::Completed,
+        "{:?}",
+        sample.metadata
+    );
+    let tok = ctx.chat.tokenizer();
+    let response = &sample.tokens[sample.prompt_length()..];
+    let trained: Vec<u32> = response
+        .iter()
+        .zip(&sample.loss_mask)
+        .filter(|(_, &m)| m == 1)
+        .map(|(&t, _)| t)
+        .collect();
+    let mut expected = tok.encode(call).unwrap();
+    expected.extend(tok.encode(submit).unwrap());
+    assert_eq!(trained, expected, "only the answers are trained");
+    // The thinking tokens are in the sequence, with mask 0.
+    let think_ids = tok.encode(think).unwrap();
+    let at = response
+        .windows(think_ids.len())
+        .position(|w| w == think_ids.as_slice())
+        .expect("the thinking tokens are kept in the sequence");
+    assert!(sample.loss_mask[at..at + think_ids.len()]
+        .iter()
+        .all(|&m| m == 0));
+    server.shutdown().await;
+}

@@ -77,6 +77,9 @@ pub struct TrainOverrides {
     pub opsm_delta: Option<f64>,
     pub calculate_per_token_loss: Option<bool>,
     pub num_steps_per_rollout: Option<usize>,
+    /// slime's `--global-batch-size`: samples per optimizer step; derives
+    /// `num_steps_per_rollout` (or is checked against it).
+    pub global_batch_size: Option<usize>,
     pub lr_decay_style: Option<String>,
     pub lr_warmup_iters: Option<u64>,
     pub min_lr: Option<f64>,
@@ -236,6 +239,11 @@ pub struct AlgoSettings {
     pub min_lr: f64,
 }
 
+/// The cookbook's prompts per step.
+const DEFAULT_ROLLOUT_BATCH_SIZE: usize = 32;
+/// The cookbook's samples per prompt.
+const DEFAULT_N_SAMPLES: usize = 16;
+
 /// Values of `--advantage-estimator`.
 pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
     "grpo",
@@ -318,6 +326,7 @@ impl TrainOverrides {
             opsm_delta,
             calculate_per_token_loss,
             num_steps_per_rollout,
+            global_batch_size,
             lr_decay_style,
             lr_warmup_iters,
             min_lr,
@@ -387,6 +396,7 @@ impl TrainOverrides {
             ("num_rollout", self.num_rollout),
             ("context_len", self.context_len),
             ("num_steps_per_rollout", self.num_steps_per_rollout),
+            ("global_batch_size", self.global_batch_size),
             ("over_sampling_batch_size", self.over_sampling_batch_size),
             ("recompute_num_layers", self.recompute_num_layers),
             ("context_parallel_size", self.context_parallel_size),
@@ -595,17 +605,68 @@ impl TrainOverrides {
         Ok(())
     }
 
+    /// Checks of the merged layers (flags over cluster.toml): slime's
+    /// `global_batch_size` must split the step's samples (rollout_batch_size ×
+    /// n_samples) into whole optimizer steps, `num_steps_per_rollout` of them when that
+    /// is set too.
+    pub fn validate_merged(&self) -> Result<(), ConfigError> {
+        let Some(global) = self.global_batch_size else {
+            return Ok(());
+        };
+        let rollout_batch_size = self
+            .rollout_batch_size
+            .unwrap_or(DEFAULT_ROLLOUT_BATCH_SIZE);
+        let n_samples = self.n_samples.unwrap_or(DEFAULT_N_SAMPLES);
+        let samples = rollout_batch_size * n_samples;
+        let origin = Path::new("command line or cluster.toml [train]");
+        if global == 0 || !samples.is_multiple_of(global) {
+            return Err(ConfigError::invalid(
+                origin,
+                "--global-batch-size",
+                global,
+                format!(
+                    "must divide rollout-batch-size × n-samples = {rollout_batch_size} × \
+                     {n_samples} = {samples} (one optimizer step per {global} samples)"
+                ),
+            ));
+        }
+        if let Some(steps) = self.num_steps_per_rollout {
+            if steps * global != samples {
+                return Err(ConfigError::invalid(
+                    origin,
+                    "--global-batch-size",
+                    global,
+                    format!(
+                        "disagrees with --num-steps-per-rollout {steps}: {steps} steps of \
+                         {global} samples is not rollout-batch-size × n-samples = {samples}"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Fills what is still unset with the cookbook's defaults.
     pub fn resolve(self) -> TrainSettings {
         let eps_clip = self.eps_clip.unwrap_or(0.2);
-        let rollout_batch_size = self.rollout_batch_size.unwrap_or(32);
+        let rollout_batch_size = self
+            .rollout_batch_size
+            .unwrap_or(DEFAULT_ROLLOUT_BATCH_SIZE);
+        let n_samples = self.n_samples.unwrap_or(DEFAULT_N_SAMPLES);
+        // slime: num_steps_per_rollout = rollout_batch_size × n_samples ÷ global_batch_size.
+        let num_steps_per_rollout = self.num_steps_per_rollout.unwrap_or_else(|| {
+            self.global_batch_size
+                .filter(|g| *g > 0)
+                .map(|g| (rollout_batch_size * n_samples / g).max(1))
+                .unwrap_or(1)
+        });
         let partial_rollout = self.partial_rollout.unwrap_or(false);
         TrainSettings {
             model: self
                 .model
                 .unwrap_or_else(|| PathBuf::from("assets/tiny-qwen3")),
             lr: self.lr.unwrap_or(1e-5),
-            n_samples: self.n_samples.unwrap_or(16),
+            n_samples,
             rollout_batch_size,
             max_response_len: self.max_response_len.unwrap_or(4096),
             max_tokens_per_gpu: self.max_tokens_per_gpu.unwrap_or(8192),
@@ -667,7 +728,7 @@ impl TrainOverrides {
                 use_opsm: self.use_opsm.unwrap_or(false),
                 opsm_delta: self.opsm_delta.unwrap_or(1e-4),
                 calculate_per_token_loss: self.calculate_per_token_loss.unwrap_or(false),
-                num_steps_per_rollout: self.num_steps_per_rollout.unwrap_or(1),
+                num_steps_per_rollout,
                 lr_decay_style: self.lr_decay_style.unwrap_or_else(|| "constant".into()),
                 lr_warmup_iters: self.lr_warmup_iters.unwrap_or(0),
                 min_lr: self.min_lr.unwrap_or(0.0),

@@ -2,6 +2,8 @@
 //! accepted unchanged, plus a few Manta keys (marked below).
 
 use std::collections::BTreeMap;
+
+use indexmap::IndexMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -94,18 +96,25 @@ impl EnvironmentConfig {
     }
 }
 
-/// The Manta default for `system_prompt_template` (Hermes-style tool calls, which
-/// the Qwen family is trained on). `{tools}` is replaced by one JSON object per tool.
-pub const DEFAULT_SYSTEM_PROMPT: &str =
-    "You are an agent acting in an environment through tools.\n\n\
-# Tools\n\nThe available tools, one JSON object per line:\n<tools>\n{tools}\n</tools>\n\n\
-To call a tool, reply with a JSON object inside <tool_call></tool_call> tags:\n\
-<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>";
+/// The default `system_prompt_template`: the cookbook's config.py default, to the byte
+/// (Hermes-style tool calls, which the Qwen family is trained on). `{tools}` is replaced
+/// by one JSON object per tool; `{{`/`}}` are literal braces (Python `str.format`).
+pub const DEFAULT_SYSTEM_PROMPT: &str = concat!(
+    "You are an agent that takes actions in a stateful environment to achieve a goal.\n\n",
+    "# Tools\n\n",
+    "You may call one or more functions to assist with the user query.\n\n",
+    "You are provided with function signatures within <tools></tools> XML tags:\n",
+    "<tools>\n{tools}\n</tools>\n\n",
+    "For each function call, return a json object with function name and arguments ",
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n",
+    "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>",
+);
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTrainConfig {
-    environments: BTreeMap<String, EnvironmentConfig>,
+    #[serde(deserialize_with = "environments_in_file_order")]
+    environments: IndexMap<String, EnvironmentConfig>,
     #[serde(default)]
     secrets: BTreeMap<String, Option<String>>,
     #[serde(default)]
@@ -116,12 +125,43 @@ struct RawTrainConfig {
     openreward_run_name: Option<String>,
 }
 
+/// `environments:` with its entries in the order the file lists them.
+fn environments_in_file_order<'de, D>(
+    deserializer: D,
+) -> Result<IndexMap<String, EnvironmentConfig>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct InOrder;
+    impl<'de> serde::de::Visitor<'de> for InOrder {
+        type Value = IndexMap<String, EnvironmentConfig>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of Owner/Name to environment options")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = IndexMap::new();
+            while let Some((name, config)) = map.next_entry::<String, EnvironmentConfig>()? {
+                if out.insert(name.clone(), config).is_some() {
+                    return Err(serde::de::Error::custom(format!(
+                        "environment {name} is listed twice"
+                    )));
+                }
+            }
+            Ok(out)
+        }
+    }
+    deserializer.deserialize_map(InOrder)
+}
+
 /// The parsed `train_config.yaml`.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
     pub path: PathBuf,
-    /// `Owner/Name` → options, in name order.
-    pub environments: BTreeMap<String, EnvironmentConfig>,
+    /// `Owner/Name` → options, in the file's order (the cookbook walks them so).
+    pub environments: IndexMap<String, EnvironmentConfig>,
     pub secrets: BTreeMap<String, Option<String>>,
     pub system_prompt_template: String,
     pub thinking: bool,

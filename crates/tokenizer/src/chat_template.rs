@@ -11,8 +11,8 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::Map;
 
-use crate::pyjson::{self, DumpOptions};
 use crate::TokenizerError;
+use manta_core::pyjson::{self, DumpOptions};
 
 /// Variables that `render` sets itself; callers cannot pass them through `extra`.
 const RESERVED_VARIABLES: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];

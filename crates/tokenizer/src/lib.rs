@@ -9,7 +9,6 @@
 
 mod chat_template;
 mod error;
-mod pyjson;
 mod tiny;
 mod tokenizer;
 

@@ -1,8 +1,10 @@
 //! `--load-debug-rollout-data`: samples come from the files `--save-debug-rollout-data`
 //! wrote instead of from engines, behind the same handle as rollouts, so the step loop
 //! and the group queue run unchanged. Group `seq` of the run is group `seq % B` of
-//! rollout `seq / B`'s file (B = `--rollout-batch-size`, groups numbered as saved), so
-//! each step trains on its saved rollout, in the saved order.
+//! rollout `seq / B`'s file (B = `--rollout-batch-size`), and sample `i` of group `g`
+//! is the file's sample at position `g × N + i` (N = `--n-samples`), as slime's loader
+//! reads it: the numbers in the file (slime's run-wide `group_index` and `index`) are
+//! not looked up, so slime's dumps and Manta's train alike, in the saved order.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -17,17 +19,19 @@ use crate::debug_data;
 pub struct SavedRollouts {
     template: String,
     groups_per_rollout: u64,
+    n_samples: u64,
     /// The last file read: its rollout id and samples.
     last: Mutex<Option<(u64, Vec<Sample>)>>,
 }
 
 impl Rollouts {
     /// Samples from the files of `template` (`{rollout_id}` replaced by the step from 0),
-    /// `groups_per_rollout` groups each.
-    pub fn saved(template: String, groups_per_rollout: usize) -> Self {
+    /// `groups_per_rollout` groups of `n_samples` each.
+    pub fn saved(template: String, groups_per_rollout: usize, n_samples: usize) -> Self {
         Self::new(SavedRollouts {
             template,
             groups_per_rollout: groups_per_rollout.max(1) as u64,
+            n_samples: n_samples.max(1) as u64,
             last: Mutex::new(None),
         })
     }
@@ -42,16 +46,20 @@ impl SavedRollouts {
             *last = Some((rollout, samples));
         }
         let samples = last.as_ref().map(|(_, s)| s.as_slice()).unwrap_or_default();
-        samples
-            .iter()
-            .find(|s| u64::from(s.group_index) == group && s.index == index)
+        let position = group * self.n_samples + u64::from(index);
+        usize::try_from(position)
+            .ok()
+            .and_then(|p| samples.get(p))
             .cloned()
             .with_context(|| {
                 format!(
-                    "--load-debug-rollout-data: {} has no sample {index} of group {group} \
-                     (each rollout needs --rollout-batch-size {} groups of --n-samples)",
+                    "--load-debug-rollout-data: {} holds {} samples, so no sample {index} of \
+                     group {group} (position {position}: each rollout needs \
+                     --rollout-batch-size {} groups of --n-samples {}, in order)",
                     debug_data::path_for(&self.template, rollout).display(),
-                    self.groups_per_rollout
+                    samples.len(),
+                    self.groups_per_rollout,
+                    self.n_samples
                 )
             })
     }
@@ -73,6 +81,7 @@ impl RolloutBackend for SavedRollouts {
                 let mut s = self.sample(rollout, group, r.index)?;
                 s.id = r.sample_id;
                 s.group_index = r.group_index;
+                s.index = r.index;
                 Ok(s)
             })
             .collect()
