@@ -50,6 +50,8 @@ run: build
 test: setup
 	$(VENV_PY) tools/test_check_layers.py
 	$(VENV_PY) tools/check_layers.py
+	$(VENV_PY) tools/test_check_modules.py
+	$(VENV_PY) tools/check_modules.py
 	cargo test --workspace $(CARGO_TEST_FLAGS)
 
 # On the GPU node, with bin/tests built here by `bench/run_gpu_tests.sh build` and carried
