@@ -41,6 +41,9 @@ ALLOWED = {
     # The worker-side services of rollout, trainer and weights each call the others'
     # handles (weights need both ends; rank 0 rollouts need the remote trainer).
     "actors/hosting": [{"rollout", "trainer", "weights"}],
+    # ZeroAdamW keeps the prefetch state that Zero3Pass drives over it; the prefetch
+    # becomes a one-way layer over the shards when ZeRO-2 / ZeRO-3 split into files.
+    "actors/trainer": [{"data_parallel::prefetch", "data_parallel::zero"}],
 }
 
 SKIP_DIRS = {"target", ".git", ".venv", "node_modules"}
