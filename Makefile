@@ -7,14 +7,17 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := $(CURDIR)/.venv
 VENV_PY := $(VENV)/bin/python
-TORCH_LIB := $(VENV)/lib/python3.11/site-packages/torch/lib
+# Whatever python minor version the venv has; recursive (=), so a venv that `setup`
+# creates during this make run is found by the recipes that follow it.
+TORCH_LIB = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/torch/lib))
 SETUP_STAMP := $(VENV)/.manta-setup-v1
 
 # torch-sys finds libtorch through the venv's python. driver, worker and the bench binaries
 # carry a run path to it (crates/libtorch-link); other crates' test binaries find it here.
 export PATH := $(VENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
-export LD_LIBRARY_PATH := $(TORCH_LIB):$(LD_LIBRARY_PATH)
+CALLER_LD_LIBRARY_PATH := $(LD_LIBRARY_PATH)
+export LD_LIBRARY_PATH = $(TORCH_LIB)$(if $(CALLER_LD_LIBRARY_PATH),:$(CALLER_LD_LIBRARY_PATH))
 export MANTA_PYTHON := $(VENV_PY)
 
 CARGO_TEST_FLAGS ?=
@@ -26,7 +29,8 @@ help:
 	@echo "make test   - run the whole CPU test suite"
 	@echo "make test-gpu - on a GPU node: every GPU test on every GPU (bin/tests from bench/run_gpu_tests.sh build)"
 	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard, wandb)"
-	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets"
+	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets (warnings denied)"
+	@echo "make fmt    - cargo fmt --all"
 
 setup: $(SETUP_STAMP)
 
@@ -46,6 +50,8 @@ run: build
 test: setup
 	$(VENV_PY) tools/test_check_layers.py
 	$(VENV_PY) tools/check_layers.py
+	$(VENV_PY) tools/test_check_modules.py
+	$(VENV_PY) tools/check_modules.py
 	cargo test --workspace $(CARGO_TEST_FLAGS)
 
 # On the GPU node, with bin/tests built here by `bench/run_gpu_tests.sh build` and carried
@@ -56,6 +62,9 @@ test-gpu:
 lint: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	cargo fmt --all
 
 clean-runs:
 	rm -rf runs checkpoints

@@ -14,8 +14,8 @@ use manta_model::{CausalLm, CpGroup, CpRow};
 use tch::{Device, Kind, Tensor};
 
 use crate::data_parallel::{Collective, CollectiveError, ReduceOp};
+use crate::error::TrainerError;
 use crate::profile::{self, Phase};
-use crate::trainer::TrainerError;
 
 /// A [`Collective`] seen as the model's CP group.
 pub(crate) struct CpComm<'a>(pub &'a dyn Collective);

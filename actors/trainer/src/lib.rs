@@ -15,6 +15,7 @@ pub mod actor;
 pub mod batch;
 mod context_parallel;
 pub mod data_parallel;
+mod error;
 pub mod export;
 pub mod loss;
 pub mod memory_plan;

@@ -16,14 +16,12 @@ pub mod weight_parts;
 use std::path::PathBuf;
 
 use async_trait::async_trait;
-use tch::Tensor;
 
 pub use native::{NativeEngine, NativeEngineOptions};
 pub use sglang::{NcclTarget, SglangEngine, SglangOptions};
 pub use weight_parts::{WeightPart, WeightParts};
 
-/// Weights by HF name, as weight sync hands them over.
-pub type NamedTensors = Vec<(String, Tensor)>;
+pub use manta_model::NamedTensors;
 
 /// Sampling controls of one request (SGLang's `sampling_params`).
 #[derive(Debug, Clone, PartialEq)]

@@ -5,7 +5,7 @@
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::NamedTensors;
+use manta_model::NamedTensors;
 
 /// The groups of one update, in order; the update is whole when the sender closes it.
 pub type WeightParts = mpsc::Receiver<WeightPart>;

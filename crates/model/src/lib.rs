@@ -25,3 +25,7 @@ pub use error::ModelError;
 pub use kernel_check::{fused_runs, Fused};
 
 pub use tch;
+
+/// Weights by Hugging Face name: what the trainer hands to weight sync and an engine
+/// loads, defined here so that both sides name the one type.
+pub type NamedTensors = Vec<(String, tch::Tensor)>;

@@ -24,7 +24,7 @@ use super::prefetch::{PrefetchPlanner, PrefetchStats, Zero3Pass};
 use super::{Collective, CollectiveError, FlatLayout, ReduceOp};
 use crate::optimizer::{master_update, AdamW, AdamWConfig};
 use crate::profile::{self, Phase};
-use crate::trainer::NamedTensors;
+use manta_model::NamedTensors;
 
 /// Default bucket size: 64 Mi elements (256 MiB of fp32 gradients staged at a time).
 pub const DEFAULT_BUCKET_NUMEL: usize = 1 << 26;
@@ -1120,11 +1120,12 @@ impl ZeroAdamW {
 
     /// ZeRO-3: every parameter's full value, one bucket (a decoder layer) gathered at a
     /// time and handed to `visit` (a collective: every rank calls it; the tensors are
-    /// views of a buffer that lives as long as `visit` keeps them).
-    pub fn visit_buckets(
+    /// views of a buffer that lives as long as `visit` keeps them). `E` is the caller's
+    /// error, which a failed gather converts into.
+    pub fn visit_buckets<E: From<CollectiveError>>(
         &self,
-        mut visit: impl FnMut(NamedTensors) -> Result<(), crate::TrainerError>,
-    ) -> Result<(), crate::TrainerError> {
+        mut visit: impl FnMut(NamedTensors) -> Result<(), E>,
+    ) -> Result<(), E> {
         for b in 0..self.layout.buckets.len() {
             let (_flat, views) = self.gathered_bucket(b)?;
             visit(views)?;

@@ -4,6 +4,7 @@ mod calls;
 mod error;
 mod routes;
 mod sessions;
+mod settings;
 
 use axum::serve::ListenerExt;
 use std::net::SocketAddr;
@@ -15,6 +16,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::env::Environment;
+use settings::Settings;
 
 /// Errors starting the server.
 #[derive(Debug, thiserror::Error)]
@@ -32,16 +34,6 @@ pub enum EnvServerError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-}
-
-/// Server settings; the defaults match the SDK server.
-#[derive(Debug, Clone)]
-pub(crate) struct Settings {
-    pub session_ttl: Duration,
-    pub reap_interval: Duration,
-    pub keep_alive: Duration,
-    pub chunk_size: usize,
-    pub call_linger: Duration,
 }
 
 /// Builder for an environment server; [`serve`] is the short form with default settings.

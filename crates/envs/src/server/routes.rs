@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use super::calls::Calls;
 use super::error::ApiError;
 use super::sessions::Sessions;
-use super::Settings;
+use super::settings::Settings;
 use crate::env::{Environment, Secrets};
 
 /// First path segments served at the root; anything else that is not an environment
