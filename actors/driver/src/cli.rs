@@ -105,7 +105,7 @@ pub struct PrepareTasksArgs {
     #[arg(long)]
     pub max_tasks: Option<u64>,
     /// Seed of Python's `random`, which picks and orders the tasks [42].
-    #[arg(long, default_value_t = crate::prepare_tasks::TASK_SEED, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = crate::tasks::TASK_SEED, allow_negative_numbers = true)]
     pub seed: i64,
 }
 

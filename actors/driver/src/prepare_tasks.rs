@@ -15,10 +15,8 @@ use serde_json::{json, Value};
 
 use crate::cli::PrepareTasksArgs;
 use crate::local::{environment_clients, start_builtin_server};
-use crate::tasks::{cookbook_cap, task_hash, CookbookSelection};
+use crate::tasks::{cookbook_cap, task_hash, CookbookSelection, TASK_SEED};
 
-/// The cookbook's default `--seed`.
-pub const TASK_SEED: i64 = 42;
 
 /// What a run of `prepare-tasks` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]

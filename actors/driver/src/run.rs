@@ -202,7 +202,7 @@ async fn list_tasks(
     train: &TrainConfig,
 ) -> anyhow::Result<Vec<TaskRef>> {
     let mut tasks = Vec::new();
-    let mut selection = CookbookSelection::new(crate::prepare_tasks::TASK_SEED);
+    let mut selection = CookbookSelection::new(crate::tasks::TASK_SEED);
     for (name, env) in &train.environments {
         let client = &env_clients[name];
         for split in &env.splits {

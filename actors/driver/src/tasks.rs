@@ -6,6 +6,9 @@ use std::path::Path;
 use manta_core::pyjson;
 
 use crate::py_random::PyRandom;
+
+/// The cookbook's default `--seed`.
+pub const TASK_SEED: i64 = 42;
 use manta_rollout::TaskRef;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;

@@ -217,8 +217,8 @@ impl ProcessGroup {
     /// peer that failed (say, a server that answered its half of the update with an
     /// error) then returns an error instead of waiting out the timeout.
     pub fn aborter(&self) -> Aborter {
-        // SAFETY: a live handle; the aborter holds its own reference to the group.
         Aborter {
+            // SAFETY: a live handle; the aborter holds its own reference to the group.
             handle: unsafe { manta_pg_aborter(self.handle) },
             group_name: self.spec.group_name.clone(),
         }
@@ -317,6 +317,7 @@ pub struct Aborter {
 // SAFETY: the handle is a reference-counted ProcessGroupNCCL plus an atomic flag; abort is
 // what torch's own watchdog thread calls while other threads wait in collectives.
 unsafe impl Send for Aborter {}
+// SAFETY: as for Send: abort may be called from any thread at any time.
 unsafe impl Sync for Aborter {}
 
 impl Aborter {

@@ -76,6 +76,7 @@ pub struct TcpStore {
 // SAFETY: c10d::TCPStore serialises its operations internally (one client socket behind
 // a lock); the handle is owned by this value and freed once.
 unsafe impl Send for TcpStore {}
+// SAFETY: as for Send: the store's own lock serialises calls from several threads.
 unsafe impl Sync for TcpStore {}
 
 impl TcpStore {
@@ -148,6 +149,7 @@ impl TcpStore {
         })?;
         // SAFETY: the shim malloc'ed `len` bytes at `data` (at least one byte), freed here.
         let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        // SAFETY: `data` came from the shim's malloc above and is not used after this.
         unsafe { manta_store_free_bytes(data) };
         Ok(value)
     }
