@@ -4,7 +4,8 @@ make OUT   For each case, build a random-init transformers Qwen3MoeForCausalLM, 
            under OUT/<case>/ with save_pretrained, and write OUT/<case>/expected.safetensors:
            `input_ids` [B, T] int64, fp32 `logits` [B, T, V], `routed` [B*T, sparse layers,
            k] int64 (the router's top-k ids per token, transformers' own choice), and
-           `greedy` [new] int64 (greedy `generate` of `prompt` [P]).
+           `greedy` [new] int64 (greedy `generate` of `prompt` [P]) with fp32
+           `greedy_logprobs` [new].
 check DIR  For each DIR/<case>/ holding config.json written by Manta, load it with
            transformers (a missing or unexpected weight is an error) and write
            DIR/<case>/hf_logits.safetensors for `input_ids` in DIR/<case>/input.safetensors.
@@ -69,14 +70,20 @@ def make(out):
             routed = torch.stack(
                 [torch.topk(torch.softmax(r.float(), -1), cfg.num_experts_per_tok, -1).indices
                  for r in res.router_logits], 1)
-            gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, min_new_tokens=NEW_TOKENS)
+            res_gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, min_new_tokens=NEW_TOKENS,
+                                 return_dict_in_generate=True, output_logits=True)
+            gen = res_gen.sequences
+            new = gen[0, len(PROMPT):]
+            greedy_logprobs = torch.stack([
+                torch.log_softmax(step[0].float(), -1)[tok] for step, tok in zip(res_gen.logits, new)])
         save_file({
             "input_ids": ids.contiguous(),
             "logits": res.logits.float().contiguous(),
             "routed": routed.contiguous(),
             "prompt": torch.tensor(PROMPT),
-            "greedy": gen[0, len(PROMPT):].contiguous(),
+            "greedy": new.contiguous(),
+            "greedy_logprobs": greedy_logprobs.contiguous(),
         }, os.path.join(d, "expected.safetensors"))
 
 
