@@ -322,6 +322,10 @@ pub struct TrainArgs {
     /// train/train_rollout_logprob_abs_diff drops to ~0. CUDA bf16 only; decoding is slower.
     #[arg(long)]
     pub true_on_policy_mode: bool,
+    /// Mixture-of-experts models: the weight of Megatron's per-layer load-balancing loss,
+    /// added to the policy loss [0, as slime's and Miles' Qwen3-30B-A3B recipes set it].
+    #[arg(long)]
+    pub moe_aux_loss_coeff: Option<f64>,
     /// Truncated importance sampling of the loss by exp(train − rollout log-prob).
     #[arg(long)]
     pub use_tis: bool,
@@ -461,6 +465,7 @@ impl TrainArgs {
             normalize_advantages: flag(self.normalize_advantages),
             use_rollout_logprobs: flag(self.use_rollout_logprobs),
             true_on_policy_mode: flag(self.true_on_policy_mode),
+            moe_aux_loss_coeff: self.moe_aux_loss_coeff,
             use_tis: flag(self.use_tis),
             tis_clip: self.tis_clip,
             tis_clip_low: self.tis_clip_low,

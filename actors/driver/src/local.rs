@@ -237,6 +237,7 @@ pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
         num_steps_per_rollout: steps,
         ref_load: a.ref_load.clone(),
         true_on_policy: a.true_on_policy_mode,
+        moe_aux_loss_coeff: a.moe_aux_loss_coeff,
         grad_reduce_in_bf16: settings.grad_reduce_in_bf16,
     }
 }

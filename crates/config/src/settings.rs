@@ -69,6 +69,8 @@ pub struct TrainOverrides {
     /// Miles' `--true-on-policy-mode`: engine and trainer attention through one
     /// batch-invariant kernel (CUDA bf16), so their log-probs agree.
     pub true_on_policy_mode: Option<bool>,
+    /// Megatron's `--moe-aux-loss-coeff` (mixture-of-experts models).
+    pub moe_aux_loss_coeff: Option<f64>,
     pub use_tis: Option<bool>,
     pub tis_clip: Option<f64>,
     pub tis_clip_low: Option<f64>,
@@ -225,6 +227,8 @@ pub struct AlgoSettings {
     pub use_rollout_logprobs: bool,
     /// Engine and trainer attention through one batch-invariant kernel (CUDA bf16 only).
     pub true_on_policy_mode: bool,
+    /// Weight of the per-layer load-balancing loss of MoE models [0].
+    pub moe_aux_loss_coeff: f64,
     pub use_tis: bool,
     pub tis_clip: f64,
     pub tis_clip_low: f64,
@@ -318,6 +322,7 @@ impl TrainOverrides {
             normalize_advantages,
             use_rollout_logprobs,
             true_on_policy_mode,
+            moe_aux_loss_coeff,
             use_tis,
             tis_clip,
             tis_clip_low,
@@ -721,6 +726,7 @@ impl TrainOverrides {
                 normalize_advantages: self.normalize_advantages.unwrap_or(false),
                 use_rollout_logprobs: self.use_rollout_logprobs.unwrap_or(false),
                 true_on_policy_mode: self.true_on_policy_mode.unwrap_or(false),
+                moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
                 use_tis: self.use_tis.unwrap_or(false),
                 tis_clip: self.tis_clip.unwrap_or(2.0),
                 tis_clip_low: self.tis_clip_low.unwrap_or(0.0),

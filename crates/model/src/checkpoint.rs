@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::moe::hub_tensors;
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -25,7 +26,12 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 /// and so are stale `rotary_emb.inv_freq` buffers that old checkpoints carry.
 pub fn load_weights(vs: &mut VarStore, dir: &Path) -> Result<(), ModelError> {
     let files = checkpoint_files(dir)?;
-    let variables = vs.variables();
+    // Stacked expert variables are filled through per-expert views under the hub's names.
+    let variables: HashMap<String, Tensor> = vs
+        .variables()
+        .iter()
+        .flat_map(|(name, var)| hub_tensors(name, var))
+        .collect();
     let mut maps = Vec::with_capacity(files.len());
     for file in &files {
         let handle = File::open(file).map_err(|e| ModelError::io(file, e))?;
@@ -219,7 +225,8 @@ impl View for VarView {
 
 /// Writes config.json + model.safetensors (HF names; no lm_head when tied) atomically (write to temp then rename).
 ///
-/// Every variable of `vs` is written under its name, with `{"format": "pt"}` metadata as
+/// Every variable of `vs` is written under its name (stacked expert weights under the
+/// hub's per-expert names), with `{"format": "pt"}` metadata as
 /// transformers requires.
 pub fn save_pretrained(vs: &VarStore, cfg: &ModelConfig, dir: &Path) -> Result<(), ModelError> {
     save_pretrained_tensors(vs.variables(), cfg, dir)
@@ -234,7 +241,10 @@ pub fn save_pretrained_tensors(
 ) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut views: BTreeMap<String, VarView> = BTreeMap::new();
-    for (name, var) in tensors {
+    for (name, var) in tensors
+        .into_iter()
+        .flat_map(|(name, var)| hub_tensors(&name, &var))
+    {
         if cfg.tie_word_embeddings && name == "lm_head.weight" {
             continue;
         }

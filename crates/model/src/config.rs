@@ -11,6 +11,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use crate::error::ModelError;
+use crate::moe::MoeConfig;
 
 /// Which architecture variant a config describes; decides q/k norms and biases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +80,10 @@ pub struct ModelConfig {
     /// Keys read from the file that this crate does not interpret, written back as read.
     #[serde(skip)]
     pub extra: Map<String, Value>,
+    /// The experts of a `qwen3_moe` model (its keys also stay in `extra`); `None` for
+    /// dense models.
+    #[serde(skip)]
+    pub moe: Option<MoeConfig>,
 }
 
 fn default_rope_theta() -> f64 {
@@ -187,6 +192,9 @@ impl ModelConfig {
                     message,
                 }
             })?;
+        if cfg.model_type == "qwen3_moe" {
+            cfg.moe = Some(MoeConfig::from_keys(&extra, origin)?);
+        }
         cfg.extra = extra;
         cfg.validate(origin)?;
         Ok(cfg)
@@ -195,7 +203,7 @@ impl ModelConfig {
     /// The architecture variant, from `model_type` (validated when the config was read).
     pub fn family(&self) -> ModelFamily {
         match self.model_type.as_str() {
-            "qwen3" => ModelFamily::Qwen3,
+            "qwen3" | "qwen3_moe" => ModelFamily::Qwen3,
             "qwen2" => ModelFamily::Qwen2,
             _ => ModelFamily::Llama,
         }
@@ -204,6 +212,11 @@ impl ModelConfig {
     /// Width of one attention head; may differ from `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> i64 {
         self.head_dim
+    }
+
+    /// The experts, for a mixture-of-experts model.
+    pub fn moe(&self) -> Option<&MoeConfig> {
+        self.moe.as_ref()
     }
 
     /// The end-of-sequence ids (a config may list several).
@@ -231,11 +244,14 @@ impl ModelConfig {
             value,
             reason: reason.to_string(),
         };
-        if !matches!(self.model_type.as_str(), "qwen3" | "qwen2" | "llama") {
+        if !matches!(
+            self.model_type.as_str(),
+            "qwen3" | "qwen3_moe" | "qwen2" | "llama"
+        ) {
             return Err(bad(
                 "model_type",
                 format!("{:?}", self.model_type),
-                "supported model types are qwen3, qwen2 and llama",
+                "supported model types are qwen3, qwen3_moe, qwen2 and llama",
             ));
         }
         for (key, v) in [

@@ -1,4 +1,4 @@
-//! Decoder-only transformers (Qwen3, Qwen2, Llama) in tch, shared by the trainer and the
+//! Decoder-only transformers (Qwen3, Qwen3-MoE, Qwen2, Llama) in tch, shared by the trainer and the
 //! native engine so that training and rollout compute identical log-probs.
 //!
 //! Parameters carry Hugging Face names, so checkpoints load from and save to the format
@@ -6,6 +6,8 @@
 
 pub mod config;
 pub use config::{ModelConfig, ModelFamily, RopeScaling};
+pub mod moe;
+pub use moe::{MoeConfig, Routing};
 pub mod transformer;
 pub use transformer::{
     decode_counters, Attention, CausalLm, CpError, CpGroup, CpRow, KvCache, PagedAttention,

@@ -6,20 +6,27 @@
 //! shape misuse, as tch itself does; all input from outside goes through `config`/`checkpoint`.
 
 use std::f64::consts::PI;
+use std::sync::{Arc, Mutex};
 
 use tch::nn::{Init, Path};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ModelConfig, ModelFamily, RopeScaling};
 use crate::kernel_check::{Fused, FusedOp};
-use crate::layer_hooks::{LayerHooks, NoHooks};
-use crate::recompute::{Recompute, RecomputeError};
+use crate::moe::{Routing, SparseMoe};
+use crate::recompute::Recompute;
 
 mod context_parallel;
 mod invariant;
+mod kv_cache;
+mod mlp;
 mod paged;
 mod paged_seq;
+mod routing_api;
+mod training;
 pub use context_parallel::{CpError, CpGroup, CpRow};
+pub use kv_cache::KvCache;
+use mlp::{FeedForward, Mlp};
 pub use paged::{decode_counters, PagedAttention, PagedBatch, PagedKvCache};
 pub use paged_seq::PagedSeq;
 
@@ -57,56 +64,6 @@ struct VarlenRow {
     /// [sequences + 1] i32 offsets of each sequence's first token (flash's `cu_seqlens`).
     offsets: Tensor,
     longest: i64,
-}
-
-/// Keys and values of earlier positions, per layer, for incremental decoding.
-/// Each layer holds `(k, v)` of shape [B, num_key_value_heads, S, head_dim].
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-}
-
-impl KvCache {
-    /// An empty cache for a model with `num_layers` layers.
-    pub fn new(num_layers: usize) -> Self {
-        KvCache {
-            layers: (0..num_layers).map(|_| None).collect(),
-        }
-    }
-
-    /// Number of cached positions (the S of the next call's key mask is this plus T).
-    pub fn seq_len(&self) -> i64 {
-        match self.layers.first() {
-            Some(Some((k, _))) => k.size()[2],
-            _ => 0,
-        }
-    }
-
-    /// Number of layers this cache was made for.
-    pub fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// The cached `(k, v)` of one layer, if any call has filled it.
-    pub fn layer(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
-        self.layers.get(i)?.as_ref().map(|(k, v)| (k, v))
-    }
-
-    /// A cache holding only the batch rows listed in `rows` (i64 indices), in that order;
-    /// lets an engine drop finished sequences from a batch.
-    pub fn select_rows(&self, rows: &Tensor) -> KvCache {
-        KvCache {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| {
-                    l.as_ref().map(|(k, v)| {
-                        let idx = rows.to_device(k.device());
-                        (k.index_select(0, &idx), v.index_select(0, &idx))
-                    })
-                })
-                .collect(),
-        }
-    }
 }
 
 /// Root-mean-square norm computed in fp32 and cast back, as Hugging Face does.
@@ -573,65 +530,11 @@ fn equal_length_runs(lengths: &[i64]) -> Vec<(i64, i64, i64)> {
     runs
 }
 
-struct Mlp {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
-    /// Projections run on at least this many rows (true on-policy mode; 0 otherwise).
-    min_rows: i64,
-}
-
-impl Mlp {
-    fn new(p: Path, cfg: &ModelConfig) -> Self {
-        let (h, i, std) = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.initializer_range,
-        );
-        Mlp {
-            gate: matrix(&(&p / "gate_proj"), "weight", i, h, std),
-            up: matrix(&(&p / "up_proj"), "weight", i, h, std),
-            down: matrix(&(&p / "down_proj"), "weight", h, i, std),
-            min_rows: 0,
-        }
-    }
-
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let proj = |x: &Tensor, w: &Tensor| linear_rows(x, w, None, self.min_rows);
-        let (gate, up) = (proj(x, &self.gate), proj(x, &self.up));
-        let act = fused_swiglu(&gate, &up).unwrap_or_else(|| gate.silu() * up);
-        proj(&act, &self.down)
-    }
-}
-
-/// `gate.silu() * up` through one CUDA kernel each way (`manta_cuda::swiglu`) instead of
-/// two forward and three backward: the same bits forward, differentiable w.r.t. both.
-/// `None` where it does not apply, and the caller takes the tensor ops: off CUDA, outside
-/// bf16/fp16, mismatched inputs, `MANTA_FUSED_SWIGLU=0`, or kernels that do not compile
-/// on this GPU.
-fn fused_swiglu(gate: &Tensor, up: &Tensor) -> Option<Tensor> {
-    const OP: FusedOp = FusedOp {
-        op: Fused::Swiglu,
-        name: "fused gated activation",
-        instead: "activating through tensor ops",
-        enabled: manta_knobs::fused_swiglu,
-        compile: manta_cuda::swiglu::compile_check,
-    };
-    if up.kind() != gate.kind()
-        || up.device() != gate.device()
-        || up.size() != gate.size()
-        || !OP.applies_to(gate)
-    {
-        return None;
-    }
-    OP.output(manta_cuda::swiglu::swiglu(gate, up))
-}
-
 struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: SelfAttention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 impl DecoderLayer {
@@ -665,6 +568,8 @@ pub struct CausalLm {
     /// Attention through the batch-invariant kernel ([`CausalLm::set_invariant_attention`]).
     invariant_attention: bool,
     segment_kernel: SegmentKernel,
+    /// What the sparse layers replay and record (`routing_api`); shared with them.
+    routing: Arc<Mutex<Routing>>,
 }
 
 impl CausalLm {
@@ -678,6 +583,10 @@ impl CausalLm {
     pub fn new(vs: &Path, cfg: &ModelConfig) -> Self {
         let model = vs / "model";
         let std = cfg.initializer_range;
+        let sparse = cfg.moe().map(|m| m.sparse_layers(cfg.num_hidden_layers));
+        let routing = Arc::new(Mutex::new(Routing::new(
+            sparse.as_ref().map_or(0, Vec::len),
+        )));
         let embed_tokens = matrix(
             &(&model / "embed_tokens"),
             "weight",
@@ -700,7 +609,21 @@ impl CausalLm {
                         cfg.hidden_size,
                         cfg.rms_norm_eps,
                     ),
-                    mlp: Mlp::new(&p / "mlp", cfg),
+                    mlp: match (cfg.moe(), &sparse) {
+                        (Some(moe), Some(sparse)) if moe.is_sparse(i) => {
+                            let slot = sparse.iter().position(|&l| l == i).unwrap_or(0) as i64;
+                            let p = &p / "mlp";
+                            FeedForward::Sparse(SparseMoe::new(
+                                p,
+                                cfg.hidden_size,
+                                moe,
+                                std,
+                                slot,
+                                routing.clone(),
+                            ))
+                        }
+                        _ => FeedForward::Dense(Mlp::new(&p / "mlp", cfg)),
+                    },
                 }
             })
             .collect();
@@ -727,6 +650,7 @@ impl CausalLm {
             decode_kernels: None,
             invariant_attention: false,
             segment_kernel: SegmentKernel::default(),
+            routing,
         }
     }
 
@@ -771,6 +695,7 @@ impl CausalLm {
             "position_ids must have the shape of input_ids"
         );
         let (bsz, t) = (size[0], size[1]);
+        self.routing_lock().clear_aux();
         let x = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
         let (cos, sin) = self.rotary.cos_sin(position_ids, x.kind());
         let device = x.device();
@@ -959,179 +884,5 @@ impl CausalLm {
         cache: Option<&mut KvCache>,
     ) -> Tensor {
         self.logits(&self.forward_hidden(input_ids, position_ids, attn, cache))
-    }
-
-    /// Turns per-layer gradient checkpointing on (every layer recomputed, Megatron's
-    /// uniform method with groups of one) or off (every activation kept).
-    ///
-    /// tch cannot define custom autograd functions, so checkpointing cannot hide inside
-    /// `forward_hidden`; instead `forward_backward` keeps only the recomputed units' inputs
-    /// during the forward pass and recomputes them during a unit-by-unit backward pass.
-    pub fn set_gradient_checkpointing(&mut self, on: bool) {
-        self.recompute = on.then_some(Recompute::EVERY_LAYER);
-    }
-
-    /// Which layers [`CausalLm::forward_backward`] recomputes (`--recompute-method`,
-    /// `--recompute-num-layers`); `None` keeps every activation. Rejects a layer count
-    /// outside 1..=num_hidden_layers.
-    pub fn set_recompute(&mut self, recompute: Option<Recompute>) -> Result<(), RecomputeError> {
-        if let Some(r) = &recompute {
-            r.check(self.layers.len())?;
-        }
-        self.recompute = recompute;
-        Ok(())
-    }
-
-    /// The recompute setting in force.
-    pub fn recompute(&self) -> Option<Recompute> {
-        self.recompute
-    }
-
-    /// Whether [`CausalLm::forward_backward`] recomputes any layer in the backward pass.
-    pub fn gradient_checkpointing(&self) -> bool {
-        self.recompute.is_some()
-    }
-
-    /// Training step helper: runs the forward pass, computes `loss_fn(final hidden [B, T, H])`
-    /// (a scalar), back-propagates into the parameters' `.grad` (accumulating, like
-    /// `backward`), and returns the detached loss. Recomputed units keep one [B, T, H]
-    /// input each (plus one unit's internals while it is recomputed); kept layers keep
-    /// their activations as a plain backward pass would.
-    pub fn forward_backward(
-        &self,
-        input_ids: &Tensor,
-        position_ids: &Tensor,
-        attn: &Attention,
-        loss_fn: impl FnOnce(&Tensor) -> Tensor,
-    ) -> Tensor {
-        match self.forward_backward_hooked(input_ids, position_ids, attn, &mut NoHooks, loss_fn) {
-            Ok(loss) => loss,
-            Err(never) => match never {},
-        }
-    }
-
-    /// [`CausalLm::forward_backward`] calling `hooks` around each decoder layer
-    /// (crate::layer_hooks: ZeRO-3 gathers a layer's parameters there and reduces its
-    /// gradients). Kept units (no recompute, or `block`'s tail) stay gathered from
-    /// their forward to their backward, since their graph reads the parameters then;
-    /// recomputed units hold one unit's parameters at a time. The embedding, final norm
-    /// and LM head must be whole throughout. A hook's error stops the pass.
-    pub fn forward_backward_hooked<H: LayerHooks>(
-        &self,
-        input_ids: &Tensor,
-        position_ids: &Tensor,
-        attn: &Attention,
-        hooks: &mut H,
-        loss_fn: impl FnOnce(&Tensor) -> Tensor,
-    ) -> Result<Tensor, H::Error> {
-        let layers = self.layers.len();
-        let Some(recompute) = self.recompute else {
-            for i in 0..layers {
-                hooks.gather(i)?;
-            }
-            let hidden = self.forward_hidden(input_ids, position_ids, attn, None);
-            let loss = loss_fn(&hidden);
-            loss.backward();
-            for i in (0..layers).rev() {
-                hooks.reduce(i)?;
-            }
-            return Ok(loss.detach());
-        };
-        let units = recompute.units(layers);
-        let (embedded, ctx) = tch::no_grad(|| self.prepare(input_ids, position_ids, attn, 0));
-        let run = |range: &std::ops::Range<usize>, x: &Tensor| {
-            self.layers[range.clone()]
-                .iter()
-                .fold(x.shallow_clone(), |x, layer| layer.forward(&x, &ctx, None))
-        };
-        // A recomputed unit keeps only its input; a kept unit runs with autograd from a
-        // detached input, so its graph stops there and the backward pass resumes from it.
-        let mut saved: Vec<(Tensor, Option<Tensor>)> = Vec::with_capacity(units.len());
-        let mut x = embedded;
-        for (range, recomputed) in &units {
-            if *recomputed {
-                let mut next = x.shallow_clone();
-                for i in range.clone() {
-                    hooks.gather(i)?;
-                    next = tch::no_grad(|| self.layers[i].forward(&next, &ctx, None));
-                    hooks.release(i)?;
-                }
-                saved.push((x, None));
-                x = next;
-            } else {
-                for i in range.clone() {
-                    hooks.gather(i)?;
-                }
-                let input = x.detach().set_requires_grad(true);
-                let out = run(range, &input);
-                saved.push((input, Some(out.shallow_clone())));
-                x = out;
-            }
-        }
-        // A kept last unit's graph runs on into the loss: one backward call covers both.
-        let tail_kept = matches!(saved.last(), Some((_, Some(_))));
-        let last = if tail_kept {
-            x
-        } else {
-            x.detach().set_requires_grad(true)
-        };
-        let loss = loss_fn(&self.norm.forward(&last));
-        loss.backward();
-        let mut grad = match saved.pop() {
-            Some((input, Some(_))) => {
-                if let Some((range, _)) = units.last() {
-                    for i in range.clone().rev() {
-                        hooks.reduce(i)?;
-                    }
-                }
-                input.grad()
-            }
-            other => {
-                saved.extend(other);
-                last.grad()
-            }
-        };
-        for ((range, _), (input, out)) in units[..saved.len()].iter().zip(saved).rev() {
-            let (input, out) = match out {
-                Some(out) => (input, out),
-                None => {
-                    for i in range.clone() {
-                        hooks.gather(i)?;
-                    }
-                    let input = input.detach().set_requires_grad(true);
-                    let out = run(range, &input);
-                    (input, out)
-                }
-            };
-            // d(sum(out * g))/d(out) = g: a vector-Jacobian product through this unit.
-            (out * &grad).sum(None::<Kind>).backward();
-            grad = input.grad();
-            for i in range.clone().rev() {
-                hooks.reduce(i)?;
-            }
-        }
-        let embedded = Tensor::embedding(&self.embed_tokens, input_ids, -1, false, false);
-        (embedded * &grad).sum(None::<Kind>).backward();
-        Ok(loss.detach())
-    }
-
-    /// [`CausalLm::forward_hidden`] without a cache, for passes with no backward
-    /// (log-probs): each layer's parameters are gathered just before it runs and
-    /// released right after (crate::layer_hooks). The embedding and final norm must be
-    /// whole.
-    pub fn forward_hidden_hooked<H: LayerHooks>(
-        &self,
-        input_ids: &Tensor,
-        position_ids: &Tensor,
-        attn: &Attention,
-        hooks: &mut H,
-    ) -> Result<Tensor, H::Error> {
-        let (mut x, ctx) = self.prepare(input_ids, position_ids, attn, 0);
-        for (i, layer) in self.layers.iter().enumerate() {
-            hooks.gather(i)?;
-            x = layer.forward(&x, &ctx, None);
-            hooks.release(i)?;
-        }
-        Ok(self.norm.forward(&x))
     }
 }

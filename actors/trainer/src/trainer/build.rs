@@ -156,6 +156,7 @@ impl Trainer {
             (vs, model)
         };
         model.set_recompute(opts.recompute)?;
+        model.set_moe_aux_loss_coeff(opts.algo.moe_aux_loss_coeff);
         if has_weights(&opts.model_dir) {
             manta_model::load_weights(&mut vs, &opts.model_dir)?;
             info!(dir = %opts.model_dir.display(), "trainer loaded weights");

@@ -75,6 +75,10 @@ pub struct AlgoOptions {
     /// rollout's (`train/train_rollout_logprob_abs_diff` ~0). CUDA bf16 only.
     #[serde(default)]
     pub true_on_policy: bool,
+    /// Megatron's `--moe-aux-loss-coeff`: the weight of each sparse layer's switch
+    /// load-balancing loss in the backward pass (mixture-of-experts models; 0 adds none).
+    #[serde(default)]
+    pub moe_aux_loss_coeff: f64,
     /// Megatron's `--grad-reduce-in-bf16`: data-parallel ranks (ZeRO-2, ZeRO-3, context
     /// parallel) reduce-scatter the gradients in bf16 and keep their reduced-gradient
     /// shard in bf16 (accumulated over micro-batches in bf16), widened to fp32 a bucket

@@ -173,6 +173,13 @@ impl CausalLm {
     /// reported now and the model stays as it was.
     pub fn set_invariant_attention(&mut self, on: bool) -> Result<(), String> {
         if on {
+            if self.cfg.moe().is_some() {
+                return Err(format!(
+                    "true on-policy mode (batch-invariant kernels) does not run {} \
+                     (mixture-of-experts) models yet",
+                    self.cfg.model_type
+                ));
+            }
             if self.decode_kernels.is_some() {
                 return Err(
                     "the decode kernels are on: they round differently from the trainer's ops, \
@@ -195,7 +202,7 @@ impl CausalLm {
         let min_rows = if on { INVARIANT_MIN_ROWS } else { 0 };
         for layer in &mut self.layers {
             layer.self_attn.min_rows = min_rows;
-            layer.mlp.min_rows = min_rows;
+            layer.mlp.set_min_rows(min_rows);
         }
         Ok(())
     }

@@ -701,6 +701,8 @@ pub(super) struct FusedLayer {
     qkv: Tensor,
     qkv_bias: Option<Tensor>,
     gate_up: Tensor,
+    /// The down projection (the model's own variable).
+    down: Tensor,
     /// Projections of at most `manta_cuda::gemv::FASTER_UP_TO_ROWS` rows run the GEMV kernel.
     gemv: bool,
 }
@@ -850,6 +852,13 @@ impl CausalLm {
                     .into(),
             );
         }
+        if self.cfg.moe().is_some() {
+            return Err(format!(
+                "the decode kernels do not run {} (mixture-of-experts) layers yet; its paged \
+                 forward runs through tensor ops",
+                self.cfg.model_type
+            ));
+        }
         let index = self.kernel_device("the decode kernels")?;
         let cfg = &self.cfg;
         let shape = manta_cuda::KernelShape {
@@ -875,12 +884,16 @@ impl CausalLm {
                 (Some(q), Some(k), Some(v)) => Some(fuse_rows(&mut [q, k, v])),
                 _ => None,
             };
-            let m = &mut layer.mlp;
+            let Some(m) = layer.mlp.dense_mut() else {
+                return Err("a sparse layer reached the decode kernels".into());
+            };
             let gate_up = fuse_rows(&mut [&mut m.gate, &mut m.up]);
+            let down = m.down.shallow_clone();
             fused.push(FusedLayer {
                 qkv,
                 qkv_bias,
                 gate_up,
+                down,
                 gemv,
             });
         }
@@ -1013,7 +1026,7 @@ impl CausalLm {
                 Some(inter),
                 (gemv, fuse_norms),
             );
-            delta = Some(project(&act, &layer.mlp.down, None, gemv));
+            delta = Some(project(&act, &f.down, None, gemv));
         }
         let mut normed = x.empty_like();
         if let Err(e) = manta_cuda::add_rms_norm(
