@@ -15,8 +15,7 @@ use serde_json::{json, Value};
 
 use crate::cli::PrepareTasksArgs;
 use crate::local::{environment_clients, start_builtin_server};
-use crate::tasks::{cookbook_cap, task_hash, CookbookSelection, TASK_SEED};
-
+use crate::tasks::{cookbook_cap, task_hash, CookbookSelection};
 
 /// What a run of `prepare-tasks` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -116,6 +116,7 @@ pub fn checkpoint_estimate(model_dir: &Path) -> Option<u64> {
 pub fn free_bytes(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `path` is NUL-terminated and `stat` is a valid out-pointer for the call.
     let rc = unsafe { libc::statvfs(path.as_ptr(), &mut stat) };

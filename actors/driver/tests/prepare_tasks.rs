@@ -318,8 +318,9 @@ fn sdk_server_rows_match_the_cookbook_rules() {
     let tmp = tempfile::tempdir().unwrap();
     let reference =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/cookbook_prepare_tasks.py");
-    // (alpha num_samples, beta num_samples, --max-tasks, --seed)
-    let cases: [(Option<u64>, Option<u64>, Option<u64>, i64); 5] = [
+    /// (alpha num_samples, beta num_samples, --max-tasks, --seed)
+    type Case = (Option<u64>, Option<u64>, Option<u64>, i64);
+    let cases: [Case; 5] = [
         (None, None, None, 42),
         (Some(5), None, Some(3), 42),
         (None, Some(4), Some(9), 7),

@@ -362,6 +362,7 @@ impl Drop for NcclCollective {
             (self.api.comm_finalize)(self.comm)
         });
         let done = finalized.and_then(|()| {
+            // SAFETY: as above; finalize has drained the communicator, destroy frees it once.
             self.check("comm_destroy", unsafe {
                 (self.api.comm_destroy)(self.comm)
             })
