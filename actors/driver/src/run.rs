@@ -39,6 +39,9 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     flags.validate(Path::new("command line"), "--")?;
     let merged = flags.over(cluster.train.clone());
     merged.validate_merged()?;
+    // The built-in default is the repository's tiny model, a path: only a model someone
+    // named may be a hub name to look up in the Hugging Face cache.
+    let model_named = merged.model.is_some();
     let mut settings = merged.resolve();
     if args.use_wandb && settings.wandb_project.is_none() {
         anyhow::bail!(
@@ -47,7 +50,9 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
             args.cluster.display()
         );
     }
-    settings.model = crate::hf_cache::resolve_model(&settings.model)?;
+    if model_named {
+        settings.model = crate::hf_cache::resolve_model(&settings.model)?;
+    }
     check_zero_stage(&cluster, &settings, &args.cluster)?;
     check_context_parallel(&cluster, &settings, &args.cluster)?;
     check_grad_reduce_in_bf16(&cluster, &settings, &args.cluster)?;
