@@ -70,6 +70,10 @@ pub enum LockError {
     },
 }
 
+/// What a run writes before it starts (the lock, the log, the status address): a
+/// directory holding only these saw no run, and goes with the lock.
+const STARTUP_FILES: [&str; 3] = [LOCK_FILE, "driver.log", "status_addr"];
+
 /// A held directory; the lock is released (and the holder record cleared) on drop. A
 /// directory the lock created and nothing else wrote to is removed again, so a run that
 /// stops before it starts (a placement refused) leaves no empty run directory behind.
@@ -150,11 +154,13 @@ impl Drop for DirLock {
             .map(|entries| {
                 entries
                     .filter_map(|e| e.ok())
-                    .all(|e| e.file_name() == LOCK_FILE)
+                    .all(|e| STARTUP_FILES.contains(&e.file_name().to_str().unwrap_or_default()))
             })
             .unwrap_or(false);
         if self.created && only_the_lock {
-            let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
+            for file in STARTUP_FILES {
+                let _ = std::fs::remove_file(self.dir.join(file));
+            }
             // Fails, harmlessly, if another run wrote into it meanwhile.
             let _ = std::fs::remove_dir(&self.dir);
         }
