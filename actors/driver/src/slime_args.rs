@@ -261,7 +261,14 @@ fn render_refused(flags: &[(String, String)]) -> String {
 }
 
 /// Subcommands whose own flags are clap's alone.
-const OTHER_COMMANDS: &[&str] = &["generate", "prepare-tasks", "serve", "export", "help"];
+const OTHER_COMMANDS: &[&str] = &[
+    "generate",
+    "prepare-tasks",
+    "serve",
+    "export",
+    "status",
+    "help",
+];
 
 /// The long flags (and aliases) of a training run, as clap knows them.
 fn training_flags() -> BTreeSet<String> {
