@@ -7,9 +7,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := $(CURDIR)/.venv
 VENV_PY := $(VENV)/bin/python
-# Whatever python minor version the venv has; recursive (=), so a venv that `setup`
-# creates during this make run is found by the recipes that follow it.
-TORCH_LIB = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/torch/lib))
+# Whatever python minor version the venv has. Recursive (=) and asked of the shell each
+# time, so a venv that `setup` creates during this make run is found by the recipes that
+# follow it (make's own $(wildcard) caches the directory listing it saw before setup ran).
+TORCH_LIB = $(shell ls -d $(VENV)/lib/python3*/site-packages/torch/lib 2>/dev/null | head -n 1)
 SETUP_STAMP := $(VENV)/.manta-setup-v1
 
 # torch-sys finds libtorch through the venv's python. driver, worker and the bench binaries
