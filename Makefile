@@ -26,11 +26,11 @@ CARGO_TEST_FLAGS ?=
 .PHONY: run test test-gpu setup build lint fmt clean-runs help
 
 help:
-	@echo "make run    - train the tiny model locally on CPU (default cluster.toml)"
+	@echo "make run    - train the tiny model locally on CPU (cluster.toml, configs/local-tiny.toml)"
 	@echo "make test   - run the whole CPU test suite"
 	@echo "make test-gpu - on a GPU node: every GPU test on every GPU (bin/tests from bench/run_gpu_tests.sh build)"
 	@echo "make setup  - create .venv (torch==2.11.0, transformers, openreward, tensorboard, wandb)"
-	@echo "make lint   - cargo fmt --check and cargo clippy --all-targets (warnings denied)"
+	@echo "make lint   - unused-dependency check, cargo fmt --check, cargo clippy --all-targets (warnings denied)"
 	@echo "make fmt    - cargo fmt --all"
 
 setup: $(SETUP_STAMP)
@@ -46,7 +46,7 @@ build: setup
 	cargo build --release --bin driver
 
 run: build
-	./target/release/driver --cluster cluster.toml
+	./target/release/driver --cluster cluster.toml --train-settings configs/local-tiny.toml
 
 test: setup
 	$(VENV_PY) tools/test_check_layers.py
@@ -61,6 +61,8 @@ test-gpu:
 	bash bench/run_gpu_tests.sh
 
 lint: setup
+	$(VENV_PY) tools/test_check_unused_deps.py
+	$(VENV_PY) tools/check_unused_deps.py
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 

@@ -21,8 +21,8 @@ if [ ! -x "$RAY_VENV/bin/python" ] || ! "$RAY_VENV/bin/python" -c 'import ray, n
 fi
 TL=$("$PY" -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
-PATH=$(pwd)/.venv/bin:$PATH cargo build --profile "$PROFILE" -p manta-bench --bin control_plane
-PATH=$(pwd)/.venv/bin:$PATH cargo build --profile "$PROFILE" -p manta-driver --bin worker
+# One build of both binaries, with the workspace's features (reuses a `cargo test` build).
+PATH=$(pwd)/.venv/bin:$PATH cargo build --profile "$PROFILE" --workspace --bin control_plane --bin worker
 DIR=target/$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")
 WORK=$(mktemp -d)
 MANTA_CLUSTER_TOKEN=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
@@ -53,14 +53,14 @@ res = {
                  "bulk samples driver->worker; Manta and Ray run one after the other, same machine",
     "machine": f"{os.cpu_count()} CPU cores ({cpu}), shared with other work; loopback TCP",
     "manta_build": f"cargo profile {profile}",
+    # Other work on the machine moves sub-millisecond figures: its load when the run ended.
+    "load_average_1m_at_end": round(os.getloadavg()[0], 2),
     **m, **r,
     "definitions": {
         "rtt_*_in_process": "ractor call! to an echo actor in the same process (mailbox + reply port)",
         "ray_local_mode_*": "Ray's only in-process actor call (local_mode); absent where this Ray refuses it (see ray_local_mode_error)",
-        "rtt_*_cross_process": "gRPC Echo to a `worker` process, token checked, through the worker's echo actor; one call at a time; over the transport WorkerClient uses (lean HTTP/2 channel, response spin response_spin_us)",
+        "rtt_*_cross_process": "gRPC Echo to a `worker` process, token checked, through the worker's echo actor; one call at a time; over the channel WorkerClient uses (tonic's transport::Channel)",
         "worker_client_echo_rtt_*": "the same through WorkerClient::echo (adds its timeout wrapper)",
-        "no_spin_*": "diagnostic: the same channel with its response spin off",
-        "tonic_channel_*": "diagnostic: tonic's stock transport::Channel to the same worker",
         "heartbeat_rtt_*": "gRPC Heartbeat (handled in the daemon, no actor), one at a time",
         "ray_rtt_*": "ray.get(actor.echo.remote(i)) to an actor in another process on this machine, one at a time",
         "pipelined_calls_per_s_cross_process": "Echo calls with 64 in flight over one channel",
@@ -79,8 +79,6 @@ rows = [
      f"{r['ray_local_mode_rtt_p50_us']}/{r['ray_local_mode_rtt_p99_us']}" if "ray_local_mode_rtt_p50_us" in r else "n/a (no local_mode)"),
     ("actor RTT cross-process p50/p99 (us)", f"{m['rtt_p50_us_cross_process']}/{m['rtt_p99_us_cross_process']}",
      f"{r['ray_rtt_p50_us']}/{r['ray_rtt_p99_us']}"),
-    ("  same, channel without spin (diag.)", f"{m['no_spin_rtt_p50_us_cross_process']}/{m['no_spin_rtt_p99_us_cross_process']}", ""),
-    ("  same, tonic's stock Channel (diag.)", f"{m['tonic_channel_rtt_p50_us_cross_process']}/{m['tonic_channel_rtt_p99_us_cross_process']}", ""),
     ("heartbeat RTT p50/p99 (us, no actor)", f"{m['heartbeat_rtt_p50_us_cross_process']}/{m['heartbeat_rtt_p99_us_cross_process']}", ""),
     ("pipelined calls/s (64 in flight)", f"{m['pipelined_calls_per_s_cross_process']:.0f}",
      f"{r['ray_pipelined_calls_per_s_window64']:.0f} (all at once: {r['ray_pipelined_calls_per_s']:.0f})"),

@@ -34,16 +34,13 @@ ALLOWED = {
     "crates/config": [{"cluster", "trainer_ranks"}],
     # transformer.rs holds the layers that paged.rs and invariant.rs build on, and calls
     # both (the model's split into layers / causal LM / paged removes it).
-    "crates/model": [{"transformer::<own items>", "transformer::invariant", "transformer::mlp", "transformer::paged"}],
+    "crates/model": [{"transformer::<own items>", "transformer::decode_kernels", "transformer::invariant", "transformer::mlp", "transformer::paged"}],
     # Not yet taken apart: the engine's SGLang client keeps its NCCL feed and its process
     # launcher as `impl Inner` blocks and errors of the parent module.
     "crates/engine": [{"sglang::<own items>", "sglang::nccl", "sglang::process"}],
     # The worker-side services of rollout, trainer and weights each call the others'
     # handles (weights need both ends; rank 0 rollouts need the remote trainer).
     "actors/hosting": [{"rollout", "trainer", "weights"}],
-    # ZeroAdamW keeps the prefetch state that Zero3Pass drives over it; the prefetch
-    # becomes a one-way layer over the shards when ZeRO-2 / ZeRO-3 split into files.
-    "actors/trainer": [{"data_parallel::prefetch", "data_parallel::zero"}],
 }
 
 SKIP_DIRS = {"target", ".git", ".venv", "node_modules"}

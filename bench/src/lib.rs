@@ -120,6 +120,7 @@ pub fn grpo_batch(samples: usize, seq: usize, vocab: i64) -> TrainBatch {
                 status: SampleStatus::Completed,
                 weight_version: 0,
                 metadata: EpisodeMetadata::default(),
+                routed_experts: None,
             }
         })
         .collect();

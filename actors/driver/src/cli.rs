@@ -148,259 +148,40 @@ pub struct TrainArgs {
     /// `cluster.train_config`.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Model directory in Hugging Face layout (config.json, tokenizer.json, weights), or
-    /// a hub name (ORG/NAME) found in the local Hugging Face cache (HF_HUB_CACHE, else
-    /// HF_HOME/hub, else ~/.cache/huggingface/hub). Without weights, the model is
-    /// randomly initialised from --seed.
-    #[arg(long, visible_alias = "hf-checkpoint")]
-    pub model: Option<PathBuf>,
-    /// Learning rate [cookbook: 1e-5].
-    #[arg(long)]
-    pub lr: Option<f64>,
-    /// Samples per prompt: the GRPO group size [16].
-    #[arg(long, visible_alias = "n-samples-per-prompt")]
-    pub n_samples: Option<usize>,
-    /// Prompts per step [32].
-    #[arg(long)]
-    pub rollout_batch_size: Option<usize>,
-    /// Most tokens per generate call [4096].
-    #[arg(long, visible_alias = "rollout-max-response-len")]
-    pub max_response_len: Option<usize>,
-    /// Training tokens per micro-batch per GPU [8192].
-    #[arg(long)]
-    pub max_tokens_per_gpu: Option<usize>,
+    /// Every training setting: flags here, keys of `[train]` tables.
+    #[command(flatten)]
+    pub settings: TrainOverrides,
     /// slime's switch for packing micro-batches by --max-tokens-per-gpu, which Manta
     /// always does; accepted for run.sh.
     #[arg(long)]
     pub use_dynamic_batch_size: bool,
-    /// Sampling temperature [1.0].
-    #[arg(long, visible_alias = "rollout-temperature")]
-    pub temperature: Option<f64>,
-    /// Directory for checkpoints (HF weights + optimizer + trainer state).
-    #[arg(long)]
-    pub save: Option<PathBuf>,
-    /// Resume from the latest checkpoint in this directory; a directory without one
-    /// (missing, empty, or only other files) starts the run fresh, as Miles does, so
-    /// run.sh can pass the same directory to --save and --load.
-    #[arg(long)]
-    pub load: Option<PathBuf>,
-    /// Steps between checkpoints [10]; 0 saves only at the end.
-    #[arg(long)]
-    pub save_interval: Option<usize>,
-    /// Number of training steps [3000].
-    #[arg(long)]
-    pub num_rollout: Option<usize>,
-    /// Seed for model init, task order and sampling [42].
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// AdamW weight decay [0.0].
-    #[arg(long)]
-    pub weight_decay: Option<f64>,
-    /// AdamW beta1 [0.9].
-    #[arg(long)]
-    pub adam_beta1: Option<f64>,
-    /// AdamW beta2 [0.999].
-    #[arg(long)]
-    pub adam_beta2: Option<f64>,
-    /// AdamW epsilon [1e-8].
-    #[arg(long)]
-    pub adam_eps: Option<f64>,
-    /// PPO clip range [0.2].
-    #[arg(long)]
-    pub eps_clip: Option<f64>,
-    /// Upper clip range [= --eps-clip].
-    #[arg(long)]
-    pub eps_clip_high: Option<f64>,
-    /// Gradient norm clip [1.0].
-    #[arg(long)]
-    pub clip_grad: Option<f64>,
-    /// Recompute each layer in backward instead of keeping activations; bare (as slime
-    /// spells it) means true [true].
-    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
-    pub gradient_checkpointing: Option<bool>,
-    /// Megatron's activation recompute: full (layers, with --recompute-method and
-    /// --recompute-num-layers) or selective (core attention only, which SDPA's flash
-    /// kernels already recompute: no layer is) [unset: --gradient-checkpointing decides].
-    #[arg(long)]
-    pub recompute_granularity: Option<String>,
-    /// uniform: groups of --recompute-num-layers layers, each recomputed as a unit;
-    /// block: the first --recompute-num-layers layers recomputed, the rest keep activations.
-    #[arg(long)]
-    pub recompute_method: Option<String>,
-    /// Layers per group (uniform) or recomputed layers (block), 1..=the model's layers.
-    #[arg(long)]
-    pub recompute_num_layers: Option<usize>,
-    /// ZeRO stage of the data-parallel trainer ranks (Megatron/DeepSpeed's name): 2
-    /// shards the optimizer state and gradients; 3 shards the parameters too, each layer
-    /// all-gathered for its forward and backward, so a rank holds 1/N of the weights at
-    /// rest. 3 needs at least two ranks (local mode's `[trainer] gpus` or
-    /// `data_parallel_ranks`) [2].
-    #[arg(long, value_name = "2|3")]
-    pub zero_stage: Option<u8>,
-    /// Context parallelism (Megatron's name): each packed sequence's tokens are split
-    /// over N trainer ranks, which all train on the same whole batch, for episodes
-    /// longer than one rank's memory. Local mode's rank count (`[trainer] gpus` or
-    /// `data_parallel_ranks`) must equal N (data parallel × context parallel is not
-    /// built); not with --zero-stage 3, remote mode or --true-on-policy-mode [1].
-    #[arg(long, value_name = "N")]
-    pub context_parallel_size: Option<usize>,
-    /// Megatron-LM's name: reduce-scatter the gradients in bf16 and keep each rank's
-    /// reduced-gradient shard in bf16, accumulated over micro-batches in bf16 and widened
-    /// to fp32 a bucket at a time by the AdamW step. Trades half the gradient shard's
-    /// memory (8B over two ranks: 7.6 GiB a GPU) for bf16 rounding of the reduced
-    /// gradients. Needs bf16 weights and two data-parallel ranks or more (ZeRO-2, ZeRO-3
-    /// or context parallel); refused otherwise [off: fp32].
-    #[arg(long)]
-    pub grad_reduce_in_bf16: bool,
     /// bf16 weights and compute with fp32 master weights and AdamW state, as Megatron's
     /// `--bf16`; the same as cluster.toml's `[trainer] bf16 = true`, which it overrides.
     #[arg(long)]
     pub bf16: bool,
-    /// Whole-episode token budget: prompt plus all turns [8192].
-    #[arg(long, visible_alias = "max-total-len")]
-    pub context_len: Option<usize>,
-    /// tasks.jsonl to train from (from `prepare-tasks`); default: list tasks from the servers.
-    #[arg(long, visible_alias = "prompt-data")]
-    pub task_data: Option<PathBuf>,
     /// slime's switch for shuffling the prompts every epoch, which Manta always does
     /// (seeded by --seed); accepted for run.sh.
     #[arg(long)]
     pub rollout_shuffle: bool,
-    /// Name of this run's folder under --runs-dir [a timestamp].
-    #[arg(long)]
-    pub run_name: Option<String>,
-    /// Where runs/<run>/metrics.jsonl and the plot go [runs].
-    #[arg(long)]
-    pub runs_dir: Option<PathBuf>,
-    /// Log every step's metrics to this Weights & Biases project (needs Python with the
-    /// `wandb` package: $MANTA_PYTHON or python3; WANDB_API_KEY, WANDB_MODE apply).
-    #[arg(long)]
-    pub wandb_project: Option<String>,
-    /// W&B run name [the run's directory name under --runs-dir].
-    #[arg(long, visible_alias = "wandb-run-name")]
-    pub wandb_run: Option<String>,
     /// slime's switch for W&B logging: needs --wandb-project (which alone turns W&B
     /// on in Manta).
     #[arg(long)]
     pub use_wandb: bool,
-    /// How rewards become advantages, and the policy loss: grpo, gspo (sequence-level
-    /// ratio), cispo, reinforce_plus_plus, reinforce_plus_plus_baseline [grpo].
-    #[arg(long)]
-    pub advantage_estimator: Option<String>,
-    /// Dual-clip bound (> 1) on the loss of negative-advantage tokens [off].
-    #[arg(long)]
-    pub eps_clip_c: Option<f64>,
-    /// Add a KL penalty to the frozen reference model to the loss.
-    #[arg(long)]
-    pub use_kl_loss: bool,
-    /// Weight of the KL loss [0].
-    #[arg(long)]
-    pub kl_loss_coef: Option<f64>,
-    /// KL estimator: k1, k2, k3, low_var_kl [k1].
-    #[arg(long)]
-    pub kl_loss_type: Option<String>,
-    /// Weight the KL estimate by the importance ratio π/π_old.
-    #[arg(long)]
-    pub use_unbiased_kl: bool,
-    /// Reference model directory for the KL loss [the initial model].
-    #[arg(long)]
-    pub ref_load: Option<PathBuf>,
-    /// Entropy bonus coefficient [0].
-    #[arg(long, allow_negative_numbers = true)]
-    pub entropy_coef: Option<f64>,
-    /// GRPO advantages: centre rewards within the group without dividing by the std.
-    #[arg(long)]
-    pub disable_grpo_std_normalization: bool,
-    /// Whiten advantages over all trained tokens of the step.
-    #[arg(long)]
-    pub normalize_advantages: bool,
-    /// π_old is the engine's log-probs instead of the trainer's.
-    #[arg(long)]
-    pub use_rollout_logprobs: bool,
-    /// True on-policy (Miles' flag): the native engine runs the trainer's layer ops and both
-    /// compute attention with one batch-invariant kernel, so
-    /// train/train_rollout_logprob_abs_diff drops to ~0. CUDA bf16 only; decoding is slower.
-    #[arg(long)]
-    pub true_on_policy_mode: bool,
-    /// Mixture-of-experts models: the weight of Megatron's per-layer load-balancing loss,
-    /// added to the policy loss [0, as slime's and Miles' Qwen3-30B-A3B recipes set it].
-    #[arg(long)]
-    pub moe_aux_loss_coeff: Option<f64>,
-    /// Truncated importance sampling of the loss by exp(train − rollout log-prob).
-    #[arg(long)]
-    pub use_tis: bool,
-    /// Upper TIS bound [2.0].
-    #[arg(long)]
-    pub tis_clip: Option<f64>,
-    /// Lower TIS bound [0].
-    #[arg(long)]
-    pub tis_clip_low: Option<f64>,
-    /// truncate: clamp the TIS weight into the band; mask: zero tokens outside it
-    /// (slime's icepop) [truncate].
-    #[arg(long)]
-    pub tis_mode: Option<String>,
-    /// Off-policy sequence masking: drop negative-advantage samples whose mean
-    /// log-ratio old/new exceeds --opsm-delta.
-    #[arg(long)]
-    pub use_opsm: bool,
-    /// OPSM threshold [1e-4].
-    #[arg(long)]
-    pub opsm_delta: Option<f64>,
-    /// Average the loss over all tokens of the step instead of per sample first.
-    #[arg(long)]
-    pub calculate_per_token_loss: bool,
-    /// Optimizer steps per rollout; the step's samples are split in order [1, or
-    /// rollout-batch-size × n-samples ÷ --global-batch-size].
-    #[arg(long)]
-    pub num_steps_per_rollout: Option<usize>,
-    /// Samples per optimizer step (slime's name): must divide rollout-batch-size ×
-    /// n-samples; checked against --num-steps-per-rollout when both are set
-    /// [rollout-batch-size × n-samples].
-    #[arg(long)]
-    pub global_batch_size: Option<usize>,
-    /// LR decay over the run: constant, linear, cosine [constant].
-    #[arg(long)]
-    pub lr_decay_style: Option<String>,
-    /// Optimizer steps of linear LR warmup from 0 [0].
-    #[arg(long)]
-    pub lr_warmup_iters: Option<u64>,
-    /// LR at the end of the decay [0].
-    #[arg(long)]
-    pub min_lr: Option<f64>,
-    /// Write each step's samples to this path, `{rollout_id}` replaced by the step
-    /// (from 0), one JSON object per line, as slime.
-    #[arg(long)]
-    pub save_debug_rollout_data: Option<String>,
-    /// Train from files written by --save-debug-rollout-data: no engine, no environment.
-    #[arg(long)]
-    pub load_debug_rollout_data: Option<String>,
-    /// Run every step's rollouts and train nothing: the engines keep their first
-    /// weights, no checkpoint is written (slime's flag; measures rollout alone).
-    #[arg(long, conflicts_with = "load_debug_rollout_data")]
-    pub debug_rollout_only: bool,
-    /// Groups started at a time while the step's batch is short of
-    /// --rollout-batch-size kept groups [--rollout-batch-size].
-    #[arg(long)]
-    pub over_sampling_batch_size: Option<usize>,
-    /// Dynamic sampling: drop groups this filter rejects and generate more until the
-    /// batch is full. check_reward_nonzero_std (slime's, also by its module path) drops
-    /// groups whose rewards all agree [off].
-    #[arg(long)]
-    pub dynamic_sampling_filter_path: Option<String>,
-    /// Asynchronous mode when ≥ 1: the next step's rollouts run while the trainer
-    /// trains; samples more than this many weight versions behind are regenerated [0].
-    #[arg(long)]
-    pub max_weight_staleness: Option<u64>,
-    /// Episodes that span a weight update go on with the new weights, each token's
-    /// version kept (implies --max-weight-staleness 1 unless set).
-    #[arg(long)]
-    pub partial_rollout: bool,
     /// With --save: after the run's final checkpoint, write it as a Hugging Face model
     /// directory to SAVE/hf (as `driver export`, tokenizer files from --model), replacing
     /// the export of an earlier run there. Checkpoints of earlier steps stay as they are
     /// (`driver export` writes any of them).
     #[arg(long)]
     pub save_hf: bool,
+    /// Training settings file: a `[train]` table with cluster.toml's `[train]` keys
+    /// (configs/local-tiny.toml holds the tiny local model's); the flags win over it,
+    /// and it wins over cluster.toml's `[train]`.
+    #[arg(long, value_name = "FILE")]
+    pub train_settings: Option<PathBuf>,
+    /// Where each flag of the command line was spelt (setting key → flag as given), for
+    /// the resolved-settings listing; filled by the binary from its arguments.
+    #[arg(skip)]
+    pub spellings: std::collections::BTreeMap<String, String>,
     /// Failure budget and checkpoint retention (crate::guard_flags).
     #[command(flatten)]
     pub guards: crate::guard_flags::GuardArgs,
@@ -420,78 +201,8 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// The flags as the top configuration layer.
     pub fn overrides(&self) -> TrainOverrides {
-        TrainOverrides {
-            model: self.model.clone(),
-            lr: self.lr,
-            n_samples: self.n_samples,
-            rollout_batch_size: self.rollout_batch_size,
-            max_response_len: self.max_response_len,
-            max_tokens_per_gpu: self.max_tokens_per_gpu,
-            temperature: self.temperature,
-            save: self.save.clone(),
-            load: self.load.clone(),
-            save_interval: self.save_interval,
-            num_rollout: self.num_rollout,
-            seed: self.seed,
-            weight_decay: self.weight_decay,
-            adam_beta1: self.adam_beta1,
-            adam_beta2: self.adam_beta2,
-            adam_eps: self.adam_eps,
-            eps_clip: self.eps_clip,
-            eps_clip_high: self.eps_clip_high,
-            clip_grad: self.clip_grad,
-            gradient_checkpointing: self.gradient_checkpointing,
-            recompute_granularity: self.recompute_granularity.clone(),
-            recompute_method: self.recompute_method.clone(),
-            recompute_num_layers: self.recompute_num_layers,
-            zero_stage: self.zero_stage,
-            context_parallel_size: self.context_parallel_size,
-            grad_reduce_in_bf16: flag(self.grad_reduce_in_bf16),
-            context_len: self.context_len,
-            task_data: self.task_data.clone(),
-            run_name: self.run_name.clone(),
-            runs_dir: self.runs_dir.clone(),
-            wandb_project: self.wandb_project.clone(),
-            wandb_run: self.wandb_run.clone(),
-            advantage_estimator: self.advantage_estimator.clone(),
-            eps_clip_c: self.eps_clip_c,
-            use_kl_loss: flag(self.use_kl_loss),
-            kl_loss_coef: self.kl_loss_coef,
-            kl_loss_type: self.kl_loss_type.clone(),
-            use_unbiased_kl: flag(self.use_unbiased_kl),
-            ref_load: self.ref_load.clone(),
-            entropy_coef: self.entropy_coef,
-            disable_grpo_std_normalization: flag(self.disable_grpo_std_normalization),
-            normalize_advantages: flag(self.normalize_advantages),
-            use_rollout_logprobs: flag(self.use_rollout_logprobs),
-            true_on_policy_mode: flag(self.true_on_policy_mode),
-            moe_aux_loss_coeff: self.moe_aux_loss_coeff,
-            use_tis: flag(self.use_tis),
-            tis_clip: self.tis_clip,
-            tis_clip_low: self.tis_clip_low,
-            tis_mode: self.tis_mode.clone(),
-            use_opsm: flag(self.use_opsm),
-            opsm_delta: self.opsm_delta,
-            calculate_per_token_loss: flag(self.calculate_per_token_loss),
-            num_steps_per_rollout: self.num_steps_per_rollout,
-            global_batch_size: self.global_batch_size,
-            lr_decay_style: self.lr_decay_style.clone(),
-            lr_warmup_iters: self.lr_warmup_iters,
-            min_lr: self.min_lr,
-            save_debug_rollout_data: self.save_debug_rollout_data.clone(),
-            load_debug_rollout_data: self.load_debug_rollout_data.clone(),
-            debug_rollout_only: flag(self.debug_rollout_only),
-            over_sampling_batch_size: self.over_sampling_batch_size,
-            dynamic_sampling_filter_path: self.dynamic_sampling_filter_path.clone(),
-            max_weight_staleness: self.max_weight_staleness,
-            partial_rollout: flag(self.partial_rollout),
-        }
+        self.settings.clone()
     }
-}
-
-/// A store-true switch as a layer value: absent leaves the lower layer's choice.
-fn flag(on: bool) -> Option<bool> {
-    on.then_some(true)
 }
 
 #[cfg(test)]
@@ -616,5 +327,59 @@ mod tests {
             Some("check_reward_nonzero_std")
         );
         assert_eq!((s.max_weight_staleness, s.partial_rollout), (2, true));
+    }
+
+    /// The training command's flags are the settings ([`TrainOverrides`], each also a
+    /// `[train]` key) plus the few that only make sense on a command line. A new flag
+    /// added to [`TrainArgs`] itself fails here until it is either a setting (a field of
+    /// `TrainOverrides`, so cluster.toml can set it too) or listed below with why not.
+    #[test]
+    fn training_flags_are_settings_or_named_command_line_only() {
+        use clap::CommandFactory;
+        const COMMAND_LINE_ONLY: &[&str] = &[
+            // Which files to read: they cannot live inside those files.
+            "cluster",
+            "config",
+            "train-settings",
+            // slime's switches for what Manta always does, accepted for run.sh.
+            "use-dynamic-batch-size",
+            "rollout-shuffle",
+            "use-wandb",
+            // Overrides of cluster.toml's [trainer] bf16, which is where it is set.
+            "bf16",
+            // What this process does around the run, not how it trains.
+            "save-hf",
+            "on-stop",
+            "status-addr",
+            "max-failed-episode-ratio",
+            "max-failed-steps",
+            "keep-last",
+        ];
+        let settings: std::collections::BTreeSet<String> =
+            match serde_json::to_value(TrainOverrides::default()) {
+                Ok(serde_json::Value::Object(map)) => {
+                    map.keys().map(|k| k.replace('_', "-")).collect()
+                }
+                other => panic!("TrainOverrides serialized as {other:?}"),
+            };
+        let command = Cli::command();
+        let mut unexplained = Vec::new();
+        for arg in command.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if !settings.contains(long) && !COMMAND_LINE_ONLY.contains(&long) {
+                unexplained.push(long.to_string());
+            }
+        }
+        assert!(
+            unexplained.is_empty(),
+            "flags that are neither settings nor command-line-only: {unexplained:?}"
+        );
+        for long in COMMAND_LINE_ONLY {
+            assert!(
+                command.get_arguments().any(|a| a.get_long() == Some(long)),
+                "--{long} is listed as command-line-only but is no flag"
+            );
+            assert!(!settings.contains(*long), "--{long} is a setting too");
+        }
     }
 }

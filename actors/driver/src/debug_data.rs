@@ -109,6 +109,7 @@ pub fn load(template: &str, rollout_id: u64, first_id: u64) -> anyhow::Result<Ve
             status: r.status,
             weight_version: rollout_id,
             metadata: EpisodeMetadata::default(),
+            routed_experts: None,
         };
         sample
             .validate()
@@ -139,6 +140,7 @@ mod tests {
             status: SampleStatus::Truncated,
             weight_version: 4,
             metadata: EpisodeMetadata::default(),
+            routed_experts: None,
         };
         let path = save(template, 3, std::slice::from_ref(&s), 4).unwrap();
         assert!(path.ends_with("debug_3.jsonl"));

@@ -79,6 +79,8 @@ pub struct RunPlan {
     pub guards: Guards,
     /// What makes a step a failed one (crate::failure_budget).
     pub checks: StepChecks,
+    /// Evaluation during training (`--eval-interval`); `None` evaluates nothing.
+    pub eval: Option<crate::eval::Evaluator>,
 }
 
 pub struct DriverState {
@@ -142,8 +144,15 @@ impl Actor for DriverActor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             DriverMsg::Run(reply) => {
-                state.reply = Some(reply);
                 state.started = Instant::now();
+                // slime evaluates the initial weights once, on a fresh run only.
+                if state.plan.first_step == 1 {
+                    if let Err(e) = evaluate_if_due(state, 0).await {
+                        let _ = reply.send(Err(format!("{e:#}")));
+                        return Ok(());
+                    }
+                }
+                state.reply = Some(reply);
                 myself.send_message(DriverMsg::Step)?;
             }
             DriverMsg::Step => {
@@ -319,6 +328,8 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<StepEnd> {
             .await?;
         }
     }
+    evaluate_if_due(state, step).await?;
+    let plan = &mut state.plan;
     if state.plotted.is_none_or(|t| t.elapsed() >= PLOT_EVERY) {
         state.plotted = Some(Instant::now());
         let png = plan.run_dir.join("curves.png");
@@ -328,6 +339,38 @@ async fn one_step(state: &mut DriverState) -> anyhow::Result<StepEnd> {
     }
     crate::status::set_phase(crate::status::Phase::Idle);
     Ok(StepEnd::Trained)
+}
+
+/// Evaluates after `step` (0: before the first) when `--eval-interval` says so, and
+/// records the `eval/` metrics under that step wherever the step's own metrics go.
+async fn evaluate_if_due(state: &mut DriverState, step: u64) -> anyhow::Result<()> {
+    let plan = &mut state.plan;
+    let Some(evaluator) = plan.eval.as_mut().filter(|e| e.due(step)) else {
+        return Ok(());
+    };
+    let phase = crate::status::phase();
+    crate::status::set_phase(crate::status::Phase::Eval);
+    let span = info_span!(parent: None, "eval", step = step as i64);
+    let m = evaluator
+        .evaluate(step)
+        .instrument(span)
+        .await
+        .with_context(|| format!("evaluation after step {step}"))?;
+    plan.metrics
+        .write_step(step, &m)
+        .with_context(|| format!("writing {}", plan.metrics.path().display()))?;
+    if let Some(Err(e)) = state.tensorboard.as_mut().map(|tb| tb.write_step(step, &m)) {
+        warn!(error = %e, "TensorBoard write failed; disabling it");
+        state.tensorboard = None;
+    }
+    if let Some(wandb) = &plan.wandb {
+        wandb.log(step, &m);
+    }
+    let line = evaluator.summary(step, &m);
+    println!("{line}");
+    manta_telemetry::run_log::line(&line);
+    crate::status::set_phase(phase);
+    Ok(())
 }
 
 /// One line per step: where its time went and how fast tokens moved. `rollout` is the

@@ -209,6 +209,7 @@ mod tests {
                 error: (!error.is_empty()).then(|| error.to_string()),
                 ..Default::default()
             },
+            routed_experts: None,
         }
     }
 

@@ -83,6 +83,7 @@ pub async fn generate(args: &GenerateArgs) -> anyhow::Result<()> {
                 ..SamplingParams::default()
             },
             rid: None,
+            return_routed_experts: false,
         })
         .await
         .context("generation failed")?;

@@ -238,6 +238,7 @@ pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
         ref_load: a.ref_load.clone(),
         true_on_policy: a.true_on_policy_mode,
         moe_aux_loss_coeff: a.moe_aux_loss_coeff,
+        use_rollout_routing_replay: a.use_rollout_routing_replay,
         grad_reduce_in_bf16: settings.grad_reduce_in_bf16,
     }
 }
@@ -313,6 +314,7 @@ pub async fn start(
                         defaults.mem_fraction_static,
                     ),
                     true_on_policy: settings.algo.true_on_policy_mode,
+                    enable_return_routed_experts: settings.algo.use_rollout_routing_replay,
                     ..defaults
                 })
                 .context("starting the native engine")?
@@ -320,14 +322,19 @@ pub async fn start(
             EngineKind::Sglang => {
                 let run = settings.run_name.clone().unwrap_or_default();
                 let logs = settings.runs_dir.join(run).join("engines");
-                let opts = SglangOptions::from_cluster(
-                    &cluster.rollout,
+                let mut opts = SglangOptions::new(
+                    &sglang_server(&cluster.rollout),
                     &format!("engine-{i}"),
                     model_dir,
                     &gpus,
                     settings.seed,
                     logs.join(format!("{i}.log")),
                 );
+                if settings.algo.use_rollout_routing_replay {
+                    opts.launch
+                        .argv
+                        .push("--enable-return-routed-experts".into());
+                }
                 let progress =
                     manta_telemetry::Progress::start(format!("starting SGLang engine {i}"));
                 let engine = SglangEngine::launch(opts).await.with_context(|| {
@@ -519,6 +526,19 @@ fn check_model_dir(dir: &Path) -> anyhow::Result<()> {
 
 /// The native engine's share of its GPU: `rollout.mem_fraction_static` when set; a
 /// colocated engine otherwise leaves most of the GPU to the trainer it shares.
+/// The SGLang server settings of cluster.toml's `[rollout]`.
+pub fn sglang_server(rollout: &manta_config::RolloutSection) -> manta_engine::SglangServer {
+    manta_engine::SglangServer {
+        command: rollout.command.clone(),
+        max_running_requests: rollout.max_batch_size,
+        mem_fraction_static: rollout.mem_fraction_static,
+        extra_args: rollout.extra_args.clone(),
+        health_timeout_s: rollout.health_timeout_s,
+        health_interval_ms: rollout.health_interval_ms,
+        max_restarts: rollout.max_restarts,
+    }
+}
+
 fn engine_mem_fraction(rollout: &manta_config::RolloutSection, default: f64) -> f64 {
     rollout.mem_fraction_static.unwrap_or(if rollout.colocate {
         COLOCATED_MEM_FRACTION

@@ -37,15 +37,16 @@ fn main() -> ExitCode {
             tracing::warn!("{warning}");
         }
         tracing::debug!(nccl_env, "NCCL environment");
-        let code = run(cli).await;
+        let spellings = manta_driver::settings_report::spellings(&translated.args);
+        let code = run(cli, spellings).await;
         // Export the last spans while the runtime (which runs the OTLP connection) is up.
         manta_telemetry::shutdown_tracing();
         code
     })
 }
 
-async fn run(cli: Cli) -> ExitCode {
-    let args = match cli.command {
+async fn run(cli: Cli, spellings: std::collections::BTreeMap<String, String>) -> ExitCode {
+    let mut args = match cli.command {
         Some(Command::Train(args)) => args,
         Some(Command::Generate(args)) => {
             return match manta_driver::generate::generate(&args).await {
@@ -103,6 +104,7 @@ async fn run(cli: Cli) -> ExitCode {
         }
         None => cli.train,
     };
+    args.spellings = spellings;
     // SIGINT or SIGTERM: end the run (manta_driver::signals); a second: exit now (130).
     let stop = manta_driver::signals::StopRequest::new(args.on_stop);
     if let Err(e) = manta_driver::signals::watch(stop.clone()) {

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainSettings};
+use manta_config::{ClusterConfig, ClusterMode, TrainConfig, TrainOverrides, TrainSettings};
 use manta_rollout::ors::OrsClient;
 use manta_rollout::TaskRef;
 use manta_telemetry::{MetricsWriter, WandbOptions, WandbSink};
@@ -13,10 +13,12 @@ use tracing::{info, warn};
 
 use crate::cli::TrainArgs;
 use crate::driver_actor::{latest_checkpoint, DriverActor, DriverMsg, RunPlan, RunSummary};
+use crate::eval::EvalSet;
 use crate::failure_budget::StepChecks;
 use crate::guard_flags::Guards;
 use crate::placement::{Placed, TrainerRecovery};
 use crate::run_lock::DirLock;
+use crate::settings_report::SettingLayers;
 use crate::step::StepActors;
 use crate::tasks::{cookbook_cap, read_tasks_jsonl, task_hash, CookbookSelection, TaskSampler};
 use crate::trainer_handle::data_parallel::RankDevices;
@@ -26,6 +28,10 @@ pub struct ResolvedConfig {
     pub cluster: ClusterConfig,
     pub train: TrainConfig,
     pub settings: TrainSettings,
+    /// The layers the settings came from, for the resolved-settings listing.
+    pub layers: SettingLayers,
+    /// `--eval-prompt-data`'s sets, read (empty without `--eval-interval`).
+    pub eval_sets: Vec<EvalSet>,
 }
 
 /// Reads cluster.toml and train_config.yaml and applies the flags on top.
@@ -37,7 +43,21 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
     }
     let flags = args.overrides();
     flags.validate(Path::new("command line"), "--")?;
-    let merged = flags.over(cluster.train.clone());
+    let file = match &args.train_settings {
+        Some(path) => Some((path.clone(), TrainOverrides::from_file(path)?)),
+        None => None,
+    };
+    let layers = SettingLayers {
+        flags: flags.clone(),
+        spellings: args.spellings.clone(),
+        file: file.clone(),
+        cluster: (args.cluster.clone(), cluster.train.clone()),
+    };
+    let below_flags = match file {
+        Some((_, values)) => values.over(cluster.train.clone())?,
+        None => cluster.train.clone(),
+    };
+    let merged = flags.over(below_flags)?;
     merged.validate_merged()?;
     // The built-in default is the repository's tiny model, a path: only a model someone
     // named may be a hub name to look up in the Hugging Face cache.
@@ -77,10 +97,28 @@ pub fn resolve_config(args: &TrainArgs) -> anyhow::Result<ResolvedConfig> {
         )
         })?;
     let train = TrainConfig::from_file(&config_path)?;
+    let eval_sets = match settings.eval.interval {
+        Some(_) if settings.load_debug_rollout_data.is_some() => anyhow::bail!(
+            "--eval-interval evaluates on the engines, and --load-debug-rollout-data runs \
+             none: drop one of them"
+        ),
+        Some(_) => crate::eval::load_sets(&settings.eval, &train)?,
+        None => {
+            if !settings.eval.datasets.is_empty() {
+                warn!(
+                    "--eval-prompt-data without --eval-interval: nothing is evaluated \
+                     (as in slime); add --eval-interval N"
+                );
+            }
+            Vec::new()
+        }
+    };
     Ok(ResolvedConfig {
         cluster,
         train,
         settings,
+        layers,
+        eval_sets,
     })
 }
 
@@ -245,6 +283,8 @@ pub async fn train(
         cluster,
         train,
         mut settings,
+        layers,
+        eval_sets,
     } = resolve_config(args)?;
     if let Some(dir) = settings.load.clone() {
         if crate::load_dir::checkpoint_to_resume(&dir)?.is_none() {
@@ -263,7 +303,7 @@ pub async fn train(
         Some(load) => crate::save_dir::read_record(load)?,
         None => None,
     };
-    if args.run_name.is_none() && args.runs_dir.is_none() {
+    if args.settings.run_name.is_none() && args.settings.runs_dir.is_none() {
         if let Some(rec) = &recorded {
             if let (Some(parent), Some(name)) = (
                 rec.run_dir.parent(),
@@ -307,7 +347,7 @@ pub async fn train(
              --debug-rollout-only writes no checkpoint)"
         );
     }
-    if let (Some(n), None) = (args.save_interval, settings.save.as_ref()) {
+    if let (Some(n), None) = (args.settings.save_interval, settings.save.as_ref()) {
         // Asked for checkpoints but gave them nowhere to go: say so before the run, not
         // after a lost trainer restarts from its initial weights.
         warn!(
@@ -342,7 +382,12 @@ pub async fn train(
         &settings,
         placed.recovery,
         stop,
-        (run_id, guards),
+        RunRecords {
+            run_id,
+            guards,
+            layers,
+            eval_sets,
+        },
     )
     .await;
     placed.teardown.run().await;
@@ -430,6 +475,17 @@ async fn place(
     }
 }
 
+/// What a run records and checks beside its settings.
+pub(crate) struct RunRecords {
+    /// Recorded in every checkpoint's manifest (crate::save_dir).
+    pub run_id: String,
+    pub guards: Guards,
+    /// Where the settings came from (written to the run directory).
+    pub layers: SettingLayers,
+    /// What `--eval-interval` evaluates.
+    pub eval_sets: Vec<EvalSet>,
+}
+
 pub(crate) async fn run_with_actors(
     env_clients: &std::collections::BTreeMap<String, OrsClient>,
     actors: StepActors,
@@ -437,8 +493,14 @@ pub(crate) async fn run_with_actors(
     settings: &TrainSettings,
     recovery: TrainerRecovery,
     stop: crate::signals::StopRequest,
-    (run_id, guards): (String, Guards),
+    records: RunRecords,
 ) -> anyhow::Result<RunSummary> {
+    let RunRecords {
+        run_id,
+        guards,
+        layers,
+        eval_sets,
+    } = records;
     // Partial rollouts: a weight update ends running generate calls at once (their
     // episodes resume with the new weights) instead of waiting for them to finish.
     let actors = if settings.sampling.partial_rollout {
@@ -503,6 +565,7 @@ pub(crate) async fn run_with_actors(
         serde_json::to_string_pretty(settings)?,
     )
     .with_context(|| format!("writing {}/settings.json", run_dir.display()))?;
+    layers.report(&run_dir, settings)?;
     let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))
         .with_context(|| format!("opening {}/metrics.jsonl", run_dir.display()))?;
     info!(run = %run_dir.display(), tasks = tasks.len(), "run directory ready");
@@ -520,6 +583,12 @@ pub(crate) async fn run_with_actors(
         };
         let config = serde_json::to_value(settings).unwrap_or_default();
         WandbSink::start(&opts, &config)
+    });
+    let eval = (settings.eval.interval.is_some() && !eval_sets.is_empty()).then(|| {
+        for (name, tasks) in eval_sets.iter().map(|s| (&s.name, s.tasks.len())) {
+            info!(set = %name, tasks, "evaluation set");
+        }
+        crate::eval::Evaluator::new(actors.rollouts.clone(), settings.eval.clone(), eval_sets)
     });
     let queue = crate::sampling::GroupQueue::new(
         actors.rollouts.clone(),
@@ -550,6 +619,7 @@ pub(crate) async fn run_with_actors(
             max_failed_episode_ratio: guards.max_failed_episode_ratio,
             context_len: settings.context_len,
         },
+        eval,
     };
     crate::status::start_run(&plan.run_dir, first_step, plan.last_step);
     let (driver, handle) = Actor::spawn(Some("driver".into()), DriverActor, plan)
@@ -647,185 +717,4 @@ fn debug_task(train: &TrainConfig) -> manta_rollout::TaskRef {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-    use manta_config::TrainOverrides;
-
-    /// `--bf16` means `[trainer] bf16 = true` and wins over the file's `false`.
-    #[test]
-    fn bf16_flag_overrides_the_trainer_section() {
-        let dir = tempfile::tempdir().unwrap();
-        let train_config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../train_config.yaml");
-        let cluster = dir.path().join("cluster.toml");
-        std::fs::write(
-            &cluster,
-            format!(
-                "[cluster]\ntrain_config = {:?}\n\n[trainer]\nbf16 = false\n",
-                train_config.display().to_string()
-            ),
-        )
-        .unwrap();
-        let args = |extra: &[&str]| {
-            let mut argv = vec!["driver", "--cluster", cluster.to_str().unwrap()];
-            argv.extend_from_slice(extra);
-            crate::cli::Cli::try_parse_from(argv).unwrap().train
-        };
-        let plain = resolve_config(&args(&[])).unwrap();
-        assert_eq!(plain.cluster.trainer.bf16, Some(false));
-        let flagged = resolve_config(&args(&["--bf16"])).unwrap();
-        assert_eq!(flagged.cluster.trainer.bf16, Some(true));
-    }
-
-    /// `--context-parallel-size N` needs N local ranks, local mode, ZeRO-2 and no true
-    /// on-policy mode; 1 (the default) needs nothing.
-    #[test]
-    fn context_parallel_size_is_refused_where_it_cannot_run() {
-        let check = |text: &str, flags: TrainOverrides| {
-            let cluster = ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
-            let settings = flags.over(cluster.train.clone()).resolve();
-            check_context_parallel(&cluster, &settings, Path::new("c.toml"))
-                .map_err(|e| e.to_string())
-        };
-        let cp = |n: usize| TrainOverrides {
-            context_parallel_size: Some(n),
-            ..Default::default()
-        };
-        let two = "[trainer]\ndata_parallel_ranks = 2\n";
-        check("", TrainOverrides::default()).unwrap();
-        check(two, cp(1)).unwrap();
-        check(two, cp(2)).unwrap();
-        check(
-            "[trainer]\ndata_parallel_ranks = 3\n[train]\ncontext_parallel_size = 3\n",
-            TrainOverrides::default(),
-        )
-        .unwrap();
-        for (text, n, ranks) in [
-            ("", 2, 1),
-            (two, 3, 2),
-            ("[trainer]\ndata_parallel_ranks = 4\n", 2, 4),
-        ] {
-            let err = check(text, cp(n)).unwrap_err();
-            assert!(
-                err.contains(&format!("--context-parallel-size {n}"))
-                    && err.contains(&format!("has {ranks}")),
-                "{err}"
-            );
-        }
-        let err = check(
-            two,
-            TrainOverrides {
-                zero_stage: Some(3),
-                ..cp(2)
-            },
-        )
-        .unwrap_err();
-        assert!(
-            err.contains("--context-parallel-size 2") && err.contains("--zero-stage 3"),
-            "{err}"
-        );
-        let err = check(
-            two,
-            TrainOverrides {
-                true_on_policy_mode: Some(true),
-                ..cp(2)
-            },
-        )
-        .unwrap_err();
-        assert!(err.contains("--true-on-policy-mode"), "{err}");
-        let err = check(
-            "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0, 1]\n",
-            cp(2),
-        )
-        .unwrap_err();
-        assert!(
-            err.contains("--context-parallel-size 2") && err.contains("remote mode"),
-            "{err}"
-        );
-    }
-
-    /// `--grad-reduce-in-bf16` needs two ranks or more and bf16 weights.
-    #[test]
-    fn grad_reduce_in_bf16_is_refused_for_one_trainer_or_fp32_weights() {
-        let check = |text: &str, flag: bool| {
-            let cluster = ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
-            let settings = TrainOverrides {
-                grad_reduce_in_bf16: flag.then_some(true),
-                ..Default::default()
-            }
-            .over(cluster.train.clone())
-            .resolve();
-            check_grad_reduce_in_bf16(&cluster, &settings, Path::new("c.toml"))
-                .map_err(|e| e.to_string())
-        };
-        check("", false).unwrap();
-        check("[trainer]\ngpus = [0, 1]\n", true).unwrap();
-        check("[trainer]\ndata_parallel_ranks = 2\nbf16 = true\n", true).unwrap();
-        let in_file = "[train]\ngrad_reduce_in_bf16 = true\n";
-        check(&format!("{in_file}[trainer]\ngpus = [0, 1]\n"), false).unwrap();
-        let err = check("", true).unwrap_err();
-        assert!(
-            err.contains("--grad-reduce-in-bf16") && err.contains("one trainer"),
-            "{err}"
-        );
-        let err = check(in_file, false).unwrap_err();
-        assert!(err.contains("grad_reduce_in_bf16 = true"), "{err}");
-        for fp32 in [
-            "[trainer]\ndata_parallel_ranks = 2\n",
-            "[trainer]\ngpus = [0, 1]\nbf16 = false\n",
-        ] {
-            let err = check(fp32, true).unwrap_err();
-            assert!(
-                err.contains("--grad-reduce-in-bf16") && err.contains("fp32"),
-                "{fp32}: {err}"
-            );
-        }
-        let remote = "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0]\n\n\
-                      [[nodes]]\naddress = \"b:1\"\ngpus = [0]\n\n[trainer]\n";
-        check(
-            &format!("{remote}ranks = [{{ node = 0, gpu = 0 }}, {{ node = 1, gpu = 0 }}]\n"),
-            true,
-        )
-        .unwrap();
-        let err = check(remote, true).unwrap_err();
-        assert!(err.contains("one trainer"), "{err}");
-    }
-
-    /// `--zero-stage 3` (or `[train] zero_stage = 3`) needs two local ranks.
-    #[test]
-    fn zero_stage_3_is_refused_without_two_local_ranks() {
-        let parse = |text: &str| ClusterConfig::from_toml_str(text, Path::new("c.toml")).unwrap();
-        let stage = |text: &str, flag: Option<u8>| {
-            let cluster = parse(text);
-            let settings = TrainOverrides {
-                zero_stage: flag,
-                ..Default::default()
-            }
-            .over(cluster.train.clone())
-            .resolve();
-            check_zero_stage(&cluster, &settings, Path::new("c.toml")).map_err(|e| e.to_string())
-        };
-        stage("", None).unwrap();
-        stage("", Some(2)).unwrap();
-        stage("[trainer]\ndata_parallel_ranks = 2\n", Some(3)).unwrap();
-        let err = stage("", Some(3)).unwrap_err();
-        assert!(
-            err.contains("--zero-stage 3") && err.contains("has 1"),
-            "{err}"
-        );
-        let err = stage("[train]\nzero_stage = 3\n", None).unwrap_err();
-        assert!(
-            err.contains("zero_stage = 3") && err.contains("has 1"),
-            "{err}"
-        );
-        let err = stage(
-            "[cluster]\nmode = \"remote\"\n\n[[nodes]]\naddress = \"a:1\"\ngpus = [0, 1]\n",
-            Some(3),
-        )
-        .unwrap_err();
-        assert!(
-            err.contains("--zero-stage 3") && err.contains("remote mode"),
-            "{err}"
-        );
-    }
-}
+mod tests;

@@ -167,9 +167,12 @@ impl GroupQueue {
             n_samples: settings.n_samples,
             generation: GenerationSettings {
                 temperature: settings.temperature,
+                top_p: settings.top_p,
+                top_k: settings.top_k,
                 max_response_len: settings.max_response_len,
                 context_len: settings.context_len,
                 partial_rollout: settings.sampling.partial_rollout,
+                return_routed_experts: settings.algo.use_rollout_routing_replay,
             },
             last_step: settings.num_rollout as u64,
             next_task: start,
@@ -448,6 +451,7 @@ mod tests {
                 weight_versions: versions.to_vec(),
                 ..Default::default()
             },
+            routed_experts: None,
         }
     }
 

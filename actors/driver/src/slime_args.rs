@@ -98,12 +98,17 @@ pub const IGNORED: &[Ignored] = &[
     ignored("--moe-token-dispatcher-type", true, ARCHITECTURE),
     ignored("--moe-router-score-function", true, ARCHITECTURE),
     ignored("--moe-router-load-balancing-type", true, ARCHITECTURE),
-    ignored("--moe-aux-loss-coeff", true, ARCHITECTURE),
     ignored("--moe-router-dtype", true, ARCHITECTURE),
     ignored("--model-name", true, ARCHITECTURE),
     // The cookbook's plug-ins, which Manta's episode loop implements.
     ignored("--custom-generate-function-path", true, EPISODE),
     ignored("--custom-rm-path", true, EPISODE),
+    ignored("--eval-function-path", true, EPISODE),
+    ignored(
+        "--log-passrate",
+        false,
+        "eval pass rates (eval/NAME-pass@k) are always logged",
+    ),
     ignored("--wandb-key", true, WANDB),
     ignored("--wandb-group", true, WANDB),
 ];
@@ -143,14 +148,14 @@ pub const ONE_VALUE: &[OneValue] = &[
         instead: "Manta trains with AdamW: pass adam or drop the flag",
     },
     OneValue {
-        flag: "--rollout-top-p",
-        accepts: |v| v.parse::<f64>().is_ok_and(|x| x == 1.0),
-        instead: "episodes sample the whole distribution (top-p 1.0): drop the flag",
+        flag: "--eval-input-key",
+        accepts: |v| v == "prompt",
+        instead: "eval tasks.jsonl files are read in the cookbook's schema: its key is `prompt`",
     },
     OneValue {
-        flag: "--rollout-top-k",
-        accepts: |v| v.parse::<i64>().is_ok_and(|k| k <= 0),
-        instead: "episodes sample the whole distribution (top-k -1): drop the flag",
+        flag: "--eval-label-key",
+        accepts: |v| v == "label",
+        instead: "eval tasks.jsonl files are read in the cookbook's schema: its key is `label`",
     },
     OneValue {
         flag: "--attention-dropout",
@@ -202,6 +207,18 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         "--sglang-enable-draft-weights-cpu-backup",
         false,
         SPECULATIVE,
+    ),
+    unsupported(
+        "--eval-config",
+        true,
+        "evaluation sets come from --eval-prompt-data NAME PATH [NAME PATH ...]: \
+         name each set and its tasks.jsonl there",
+    ),
+    unsupported(
+        "--use-routing-replay",
+        false,
+        "routing replay of the trainer's own old-policy pass (R2) is not built: \
+         --use-rollout-routing-replay replays the rollout's routing",
     ),
     unsupported("--deterministic-mode", false, DETERMINISTIC),
     unsupported(
@@ -699,8 +716,8 @@ mod tests {
             "sgd",
             "--input-key",
             "question",
-            "--rollout-top-p",
-            "0.9",
+            "--eval-config",
+            "eval.yaml",
             "--use-wandbx",
             "--",
             "--not-a-flag",
@@ -724,7 +741,7 @@ mod tests {
                 "--sglang-enable-deterministic-inference",
                 "--optimizer sgd",
                 "--input-key question",
-                "--rollout-top-p 0.9",
+                "--eval-config",
                 "--use-wandbx",
                 "--not-a-flag",
             ]
@@ -752,7 +769,39 @@ mod tests {
             "--tp=2",
         ]);
         assert_eq!(t.ignored.len(), 1);
-        assert_eq!(refused(&["--rollout-top-k", "20"]), ["--rollout-top-k 20"]);
+        assert_eq!(refused(&["--eval-input-key", "q"]), ["--eval-input-key q"]);
+    }
+
+    #[test]
+    fn rollout_top_p_and_top_k_have_slime_meanings_and_eval_falls_back_to_them() {
+        let (_, s, _) = parse(&[
+            "--rollout-top-p",
+            "0.9",
+            "--rollout-top-k",
+            "20",
+            "--eval-interval",
+            "2",
+            "--eval-prompt-data",
+            "math",
+            "m.jsonl",
+            "code",
+            "c.jsonl",
+            "--n-samples-per-eval-prompt",
+            "4",
+            "--eval-temperature",
+            "0",
+            "--skip-eval-before-train",
+            "--log-passrate",
+        ]);
+        assert_eq!((s.top_p, s.top_k), (0.9, 20));
+        let e = &s.eval;
+        assert_eq!((e.top_p, e.top_k, e.temperature), (0.9, 20, 0.0));
+        assert_eq!(
+            (e.interval, e.n_samples, e.skip_before_train),
+            (Some(2), 4, true)
+        );
+        let names: Vec<&str> = e.datasets.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["math", "code"]);
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub enum Phase {
     Idle = 5,
     /// Stopping: final checkpoint, actors shutting down.
     Stopping = 6,
+    /// Evaluating (`--eval-interval`): nothing trains meanwhile.
+    Eval = 7,
 }
 
 impl Phase {
@@ -39,6 +41,7 @@ impl Phase {
             4 => Self::Checkpoint,
             5 => Self::Idle,
             6 => Self::Stopping,
+            7 => Self::Eval,
             _ => Self::Starting,
         }
     }
@@ -53,6 +56,7 @@ impl Phase {
             Self::Checkpoint => "checkpoint",
             Self::Idle => "idle",
             Self::Stopping => "stopping",
+            Self::Eval => "eval",
         }
     }
 }

@@ -306,6 +306,7 @@ mod tests {
             status,
             weight_version: 0,
             metadata: EpisodeMetadata::default(),
+            routed_experts: None,
         }
     }
 

@@ -170,7 +170,9 @@ fn local_mode_with_two_ranks_trains_and_syncs_rank_0s_weights_to_the_engine() {
     // The default local job (native engine, built-in environment) with two CPU ranks;
     // every sync is verified: the engine's weights equal the trainer's bit for bit.
     let dir = tempfile::tempdir().unwrap();
-    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
+    // The shipped cluster.toml with the tiny local example's [train] settings.
+    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap()
+        + &std::fs::read_to_string(workspace().join("configs/local-tiny.toml")).unwrap();
     let train_config = workspace().join("train_config.yaml");
     let text = text.replace(
         "train_config = \"train_config.yaml\"",

@@ -3,16 +3,13 @@
 //! (actors/trainer/tests/py/slime_reference.py): per-step `train/*` metrics and the
 //! final weights, within fp32 tolerance. The union is compared: a metric or tensor only
 //! one side has fails the check, bar the metrics the script's ONE_SIDED names (with why).
+//! Qwen3-MoE models (transformers' `Qwen3MoeForCausalLM`) are checked the same way, with
+//! Megatron's load-balancing loss in the reference when `--moe-aux-loss-coeff` is set.
 
 mod common;
 
 use common::{debug_train_args, strings, workspace};
 use std::process::Command;
-
-fn python() -> String {
-    std::env::var("MANTA_PYTHON")
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string())
-}
 
 fn run(cmd: &mut Command, what: &str) {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -24,26 +21,30 @@ fn run(cmd: &mut Command, what: &str) {
     );
 }
 
-/// Makes a tiny HF model and two debug rollout files, trains on them with `flags`
+/// Makes a tiny HF Qwen3 and two debug rollout files, trains on them with `flags`
 /// (name, value; `None` is a switch), and has the PyTorch reference check the result.
 fn matches_pytorch(flags: &[(&str, Option<&str>)]) {
+    matches_pytorch_for("assets/tiny-qwen3/config.json", &[], flags);
+}
+
+/// [`matches_pytorch`] for the model of `config` (under the workspace) with `make_args`
+/// passed to the script's `make` (`--set KEY=JSON` config overrides, `--noise X`).
+fn matches_pytorch_for(config: &str, make_args: &[&str], flags: &[(&str, Option<&str>)]) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path();
     let script = workspace().join("actors/trainer/tests/py/slime_reference.py");
     run(
-        Command::new(python())
+        Command::new(common::python())
             .arg(&script)
             .arg("make")
             .arg(out)
             .args([
                 "--config",
-                workspace()
-                    .join("assets/tiny-qwen3/config.json")
-                    .to_str()
-                    .unwrap(),
+                workspace().join(config).to_str().unwrap(),
                 "--seed",
                 "3",
-            ]),
+            ])
+            .args(make_args),
         "making the model and debug data",
     );
     let mut args = debug_train_args(out, 2, &out.join("ckpt"), 1, &out.join("runs"), "r");
@@ -78,7 +79,7 @@ fn matches_pytorch(flags: &[(&str, Option<&str>)]) {
         "driver --load-debug-rollout-data",
     );
     run(
-        Command::new(python())
+        Command::new(common::python())
             .arg(&script)
             .arg("check")
             .arg(out)
@@ -185,4 +186,76 @@ fn reinforce_plus_plus_variants_match_pytorch() {
             ("kl_loss_type", Some("k2")),
         ]);
     }
+}
+
+const TINY_MOE: &str = "assets/tiny-qwen3-moe/config.json";
+
+/// Rollout log-probs are transformers' own (no noise), so the first step's
+/// `train/train_rollout_logprob_abs_diff` is |Manta's log-probs - transformers'| (0 on
+/// the reference side): renormalised top-k, every layer sparse.
+#[test]
+fn moe_logprobs_and_two_grpo_steps_match_transformers() {
+    matches_pytorch_for(
+        TINY_MOE,
+        &["--noise", "0"],
+        &[
+            ("lr", Some("0.01")),
+            ("adam_eps", Some("0.001")),
+            ("use_kl_loss", None),
+            ("kl_loss_coef", Some("0.1")),
+            ("kl_loss_type", Some("low_var_kl")),
+            ("entropy_coef", Some("0.01")),
+        ],
+    );
+}
+
+/// Raw top-k gate weights, a dense layer (1) between sparse ones, and Megatron's
+/// load-balancing loss in the gradient.
+#[test]
+fn moe_dense_layer_raw_topk_aux_loss_match_transformers() {
+    matches_pytorch_for(
+        TINY_MOE,
+        &[
+            "--noise",
+            "0",
+            "--set",
+            "num_hidden_layers=3",
+            "--set",
+            "mlp_only_layers=[1]",
+            "--set",
+            "norm_topk_prob=false",
+        ],
+        &[
+            ("lr", Some("0.01")),
+            ("adam_eps", Some("0.001")),
+            ("moe_aux_loss_coeff", Some("0.5")),
+            ("use_rollout_logprobs", None),
+            ("use_tis", None),
+            ("tis_clip", Some("1.5")),
+        ],
+    );
+}
+
+/// Every second layer sparse (`decoder_sparse_step` 2: layers 1 and 3), aux loss on,
+/// per-token loss.
+#[test]
+fn moe_sparse_step_2_aux_loss_per_token_match_transformers() {
+    matches_pytorch_for(
+        TINY_MOE,
+        &[
+            "--set",
+            "num_hidden_layers=4",
+            "--set",
+            "decoder_sparse_step=2",
+        ],
+        &[
+            ("lr", Some("0.01")),
+            ("adam_eps", Some("0.001")),
+            ("moe_aux_loss_coeff", Some("0.2")),
+            ("calculate_per_token_loss", None),
+            ("use_kl_loss", None),
+            ("kl_loss_coef", Some("0.05")),
+            ("kl_loss_type", Some("k3")),
+        ],
+    );
 }

@@ -32,6 +32,8 @@ fn saved_debug_rollouts_are_slime_files_that_train_without_an_engine() {
     let common = [
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--runs-dir",
         runs.to_str().unwrap(),
         "--rollout-batch-size",
@@ -116,6 +118,8 @@ fn debug_rollout_only_runs_rollouts_and_trains_nothing() {
     let out = driver(&[
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--runs-dir",
         runs.to_str().unwrap(),
         "--run-name",
@@ -236,6 +240,8 @@ fn a_dump_in_slimes_run_wide_numbering_trains() {
     let out = driver(&[
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--runs-dir",
         runs.to_str().unwrap(),
         "--run-name",

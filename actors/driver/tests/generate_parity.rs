@@ -3,18 +3,11 @@
 
 mod common;
 
-use common::workspace;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 const PROMPT_IDS: &str = "5,17,42,280,7";
 const NEW_TOKENS: usize = 32;
-
-fn python() -> PathBuf {
-    std::env::var_os("MANTA_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
-}
 
 fn driver(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_driver"))
@@ -27,7 +20,7 @@ fn driver(args: &[&str]) -> Output {
 /// Saves the reference checkpoint into `dir` and returns transformers' new ids.
 fn hf_generate(dir: &Path) -> Vec<u32> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/hf_generate.py");
-    let out = Command::new(python())
+    let out = Command::new(common::python())
         .arg(&script)
         .arg(dir)
         .arg(PROMPT_IDS)

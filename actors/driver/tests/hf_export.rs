@@ -111,15 +111,9 @@ fn manta_logits(dir: &Path, ids: &Tensor) -> Tensor {
     tch::no_grad(|| model.forward(ids, &positions, &Attention::Causal { key_mask: None }, None))
 }
 
-fn python() -> PathBuf {
-    std::env::var_os("MANTA_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
-}
-
 /// transformers' logits for [`PROMPT`] from the export in `dir`.
 fn transformers_logits(dir: &Path, out: &Path) -> (Tensor, Tensor) {
-    let ran = Command::new(python())
+    let ran = Command::new(common::python())
         .arg(workspace().join("actors/driver/tests/py/hf_export_logits.py"))
         .arg(dir)
         .arg(PROMPT)

@@ -9,9 +9,10 @@ mod common;
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
+use common::sdk_server::SdkServer;
 use common::{assert_success, debug_data, debug_train_args, driver_run, workspace};
 use manta_telemetry::read_metrics;
 
@@ -309,45 +310,8 @@ fn a_resume_without_run_flags_continues_the_recorded_run_directory() {
     assert_eq!(metric_steps(&runs.join("hist")), vec![1, 2, 3]);
 }
 
-/// The `openreward` SDK server of tests/envs, killed when dropped.
-struct SdkServer {
-    child: Child,
-    base: String,
-}
-
-impl Drop for SdkServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn python() -> PathBuf {
-    std::env::var("MANTA_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python"))
-}
-
 fn start_sdk_server() -> SdkServer {
-    let port = common::free_port();
-    let script = workspace().join("tests/envs/serve_episode_envs.py");
-    let child = Command::new(python())
-        .arg(&script)
-        .args(["127.0.0.1", &port.to_string()])
-        .env("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the SDK server starts (set MANTA_PYTHON)");
-    let server = SdkServer {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-    };
-    wait_until("the SDK server answers", Duration::from_secs(60), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    server
+    SdkServer::start(&workspace().join("tests/envs/serve_episode_envs.py"), &[])
 }
 
 /// A cluster.toml and train_config.yaml in `dir` whose one environment is at `url`.
@@ -362,8 +326,9 @@ fn cluster_for(dir: &Path, url: &str, variant: &str) -> PathBuf {
         ),
     )
     .unwrap();
-    let text = std::fs::read_to_string(workspace().join("cluster.toml"))
-        .unwrap()
+    // The shipped cluster.toml with the tiny local example's [train] settings.
+    let text = (std::fs::read_to_string(workspace().join("cluster.toml")).unwrap()
+        + &std::fs::read_to_string(workspace().join("configs/local-tiny.toml")).unwrap())
         .replace(
             "train_config = \"train_config.yaml\"",
             &format!("train_config = {:?}", config.display().to_string()),
@@ -390,8 +355,7 @@ fn an_environment_killed_for_good_ends_the_run_loudly() {
     wait_until("two steps trained", Duration::from_secs(120), || {
         std::fs::read_to_string(&metrics).is_ok_and(|t| t.lines().count() >= 2)
     });
-    let _ = server.child.kill();
-    let _ = server.child.wait();
+    server.kill();
     let killed_at = Instant::now();
     let out = wait_output(child, tmp.path(), "down", Duration::from_secs(180));
     let err = text(&out.stderr);

@@ -12,6 +12,8 @@ fn run(ckpt: &Path, runs: &Path, name: &str, num_rollout: &str) -> String {
     let out = assert_success(driver_run(&[
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--num-rollout",
         num_rollout,
         "--rollout-batch-size",

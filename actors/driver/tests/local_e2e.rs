@@ -50,6 +50,8 @@ fn three_local_steps_train_and_sync_then_resume() {
     let common = [
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--runs-dir",
         runs.to_str().unwrap(),
         "--save",
@@ -184,7 +186,14 @@ fn config_errors_name_file_key_and_value() {
 
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--n-samples", "0"])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
+            "--n-samples",
+            "0",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -205,6 +214,8 @@ fn config_errors_name_file_key_and_value() {
         .args([
             "--cluster",
             "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
             "--config",
             bad.to_str().unwrap(),
         ])
@@ -240,6 +251,8 @@ fn a_second_run_with_the_same_name_does_not_mix_with_the_first() {
         let mut args = vec![
             "--cluster",
             "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
             "--runs-dir",
             runs.to_str().unwrap(),
             "--rollout-batch-size",
@@ -295,8 +308,9 @@ fn a_second_run_with_the_same_name_does_not_mix_with_the_first() {
 fn colocated_engines_release_their_kv_cache_for_each_training_step() {
     let tmp = tempfile::tempdir().unwrap();
     let ws = workspace().canonicalize().unwrap();
-    let cluster = std::fs::read_to_string(ws.join("cluster.toml"))
-        .unwrap()
+    // The shipped cluster.toml with the tiny local example's [train] settings.
+    let cluster = (std::fs::read_to_string(ws.join("cluster.toml")).unwrap()
+        + &std::fs::read_to_string(ws.join("configs/local-tiny.toml")).unwrap())
         .replace(
             "train_config = \"train_config.yaml\"",
             &format!("train_config = {:?}", ws.join("train_config.yaml")),

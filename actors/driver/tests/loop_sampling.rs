@@ -18,7 +18,14 @@ use manta_telemetry::read_metrics;
 fn driver(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--save-interval", "0"])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
+            "--save-interval",
+            "0",
+        ])
         .args(args)
         .env("RUST_LOG", "warn")
         .output()

@@ -5,16 +5,9 @@
 mod common;
 
 use common::workspace;
-use std::path::PathBuf;
 use std::process::Command;
 
 const CASES: [&str; 3] = ["renorm", "dense_layer", "step2"];
-
-fn python() -> PathBuf {
-    std::env::var_os("MANTA_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
-}
 
 fn read(path: &std::path::Path, name: &str) -> tch::Tensor {
     tch::Tensor::read_safetensors(path)
@@ -29,7 +22,7 @@ fn read(path: &std::path::Path, name: &str) -> tch::Tensor {
 fn greedy_moe_generate_matches_transformers() {
     let tmp = tempfile::tempdir().unwrap();
     let script = workspace().join("crates/model/tests/py/hf_moe.py");
-    let out = Command::new(python())
+    let out = Command::new(common::python())
         .arg(&script)
         .arg("make")
         .arg(tmp.path())

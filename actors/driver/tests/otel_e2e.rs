@@ -118,6 +118,9 @@ async fn run_driver(cluster: &Path, runs: &Path, endpoint: &str, env: &[(&str, &
         .args([
             "--cluster",
             cluster.to_str().unwrap(),
+            // The tiny local example's settings (below the flags here).
+            "--train-settings",
+            "configs/local-tiny.toml",
             "--runs-dir",
             runs.to_str().unwrap(),
             "--num-rollout",

@@ -4,19 +4,23 @@
 
 mod common;
 
-use common::workspace;
+use common::sdk_server::SdkServer;
+use common::{python, workspace};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
 
 use manta_driver::tasks::{read_tasks_jsonl, task_hash};
 use serde_json::{json, Value};
 
-fn python() -> PathBuf {
-    std::env::var_os("MANTA_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
+/// Starts tests/py/SCRIPT (an `openreward` SDK server).
+fn start_sdk_server(script: &str) -> SdkServer {
+    SdkServer::start(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/py")
+            .join(script),
+        &[],
+    )
 }
 
 fn driver(args: &[&str]) -> std::process::Output {
@@ -169,6 +173,8 @@ fn task_data_from_prepare_tasks_trains_a_step() {
     let out = driver(&[
         "--cluster",
         "cluster.toml",
+        "--train-settings",
+        "configs/local-tiny.toml",
         "--task-data",
         tasks.to_str().unwrap(),
         "--num-rollout",
@@ -201,61 +207,10 @@ fn task_data_from_prepare_tasks_trains_a_step() {
     assert_eq!(rows.len(), 1);
 }
 
-/// The SDK server process; killed when dropped.
-struct PyServer(Child);
-
-impl Drop for PyServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_index_only_server() -> (PyServer, String) {
-    start_sdk_server("index_only_env.py")
-}
-
-fn start_sdk_server(script: &str) -> (PyServer, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/py")
-        .join(script);
-    let child = Command::new(python())
-        .arg(&script)
-        .args(["127.0.0.1", &port.to_string()])
-        .env("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {} {}: {e}", python().display(), script.display()));
-    let server = PyServer(child);
-    let base = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            use std::io::{Read, Write};
-            let _ = s.write_all(b"GET /health HTTP/1.0\r\n\r\n");
-            let mut answer = String::new();
-            let _ = s.read_to_string(&mut answer);
-            if answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200") {
-                break;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "SDK server did not come up on {base}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    (server, base)
-}
-
 #[test]
 fn sdk_server_that_refuses_listing_is_read_by_index() {
-    let (_server, base) = start_index_only_server();
+    let server = start_sdk_server("index_only_env.py");
+    let base = server.base.clone();
     let tmp = tempfile::tempdir().unwrap();
     let config = tmp.path().join("train_config.yaml");
     std::fs::write(
@@ -314,7 +269,8 @@ fn sdk_server_that_refuses_listing_is_read_by_index() {
 /// the specs hold non-ASCII text and floats such as 1e-05 and 1e+16.
 #[test]
 fn sdk_server_rows_match_the_cookbook_rules() {
-    let (_server, base) = start_sdk_server("cookbook_envs.py");
+    let server = start_sdk_server("cookbook_envs.py");
+    let base = server.base.clone();
     let tmp = tempfile::tempdir().unwrap();
     let reference =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/cookbook_prepare_tasks.py");

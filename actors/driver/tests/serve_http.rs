@@ -649,3 +649,82 @@ fn deterministic_inference_on_the_cpu_is_refused_clearly() {
         "{stderr}"
     );
 }
+
+/// `meta_info.routed_experts` decoded: [tokens][sparse layers × k] int32.
+fn routed_rows(v: &Value, per_row: usize) -> Vec<Vec<i32>> {
+    use base64::Engine as _;
+    let text = v["meta_info"]["routed_experts"]
+        .as_str()
+        .unwrap_or_else(|| panic!("meta_info.routed_experts: {v}"));
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .expect("base64");
+    assert_eq!(
+        bytes.len() % (4 * per_row),
+        0,
+        "whole rows: {}",
+        bytes.len()
+    );
+    bytes
+        .chunks_exact(4 * per_row)
+        .map(|row| {
+            row.chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        })
+        .collect()
+}
+
+/// SGLang's `return_routed_experts` on a mixture-of-experts model (tiny Qwen3-MoE: 2
+/// sparse layers, 4 experts, top-2): base64 int32 rows for every token but the last,
+/// the prefix-cached ones included (the same rows as when they were computed).
+#[tokio::test]
+async fn routed_experts_are_returned_when_asked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let moe = tiny_assets().with_file_name("tiny-qwen3-moe");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(moe.join(f), dir.path().join(f)).expect("copy tiny MoE asset");
+    }
+    let plain = start(dir.path(), &[]);
+    let body = |ids: &[u64], routed: bool| {
+        json!({
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true},
+            "return_routed_experts": routed,
+        })
+    };
+    let prompt: Vec<u64> = (0..37).map(|i| (i * 29 + 3) % 250).collect();
+    let (status, v) = plain.post("/generate", body(&prompt, true)).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v.to_string().contains("return_routed_experts"), "{v}");
+    drop(plain);
+
+    let server = start(dir.path(), &["--enable-return-routed-experts"]);
+    let v = server.generate(body(&prompt, false)).await;
+    assert!(v["meta_info"].get("routed_experts").is_none(), "{v}");
+    let first = server.generate(body(&prompt, true)).await;
+    let (out, _) = check_answer(&first, prompt.len(), false);
+    let rows = routed_rows(&first, 4);
+    assert_eq!(rows.len(), prompt.len() + out.len() - 1);
+    for row in &rows {
+        for layer in row.chunks(2) {
+            assert!(layer.iter().all(|e| (0..4).contains(e)), "{row:?}");
+            assert_ne!(layer[0], layer[1], "{row:?}");
+        }
+    }
+    // The next turn: prompt + output + more, its first blocks from the prefix cache.
+    let mut next = prompt.clone();
+    next.extend(&out);
+    next.extend([7, 8, 9]);
+    let second = server.generate(body(&next, true)).await;
+    let (out2, _) = check_answer(&second, next.len(), false);
+    let cached = second["meta_info"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
+    assert!(cached >= 32, "{second}");
+    let rows2 = routed_rows(&second, 4);
+    assert_eq!(rows2.len(), next.len() + out2.len() - 1);
+    assert_eq!(
+        rows2[..cached],
+        rows[..cached],
+        "cached tokens keep their rows"
+    );
+}

@@ -434,6 +434,7 @@ async fn an_sglang_engine_is_fed_over_nccl_by_the_trainer_side() {
             ..SamplingParams::default()
         },
         rid: None,
+        return_routed_experts: false,
     };
     let (vs, cfg) = random_weights(9);
     let named: Vec<(String, Tensor)> = vs
@@ -577,6 +578,7 @@ async fn without_cuda_the_nccl_route_is_refused_and_the_disk_route_stays() {
                 ..SamplingParams::default()
             },
             rid: None,
+            return_routed_experts: false,
         })
         .await
         .expect("generate");

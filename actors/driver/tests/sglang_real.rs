@@ -79,6 +79,7 @@ fn request(prompt: u32, new_tokens: usize, greedy: bool) -> GenerateRequest {
             ..SamplingParams::default()
         },
         rid: None,
+        return_routed_experts: false,
     }
 }
 
@@ -155,8 +156,8 @@ async fn real_sglang_takes_manta_weights_and_survives_pauses_and_a_kill() {
         mem_fraction_static: Some(0.5),
         ..RolloutSection::default()
     };
-    let mut opts = SglangOptions::from_cluster(
-        &rollout,
+    let mut opts = SglangOptions::new(
+        &manta_driver::local::sglang_server(&rollout),
         "engine-0",
         &model,
         &[server_gpu],

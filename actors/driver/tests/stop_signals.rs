@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::sdk_server::SdkServer;
 use common::workers::{spawn_listening, worker_command};
 use common::{free_ports, workspace, Worker};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -20,7 +21,14 @@ const TOKEN: &str = "stop-signals-token";
 fn local_driver(dir: &Path, run: &str, extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--run-name", run])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
+            "--run-name",
+            run,
+        ])
         .args(["--runs-dir", dir.join("runs").to_str().unwrap()])
         .args(["--save", dir.join("ckpt").to_str().unwrap()])
         .args(["--save-interval", "0", "--num-rollout", "1000"])
@@ -278,7 +286,14 @@ fn sigterm_mid_step_checkpoints_the_finished_step_and_load_resumes_after_it() {
     // Resume: the next step, then two more; each sample once across both runs.
     let out = Command::new(env!("CARGO_BIN_EXE_driver"))
         .current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--run-name", "r"])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
+            "--run-name",
+            "r",
+        ])
         .args(["--runs-dir", dir.join("runs").to_str().unwrap()])
         .args(["--save", dir.join("ckpt").to_str().unwrap()])
         .args(["--load", dir.join("ckpt").to_str().unwrap()])
@@ -380,7 +395,7 @@ fn start_workers(dir: &Path, ports: [u16; 2], metrics: u16) -> [Worker; 2] {
     })
 }
 
-fn remote_cluster(dir: &Path, ports: [u16; 2]) -> PathBuf {
+fn remote_cluster(dir: &Path, ports: [u16; 2], train_config: &Path) -> PathBuf {
     let ws = workspace();
     let path = dir.join("cluster.toml");
     std::fs::write(
@@ -390,7 +405,7 @@ fn remote_cluster(dir: &Path, ports: [u16; 2]) -> PathBuf {
              [rollout]\nengines = 1\nmax_concurrent_episodes = 16\n\n\
              [train]\nmodel = \"{}\"\nseed = 1\nlr = 0.003\nmax_response_len = 8\ncontext_len = 512\nmax_tokens_per_gpu = 8192\n\n\
              [[nodes]]\naddress = \"127.0.0.1:{}\"\n\n[[nodes]]\naddress = \"127.0.0.1:{}\"\n",
-            ws.join("train_config.yaml").display(),
+            train_config.display(),
             ws.join("assets/tiny-qwen3").display(),
             ports[0],
             ports[1]
@@ -400,18 +415,48 @@ fn remote_cluster(dir: &Path, ports: [u16; 2]) -> PathBuf {
     path
 }
 
-/// SIGTERM to a worker mid-run: it stops its actors (a share of episodes already running
-/// ends first and is delivered) and exits 0; the driver sees the node go, runs the next
-/// steps' episodes on the other node and trains every sample once. `driver status` names
-/// both nodes and their actors before, and a worker's /metrics answers.
+/// The train_config.yaml of the gated SDK environment (tests/py/gated_env.py) at `base`.
+fn gated_train_config(dir: &Path, base: &str) -> PathBuf {
+    let path = dir.join("train_config.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "environments:\n  Test/Gated:\n    url: \"{base}\"\n    variant: gated\n    \
+             splits: [train]\n    max_turns: 1\nsecrets: {{}}\n\
+             system_prompt_template: \"Answer.{{tools}}\"\nthinking: false\n\
+             openreward_run_name: manta-stop-signals\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Lines in `path` (0 while it does not exist).
+fn line_count(path: &Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |t| t.lines().count())
+}
+
+/// SIGTERM to a worker mid-run: it stops its actors and exits 0; the driver re-queues the
+/// episodes that worker held on the other node (as for a lost node), runs the next steps
+/// there and trains every sample once. The environment (served by the real `openreward`
+/// SDK) holds step 2's episodes in flight until the worker is gone, so the worker surely
+/// holds some when the signal lands. `driver status` names both nodes and their actors
+/// before, and a worker's /metrics answers.
 #[test]
 fn a_worker_given_sigterm_leaves_and_its_episodes_run_elsewhere() {
     const STEPS: u64 = 6;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let [p0, p1, pm] = free_ports::<3>();
+    // Step 1's 32 episodes pass; step 2's wait in the environment while this file exists.
+    let (prompts, budget) = (dir.join("prompts.log"), dir.join("budget"));
+    std::fs::write(&budget, "32").unwrap();
+    let env = SdkServer::start(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/gated_env.py"),
+        &[prompts.to_str().unwrap(), budget.to_str().unwrap()],
+    );
     let mut workers = start_workers(dir, [p0, p1], pm);
-    let cluster = remote_cluster(dir, [p0, p1]);
+    let cluster = remote_cluster(dir, [p0, p1], &gated_train_config(dir, &env.base));
     let log = dir.join("driver.stderr");
     let run_dir = dir.join("runs/remote");
     let mut driver = Command::new(env!("CARGO_BIN_EXE_driver"))
@@ -458,7 +503,14 @@ fn a_worker_given_sigterm_leaves_and_its_episodes_run_elsewhere() {
         "{metrics}"
     );
 
-    // Step 2's rollouts are running: SIGTERM worker 1 under them.
+    // Step 2's rollouts have reached the environment, which holds them: every group is
+    // placed and none can finish, so worker 1 holds unfinished episodes. SIGTERM it.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while line_count(&prompts) <= 32 {
+        assert!(Instant::now() < deadline, "step 2's episodes never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
     signal(workers[1].0.id(), "TERM");
     let w1 = wait_at_most(
         &mut workers[1].0,
@@ -471,10 +523,20 @@ fn a_worker_given_sigterm_leaves_and_its_episodes_run_elsewhere() {
         w1_log.contains("SIGTERM: stopping the hosted actors"),
         "{w1_log}"
     );
+    std::fs::remove_file(&budget).unwrap();
 
     let status = wait_at_most(&mut driver, Duration::from_secs(240), &log);
     let stderr = std::fs::read_to_string(&log).unwrap();
     assert!(status.success(), "{stderr}");
+    // Its episodes were re-queued on worker 0 and ran there.
+    let requeued = stderr
+        .lines()
+        .find(|l| l.contains("unfinished episodes ran again elsewhere"))
+        .unwrap_or_else(|| panic!("no re-queue of worker 1's episodes:\n{stderr}"));
+    assert!(requeued.contains(&format!("127.0.0.1:{p1}")), "{requeued}");
+    assert!(!requeued.contains(" 0 unfinished"), "{requeued}");
+    // Its going away is not mistaken for a TLS mismatch.
+    assert!(!stderr.contains("cluster.tls_ca"), "{stderr}");
     let (steps, ids) = trained(&run_dir);
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "{stderr}");
     assert_eq!(ids, (0..STEPS * 32).collect::<Vec<_>>(), "{stderr}");

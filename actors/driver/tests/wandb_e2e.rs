@@ -9,17 +9,18 @@ use std::process::{Command, Output};
 
 use manta_telemetry::read_metrics;
 
-fn python() -> String {
-    std::env::var("MANTA_PYTHON")
-        .unwrap_or_else(|_| workspace().join(".venv/bin/python").display().to_string())
-}
-
 /// A few quick steps of the default local job, logging to W&B project `manta-test`.
 fn driver(tmp: &Path, steps: &str, env: &[(&str, &Path)]) -> Output {
     let runs = tmp.join("runs");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_driver"));
     cmd.current_dir(workspace())
-        .args(["--cluster", "cluster.toml", "--runs-dir"])
+        .args([
+            "--cluster",
+            "cluster.toml",
+            "--train-settings",
+            "configs/local-tiny.toml",
+            "--runs-dir",
+        ])
         .arg(&runs)
         .args(["--run-name", "wb", "--num-rollout", steps])
         .args(["--rollout-batch-size", "2", "--n-samples", "2"])
@@ -62,7 +63,7 @@ fn each_step_reaches_wandb_with_the_values_in_metrics_jsonl() {
     driver(tmp.path(), "2", &[]);
     let files = wandb_files(tmp.path());
     assert_eq!(files.len(), 1, "{files:?}");
-    let out = Command::new(python())
+    let out = Command::new(common::python())
         .arg(workspace().join("actors/driver/tests/py/read_wandb_offline.py"))
         .arg(&files[0])
         .output()
@@ -104,7 +105,11 @@ fn a_missing_wandb_or_python_is_a_warning_and_training_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
     // A real Python without site-packages: `import wandb` fails.
     let bare = tmp.path().join("python-without-site");
-    std::fs::write(&bare, format!("#!/bin/sh\nexec {} -S \"$@\"\n", python())).unwrap();
+    std::fs::write(
+        &bare,
+        format!("#!/bin/sh\nexec {} -S \"$@\"\n", common::python().display()),
+    )
+    .unwrap();
     let mut perms = std::fs::metadata(&bare).unwrap().permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
     std::fs::set_permissions(&bare, perms).unwrap();

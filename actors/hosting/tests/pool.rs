@@ -627,6 +627,7 @@ fn batch() -> manta_trainer::TrainBatch {
         status: manta_core::SampleStatus::Completed,
         weight_version: 0,
         metadata: Default::default(),
+        routed_experts: None,
     };
     manta_trainer::TrainBatch {
         samples: vec![

@@ -229,5 +229,6 @@ fn unknown_environment(request: &EpisodeRequest) -> Sample {
             )),
             ..Default::default()
         },
+        routed_experts: None,
     }
 }

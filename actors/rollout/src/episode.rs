@@ -46,6 +46,10 @@ pub struct EpisodeRequest {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GenerationSettings {
     pub temperature: f64,
+    /// Nucleus sampling (1.0: off), as SGLang's `top_p`.
+    pub top_p: f64,
+    /// The k most likely tokens only (-1: off), as SGLang's `top_k`.
+    pub top_k: i64,
     /// Most tokens per generate call.
     pub max_response_len: usize,
     /// Whole-episode budget (prompt + all turns).
@@ -54,6 +58,9 @@ pub struct GenerationSettings {
     /// its partial output with the new weights, instead of ending the episode as
     /// `Aborted`.
     pub partial_rollout: bool,
+    /// `--use-rollout-routing-replay`: ask the engine for each token's routed experts
+    /// and keep them on the sample.
+    pub return_routed_experts: bool,
 }
 
 /// Most times one turn's generation is resumed after an abort (a guard against an
@@ -124,6 +131,8 @@ struct Trajectory {
     /// The engine's version when the episode started (the sample's version when it
     /// generated nothing).
     weight_version: u64,
+    /// The last generate call's routed experts: it ran the whole sequence so far.
+    routed_experts: Option<manta_core::RoutedExperts>,
 }
 
 impl Trajectory {
@@ -203,6 +212,7 @@ pub async fn run_episode(
             logprobs: Vec::new(),
             versions: Vec::new(),
             weight_version: ctx.engine.weight_version(),
+            routed_experts: None,
         };
         let mut transcript = ctx
             .upload
@@ -276,6 +286,7 @@ pub async fn run_episode(
             status: outcome.status,
             weight_version: version,
             metadata: meta,
+            routed_experts: traj.routed_experts,
         }
     }
     .instrument(span)
@@ -343,10 +354,13 @@ async fn episode_loop(
             params: SamplingParams {
                 max_new_tokens: max_new,
                 temperature: settings.temperature,
+                top_p: settings.top_p,
+                top_k: settings.top_k,
                 stop_token_ids: ctx.stop_token_ids.clone(),
                 ..SamplingParams::default()
             },
             rid: None,
+            return_routed_experts: settings.return_routed_experts,
         };
         let mut out = match ctx
             .engine
@@ -360,6 +374,9 @@ async fn episode_loop(
         meta.prefix_cache
             .record(turn, out.prompt_tokens, out.cached_tokens);
         traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
+        if out.routed_experts.is_some() {
+            traj.routed_experts = out.routed_experts.take();
+        }
         // A weight update aborted the call: as a partial rollout, go on from the
         // tokens it produced, with the new weights.
         let mut turn_ids = std::mem::take(&mut out.output_ids);
@@ -377,10 +394,13 @@ async fn episode_loop(
                 params: SamplingParams {
                     max_new_tokens: max_new - turn_ids.len(),
                     temperature: settings.temperature,
+                    top_p: settings.top_p,
+                    top_k: settings.top_k,
                     stop_token_ids: ctx.stop_token_ids.clone(),
                     ..SamplingParams::default()
                 },
                 rid: None,
+                return_routed_experts: settings.return_routed_experts,
             };
             out = match ctx
                 .engine
@@ -396,6 +416,9 @@ async fn episode_loop(
             meta.prefix_cache
                 .record(turn, out.prompt_tokens, out.cached_tokens);
             traj.push_generated(&out.output_ids, &out.logprobs, out.weight_version);
+            if out.routed_experts.is_some() {
+                traj.routed_experts = out.routed_experts.take();
+            }
             turn_ids.append(&mut out.output_ids);
         }
         out.output_ids = turn_ids;

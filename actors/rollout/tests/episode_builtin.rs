@@ -131,9 +131,12 @@ fn request(env: &str, server_env: &str, spec: serde_json::Value) -> EpisodeReque
 
 const SETTINGS: GenerationSettings = GenerationSettings {
     temperature: 1.0,
+    top_p: 1.0,
+    top_k: -1,
     max_response_len: 64,
     context_len: 4096,
     partial_rollout: false,
+    return_routed_experts: false,
 };
 
 #[tokio::test(flavor = "multi_thread")]

@@ -196,9 +196,12 @@ fn call(name: &str, args: Value) -> String {
 
 const SETTINGS: GenerationSettings = GenerationSettings {
     temperature: 1.0,
+    top_p: 1.0,
+    top_k: -1,
     max_response_len: 96,
     context_len: 8192,
     partial_rollout: false,
+    return_routed_experts: false,
 };
 
 /// One finished episode and what produced it.

@@ -118,9 +118,12 @@ async fn digits_episode(partial_rollout: bool) -> manta_core::Sample {
     };
     let settings = GenerationSettings {
         temperature: 1.0,
+        top_p: 1.0,
+        top_k: -1,
         max_response_len: MAX_RESPONSE_LEN,
         context_len: 4096,
         partial_rollout,
+        return_routed_experts: false,
     };
     let sample = run_episode(&ctx, &env, &request, settings).await;
     server.shutdown().await;

@@ -239,9 +239,12 @@ fn request(sample_id: u64) -> EpisodeRequest {
 
 const SETTINGS: GenerationSettings = GenerationSettings {
     temperature: 1.0,
+    top_p: 1.0,
+    top_k: -1,
     max_response_len: 64,
     context_len: 4096,
     partial_rollout: false,
+    return_routed_experts: false,
 };
 
 fn config(url: &str) -> UploadConfig {

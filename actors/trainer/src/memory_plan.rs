@@ -126,20 +126,39 @@ pub struct DoesNotFit {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Parameters of `cfg` (embeddings, untied head, decoder layers, final norm).
+/// Parameters of `cfg` (embeddings, untied head, decoder layers, final norm), every
+/// expert of a mixture-of-experts model's sparse layers included.
 pub fn parameter_count(cfg: &ModelConfig) -> u64 {
-    outer_parameter_count(cfg) + cfg.num_hidden_layers as u64 * layer_parameter_count(cfg)
+    outer_parameter_count(cfg)
+        + (0..cfg.num_hidden_layers)
+            .map(|l| layer_parameter_count(cfg, l))
+            .sum::<u64>()
 }
 
-/// Parameters of one decoder layer.
-fn layer_parameter_count(cfg: &ModelConfig) -> u64 {
+/// Parameters of decoder layer `layer`: a dense MLP, or a sparse layer's router and
+/// every one of its experts.
+fn layer_parameter_count(cfg: &ModelConfig, layer: i64) -> u64 {
     let h = cfg.hidden_size as u64;
     let q = (cfg.num_attention_heads * cfg.head_dim) as u64;
     let kv = (cfg.num_key_value_heads * cfg.head_dim) as u64;
-    let i = cfg.intermediate_size as u64;
     let bias = if cfg.attention_bias { q + 2 * kv } else { 0 };
-    // q, k, v, o; gate, up, down; two norms, and Qwen3's q/k norms.
-    h * q + 2 * h * kv + q * h + bias + 3 * h * i + 2 * h + 2 * cfg.head_dim as u64
+    let mlp = match cfg.moe().filter(|m| m.is_sparse(layer)) {
+        Some(m) => {
+            let e = m.num_experts as u64;
+            e * h + e * 3 * h * m.moe_intermediate_size as u64
+        }
+        None => 3 * h * cfg.intermediate_size as u64,
+    };
+    // q, k, v, o; the MLP; two norms, and Qwen3's q/k norms.
+    h * q + 2 * h * kv + q * h + bias + mlp + 2 * h + 2 * cfg.head_dim as u64
+}
+
+/// The largest decoder layer's parameters.
+fn largest_layer(cfg: &ModelConfig) -> u64 {
+    (0..cfg.num_hidden_layers)
+        .map(|l| layer_parameter_count(cfg, l))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Parameters outside the decoder layers: embeddings, untied head, final norm.
@@ -237,13 +256,13 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
     // ZeRO-3: whole weights and gradients only of what is gathered at once.
     let gathered = gathered_layers(layers, inputs.recompute);
     let resident = if zero3 {
-        outer_parameter_count(cfg) + gathered * layer_parameter_count(cfg)
+        outer_parameter_count(cfg) + gathered * largest_layer(cfg)
     } else {
         p
     };
     // Read here rather than passed in: the optimizer reads the same knob when built.
     let prefetch = if zero3 && manta_knobs::zero3_prefetch() {
-        let layer = layer_parameter_count(cfg);
+        let layer = largest_layer(cfg);
         let ahead = if gathered < layers as u64 {
             weight_bytes * (layer + layer / ranks)
         } else {
@@ -291,7 +310,7 @@ pub fn plan(cfg: &ModelConfig, inputs: &MemoryInputs) -> MemoryPlan {
 /// ZeRO-2's default bucket, or a larger parameter (the embedding) alone.
 fn largest_bucket(cfg: &ModelConfig, zero3: bool) -> u64 {
     if zero3 {
-        return outer_parameter_count(cfg).max(layer_parameter_count(cfg));
+        return outer_parameter_count(cfg).max(largest_layer(cfg));
     }
     let embedding = cfg.vocab_size as u64 * cfg.hidden_size as u64;
     embedding.max(crate::data_parallel::zero::DEFAULT_BUCKET_NUMEL as u64)
@@ -372,6 +391,29 @@ mod tests {
         assert_eq!(
             parameter_count(&qwen3(4096, 12288, 36, 32, false)),
             8_190_735_360
+        );
+    }
+
+    #[test]
+    fn expert_parameters_count_every_expert() {
+        // Qwen3-30B-A3B: 30,532,122,624 (transformers counts it so).
+        let json = r#"{"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
+            "num_experts_per_tok": 8, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": false}"#;
+        let cfg = ModelConfig::from_json_str(json, "qwen3-30b-a3b").unwrap();
+        assert_eq!(parameter_count(&cfg), 30_532_122_624);
+        // A dense layer among sparse ones counts its own MLP instead.
+        let json = json.replace(
+            r#""tie_word_embeddings": false"#,
+            r#""tie_word_embeddings": false, "mlp_only_layers": [0]"#,
+        );
+        let dense0 = ModelConfig::from_json_str(&json, "one dense layer").unwrap();
+        let expert_layer = 128 * 2048 + 128 * 3 * 2048 * 768;
+        assert_eq!(
+            parameter_count(&cfg) - parameter_count(&dense0),
+            expert_layer - 3 * 2048 * 6144
         );
     }
 
@@ -475,7 +517,7 @@ mod tests {
             (two.master_weights, two.adam_moments, two.shards - p),
             (three.master_weights, three.adam_moments, three.shards)
         );
-        let whole = 2 * (outer_parameter_count(&cfg) + layer_parameter_count(&cfg));
+        let whole = 2 * (outer_parameter_count(&cfg) + largest_layer(&cfg));
         assert_eq!((three.weights, three.gradients), (whole, whole));
         assert!(three.static_bytes() < two.static_bytes());
         // 8B over two ranks: ZeRO-2's static state does not fit an 80 GB card, ZeRO-3's
@@ -511,10 +553,7 @@ mod tests {
                 }),
             ),
         );
-        assert_eq!(
-            four.weights - three.weights,
-            3 * 2 * layer_parameter_count(&cfg)
-        );
+        assert_eq!(four.weights - three.weights, 3 * 2 * largest_layer(&cfg));
         let block = Recompute {
             method: manta_model::RecomputeMethod::Block,
             num_layers: 30,
@@ -550,7 +589,7 @@ mod tests {
         let need = |m: &MemoryPlan| gib(m.static_bytes().max(m.build_bytes()));
         // The prefetch: a bf16 layer gathered ahead and one layer's gradients staged
         // for the overlapped reduce-scatter (bf16 or fp32), each with its half slice.
-        let layer = layer_parameter_count(&cfg);
+        let layer = largest_layer(&cfg);
         let prefetch = |grad_bytes| {
             if manta_knobs::zero3_prefetch() {
                 2 * (layer + layer / 2) + grad_bytes * (layer + layer / 2)

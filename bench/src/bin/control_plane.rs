@@ -4,10 +4,8 @@
 //! time for two fresh `worker` processes to be ready, and a stream of samples totalling
 //! SAMPLE_MB of protobuf driver -> worker. Prints one JSON object.
 //!
-//! Cross-process calls go through the transport `WorkerClient` uses (the lean HTTP/2
-//! channel, crates/runtime/src/transport.rs). Diagnostics against the same worker:
-//! `no_spin_*` (that channel without its response spin) and `tonic_channel_*` (tonic's
-//! stock `Channel`), to show what each part buys.
+//! Cross-process calls go over the channel `WorkerClient` gives every gRPC client of a
+//! worker (tonic's `Channel`, cluster token attached).
 //!
 //! usage: control_plane WORKER_BIN [RTT_SAMPLES=10000] [SAMPLE_MB=100]
 //! The worker needs MANTA_CLUSTER_TOKEN (set by bench/run_control_plane.sh).
@@ -21,15 +19,12 @@ use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
 use manta_proto::common as pb;
 use manta_runtime::echo::{EchoActor, EchoMsg};
-use manta_runtime::transport::{ClusterChannel, H2Channel};
-use manta_runtime::{BearerToken, WorkerClient};
+use manta_runtime::{AuthedChannel, WorkerClient};
 use prost::Message;
 use ractor::{call, Actor};
 use serde_json::json;
-use tonic::codegen::InterceptedService;
-use tonic::transport::Endpoint;
 
-type Rpc = WorkerRpc<InterceptedService<ClusterChannel, BearerToken>>;
+type Rpc = WorkerRpc<AuthedChannel>;
 
 /// Tokens per benchmark sample (response and prompt together).
 const SAMPLE_TOKENS: usize = 2048;
@@ -74,33 +69,11 @@ impl Drop for Workers {
     }
 }
 
-/// Which transport a benchmark client uses.
-#[derive(Clone, Copy)]
-enum Transport {
-    /// What `WorkerClient` uses: the lean HTTP/2 channel with its response spin.
-    Lean,
-    /// The same channel, never spinning.
-    LeanNoSpin,
-    /// tonic's stock `Channel`.
-    Tonic,
-}
-
-fn raw_client(addr: &str, token: &str, transport: Transport) -> anyhow::Result<Rpc> {
-    let lean = || H2Channel::lazy(addr, Duration::from_secs(2));
-    let channel = match transport {
-        Transport::Lean => ClusterChannel::Lean(lean()?),
-        Transport::LeanNoSpin => ClusterChannel::Lean(lean()?.with_response_spin(Duration::ZERO)),
-        Transport::Tonic => ClusterChannel::Tonic(
-            Endpoint::from_shared(format!("http://{addr}"))?
-                .tcp_nodelay(true)
-                .connect_lazy(),
-        ),
-    };
-    Ok(
-        WorkerRpc::with_interceptor(channel, BearerToken::new(token)?)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20),
-    )
+/// The `Worker` service on `addr` over `WorkerClient`'s channel, room for 64 MB messages.
+fn raw_client(addr: &str, token: &str) -> anyhow::Result<Rpc> {
+    Ok(WorkerRpc::new(WorkerClient::new(addr, token)?.channel())
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20))
 }
 
 /// Starts two fresh workers and waits until both answer `Describe` (token accepted,
@@ -127,7 +100,7 @@ async fn start_cluster(
     }
     let ready = addrs.iter().map(|addr| async move {
         let client = WorkerClient::new(addr, token)?;
-        let mut rpc = raw_client(addr, token, Transport::Lean)?;
+        let mut rpc = raw_client(addr, token)?;
         loop {
             if client.describe(Duration::from_secs(1)).await.is_ok() {
                 break;
@@ -236,6 +209,7 @@ fn make_samples(bytes: usize) -> Vec<pb::Sample> {
                 stop_reason: "stop".into(),
                 ..Default::default()
             }),
+            routed_experts: None,
         };
         total += s.encoded_len();
         out.push(s);
@@ -297,7 +271,7 @@ async fn main() -> anyhow::Result<()> {
         cluster = Some((workers, addrs));
     }
     let (_workers, addrs) = cluster.context("no cluster started")?;
-    let mut rpc = raw_client(&addrs[0], &token, Transport::Lean)?;
+    let mut rpc = raw_client(&addrs[0], &token)?;
     let client = WorkerClient::new(&addrs[0], &token)?;
 
     // Cross-process round trips: Echo through the worker's actor, and Heartbeat.
@@ -342,13 +316,6 @@ async fn main() -> anyhow::Result<()> {
     }
     let ingest_s = median(secs.clone());
 
-    // Diagnostics against the same worker: the lean channel without its spin, and
-    // tonic's stock Channel.
-    let mut no_spin = raw_client(&addrs[0], &token, Transport::LeanNoSpin)?;
-    let (sp50, sp99, smean) = echo_rtts(&mut no_spin, n, warm).await?;
-    let mut stock = raw_client(&addrs[0], &token, Transport::Tonic)?;
-    let (tp50, tp99, tmean) = echo_rtts(&mut stock, n, warm).await?;
-    let stock_cps = echo_pipelined(&stock).await?;
     let _ = client.shutdown().await;
 
     let out = json!({
@@ -363,14 +330,6 @@ async fn main() -> anyhow::Result<()> {
         "rtt_mean_us_cross_process": round(xmean, 1),
         "worker_client_echo_rtt_p50_us": round(cp50, 1),
         "worker_client_echo_rtt_p99_us": round(cp99, 1),
-        "no_spin_rtt_p50_us_cross_process": round(sp50, 1),
-        "no_spin_rtt_p99_us_cross_process": round(sp99, 1),
-        "no_spin_rtt_mean_us_cross_process": round(smean, 1),
-        "tonic_channel_rtt_p50_us_cross_process": round(tp50, 1),
-        "tonic_channel_rtt_p99_us_cross_process": round(tp99, 1),
-        "tonic_channel_rtt_mean_us_cross_process": round(tmean, 1),
-        "tonic_channel_pipelined_calls_per_s_cross_process": round(stock_cps, 0),
-        "response_spin_us": manta_runtime::transport::DEFAULT_RESPONSE_SPIN.as_micros() as u64,
         "heartbeat_rtt_p50_us_cross_process": round(hp50, 1),
         "heartbeat_rtt_p99_us_cross_process": round(hp99, 1),
         "pipelined_calls": PIPELINED_CALLS,

@@ -126,6 +126,7 @@ async fn main() -> anyhow::Result<()> {
                             ..SamplingParams::default()
                         },
                         rid: None,
+                        return_routed_experts: false,
                     }
                 })
                 .collect();

@@ -5,93 +5,296 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::checks;
 use crate::error::ConfigError;
+use crate::eval::{EvalLayer, EvalSettings, RolloutSampling};
 
-/// Every training setting, each optional: one layer of configuration (a `[train]`
-/// table or the command line). Names are run.sh's flags with `_` for `-`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+/// Every training setting, each optional: one layer of configuration (the command line,
+/// a `--train-settings` file, or cluster.toml's `[train]`). Each field is both the flag
+/// (`--n-samples`) and the `[train]` key (`n_samples`), with its help text here: a setting is
+/// declared once. Switches are `Option<bool>`: absent leaves the lower layer's choice.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, clap::Args)]
 #[serde(deny_unknown_fields)]
 pub struct TrainOverrides {
+    /// Model directory in Hugging Face layout (config.json, tokenizer.json, weights), or
+    /// a hub name (ORG/NAME) found in the local Hugging Face cache (HF_HUB_CACHE, else
+    /// HF_HOME/hub, else ~/.cache/huggingface/hub). Without weights, the model is
+    /// randomly initialised from --seed.
+    #[arg(long, visible_alias = "hf-checkpoint")]
     pub model: Option<PathBuf>,
+    /// Learning rate [cookbook: 1e-5].
+    #[arg(long)]
     pub lr: Option<f64>,
+    /// Samples per prompt: the GRPO group size [16].
+    #[arg(long, visible_alias = "n-samples-per-prompt")]
     pub n_samples: Option<usize>,
+    /// Prompts per step [32].
+    #[arg(long)]
     pub rollout_batch_size: Option<usize>,
+    /// Most tokens per generate call [4096].
+    #[arg(long, visible_alias = "rollout-max-response-len")]
     pub max_response_len: Option<usize>,
+    /// Training tokens per micro-batch per GPU [8192].
+    #[arg(long)]
     pub max_tokens_per_gpu: Option<usize>,
+    /// Sampling temperature [1.0].
+    #[arg(long, visible_alias = "rollout-temperature")]
     pub temperature: Option<f64>,
+    /// Nucleus sampling of rollouts: sample among the most likely tokens holding this
+    /// much probability, in (0, 1] [1.0: off].
+    #[arg(long, visible_alias = "rollout-top-p")]
+    pub top_p: Option<f64>,
+    /// Sample among the k most likely tokens; -1 or 0 is off [-1].
+    #[arg(long, visible_alias = "rollout-top-k", allow_negative_numbers = true)]
+    pub top_k: Option<i64>,
+    /// Directory for checkpoints (HF weights + optimizer + trainer state).
+    #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Resume from the latest checkpoint in this directory; a directory without one
+    /// (missing, empty, or only other files) starts the run fresh, as Miles does, so
+    /// run.sh can pass the same directory to --save and --load.
+    #[arg(long)]
     pub load: Option<PathBuf>,
+    /// Steps between checkpoints [10]; 0 saves only at the end.
+    #[arg(long)]
     pub save_interval: Option<usize>,
+    /// Number of training steps [3000].
+    #[arg(long)]
     pub num_rollout: Option<usize>,
+    /// Seed for model init, task order and sampling [42].
+    #[arg(long)]
     pub seed: Option<u64>,
+    /// AdamW weight decay [0.0].
+    #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// AdamW beta1 [0.9].
+    #[arg(long)]
     pub adam_beta1: Option<f64>,
+    /// AdamW beta2 [0.999].
+    #[arg(long)]
     pub adam_beta2: Option<f64>,
+    /// AdamW epsilon [1e-8].
+    #[arg(long)]
     pub adam_eps: Option<f64>,
+    /// PPO clip range [0.2].
+    #[arg(long)]
     pub eps_clip: Option<f64>,
+    /// Upper clip range [= --eps-clip].
+    #[arg(long)]
     pub eps_clip_high: Option<f64>,
+    /// Gradient norm clip [1.0].
+    #[arg(long)]
     pub clip_grad: Option<f64>,
+    /// Recompute each layer in backward instead of keeping activations; bare (as slime
+    /// spells it) means true [true].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub gradient_checkpointing: Option<bool>,
-    /// Megatron's `--recompute-granularity full|selective`; when set it decides instead
-    /// of `gradient_checkpointing`.
+    /// Megatron's activation recompute: full (layers, with --recompute-method and
+    /// --recompute-num-layers) or selective (core attention only, which SDPA's flash
+    /// kernels already recompute: no layer is) [unset: --gradient-checkpointing decides].
+    #[arg(long)]
     pub recompute_granularity: Option<String>,
-    /// `--recompute-method uniform|block` (with `full`).
+    /// uniform: groups of --recompute-num-layers layers, each recomputed as a unit;
+    /// block: the first --recompute-num-layers layers recomputed, the rest keep activations.
+    #[arg(long)]
     pub recompute_method: Option<String>,
-    /// `--recompute-num-layers N` (with `full`): group size (uniform) or how many of the
-    /// first layers are recomputed (block).
+    /// Layers per group (uniform) or recomputed layers (block), 1..=the model's layers.
+    #[arg(long)]
     pub recompute_num_layers: Option<usize>,
-    /// Megatron/DeepSpeed's `--zero-stage`: 2 shards optimizer state and gradients over
-    /// the data-parallel ranks, 3 the parameters too.
+    /// ZeRO stage of the data-parallel trainer ranks (Megatron/DeepSpeed's name): 2
+    /// shards the optimizer state and gradients; 3 shards the parameters too, each layer
+    /// all-gathered for its forward and backward, so a rank holds 1/N of the weights at
+    /// rest. 3 needs at least two ranks (local mode's `[trainer] gpus` or
+    /// `data_parallel_ranks`) [2].
+    #[arg(long, value_name = "2|3")]
     pub zero_stage: Option<u8>,
-    /// Megatron's `--context-parallel-size N`: each packed sequence's tokens split over
-    /// N trainer ranks (the whole local rank group; data parallel × CP is not built).
+    /// Context parallelism (Megatron's name): each packed sequence's tokens are split
+    /// over N trainer ranks, which all train on the same whole batch, for episodes
+    /// longer than one rank's memory. Local mode's rank count (`[trainer] gpus` or
+    /// `data_parallel_ranks`) must equal N (data parallel × context parallel is not
+    /// built); not with --zero-stage 3, remote mode or --true-on-policy-mode [1].
+    #[arg(long, value_name = "N")]
     pub context_parallel_size: Option<usize>,
-    /// Megatron's `--grad-reduce-in-bf16`: data-parallel ranks reduce the gradients in
-    /// bf16 and keep their reduced-gradient shard in bf16.
+    /// Megatron-LM's name: reduce-scatter the gradients in bf16 and keep each rank's
+    /// reduced-gradient shard in bf16, accumulated over micro-batches in bf16 and widened
+    /// to fp32 a bucket at a time by the AdamW step. Trades half the gradient shard's
+    /// memory (8B over two ranks: 7.6 GiB a GPU) for bf16 rounding of the reduced
+    /// gradients. Needs bf16 weights and two data-parallel ranks or more (ZeRO-2, ZeRO-3
+    /// or context parallel); refused otherwise [off: fp32].
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub grad_reduce_in_bf16: Option<bool>,
+    /// Whole-episode token budget: prompt plus all turns [8192].
+    #[arg(long, visible_alias = "max-total-len")]
     pub context_len: Option<usize>,
+    /// tasks.jsonl to train from (from `prepare-tasks`); default: list tasks from the servers.
+    #[arg(long, visible_alias = "prompt-data")]
     pub task_data: Option<PathBuf>,
+    /// Name of this run's folder under --runs-dir [a timestamp].
+    #[arg(long)]
     pub run_name: Option<String>,
+    /// Where runs/<run>/metrics.jsonl and the plot go [runs].
+    #[arg(long)]
     pub runs_dir: Option<PathBuf>,
+    /// Log every step's metrics to this Weights & Biases project (needs Python with the
+    /// `wandb` package: $MANTA_PYTHON or python3; WANDB_API_KEY, WANDB_MODE apply).
+    #[arg(long)]
     pub wandb_project: Option<String>,
+    /// W&B run name [the run's directory name under --runs-dir].
+    #[arg(long, visible_alias = "wandb-run-name")]
     pub wandb_run: Option<String>,
+    /// How rewards become advantages, and the policy loss: grpo, gspo (sequence-level
+    /// ratio), cispo, reinforce_plus_plus, reinforce_plus_plus_baseline [grpo].
+    #[arg(long)]
     pub advantage_estimator: Option<String>,
+    /// Dual-clip bound (> 1) on the loss of negative-advantage tokens [off].
+    #[arg(long)]
     pub eps_clip_c: Option<f64>,
+    /// Add a KL penalty to the frozen reference model to the loss.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_kl_loss: Option<bool>,
+    /// Weight of the KL loss [0].
+    #[arg(long)]
     pub kl_loss_coef: Option<f64>,
+    /// KL estimator: k1, k2, k3, low_var_kl [k1].
+    #[arg(long)]
     pub kl_loss_type: Option<String>,
+    /// Weight the KL estimate by the importance ratio π/π_old.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_unbiased_kl: Option<bool>,
+    /// Reference model directory for the KL loss [the initial model].
+    #[arg(long)]
     pub ref_load: Option<PathBuf>,
+    /// Entropy bonus coefficient [0].
+    #[arg(long, allow_negative_numbers = true)]
     pub entropy_coef: Option<f64>,
+    /// GRPO advantages: centre rewards within the group without dividing by the std.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub disable_grpo_std_normalization: Option<bool>,
+    /// Whiten advantages over all trained tokens of the step.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub normalize_advantages: Option<bool>,
+    /// π_old is the engine's log-probs instead of the trainer's.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_rollout_logprobs: Option<bool>,
-    /// Miles' `--true-on-policy-mode`: engine and trainer attention through one
-    /// batch-invariant kernel (CUDA bf16), so their log-probs agree.
+    /// True on-policy (Miles' flag): the native engine runs the trainer's layer ops and both
+    /// compute attention with one batch-invariant kernel, so
+    /// train/train_rollout_logprob_abs_diff drops to ~0. CUDA bf16 only; decoding is slower.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub true_on_policy_mode: Option<bool>,
-    /// Megatron's `--moe-aux-loss-coeff` (mixture-of-experts models).
+    /// Mixture-of-experts models: the weight of Megatron's per-layer load-balancing loss,
+    /// added to the policy loss [0, as slime's and Miles' Qwen3-30B-A3B recipes set it].
+    #[arg(long)]
     pub moe_aux_loss_coeff: Option<f64>,
+    /// Rollout routing replay (R3, Miles' flag; mixture-of-experts models): engines return
+    /// each token's routed experts and the trainer routes by them, gate weights from its
+    /// own router; train/routing_mismatch reports the drift.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub use_rollout_routing_replay: Option<bool>,
+    /// Truncated importance sampling of the loss by exp(train − rollout log-prob).
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_tis: Option<bool>,
+    /// Upper TIS bound [2.0].
+    #[arg(long)]
     pub tis_clip: Option<f64>,
+    /// Lower TIS bound [0].
+    #[arg(long)]
     pub tis_clip_low: Option<f64>,
+    /// truncate: clamp the TIS weight into the band; mask: zero tokens outside it
+    /// (slime's icepop) [truncate].
+    #[arg(long)]
     pub tis_mode: Option<String>,
+    /// Off-policy sequence masking: drop negative-advantage samples whose mean
+    /// log-ratio old/new exceeds --opsm-delta.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_opsm: Option<bool>,
+    /// OPSM threshold [1e-4].
+    #[arg(long)]
     pub opsm_delta: Option<f64>,
+    /// Average the loss over all tokens of the step instead of per sample first.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub calculate_per_token_loss: Option<bool>,
+    /// Optimizer steps per rollout; the step's samples are split in order [1, or
+    /// rollout-batch-size × n-samples ÷ --global-batch-size].
+    #[arg(long)]
     pub num_steps_per_rollout: Option<usize>,
-    /// slime's `--global-batch-size`: samples per optimizer step; derives
-    /// `num_steps_per_rollout` (or is checked against it).
+    /// Samples per optimizer step (slime's name): must divide rollout-batch-size ×
+    /// n-samples; checked against --num-steps-per-rollout when both are set
+    /// [rollout-batch-size × n-samples].
+    #[arg(long)]
     pub global_batch_size: Option<usize>,
+    /// LR decay over the run: constant, linear, cosine [constant].
+    #[arg(long)]
     pub lr_decay_style: Option<String>,
+    /// Optimizer steps of linear LR warmup from 0 [0].
+    #[arg(long)]
     pub lr_warmup_iters: Option<u64>,
+    /// LR at the end of the decay [0].
+    #[arg(long)]
     pub min_lr: Option<f64>,
+    /// Write each step's samples to this path, `{rollout_id}` replaced by the step
+    /// (from 0), one JSON object per line, as slime.
+    #[arg(long)]
     pub save_debug_rollout_data: Option<String>,
+    /// Train from files written by --save-debug-rollout-data: no engine, no environment.
+    #[arg(long)]
     pub load_debug_rollout_data: Option<String>,
+    /// Run every step's rollouts and train nothing: the engines keep their first
+    /// weights, no checkpoint is written (slime's flag; measures rollout alone).
+    #[arg(
+        long,
+        conflicts_with = "load_debug_rollout_data",
+        num_args = 0,
+        default_missing_value = "true"
+    )]
     pub debug_rollout_only: Option<bool>,
+    /// Groups started at a time while the step's batch is short of
+    /// --rollout-batch-size kept groups [--rollout-batch-size].
+    #[arg(long)]
     pub over_sampling_batch_size: Option<usize>,
+    /// Dynamic sampling: drop groups this filter rejects and generate more until the
+    /// batch is full. check_reward_nonzero_std (slime's, also by its module path) drops
+    /// groups whose rewards all agree [off].
+    #[arg(long)]
     pub dynamic_sampling_filter_path: Option<String>,
+    /// Asynchronous mode when ≥ 1: the next step's rollouts run while the trainer
+    /// trains; samples more than this many weight versions behind are regenerated [0].
+    #[arg(long)]
     pub max_weight_staleness: Option<u64>,
+    /// Episodes that span a weight update go on with the new weights, each token's
+    /// version kept (implies --max-weight-staleness 1 unless set).
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub partial_rollout: Option<bool>,
+    /// Evaluate after every N-th step (slime's flag; it counts rollouts), and once
+    /// before the first step unless --skip-eval-before-train; needs --eval-prompt-data.
+    /// Evaluation trains nothing [off].
+    #[arg(long, value_name = "N")]
+    pub eval_interval: Option<u64>,
+    /// Evaluation sets: NAME PATH pairs, each PATH a tasks.jsonl (e.g. `driver
+    /// prepare-tasks` on a test split); every task is evaluated, metrics eval/NAME/...
+    /// (one PATH alone is named `aime`, as slime names it).
+    #[arg(long, num_args = 1.., value_name = "NAME PATH")]
+    pub eval_prompt_data: Option<Vec<String>>,
+    /// Episodes per evaluation task [1].
+    #[arg(long)]
+    pub n_samples_per_eval_prompt: Option<usize>,
+    /// Most tokens per generate call in evaluation [--max-response-len].
+    #[arg(long)]
+    pub eval_max_response_len: Option<usize>,
+    /// Whole-episode token budget in evaluation [--context-len].
+    #[arg(long)]
+    pub eval_max_context_len: Option<usize>,
+    /// Sampling temperature in evaluation; 0 is greedy [--temperature].
+    #[arg(long)]
+    pub eval_temperature: Option<f64>,
+    /// Nucleus sampling in evaluation [--top-p].
+    #[arg(long)]
+    pub eval_top_p: Option<f64>,
+    /// Top-k sampling in evaluation [--top-k].
+    #[arg(long, allow_negative_numbers = true)]
+    pub eval_top_k: Option<i64>,
+    /// Do not evaluate before the first step (slime evaluates there by default).
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub skip_eval_before_train: Option<bool>,
 }
 
 /// Resolved settings the driver runs with.
@@ -109,6 +312,11 @@ pub struct TrainSettings {
     /// Training token budget per micro-batch.
     pub max_tokens_per_gpu: usize,
     pub temperature: f64,
+    /// Nucleus sampling of rollouts: the smallest set of tokens holding this much
+    /// probability (1.0: the whole distribution).
+    pub top_p: f64,
+    /// Sample among the k most likely tokens (-1: all).
+    pub top_k: i64,
     /// Checkpoint directory; `None` disables checkpoints.
     pub save: Option<PathBuf>,
     /// Resume from the latest checkpoint in this directory.
@@ -163,6 +371,8 @@ pub struct TrainSettings {
     pub debug_rollout_only: bool,
     /// How rollouts feed steps: over-sampling, dynamic sampling, asynchronous mode.
     pub sampling: SamplingSettings,
+    /// Evaluation during training (slime's `--eval-*` flags).
+    pub eval: EvalSettings,
 }
 
 /// Megatron's full-granularity activation recompute, resolved.
@@ -229,6 +439,8 @@ pub struct AlgoSettings {
     pub true_on_policy_mode: bool,
     /// Weight of the per-layer load-balancing loss of MoE models [0].
     pub moe_aux_loss_coeff: f64,
+    /// The trainer routes each token to the experts the rollout engine chose (R3).
+    pub use_rollout_routing_replay: bool,
     pub use_tis: bool,
     pub tis_clip: f64,
     pub tis_clip_low: f64,
@@ -272,77 +484,32 @@ pub const ZERO_STAGES: &[u8] = &[2, 3];
 pub const LR_DECAY_STYLES: &[&str] = &["constant", "linear", "cosine"];
 
 impl TrainOverrides {
-    /// `self` wins over `lower` key by key.
-    pub fn over(self, lower: TrainOverrides) -> TrainOverrides {
-        macro_rules! pick {
-            ($($f:ident),*) => { TrainOverrides { $($f: self.$f.or(lower.$f)),* } };
-        }
-        pick!(
-            model,
-            lr,
-            n_samples,
-            rollout_batch_size,
-            max_response_len,
-            max_tokens_per_gpu,
-            temperature,
-            save,
-            load,
-            save_interval,
-            num_rollout,
-            seed,
-            weight_decay,
-            adam_beta1,
-            adam_beta2,
-            adam_eps,
-            eps_clip,
-            eps_clip_high,
-            clip_grad,
-            gradient_checkpointing,
-            recompute_granularity,
-            recompute_method,
-            recompute_num_layers,
-            zero_stage,
-            context_parallel_size,
-            grad_reduce_in_bf16,
-            context_len,
-            task_data,
-            run_name,
-            runs_dir,
-            wandb_project,
-            wandb_run,
-            advantage_estimator,
-            eps_clip_c,
-            use_kl_loss,
-            kl_loss_coef,
-            kl_loss_type,
-            use_unbiased_kl,
-            ref_load,
-            entropy_coef,
-            disable_grpo_std_normalization,
-            normalize_advantages,
-            use_rollout_logprobs,
-            true_on_policy_mode,
-            moe_aux_loss_coeff,
-            use_tis,
-            tis_clip,
-            tis_clip_low,
-            tis_mode,
-            use_opsm,
-            opsm_delta,
-            calculate_per_token_loss,
-            num_steps_per_rollout,
-            global_batch_size,
-            lr_decay_style,
-            lr_warmup_iters,
-            min_lr,
-            save_debug_rollout_data,
-            load_debug_rollout_data,
-            debug_rollout_only,
-            over_sampling_batch_size,
-            dynamic_sampling_filter_path,
-            max_weight_staleness,
-            partial_rollout
-        )
+    /// `self` wins over `lower` key by key. The merge goes through the layers' serde
+    /// form, so it knows every key without a list of them; it fails only on a path
+    /// setting that is not valid UTF-8 (which no layer could spell in a file either).
+    pub fn over(self, lower: TrainOverrides) -> Result<TrainOverrides, ConfigError> {
+        let not_utf8 = |e: serde_json::Error| ConfigError::Parse {
+            path: PathBuf::from("training settings"),
+            message: format!("a setting cannot be read as text: {e}"),
+        };
+        let (upper, lower) = (
+            serde_json::to_value(self).map_err(not_utf8)?,
+            serde_json::to_value(lower).map_err(not_utf8)?,
+        );
+        let merged = match (upper, lower) {
+            (serde_json::Value::Object(upper), serde_json::Value::Object(mut merged)) => {
+                merged.extend(upper.into_iter().filter(|(_, value)| !value.is_null()));
+                merged
+            }
+            // A struct serializes as a map; anything else would be a serde bug.
+            (upper, _) => {
+                return Err(ConfigError::Parse {
+                    path: PathBuf::from("training settings"),
+                    message: format!("settings did not serialize as a table: {upper}"),
+                })
+            }
+        };
+        serde_json::from_value(serde_json::Value::Object(merged)).map_err(not_utf8)
     }
 
     /// Checks values that parse but make no sense; `prefix` is the key's table (`train.`
@@ -362,18 +529,13 @@ impl TrainOverrides {
             ("adam_eps", self.adam_eps),
             ("clip_grad", self.clip_grad),
         ];
-        for (name, value) in positive_f {
-            if let Some(v) = value {
-                if !(v.is_finite() && v > 0.0) {
-                    return Err(ConfigError::invalid(
-                        origin,
-                        key(name),
-                        v,
-                        "must be a finite number > 0",
-                    ));
-                }
-            }
-        }
+        checks::each(
+            origin,
+            &key,
+            &positive_f,
+            |v| v.is_finite() && v > 0.0,
+            "must be a finite number > 0",
+        )?;
         let unit = [
             ("adam_beta1", self.adam_beta1),
             ("adam_beta2", self.adam_beta2),
@@ -381,18 +543,13 @@ impl TrainOverrides {
             ("eps_clip_high", self.eps_clip_high),
             ("weight_decay", self.weight_decay),
         ];
-        for (name, value) in unit {
-            if let Some(v) = value {
-                if !(0.0..1.0).contains(&v) {
-                    return Err(ConfigError::invalid(
-                        origin,
-                        key(name),
-                        v,
-                        "must be in [0, 1)",
-                    ));
-                }
-            }
-        }
+        checks::each(
+            origin,
+            &key,
+            &unit,
+            |v| (0.0..1.0).contains(&v),
+            "must be in [0, 1)",
+        )?;
         let at_least_one = [
             ("n_samples", self.n_samples),
             ("rollout_batch_size", self.rollout_batch_size),
@@ -406,16 +563,13 @@ impl TrainOverrides {
             ("recompute_num_layers", self.recompute_num_layers),
             ("context_parallel_size", self.context_parallel_size),
         ];
-        for (name, value) in at_least_one {
-            if value == Some(0) {
-                return Err(ConfigError::invalid(
-                    origin,
-                    key(name),
-                    0,
-                    "must be at least 1",
-                ));
-            }
-        }
+        checks::each(
+            origin,
+            &key,
+            &at_least_one,
+            |v| v != 0,
+            "must be at least 1",
+        )?;
         let non_empty = [
             ("run_name", &self.run_name),
             ("wandb_project", &self.wandb_project),
@@ -469,19 +623,15 @@ impl TrainOverrides {
             ("tis_clip_low", self.tis_clip_low),
             ("min_lr", self.min_lr),
             ("opsm_delta", self.opsm_delta),
+            ("moe_aux_loss_coeff", self.moe_aux_loss_coeff),
         ];
-        for (name, value) in non_negative {
-            if let Some(v) = value {
-                if !(v.is_finite() && v >= 0.0) {
-                    return Err(ConfigError::invalid(
-                        origin,
-                        key(name),
-                        v,
-                        "must be a finite number >= 0",
-                    ));
-                }
-            }
-        }
+        checks::each(
+            origin,
+            &key,
+            &non_negative,
+            |v| v.is_finite() && v >= 0.0,
+            "must be a finite number >= 0",
+        )?;
         if let Some(v) = self.entropy_coef {
             if !v.is_finite() {
                 return Err(ConfigError::invalid(
@@ -534,6 +684,7 @@ impl TrainOverrides {
             }
         }
         self.validate_recompute(origin, &key)?;
+        self.eval_layer().validate(origin, &key)?;
         if let (Some(low), Some(high)) = (self.tis_clip_low, self.tis_clip) {
             if low > high {
                 return Err(ConfigError::invalid(
@@ -545,6 +696,23 @@ impl TrainOverrides {
             }
         }
         Ok(())
+    }
+
+    /// This layer's eval keys (crate::eval).
+    fn eval_layer(&self) -> EvalLayer<'_> {
+        EvalLayer {
+            top_p: self.top_p,
+            top_k: self.top_k,
+            eval_interval: self.eval_interval,
+            eval_prompt_data: self.eval_prompt_data.as_deref(),
+            n_samples_per_eval_prompt: self.n_samples_per_eval_prompt,
+            eval_max_response_len: self.eval_max_response_len,
+            eval_max_context_len: self.eval_max_context_len,
+            eval_temperature: self.eval_temperature,
+            eval_top_p: self.eval_top_p,
+            eval_top_k: self.eval_top_k,
+            skip_eval_before_train: self.skip_eval_before_train,
+        }
     }
 
     /// Megatron's rules for the recompute flags, which go together in one layer (one
@@ -610,11 +778,13 @@ impl TrainOverrides {
         Ok(())
     }
 
-    /// Checks of the merged layers (flags over cluster.toml): slime's
+    /// Checks of the merged layers (flags over cluster.toml): `--eval-interval` needs
+    /// `--eval-prompt-data` (as slime asserts); slime's
     /// `global_batch_size` must split the step's samples (rollout_batch_size ×
     /// n_samples) into whole optimizer steps, `num_steps_per_rollout` of them when that
     /// is set too.
     pub fn validate_merged(&self) -> Result<(), ConfigError> {
+        self.eval_layer().validate_merged()?;
         let Some(global) = self.global_batch_size else {
             return Ok(());
         };
@@ -666,6 +836,14 @@ impl TrainOverrides {
                 .unwrap_or(1)
         });
         let partial_rollout = self.partial_rollout.unwrap_or(false);
+        let rollout = RolloutSampling {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(-1),
+            max_response_len: self.max_response_len.unwrap_or(4096),
+            context_len: self.context_len.unwrap_or(8192),
+        };
+        let eval = self.eval_layer().resolve(&rollout);
         TrainSettings {
             model: self
                 .model
@@ -673,9 +851,11 @@ impl TrainOverrides {
             lr: self.lr.unwrap_or(1e-5),
             n_samples,
             rollout_batch_size,
-            max_response_len: self.max_response_len.unwrap_or(4096),
+            max_response_len: rollout.max_response_len,
             max_tokens_per_gpu: self.max_tokens_per_gpu.unwrap_or(8192),
-            temperature: self.temperature.unwrap_or(1.0),
+            temperature: rollout.temperature,
+            top_p: rollout.top_p,
+            top_k: rollout.top_k,
             save: self.save,
             load: self.load,
             save_interval: self.save_interval.unwrap_or(10),
@@ -705,7 +885,7 @@ impl TrainOverrides {
             zero_stage: self.zero_stage.unwrap_or(2),
             context_parallel_size: self.context_parallel_size.unwrap_or(1),
             grad_reduce_in_bf16: self.grad_reduce_in_bf16.unwrap_or(false),
-            context_len: self.context_len.unwrap_or(8192),
+            context_len: rollout.context_len,
             task_data: self.task_data,
             run_name: self.run_name,
             runs_dir: self.runs_dir.unwrap_or_else(|| PathBuf::from("runs")),
@@ -727,6 +907,7 @@ impl TrainOverrides {
                 use_rollout_logprobs: self.use_rollout_logprobs.unwrap_or(false),
                 true_on_policy_mode: self.true_on_policy_mode.unwrap_or(false),
                 moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
+                use_rollout_routing_replay: self.use_rollout_routing_replay.unwrap_or(false),
                 use_tis: self.use_tis.unwrap_or(false),
                 tis_clip: self.tis_clip.unwrap_or(2.0),
                 tis_clip_low: self.tis_clip_low.unwrap_or(0.0),
@@ -757,345 +938,10 @@ impl TrainOverrides {
                     .unwrap_or(u64::from(partial_rollout)),
                 partial_rollout,
             },
+            eval,
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The message `validate` gives for `o`, read from `file` with key `prefix`.
-    fn validation_error(o: &TrainOverrides, file: &str, prefix: &str) -> String {
-        o.validate(Path::new(file), prefix)
-            .expect_err("invalid overrides")
-            .to_string()
-    }
-
-    #[test]
-    fn upper_layer_wins_and_defaults_fill_the_rest() {
-        let flags = TrainOverrides {
-            lr: Some(0.01),
-            ..Default::default()
-        };
-        let file = TrainOverrides {
-            lr: Some(0.5),
-            n_samples: Some(4),
-            ..Default::default()
-        };
-        let s = flags.over(file).resolve();
-        assert_eq!(s.lr, 0.01);
-        assert_eq!(s.n_samples, 4);
-        assert_eq!(s.rollout_batch_size, 32);
-        assert_eq!(s.eps_clip_high, 0.2);
-    }
-
-    #[test]
-    fn an_empty_wandb_project_is_named() {
-        let o = TrainOverrides {
-            wandb_project: Some(" ".into()),
-            ..Default::default()
-        };
-        let err = validation_error(&o, "command line", "--");
-        assert!(
-            err.contains("--wandb-project") && err.contains("must not be empty"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn zero_and_out_of_range_values_are_named() {
-        let o = TrainOverrides {
-            n_samples: Some(0),
-            ..Default::default()
-        };
-        let err = validation_error(&o, "command line", "--");
-        assert!(
-            err.contains("--n-samples") && err.contains("at least 1"),
-            "{err}"
-        );
-        let o = TrainOverrides {
-            adam_beta2: Some(1.5),
-            ..Default::default()
-        };
-        let err = validation_error(&o, "c.toml", "train.");
-        assert!(
-            err.contains("train.adam_beta2") && err.contains("1.5"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn zero_stage_is_2_or_3_and_defaults_to_2() {
-        assert_eq!(TrainOverrides::default().resolve().zero_stage, 2);
-        for stage in [2, 3] {
-            let o = TrainOverrides {
-                zero_stage: Some(stage),
-                ..Default::default()
-            };
-            o.validate(Path::new("command line"), "--").unwrap();
-            assert_eq!(o.resolve().zero_stage, stage);
-        }
-        for stage in [0, 1, 4] {
-            let o = TrainOverrides {
-                zero_stage: Some(stage),
-                ..Default::default()
-            };
-            let err = validation_error(&o, "command line", "--");
-            assert!(
-                err.contains("--zero-stage") && err.contains(&stage.to_string()),
-                "{err}"
-            );
-            let err = validation_error(&o, "c.toml", "train.");
-            assert!(err.contains("train.zero_stage"), "{err}");
-        }
-    }
-
-    #[test]
-    fn grad_reduce_in_bf16_defaults_to_off_and_a_layer_turns_it_on() {
-        assert!(!TrainOverrides::default().resolve().grad_reduce_in_bf16);
-        let on = TrainOverrides {
-            grad_reduce_in_bf16: Some(true),
-            ..Default::default()
-        };
-        assert!(on.clone().resolve().grad_reduce_in_bf16);
-        // cluster.toml's `[train] grad_reduce_in_bf16 = true` under an unset flag.
-        assert!(
-            TrainOverrides::default()
-                .over(on)
-                .resolve()
-                .grad_reduce_in_bf16
-        );
-        let file: TrainOverrides = toml::from_str("grad_reduce_in_bf16 = true").unwrap();
-        assert_eq!(file.grad_reduce_in_bf16, Some(true));
-    }
-
-    #[test]
-    fn context_parallel_size_defaults_to_1_and_refuses_0() {
-        assert_eq!(TrainOverrides::default().resolve().context_parallel_size, 1);
-        let o = TrainOverrides {
-            context_parallel_size: Some(2),
-            ..Default::default()
-        };
-        o.validate(Path::new("command line"), "--").unwrap();
-        assert_eq!(o.resolve().context_parallel_size, 2);
-        let zero = TrainOverrides {
-            context_parallel_size: Some(0),
-            ..Default::default()
-        };
-        let err = validation_error(&zero, "command line", "--");
-        assert!(
-            err.contains("--context-parallel-size") && err.contains('0'),
-            "{err}"
-        );
-        let err = validation_error(&zero, "c.toml", "train.");
-        assert!(err.contains("train.context_parallel_size"), "{err}");
-    }
-
-    #[test]
-    fn loss_flags_layer_and_bad_choices_are_named() {
-        let flags = TrainOverrides {
-            use_kl_loss: Some(true),
-            kl_loss_type: Some("low_var_kl".into()),
-            ..Default::default()
-        };
-        let file = TrainOverrides {
-            kl_loss_type: Some("k2".into()),
-            kl_loss_coef: Some(0.01),
-            ..Default::default()
-        };
-        let s = flags.over(file).resolve();
-        assert!(s.algo.use_kl_loss);
-        assert_eq!(s.algo.kl_loss_type, "low_var_kl");
-        assert_eq!(s.algo.kl_loss_coef, 0.01);
-        assert_eq!(s.algo.advantage_estimator, "grpo");
-        assert_eq!((s.algo.tis_clip, s.algo.tis_clip_low), (2.0, 0.0));
-        assert_eq!(s.algo.num_steps_per_rollout, 1);
-        let bad = TrainOverrides {
-            advantage_estimator: Some("ppo".into()),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "command line", "--");
-        assert!(
-            err.contains("--advantage-estimator")
-                && err.contains("\"ppo\"")
-                && err.contains("gspo"),
-            "{err}"
-        );
-        let bad = TrainOverrides {
-            eps_clip_c: Some(0.5),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "c.toml", "train.");
-        assert!(
-            err.contains("train.eps_clip_c") && err.contains("> 1"),
-            "{err}"
-        );
-        let bad = TrainOverrides {
-            tis_clip: Some(1.0),
-            tis_clip_low: Some(2.0),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "command line", "--");
-        assert!(err.contains("--tis-clip-low"), "{err}");
-    }
-
-    #[test]
-    fn recompute_flags_resolve_as_megatron_and_bad_values_are_named() {
-        // Default: the cookbook's gradient checkpointing, every layer.
-        let every = Some(LayerRecompute {
-            method: "uniform".into(),
-            num_layers: 1,
-        });
-        assert_eq!(TrainOverrides::default().resolve().recompute, every);
-        let off = TrainOverrides {
-            gradient_checkpointing: Some(false),
-            ..Default::default()
-        };
-        assert_eq!(off.clone().resolve().recompute, None);
-        // The recompute flags win over gradient_checkpointing, from any layer.
-        let block = TrainOverrides {
-            recompute_granularity: Some("full".into()),
-            recompute_method: Some("block".into()),
-            recompute_num_layers: Some(30),
-            ..Default::default()
-        };
-        block.validate(Path::new("c.toml"), "train.").unwrap();
-        let s = block.clone().over(off).resolve();
-        assert_eq!(
-            s.recompute,
-            Some(LayerRecompute {
-                method: "block".into(),
-                num_layers: 30
-            })
-        );
-        let selective = TrainOverrides {
-            recompute_granularity: Some("selective".into()),
-            ..Default::default()
-        };
-        assert_eq!(selective.over(block.clone()).resolve().recompute, None);
-
-        let bad_method = TrainOverrides {
-            recompute_method: Some("blocks".into()),
-            ..block.clone()
-        };
-        let err = validation_error(&bad_method, "command line", "--");
-        assert!(
-            err.contains("--recompute-method")
-                && err.contains("\"blocks\"")
-                && err.contains("uniform, block"),
-            "{err}"
-        );
-        let bad_granularity = TrainOverrides {
-            recompute_granularity: Some("partial".into()),
-            ..Default::default()
-        };
-        let err = validation_error(&bad_granularity, "c.toml", "train.");
-        assert!(
-            err.contains("train.recompute_granularity") && err.contains("\"partial\""),
-            "{err}"
-        );
-        let zero = TrainOverrides {
-            recompute_num_layers: Some(0),
-            ..block.clone()
-        };
-        let err = validation_error(&zero, "command line", "--");
-        assert!(
-            err.contains("--recompute-num-layers") && err.contains("at least 1"),
-            "{err}"
-        );
-        let no_method = TrainOverrides {
-            recompute_method: None,
-            ..block.clone()
-        };
-        let err = validation_error(&no_method, "command line", "--");
-        assert!(
-            err.contains("--recompute-granularity") && err.contains("--recompute-method"),
-            "{err}"
-        );
-        let no_layers = TrainOverrides {
-            recompute_num_layers: None,
-            ..block.clone()
-        };
-        let err = validation_error(&no_layers, "c.toml", "train.");
-        assert!(err.contains("train.recompute_num_layers"), "{err}");
-        let orphan = TrainOverrides {
-            recompute_num_layers: Some(4),
-            ..Default::default()
-        };
-        let err = validation_error(&orphan, "command line", "--");
-        assert!(
-            err.contains("--recompute-num-layers")
-                && err.contains('4')
-                && err.contains("--recompute-granularity"),
-            "{err}"
-        );
-        let selective_with_layers = TrainOverrides {
-            recompute_granularity: Some("selective".into()),
-            recompute_num_layers: Some(2),
-            ..Default::default()
-        };
-        let err = validation_error(&selective_with_layers, "command line", "--");
-        assert!(
-            err.contains("--recompute-num-layers") && err.contains("only with"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn sampling_options_default_resolve_and_bad_values_are_named() {
-        let s = TrainOverrides {
-            rollout_batch_size: Some(6),
-            ..Default::default()
-        }
-        .resolve();
-        assert_eq!(s.sampling.over_sampling_batch_size, 6);
-        assert_eq!(s.sampling.dynamic_sampling_filter, None);
-        assert_eq!(
-            (s.sampling.max_weight_staleness, s.sampling.partial_rollout),
-            (0, false)
-        );
-        let s = TrainOverrides {
-            dynamic_sampling_filter_path: Some(
-                "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std".into(),
-            ),
-            partial_rollout: Some(true),
-            over_sampling_batch_size: Some(64),
-            ..Default::default()
-        }
-        .resolve();
-        assert_eq!(
-            s.sampling.dynamic_sampling_filter.as_deref(),
-            Some("check_reward_nonzero_std")
-        );
-        assert_eq!(s.sampling.over_sampling_batch_size, 64);
-        assert_eq!(s.sampling.max_weight_staleness, 1);
-        let bad = TrainOverrides {
-            dynamic_sampling_filter_path: Some("my.module.keep_all".into()),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "c.toml", "train.");
-        assert!(
-            err.contains("train.dynamic_sampling_filter_path")
-                && err.contains("my.module.keep_all")
-                && err.contains("check_reward_nonzero_std"),
-            "{err}"
-        );
-        let bad = TrainOverrides {
-            over_sampling_batch_size: Some(0),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "command line", "--");
-        assert!(err.contains("--over-sampling-batch-size"), "{err}");
-        let bad = TrainOverrides {
-            partial_rollout: Some(true),
-            max_weight_staleness: Some(0),
-            ..Default::default()
-        };
-        let err = validation_error(&bad, "command line", "--");
-        assert!(
-            err.contains("--max-weight-staleness") && err.contains("at least 1"),
-            "{err}"
-        );
-    }
-}
+mod tests;

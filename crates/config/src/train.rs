@@ -175,7 +175,7 @@ impl TrainConfig {
     }
 
     pub fn from_yaml_str(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let raw: RawTrainConfig = serde_yaml::from_str(text).map_err(|e| ConfigError::Parse {
+        let raw: RawTrainConfig = serde_norway::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
@@ -362,6 +362,15 @@ openreward_run_name: miles-rl-openreward
             .to_string();
         assert!(
             err.contains("train_config.yaml") && err.contains("max_turn"),
+            "{err}"
+        );
+        // Where in the file: the key's line and column.
+        assert!(err.contains("line 3 column 5"), "{err}");
+        let err = parse("environments:\n  A/B:\n    splits: [train\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train_config.yaml") && err.contains("line "),
             "{err}"
         );
     }

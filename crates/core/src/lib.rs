@@ -10,5 +10,5 @@ pub mod sample;
 pub mod wire;
 
 pub use advantage::{group_advantages, whiten_over_tokens, AdvantageOptions};
-pub use sample::{EpisodeMetadata, PrefixCacheUse, Sample, SampleStatus};
+pub use sample::{EpisodeMetadata, PrefixCacheUse, RoutedExperts, Sample, SampleStatus};
 pub use wire::WireError;

@@ -88,6 +88,57 @@ pub struct Sample {
     /// Weight version of the engine that generated it (the oldest, if it changed mid-episode).
     pub weight_version: u64,
     pub metadata: EpisodeMetadata,
+    /// Rollout routing replay (R3): the experts the engine routed each token to, for
+    /// mixture-of-experts models when the rollout asked for them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<RoutedExperts>,
+}
+
+/// The experts a rollout engine's sparse (MoE) layers chose for each token of an episode:
+/// row i is `tokens[i]`'s routing. SGLang returns them for every token but the last
+/// (which the engine never runs); a row of -1 is a token the engine did not record
+/// (the trainer routes it by its own router).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedExperts {
+    /// Sparse layers per row, in layer order.
+    pub layers: u32,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: u32,
+    /// Row-major [rows, layers, top_k] expert ids.
+    pub ids: Vec<i32>,
+}
+
+impl RoutedExperts {
+    /// Rows recorded (tokens covered, from the first).
+    pub fn rows(&self) -> usize {
+        let per_row = (self.layers * self.top_k) as usize;
+        self.ids.len().checked_div(per_row).unwrap_or(0)
+    }
+
+    /// Checks the shape against a sample of `tokens` tokens; the message names the field.
+    pub fn validate(&self, id: u64, tokens: usize) -> Result<(), String> {
+        let per_row = (self.layers * self.top_k) as usize;
+        if per_row == 0 || self.ids.len() % per_row != 0 {
+            return Err(format!(
+                "sample {id}: routed_experts holds {} ids, not whole rows of {} layers x top-{}",
+                self.ids.len(),
+                self.layers,
+                self.top_k
+            ));
+        }
+        if self.rows() > tokens {
+            return Err(format!(
+                "sample {id}: routed_experts has {} rows for {tokens} tokens",
+                self.rows()
+            ));
+        }
+        if let Some(bad) = self.ids.iter().find(|&&e| e < -1) {
+            return Err(format!(
+                "sample {id}: routed_experts holds expert id {bad} (ids are >= 0, -1 = not recorded)"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Sample {
@@ -138,6 +189,9 @@ impl Sample {
                 "sample {}: reward {} is not finite",
                 self.id, self.reward
             ));
+        }
+        if let Some(routed) = &self.routed_experts {
+            routed.validate(self.id, self.tokens.len())?;
         }
         let versions = self.metadata.weight_versions.len();
         if versions != 0 && versions != self.response_length {

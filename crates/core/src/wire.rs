@@ -3,7 +3,7 @@
 
 use manta_proto::common as pb;
 
-use crate::sample::{EpisodeMetadata, PrefixCacheUse, Sample, SampleStatus};
+use crate::sample::{EpisodeMetadata, PrefixCacheUse, RoutedExperts, Sample, SampleStatus};
 
 /// A protobuf sample that cannot be a valid [`Sample`].
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +51,11 @@ impl From<&Sample> for pb::Sample {
                     later_turns_prompt: s.metadata.prefix_cache.later_turns_prompt,
                     later_turns_cached: s.metadata.prefix_cache.later_turns_cached,
                 }),
+            }),
+            routed_experts: s.routed_experts.as_ref().map(|r| pb::RoutedExperts {
+                layers: r.layers,
+                top_k: r.top_k,
+                ids: r.ids.clone(),
             }),
         }
     }
@@ -123,6 +128,11 @@ impl TryFrom<pb::Sample> for Sample {
                     later_turns_cached: cache.later_turns_cached,
                 },
             },
+            routed_experts: p.routed_experts.map(|r| RoutedExperts {
+                layers: r.layers,
+                top_k: r.top_k,
+                ids: r.ids,
+            }),
         };
         sample.validate().map_err(WireError)?;
         Ok(sample)
@@ -160,6 +170,11 @@ mod tests {
                 },
                 ..Default::default()
             },
+            routed_experts: Some(RoutedExperts {
+                layers: 2,
+                top_k: 2,
+                ids: (0..16).map(|i| i % 5 - 1).collect(),
+            }),
         }
     }
 
@@ -193,6 +208,22 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("loss_mask value 7"));
+    }
+
+    #[test]
+    fn refuses_routed_experts_of_the_wrong_shape() {
+        let mut p = pb::Sample::from(&sample());
+        if let Some(r) = p.routed_experts.as_mut() {
+            r.ids.pop();
+        }
+        let err = Sample::try_from(p).unwrap_err().to_string();
+        assert!(err.contains("routed_experts holds 15 ids"), "{err}");
+        let mut p = pb::Sample::from(&sample());
+        if let Some(r) = p.routed_experts.as_mut() {
+            r.ids.extend([0; 8]);
+        }
+        let err = Sample::try_from(p).unwrap_err().to_string();
+        assert!(err.contains("6 rows for 5 tokens"), "{err}");
     }
 
     #[test]

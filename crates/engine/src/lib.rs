@@ -18,9 +18,10 @@ use std::path::PathBuf;
 use async_trait::async_trait;
 
 pub use native::{NativeEngine, NativeEngineOptions};
-pub use sglang::{NcclTarget, SglangEngine, SglangOptions};
+pub use sglang::{NcclTarget, SglangEngine, SglangOptions, SglangServer};
 pub use weight_parts::{WeightPart, WeightParts};
 
+pub use manta_core::RoutedExperts;
 pub use manta_model::NamedTensors;
 
 /// Sampling controls of one request (SGLang's `sampling_params`).
@@ -109,6 +110,10 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// Request id for `abort`; the engine makes one up when absent.
     pub rid: Option<String>,
+    /// SGLang's `return_routed_experts`: answer with the experts each sparse layer chose
+    /// for every token but the last (rollout routing replay). Mixture-of-experts models
+    /// on an engine started with `--enable-return-routed-experts` only.
+    pub return_routed_experts: bool,
 }
 
 /// Why generation ended (SGLang: stop → completed, length → truncated, abort → aborted).
@@ -141,6 +146,9 @@ pub struct GenerateOutput {
     pub prompt_tokens: usize,
     /// Prompt tokens whose keys and values came from the prefix cache.
     pub cached_tokens: usize,
+    /// With `return_routed_experts`: one row per token of prompt + output but the last
+    /// (SGLang's `meta_info.routed_experts`), prefix-cached tokens included.
+    pub routed_experts: Option<RoutedExperts>,
 }
 
 impl Default for GenerateOutput {
@@ -153,6 +161,7 @@ impl Default for GenerateOutput {
             weight_version: 0,
             prompt_tokens: 0,
             cached_tokens: 0,
+            routed_experts: None,
         }
     }
 }

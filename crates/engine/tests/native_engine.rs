@@ -19,6 +19,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tch::Device;
 
+#[path = "native_engine/routed_experts.rs"]
+mod routed_experts;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -96,6 +99,7 @@ fn request(input_ids: Vec<u32>, params: SamplingParams) -> GenerateRequest {
         input_ids,
         params,
         rid: None,
+        return_routed_experts: false,
     }
 }
 
@@ -472,6 +476,7 @@ async fn abort_returns_the_partial_output_and_bad_requests_name_the_field() {
                 input_ids: vec![1, 2, 3],
                 params: greedy(2000),
                 rid: Some("long".into()),
+                return_routed_experts: false,
             })
             .await
         })

@@ -169,6 +169,7 @@ fn greedy_request(prompt: &[u32], max_new_tokens: usize) -> GenerateRequest {
             ..SamplingParams::default()
         },
         rid: None,
+        return_routed_experts: false,
     }
 }
 
@@ -332,6 +333,7 @@ async fn sample_two_turns(true_on_policy: bool) -> (Vec<(Vec<u32>, usize)>, Vec<
                 ..SamplingParams::default()
             },
             rid: None,
+            return_routed_experts: false,
         })
     };
     let ps = prompts(32);
@@ -466,6 +468,7 @@ async fn true_on_policy_outputs_do_not_depend_on_the_batch() {
                 ..SamplingParams::default()
             },
             rid: None,
+            return_routed_experts: false,
         })
     };
     let alone = sample(&ps[5], 77).await.expect("alone");
@@ -514,6 +517,7 @@ async fn overlapped_decode_steps_match_synchronous_ones() {
             ..SamplingParams::default()
         },
         rid: None,
+        return_routed_experts: false,
     };
     // All requests queue while the engine is paused, so the first step admits them all
     // in both runs.

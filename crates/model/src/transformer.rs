@@ -17,6 +17,7 @@ use crate::moe::{Routing, SparseMoe};
 use crate::recompute::Recompute;
 
 mod context_parallel;
+mod decode_kernels;
 mod invariant;
 mod kv_cache;
 mod mlp;
@@ -564,7 +565,7 @@ pub struct CausalLm {
     recompute: Option<Recompute>,
     /// Fused projections for the CUDA decode kernels, when an engine enabled them
     /// ([`CausalLm::enable_decode_kernels`]).
-    decode_kernels: Option<paged::DecodeKernels>,
+    decode_kernels: Option<decode_kernels::DecodeKernels>,
     /// Attention through the batch-invariant kernel ([`CausalLm::set_invariant_attention`]).
     invariant_attention: bool,
     segment_kernel: SegmentKernel,

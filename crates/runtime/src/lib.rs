@@ -11,7 +11,6 @@
 //! - [`echo`]: the trivial actor behind the `Echo` RPC.
 //! - [`node`]: the node supervisor every hosted actor is linked to.
 //! - [`lease`]: a driver's hold on its actors; a worker stops them when it lapses.
-//! - [`transport`]: the lean HTTP/2 channel under the gRPC clients.
 //! - [`tls`]: optional TLS (rustls) for the worker and its clients.
 
 pub mod auth;
@@ -22,7 +21,6 @@ pub mod lease;
 pub mod node;
 pub mod server;
 pub mod tls;
-pub mod transport;
 
 pub use auth::{load_token, AuthError, BearerToken, CheckToken};
 pub use client::{AuthedChannel, WorkerClient};

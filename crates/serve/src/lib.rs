@@ -78,6 +78,11 @@ pub struct ServeArgs {
     /// (by default the next step is launched first, hiding the host's turn).
     #[arg(long)]
     pub disable_overlap_schedule: bool,
+    /// Record the experts every token is routed to, so `/generate` requests can ask for
+    /// them (`return_routed_experts`; rollout routing replay). Mixture-of-experts models
+    /// only; decode steps run without CUDA graphs.
+    #[arg(long)]
+    pub enable_return_routed_experts: bool,
     /// Model name reported by /get_model_info and /get_server_info [--model-path].
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -296,6 +301,7 @@ pub async fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     }
     opts.true_on_policy = args.enable_deterministic_inference;
     opts.disable_overlap_schedule = args.disable_overlap_schedule;
+    opts.enable_return_routed_experts = args.enable_return_routed_experts;
     for (name, value) in [
         ("--max-running-requests", opts.max_running_requests),
         ("--chunked-prefill-size", opts.chunked_prefill_size),

@@ -282,6 +282,7 @@ async fn one_token(state: &AppState, rid: String) -> Result<GenerateOutput, Engi
                 ..SamplingParams::default()
             },
             rid: Some(rid),
+            return_routed_experts: false,
         },
     )
     .await

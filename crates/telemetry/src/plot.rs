@@ -30,7 +30,26 @@ pub const PLOTTED_METRICS: &[(&str, &str)] = &[
     ("perf/step_time", "step time (s)"),
 ];
 
-/// One panel that was drawn: its metric and how many steps it has.
+/// The last panel: the mean reward of each evaluation set (`eval/<name>`).
+const EVAL_PANEL_TITLE: &str = "eval reward";
+
+/// The `eval/<name>` metrics (each set's mean reward) the rows hold, by name.
+fn eval_reward_metrics(rows: &[(u64, StepMetrics)]) -> Vec<String> {
+    let mut names: Vec<String> = rows
+        .iter()
+        .flat_map(|(_, m)| m.keys())
+        .filter(|k| {
+            k.strip_prefix("eval/")
+                .is_some_and(|name| !name.contains('/') && !name.contains('-'))
+        })
+        .cloned()
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// One series that was drawn: its metric and how many steps it has.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlottedSeries {
     pub metric: String,
@@ -67,8 +86,9 @@ fn series(rows: &[(u64, StepMetrics)], metric: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Plots each of [`PLOTTED_METRICS`] against step, one panel each, and returns the
-/// panels drawn (a metric the run never logged is left blank and not returned).
+/// Plots each of [`PLOTTED_METRICS`] against step, one panel each, and each evaluation
+/// set's reward in the last panel; returns the series drawn (a metric the run never
+/// logged is left blank and not returned).
 pub fn plot_curves(metrics_path: &Path, png_path: &Path) -> Result<Vec<PlottedSeries>, PlotError> {
     let rows = read_metrics(metrics_path).map_err(|source| PlotError::Read {
         path: metrics_path.display().to_string(),
@@ -89,20 +109,37 @@ pub fn plot_curves(metrics_path: &Path, png_path: &Path) -> Result<Vec<PlottedSe
     let root = BitMapBackend::new(png_path, (1200, 1000)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw_err(&e))?;
     let panels = root.split_evenly((3, 2));
-    let colors = [BLUE, RGBColor(0, 140, 0), RED, MAGENTA, BLACK];
+    let colors = [BLUE, RGBColor(0, 140, 0), RED, MAGENTA, BLACK, CYAN];
+    // Each panel: its title and its series (one per metric).
+    let mut contents: Vec<(String, Vec<String>)> = PLOTTED_METRICS
+        .iter()
+        .map(|(metric, title)| (format!("{title}  [{metric}]"), vec![metric.to_string()]))
+        .collect();
+    contents.push((
+        format!("{EVAL_PANEL_TITLE}  [eval/<name>]"),
+        eval_reward_metrics(&rows),
+    ));
     let mut drawn = Vec::new();
-    for ((panel, (metric, title)), color) in panels.iter().zip(PLOTTED_METRICS).zip(colors) {
-        let data = series(&rows, metric);
+    for (panel, (title, metrics)) in panels.iter().zip(contents) {
+        let data: Vec<(String, Vec<(f64, f64)>)> = metrics
+            .into_iter()
+            .map(|m| {
+                let points = series(&rows, &m);
+                (m, points)
+            })
+            .filter(|(_, points)| !points.is_empty())
+            .collect();
         if data.is_empty() {
             continue;
         }
-        let (x0, x1) = bounds(data.iter().map(|p| p.0));
-        let (y0, y1) = bounds(data.iter().map(|p| p.1));
+        let all = || data.iter().flat_map(|(_, p)| p.iter());
+        let (x0, x1) = bounds(all().map(|p| p.0));
+        let (y0, y1) = bounds(all().map(|p| p.1));
         let mut builder = ChartBuilder::on(panel);
         builder.margin(12);
         if labeled {
             builder
-                .caption(format!("{title}  [{metric}]"), ("sans-serif", 20))
+                .caption(title, ("sans-serif", 20))
                 .x_label_area_size(35)
                 .y_label_area_size(60);
         }
@@ -120,13 +157,32 @@ pub fn plot_curves(metrics_path: &Path, png_path: &Path) -> Result<Vec<PlottedSe
                 .y_labels(0);
         }
         mesh.draw().map_err(|e| draw_err(&e))?;
-        chart
-            .draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2)))
-            .map_err(|e| draw_err(&e))?;
-        drawn.push(PlottedSeries {
-            metric: (*metric).to_string(),
-            points: data.len(),
-        });
+        let several = data.len() > 1;
+        for (i, (metric, points)) in data.iter().enumerate() {
+            let color = colors[(drawn.len() + i) % colors.len()];
+            let line = chart
+                .draw_series(LineSeries::new(
+                    points.iter().copied(),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| draw_err(&e))?;
+            if several && labeled {
+                line.label(metric.as_str()).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                });
+            }
+        }
+        if several && labeled {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .draw()
+                .map_err(|e| draw_err(&e))?;
+        }
+        drawn.extend(data.into_iter().map(|(metric, points)| PlottedSeries {
+            metric,
+            points: points.len(),
+        }));
     }
     root.present().map_err(|e| draw_err(&e))?;
     Ok(drawn)
@@ -188,6 +244,34 @@ mod tests {
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         assert!(bytes.len() > 5000, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn evaluation_rewards_share_the_last_panel() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        write_run(&metrics, true);
+        let mut w = MetricsWriter::open(&metrics).unwrap();
+        for step in [0u64, 10, 20] {
+            let m = StepMetrics::from([
+                ("eval/math".to_string(), step as f64 / 20.0),
+                ("eval/code".to_string(), 0.5),
+                ("eval/code/truncated_ratio".to_string(), 0.0),
+                ("eval/code-pass@1".to_string(), 0.5),
+            ]);
+            w.write_step(step, &m).unwrap();
+        }
+        let drawn = plot_curves(&metrics, &dir.path().join("p.png")).unwrap();
+        let eval: Vec<(&str, usize)> = drawn
+            .iter()
+            .filter(|s| s.metric.starts_with("eval/"))
+            .map(|s| (s.metric.as_str(), s.points))
+            .collect();
+        assert_eq!(eval, [("eval/code", 3), ("eval/math", 3)]);
+        // The step rows of the same steps still plot once each.
+        assert!(drawn
+            .iter()
+            .any(|s| s.metric == "rollout/raw_reward" && s.points == 20));
     }
 
     #[test]

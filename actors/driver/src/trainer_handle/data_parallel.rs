@@ -555,6 +555,7 @@ mod tests {
                 status: SampleStatus::Completed,
                 weight_version: 0,
                 metadata: EpisodeMetadata::default(),
+                routed_experts: None,
             })
             .collect();
         TrainBatch {

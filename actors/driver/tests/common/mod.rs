@@ -2,6 +2,7 @@
 //! `driver` binary from it, so `cluster.toml` and `assets/` resolve), and a checked run.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod sdk_server;
 pub mod serve;
 pub mod workers;
 
@@ -14,6 +15,14 @@ use std::time::{Duration, Instant};
 /// The repository root.
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The Python with torch, transformers and the `openreward` SDK: $MANTA_PYTHON (the
+/// Makefile sets it), else the repository's .venv.
+pub fn python() -> PathBuf {
+    std::env::var_os("MANTA_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".venv/bin/python"))
 }
 
 /// Runs `driver ARGS` from the workspace (RUST_LOG=warn), whatever its outcome.
@@ -307,7 +316,9 @@ pub fn verified_two_rank_job(
     env: &[(&str, &str)],
     deadline: Duration,
 ) -> (PathBuf, PathBuf, String) {
-    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap();
+    // The shipped cluster.toml with the tiny local example's [train] settings.
+    let text = std::fs::read_to_string(workspace().join("cluster.toml")).unwrap()
+        + &std::fs::read_to_string(workspace().join("configs/local-tiny.toml")).unwrap();
     let train_config = workspace().join("train_config.yaml");
     let text = text.replace(
         "train_config = \"train_config.yaml\"",

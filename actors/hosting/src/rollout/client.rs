@@ -61,6 +61,9 @@ impl RolloutCalls for WorkerClient {
             actor: actor.to_string(),
             context_len: settings.context_len as u32,
             partial_rollout: settings.partial_rollout,
+            top_p: Some(settings.top_p),
+            top_k: Some(settings.top_k),
+            return_routed_experts: settings.return_routed_experts,
         };
         let mut request = tonic::Request::new(request);
         manta_telemetry::inject_into_metadata(&tracing::Span::current(), request.metadata_mut());

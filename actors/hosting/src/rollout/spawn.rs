@@ -68,18 +68,16 @@ pub struct SglangSpawn {
 }
 
 impl SglangSpawn {
-    /// The `[rollout]` section the engine is built from on the worker.
-    fn section(&self, max_batch_size: usize) -> manta_config::RolloutSection {
-        manta_config::RolloutSection {
-            engine: manta_config::EngineKind::Sglang,
-            max_batch_size,
+    /// The server settings the engine is launched with on the worker.
+    fn server(&self, max_running_requests: usize) -> manta_engine::SglangServer {
+        manta_engine::SglangServer {
             command: self.command.clone(),
+            max_running_requests,
             mem_fraction_static: self.mem_fraction_static,
             extra_args: self.extra_args.clone(),
             health_timeout_s: self.health_timeout_s,
             health_interval_ms: self.health_interval_ms,
             max_restarts: self.max_restarts,
-            ..Default::default()
         }
     }
 }
@@ -274,8 +272,8 @@ pub async fn spawn_rollout(
                 .join(&sglang.run_name)
                 .join("engines")
                 .join(format!("{name}.log"));
-            let opts = SglangOptions::from_cluster(
-                &sglang.section(cfg.max_batch_size.max(1)),
+            let opts = SglangOptions::new(
+                &sglang.server(cfg.max_batch_size.max(1)),
                 name,
                 &cfg.model_dir,
                 &gpus,

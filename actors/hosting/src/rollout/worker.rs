@@ -134,9 +134,12 @@ impl Rollout for RolloutService {
         } = self.actor(&req.actor).await?;
         let settings = GenerationSettings {
             temperature: req.temperature as f64,
+            top_p: req.top_p.unwrap_or(1.0),
+            top_k: req.top_k.unwrap_or(-1),
             max_response_len: req.max_response_len as usize,
             context_len: req.context_len as usize,
             partial_rollout: req.partial_rollout,
+            return_routed_experts: req.return_routed_experts,
         };
         let episodes = req
             .episodes

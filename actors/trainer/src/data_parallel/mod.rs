@@ -37,10 +37,10 @@ pub mod zero;
 
 pub use layout::FlatLayout;
 pub use nccl::{NcclAborter, NcclCollective};
-pub use prefetch::{PrefetchStats, Zero3Pass};
+pub use prefetch::PrefetchStats;
 pub use store::{StoreAborter, StoreCollective, StoreGroupSpec};
 pub use thread::{ThreadCollective, ThreadGroup};
-pub use zero::{RankOptimizer, ShardBytes, ZeroAdamW};
+pub use zero::{RankOptimizer, ShardBytes, Zero3Pass, ZeroAdamW};
 
 use manta_cuda::CudaStream;
 use tch::{Device, Kind, Tensor};

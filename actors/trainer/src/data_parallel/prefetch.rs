@@ -9,17 +9,12 @@
 //! this pass. A wrong guess costs a wasted all-gather, never a result: the layer asked
 //! for is gathered then and there, and the guessed one is dropped.
 //!
-//! [`PrefetchPlanner`] is the guess alone (plain bookkeeping, tested below); [`Zero3Pass`]
-//! is the pass's [`LayerHooks`], which carries the guesses out through the optimizer
-//! ([`ZeroAdamW`]: its gathers, the side stream and the events ordering it). Every rank
+//! [`PrefetchPlanner`] is the guess alone (plain bookkeeping, tested below);
+//! [`super::Zero3Pass`] is the pass's `LayerHooks`, which carries the guesses out through
+//! the optimizer (its gathers, the side stream and the events ordering it). Every rank
 //! makes the same requests in a pass, so every rank makes the same guesses and the
 //! collectives pair up on the CPU backends too, where a "prefetch" is an all-gather made
 //! early on the calling thread.
-
-use manta_model::LayerHooks;
-
-use super::zero::ZeroAdamW;
-use super::CollectiveError;
 
 /// What a pass does about a gather request ([`PrefetchPlanner::gather`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,58 +118,6 @@ impl PrefetchPlanner {
     /// The pass is over: the layer gathered ahead and never asked for, to drop.
     pub fn finish(&mut self) -> Option<usize> {
         self.pending.take()
-    }
-}
-
-/// ZeRO-3's [`LayerHooks`] for one pass of the decoder: decoder layer `i` is the
-/// optimizer's bucket `i + 1`. [`Zero3Pass::finish`] ends the pass — a gather queued
-/// ahead and never asked for is dropped, and the last reduce-scatter's slice added into
-/// the gradient shard — so nothing of a pass is in flight outside it; dropped unfinished
-/// (an error or a panic in the pass), it does the same and logs what failed.
-pub struct Zero3Pass<'a> {
-    zero: &'a mut ZeroAdamW,
-    finished: bool,
-}
-
-impl<'a> Zero3Pass<'a> {
-    pub(crate) fn new(zero: &'a mut ZeroAdamW) -> Self {
-        zero.begin_layer_pass();
-        Self {
-            zero,
-            finished: false,
-        }
-    }
-
-    /// Ends the pass (see [`Zero3Pass`]).
-    pub fn finish(mut self) -> Result<(), CollectiveError> {
-        self.finished = true;
-        self.zero.end_layer_pass()
-    }
-}
-
-impl Drop for Zero3Pass<'_> {
-    fn drop(&mut self) {
-        if !self.finished {
-            if let Err(e) = self.zero.end_layer_pass() {
-                tracing::warn!(error = %e, "ZeRO-3: ending an interrupted pass failed");
-            }
-        }
-    }
-}
-
-impl LayerHooks for Zero3Pass<'_> {
-    type Error = CollectiveError;
-
-    fn gather(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.zero.gather_layer(layer)
-    }
-
-    fn release(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.zero.release_layer(layer)
-    }
-
-    fn reduce(&mut self, layer: usize) -> Result<(), CollectiveError> {
-        self.zero.reduce_layer(layer)
     }
 }
 

@@ -157,6 +157,14 @@ impl Trainer {
         };
         model.set_recompute(opts.recompute)?;
         model.set_moe_aux_loss_coeff(opts.algo.moe_aux_loss_coeff);
+        if opts.algo.use_rollout_routing_replay && cfg.moe().is_none() {
+            return Err(TrainerError::Config(format!(
+                "--use-rollout-routing-replay needs a mixture-of-experts model; {} is {} \
+                 (dense): drop the flag",
+                opts.model_dir.display(),
+                cfg.model_type
+            )));
+        }
         if has_weights(&opts.model_dir) {
             manta_model::load_weights(&mut vs, &opts.model_dir)?;
             info!(dir = %opts.model_dir.display(), "trainer loaded weights");

@@ -228,6 +228,8 @@ impl Trainer {
             ))),
             (None, _, _) => None,
         };
+        // The reference policy routes by itself (as Miles' does); the policy replays.
+        let routing = self.begin_routing(samples, &packed);
         let (model, opts) = (&self.model, &self.opts);
         let (rows, width) = (packed.rows, packed.width);
         // Context parallel: every rank computes the same loss; rank 0 alone reports it.
@@ -309,6 +311,7 @@ impl Trainer {
             if report {
                 acc.tokens += packed.tokens() as usize;
             }
+            let _ = self.end_routing(routing);
             return Ok(());
         }
         let loss_fn = |hidden: &Tensor| {
@@ -349,6 +352,9 @@ impl Trainer {
             }
         }
         acc.tokens += packed.tokens() as usize;
+        let (mismatched, pairs) = self.end_routing(routing);
+        acc.routing_mismatched += mismatched;
+        acc.routing_pairs += pairs;
         Ok(())
     }
 }

@@ -79,6 +79,12 @@ pub struct AlgoOptions {
     /// load-balancing loss in the backward pass (mixture-of-experts models; 0 adds none).
     #[serde(default)]
     pub moe_aux_loss_coeff: f64,
+    /// Miles' `--use-rollout-routing-replay` (R3): the forward (recomputed layers and
+    /// old log-probs included) routes each token to the experts the rollout engine chose
+    /// (the samples' `routed_experts`), the gate weights still from the trainer's own
+    /// router. Mixture-of-experts models only.
+    #[serde(default)]
+    pub use_rollout_routing_replay: bool,
     /// Megatron's `--grad-reduce-in-bf16`: data-parallel ranks (ZeRO-2, ZeRO-3, context
     /// parallel) reduce-scatter the gradients in bf16 and keep their reduced-gradient
     /// shard in bf16 (accumulated over micro-batches in bf16), widened to fp32 a bucket
@@ -135,6 +141,7 @@ mod checkpoint;
 mod memory_check;
 mod micro_batches;
 mod packing;
+mod routing_replay;
 mod step;
 mod weights;
 mod zero3_fillers;

@@ -34,6 +34,7 @@ impl Trainer {
                     s.id
                 )));
             }
+            self.check_routing(std::slice::from_ref(s))?;
             let vocab = self.model.config().vocab_size as u32;
             if let Some(bad) = s.tokens.iter().find(|&&t| t >= vocab) {
                 return Err(TrainerError::Batch(format!(
@@ -66,6 +67,7 @@ impl Trainer {
         let tokens: usize = batch.samples.iter().map(|s| s.generated_tokens()).sum();
         let mut acc = Accumulator::default();
         let ranges = micro_batches(&lengths, self.opts.max_tokens_per_gpu, self.opts.layout);
+        self.scale_aux_loss(ranges.len());
         let skipped =
             self.run_micro_batches(batch, ranges, None, batch.global_samples, tokens, &mut acc)?;
         acc.oom_skipped += skipped;
@@ -85,6 +87,7 @@ impl Trainer {
             .collect();
         grads.sort_by(|a, b| a.0.cmp(&b.0));
         self.optimizer.zero_grad();
+        let routing_mismatch = acc.routing_mismatch();
         let mut metrics: BTreeMap<String, f64> = acc
             .metrics
             .into_iter()
@@ -92,7 +95,26 @@ impl Trainer {
             .collect();
         metrics.insert("train/oom_skipped".into(), acc.oom_skipped as f64);
         metrics.insert("train/oom_splits".into(), acc.oom_splits as f64);
+        if let Some(mismatch) = routing_mismatch {
+            metrics.insert("train/routing_mismatch".into(), mismatch);
+        }
         Ok((metrics, grads))
+    }
+
+    /// Megatron's scale of the load-balancing loss: each micro-batch's loss weighs
+    /// 1 / (micro-batches of the update), summed over data-parallel ranks as the
+    /// gradients are, so the update sees the mean over its micro-batches.
+    fn scale_aux_loss(&self, micro_batches: usize) {
+        let coeff = self.opts.algo.moe_aux_loss_coeff;
+        if coeff == 0.0 {
+            return;
+        }
+        let ranks = match self.optimizer.collective() {
+            Some(comm) if !self.context_parallel => comm.world_size(),
+            _ => 1,
+        };
+        self.model
+            .set_moe_aux_loss_coeff(coeff / (micro_batches.max(1) * ranks) as f64);
     }
 
     /// One GRPO step: forward each micro-batch, accumulate the clipped policy loss
@@ -166,10 +188,11 @@ impl Trainer {
             self.optimizer.zero_grad();
             let mut acc = Accumulator::default();
             let base = chunk.start;
-            let ranges = micro_batches(&lengths[chunk.clone()], budget, self.opts.layout)
+            let ranges: Vec<_> = micro_batches(&lengths[chunk.clone()], budget, self.opts.layout)
                 .into_iter()
                 .map(|r| (base + r.start)..(base + r.end))
                 .collect();
+            self.scale_aux_loss(ranges.len());
             let skipped = self.run_micro_batches(
                 batch,
                 ranges,
@@ -198,6 +221,9 @@ impl Trainer {
             *sums.entry("train/tokens".into()).or_default() += acc.tokens as f64;
             *sums.entry("train/oom_skipped".into()).or_default() += acc.oom_skipped as f64;
             *sums.entry("train/oom_splits".into()).or_default() += acc.oom_splits as f64;
+            if let Some(mismatch) = acc.routing_mismatch() {
+                *sums.entry("train/routing_mismatch".into()).or_default() += mismatch;
+            }
             for (name, v) in acc.metrics {
                 *sums.entry(format!("train/{name}")).or_default() += v;
             }
@@ -252,7 +278,8 @@ impl Trainer {
         let fillers = self.zero3_fillers(ranges.len())?;
         let mut out = Vec::new();
         for r in ranges {
-            let packed = Packed::new(&batch.samples[r], device, pack);
+            let packed = Packed::new(&batch.samples[r.clone()], device, pack);
+            let routing = self.begin_routing(&batch.samples[r], &packed);
             let cp = self.cp_local(&packed)?;
             let lp = match (cp, self.optimizer.collective()) {
                 (Some(cp), Some(comm)) => {
@@ -274,6 +301,7 @@ impl Trainer {
                     }
                 },
             };
+            let _ = self.end_routing(routing);
             let sizes: Vec<i64> = packed.masks.iter().map(|m| m.len() as i64).collect();
             out.extend(lp.split_with_sizes(&sizes, 0));
         }

@@ -82,6 +82,7 @@ pub fn sample(
         status: SampleStatus::Completed,
         weight_version: 0,
         metadata: EpisodeMetadata::default(),
+        routed_experts: None,
     }
 }
 

@@ -2,31 +2,55 @@
 slime/backends/megatron_utils/loss.py, group reward normalization in slime/ray/rollout.py)
 and Megatron's LR schedule, to check Manta's trainer against.
 
-  make  OUT --config CONFIG.json --seed S   tiny HF Qwen3 (transformers) + debug rollout files
+  make  OUT --config CONFIG.json --seed S [--set KEY=JSON ...] [--noise X]
+        tiny HF Qwen3 or Qwen3-MoE (transformers, by the config's model_type) + debug
+        rollout files; rollout log-probs are transformers' plus N(0, X) noise (0.3)
   check OUT --run RUN_DIR --ckpt CKPT_DIR --flags FLAGS.json
         replays the debug files with the same flags and compares per-step metrics
         (metrics.jsonl: every train/* metric either side makes, bar the ONE_SIDED ones)
         and the final weights (every tensor either side has); exits 1 on a mismatch.
+
+Mixture-of-experts models with `moe_aux_loss_coeff` > 0 add Megatron's switch
+load-balancing loss (`--moe-router-load-balancing-type aux_loss`), transcribed from its
+definition: per sparse layer of a micro-batch of N tokens, E experts, top-k,
+coeff * E / (N^2 k) * sum_e (sum over tokens of softmax(router logits)_e) * (tokens routed
+to e), computed here from transformers' own router logits (`output_router_logits`), not
+transformers' load_balancing_loss_func (which pools all layers into one term).
 """
 import argparse, json, math, os, sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 torch.set_default_dtype(torch.float32)
 
 
 def load_model(path):
-    m = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
     m.train()  # no dropout in Qwen3 anyway
     return m
 
 
-def make(out, config, seed, steps=2, groups=2, n=3):
+def is_moe(model):
+    return model.config.model_type == "qwen3_moe"
+
+
+def make(out, config, seed, steps=2, groups=2, n=3, overrides=(), noise_std=0.3):
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**{k: v for k, v in json.load(open(config)).items() if k not in ("architectures",)})
-    model = Qwen3ForCausalLM(cfg).float().eval()
+    raw = {k: v for k, v in json.load(open(config)).items() if k not in ("architectures",)}
+    for kv in overrides:
+        key, _, value = kv.partition("=")
+        raw[key] = json.loads(value)
+    if raw.get("model_type") == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**raw)).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    # Routers start near zero (near-ties everywhere); give them choices.
+                    p.normal_(0.0, 0.5)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**raw)).float().eval()
     model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
     g = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
@@ -45,7 +69,7 @@ def make(out, config, seed, steps=2, groups=2, n=3):
                 rl = []
                 for k in range(r):
                     true = lp[p + k - 1, tokens[p + k]].item()
-                    noise = float(torch.randn(1, generator=g)) * 0.3
+                    noise = float(torch.randn(1, generator=g)) * noise_std
                     rl.append(true + noise if mask[k] else 0.0)
                 reward = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0][(gi * n + i + step) % 6]
                 lines.append(dict(group_index=gi, index=i, tokens=tokens, response_length=r, loss_mask=mask,
@@ -86,14 +110,36 @@ def kl_est(logp, base, kind, importance=None):
     return kl
 
 
-def token_logp_entropy(model, s, temperature):
+def token_logp_entropy(model, s, temperature, router_logits=None):
+    """Log-probs and entropies of the trained tokens; a mixture-of-experts model appends
+    its sparse layers' router logits ([tokens, E] each) to `router_logits`."""
     tokens = torch.tensor([s["tokens"]])
-    logits = model(tokens).logits[0].float() / temperature
+    if is_moe(model):
+        res = model(tokens, output_router_logits=True)
+        if router_logits is not None:
+            router_logits.append(res.router_logits)
+    else:
+        res = model(tokens)
+    logits = res.logits[0].float() / temperature
     p = len(s["tokens"]) - s["response_length"]
     pos = torch.tensor([p + k - 1 for k, m in enumerate(s["loss_mask"]) if m])
     tgt = torch.tensor([s["tokens"][p + k] for k, m in enumerate(s["loss_mask"]) if m])
     allp = torch.log_softmax(logits[pos], -1)
     return allp.gather(-1, tgt[:, None])[:, 0], -(allp.exp() * allp).sum(-1)
+
+
+def megatron_aux_loss(per_sample, top_k, coeff):
+    """Megatron's switch load-balancing loss of one micro-batch whose samples' router
+    logits are `per_sample` (per sample, a tuple over sparse layers of [tokens, E]),
+    summed over the sparse layers."""
+    total = 0.0
+    for layer in zip(*per_sample):
+        probs = torch.softmax(torch.cat(layer, 0).float(), -1)
+        n, e = probs.shape
+        chosen = torch.topk(probs, top_k, -1).indices.reshape(-1)
+        counts = torch.bincount(chosen, minlength=e).float()
+        total = total + (probs.sum(0) * counts).sum() * (e / (n * n * top_k))
+    return coeff * total
 
 
 def advantages(samples, f):
@@ -131,8 +177,9 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
     opt.zero_grad()
     T = f.get("temperature", 1.0)
     per = []
+    router_logits = []
     for j, (s, a) in enumerate(batch):
-        logp, ent = token_logp_entropy(model, s, T)
+        logp, ent = token_logp_entropy(model, s, T, router_logits)
         rollout = torch.tensor([v for v, m in zip(s["rollout_log_probs"], s["loss_mask"]) if m])
         with torch.no_grad():
             ref_lp = token_logp_entropy(ref, s, T)[0] if f.get("use_kl_loss") else None
@@ -213,6 +260,11 @@ def train_step(model, ref, opt, batch, f, lr, pre=None):
     if f.get("use_opsm"):
         m["train/opsm_clipfrac"] = sum(opsm)
     m["train/loss"] = loss.item()
+    coeff = f.get("moe_aux_loss_coeff", 0.0)
+    if coeff > 0 and router_logits:
+        # Only in the gradient, not the logged loss (Megatron logs it apart); the whole
+        # batch is one micro-batch (the default --max-tokens-per-gpu holds it).
+        loss = loss + megatron_aux_loss(router_logits, model.config.num_experts_per_tok, coeff)
     loss.backward()
     params = [p for p in model.parameters()]
     m["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, f.get("clip_grad", 1.0)).item()
@@ -239,7 +291,6 @@ def check(out, run, ckpt, flags):
     ref = load_model(os.path.join(out, "model")).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=f["lr"], betas=(f.get("adam_beta1", 0.9), f.get("adam_beta2", 0.999)),
                             eps=f.get("adam_eps", 1e-8), weight_decay=f.get("weight_decay", 0.0))
     steps = f["num_rollout"]
@@ -282,9 +333,12 @@ def check(out, run, ckpt, flags):
             else:
                 print(f"step {step + 1} {k}: {g:.6g} == {v:.6g}")
     final = load_file(os.path.join(ckpt, "model.safetensors"))
-    sd = model.state_dict()
-    # Tied embeddings: transformers lists lm_head.weight, which is embed_tokens.weight.
-    names = set(sd) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    # Both sides in the hub's layout, as transformers saves it (its in-memory one fuses
+    # experts; a tied lm_head is not saved).
+    model.save_pretrained(os.path.join(out, "pytorch_final"), safe_serialization=True)
+    sd = load_file(os.path.join(out, "pytorch_final", "model.safetensors"))
+    init = load_file(os.path.join(out, "model", "model.safetensors"))
+    names = set(sd)
     for k in sorted(set(final) ^ names):
         side = "manta" if k in final else "pytorch"
         bad.append(f"weight {k}: only {side} has it")
@@ -315,8 +369,10 @@ if __name__ == "__main__":
     ap.add_argument("--run")
     ap.add_argument("--ckpt")
     ap.add_argument("--flags")
+    ap.add_argument("--set", action="append", default=[], help="KEY=JSON: a config.json override")
+    ap.add_argument("--noise", type=float, default=0.3)
     a = ap.parse_args()
     if a.mode == "make":
-        make(a.out, a.config, a.seed, steps=a.steps)
+        make(a.out, a.config, a.seed, steps=a.steps, overrides=a.set, noise_std=a.noise)
     else:
         check(a.out, a.run, a.ckpt, a.flags)

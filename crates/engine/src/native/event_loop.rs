@@ -303,6 +303,11 @@ impl EngineLoop {
     }
 
     fn abort(&mut self, rid: Option<&str>) {
+        for seq in self.sched.running_mut() {
+            if rid.is_none_or(|r| seq.rid == r) {
+                attach_routed_experts(&self.runner, seq);
+            }
+        }
         for mut seq in self.sched.remove_where(|s| rid.is_none_or(|r| s.rid == r)) {
             seq.finish(FinishReason::Abort, None);
         }
@@ -569,6 +574,7 @@ impl EngineLoop {
         // Remove finished sequences from the back so indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         for (index, (reason, matched)) in finished {
+            attach_routed_experts(&self.runner, &mut self.sched.running_mut()[index]);
             self.sched.finish(index).finish(reason, matched);
         }
     }
@@ -586,6 +592,15 @@ impl EngineLoop {
         let index_of: HashMap<u64, usize> =
             running.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
         rows.iter().map(|r| index_of.get(&r.seq).copied()).collect()
+    }
+}
+
+/// Reads a finishing sequence's routed experts while its blocks are still its own, when
+/// it asked for them: one row per token but the last (which never ran), as SGLang does.
+fn attach_routed_experts(runner: &ModelRunner, seq: &mut Sequence) {
+    if seq.return_routed_experts {
+        let n = seq.tokens.len().saturating_sub(1).min(seq.num_computed);
+        seq.routed_experts = runner.routed_experts(&seq.blocks, n);
     }
 }
 

@@ -14,6 +14,7 @@ mod decode_graphs;
 mod event_loop;
 mod model_runner;
 mod prefix_cache;
+mod routed_experts;
 mod sampler;
 mod scheduler;
 mod sequence;
@@ -72,6 +73,10 @@ pub struct NativeEngineOptions {
     /// a CUDA decode step is launched before the host has read the step before it, so the
     /// host's turn (reading tokens, stop checks, the next step's inputs) overlaps the GPU's.
     pub disable_overlap_schedule: bool,
+    /// SGLang's `--enable-return-routed-experts`: record the experts every token was
+    /// routed to, so requests can ask for them (`return_routed_experts`; rollout routing
+    /// replay). Mixture-of-experts models only; steps then run without decode graphs.
+    pub enable_return_routed_experts: bool,
 }
 
 impl NativeEngineOptions {
@@ -89,6 +94,7 @@ impl NativeEngineOptions {
             context_length: None,
             true_on_policy: false,
             disable_overlap_schedule: false,
+            enable_return_routed_experts: false,
         }
     }
 }
@@ -106,6 +112,8 @@ pub struct NativeEngine {
     has_tokenizer: bool,
     seed: u64,
     requests: AtomicU64,
+    /// Started with `enable_return_routed_experts`.
+    records_routing: bool,
 }
 
 /// KV budget when none is given: on the CPU up to 2 GiB (or what the running requests
@@ -154,6 +162,13 @@ impl NativeEngine {
     /// Loads the model on a new thread and starts serving.
     pub fn start(opts: NativeEngineOptions) -> Result<Arc<Self>, EngineError> {
         let cfg = ModelConfig::from_file(&opts.model_dir.join("config.json"))?;
+        if opts.enable_return_routed_experts && cfg.moe().is_none() {
+            return Err(EngineError::Unsupported(format!(
+                "--enable-return-routed-experts: {} is a dense model ({}), it routes no experts",
+                opts.model_dir.display(),
+                cfg.model_type
+            )));
+        }
         let kind = opts.kind.unwrap_or(if opts.device.is_cuda() {
             Kind::BFloat16
         } else {
@@ -243,6 +258,10 @@ impl NativeEngine {
                         sched.max_running(),
                         context_length,
                     );
+                    let mut runner = runner;
+                    if thread_opts.enable_return_routed_experts {
+                        runner.record_routed_experts();
+                    }
                     Ok(EngineLoop::new(
                         runner,
                         sched,
@@ -283,6 +302,7 @@ impl NativeEngine {
             has_tokenizer: tokenizer.is_some(),
             seed: opts.seed,
             requests: AtomicU64::new(0),
+            records_routing: opts.enable_return_routed_experts,
         }))
     }
 
@@ -336,6 +356,13 @@ impl NativeEngine {
             )));
         }
         request.params.validate()?;
+        if request.return_routed_experts && !self.records_routing {
+            return Err(EngineError::BadRequest(
+                "return_routed_experts: the engine was not started with \
+                 --enable-return-routed-experts (a mixture-of-experts model)"
+                    .into(),
+            ));
+        }
         if !request.params.stop.is_empty() && !self.has_tokenizer {
             return Err(EngineError::BadRequest(
                 "sampling_params.stop: stop strings need a tokenizer, and the model directory has none"
@@ -378,7 +405,7 @@ impl Engine for NativeEngine {
         let (tx, rx) = oneshot::channel();
         let prompt_len = request.input_ids.len();
         let stop = StopCheck::new(&request.params, &self.eos_ids);
-        let seq = Sequence::new(
+        let mut seq = Sequence::new(
             request.rid.clone().unwrap_or_else(|| format!("native-{n}")),
             request.input_ids,
             request.params,
@@ -387,6 +414,7 @@ impl Engine for NativeEngine {
             self.version.load(Ordering::SeqCst),
             Some(tx),
         );
+        seq.return_routed_experts = request.return_routed_experts;
         if seq.params.max_new_tokens == 0 {
             return Ok(GenerateOutput {
                 prompt_tokens: prompt_len,

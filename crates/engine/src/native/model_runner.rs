@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use super::block_pool::cache_slot;
 use super::decode_graphs::{DecodeGraphs, DecodeRow};
+use super::routed_experts::RoutingStore;
 use super::sampler::{self, sample, RowSampling};
 use super::stats::EngineStats;
 use crate::{BroadcastFeed, EngineError, NamedTensors};
@@ -60,6 +61,8 @@ pub(super) struct ModelRunner {
     weight_group: Option<WeightGroup>,
     /// `MANTA_ENGINE_PROFILE=1`: time each step's phases (synchronising the device).
     profile: bool,
+    /// Each KV slot's routed experts, when the engine returns them.
+    routing: Option<RoutingStore>,
 }
 
 impl ModelRunner {
@@ -95,7 +98,24 @@ impl ModelRunner {
             vocab,
             weight_group: None,
             profile: manta_knobs::engine_profile(),
+            routing: None,
         }
+    }
+
+    /// Records every computed token's routed experts from now on (a mixture-of-experts
+    /// model). Decode graphs are dropped: their replays cannot hand the record out.
+    pub fn record_routed_experts(&mut self) {
+        self.routing = RoutingStore::new(&self.model, self.kv.num_slots());
+        if self.routing.is_some() {
+            self.model.record_routing(true);
+            self.graphs = None;
+        }
+    }
+
+    /// The routed experts of positions `0..n` of a sequence holding `blocks`.
+    pub fn routed_experts(&self, blocks: &[u32], n: usize) -> Option<crate::RoutedExperts> {
+        let store = self.routing.as_ref()?;
+        Some(store.read(blocks, n, self.block_size))
     }
 
     /// Whether steps are timed phase by phase (which synchronises the device, so no
@@ -138,7 +158,16 @@ impl ModelRunner {
                     tokens => (out.hidden, tokens),
                 }
             }
-            None => (self.run_eager(rows, &ids, &positions), None),
+            None => {
+                let hidden = self.run_eager(rows, &ids, &positions);
+                if let Some(store) = self.routing.as_mut() {
+                    if let Some(recorded) = self.model.take_routed_experts() {
+                        let spans = rows.iter().map(|r| (r.blocks, r.start, r.tokens.len()));
+                        store.write(spans, &recorded, self.block_size);
+                    }
+                }
+                (hidden, None)
+            }
         };
         if let Some(p) = prof.as_mut() {
             p.lap(1);

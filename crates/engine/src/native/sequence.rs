@@ -34,6 +34,10 @@ pub struct Sequence {
     /// Set when first scheduled; `weight_version` is read then.
     pub started: bool,
     pub reply: Option<Reply>,
+    /// The request asked for its routed experts (`return_routed_experts`).
+    pub return_routed_experts: bool,
+    /// Read from the engine's per-slot record just before the sequence leaves.
+    pub routed_experts: Option<crate::RoutedExperts>,
 }
 
 impl Sequence {
@@ -65,6 +69,8 @@ impl Sequence {
             weight_version,
             started: false,
             reply,
+            return_routed_experts: false,
+            routed_experts: None,
         }
     }
 
@@ -99,6 +105,7 @@ impl Sequence {
                 weight_version: self.weight_version,
                 prompt_tokens: self.prompt_len,
                 cached_tokens: self.cached_tokens.unwrap_or(0),
+                routed_experts: self.routed_experts.take(),
             }));
         }
     }

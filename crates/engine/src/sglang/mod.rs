@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use manta_config::RolloutSection;
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
@@ -64,20 +63,37 @@ pub struct SglangOptions {
     pub request_timeout: Duration,
 }
 
+/// The server half of an engine's settings, the same for every engine of a run
+/// (cluster.toml's `[rollout]` for SGLang, carried to the workers as it is).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SglangServer {
+    /// The server command; `None`: `python3 -m sglang.launch_server`.
+    pub command: Option<Vec<String>>,
+    /// SGLang's `--max-running-requests`.
+    pub max_running_requests: usize,
+    /// SGLang's `--mem-fraction-static`; `None`: the server's default.
+    pub mem_fraction_static: Option<f64>,
+    /// More flags for the server, after the ones Manta owns.
+    pub extra_args: Vec<String>,
+    pub health_timeout_s: u64,
+    pub health_interval_ms: u64,
+    pub max_restarts: u32,
+}
+
 impl SglangOptions {
-    /// The server command cluster.toml describes: `rollout.command` (default
-    /// `python3 -m sglang.launch_server`) plus the flags Manta owns, then
-    /// `rollout.extra_args`. `gpus` are the engine's GPUs from placement (empty: CPU).
-    /// `log` receives the server's output; its pid goes next to it (`<log stem>.pid`).
-    pub fn from_cluster(
-        rollout: &RolloutSection,
+    /// The server command `server` describes (default `python3 -m sglang.launch_server`)
+    /// plus the flags Manta owns, then `server.extra_args`. `gpus` are the engine's GPUs
+    /// from placement (empty: CPU). `log` receives the server's output; its pid goes next
+    /// to it (`<log stem>.pid`).
+    pub fn new(
+        server: &SglangServer,
         name: &str,
         model_dir: &Path,
         gpus: &[u32],
         seed: u64,
         log: PathBuf,
     ) -> Self {
-        let mut argv: Vec<String> = match &rollout.command {
+        let mut argv: Vec<String> = match &server.command {
             Some(c) => c.clone(),
             None => ["python3", "-m", "sglang.launch_server"]
                 .map(String::from)
@@ -92,7 +108,7 @@ impl SglangOptions {
             "--random-seed".into(),
             seed.to_string(),
             "--max-running-requests".into(),
-            rollout.max_batch_size.to_string(),
+            server.max_running_requests.to_string(),
         ]);
         match gpus.first() {
             Some(first) => argv.extend([
@@ -103,10 +119,10 @@ impl SglangOptions {
             ]),
             None => argv.extend(["--device".into(), "cpu".into()]),
         }
-        if let Some(f) = rollout.mem_fraction_static {
+        if let Some(f) = server.mem_fraction_static {
             argv.extend(["--mem-fraction-static".into(), f.to_string()]);
         }
-        argv.extend(rollout.extra_args.iter().cloned());
+        argv.extend(server.extra_args.iter().cloned());
         Self {
             name: name.to_string(),
             launch: LaunchSpec {
@@ -115,9 +131,9 @@ impl SglangOptions {
                 env: Vec::new(),
             },
             model_dir: model_dir.to_path_buf(),
-            health_timeout: Duration::from_secs(rollout.health_timeout_s),
-            health_interval: Duration::from_millis(rollout.health_interval_ms.max(100)),
-            max_restarts: rollout.max_restarts,
+            health_timeout: Duration::from_secs(server.health_timeout_s),
+            health_interval: Duration::from_millis(server.health_interval_ms.max(100)),
+            max_restarts: server.max_restarts,
             request_timeout: Duration::from_secs(3600),
         }
     }
@@ -155,6 +171,9 @@ struct Inner {
     admission: Admission,
     /// The server itself was paused (`abort`, `in_place`) and needs `/continue_generation`.
     paused_on_server: AtomicBool,
+    /// The model's routed-expert layout (mixture-of-experts models), for
+    /// `return_routed_experts`.
+    routing: Option<client::RoutingShape>,
 }
 
 /// Admission of `/generate` calls, for the drain pause. SGLang has no drain: its
@@ -275,6 +294,7 @@ impl SglangEngine {
             nccl_fed: AtomicBool::new(false),
             admission: Admission::new(),
             paused_on_server: AtomicBool::new(false),
+            routing: client::RoutingShape::of_model(&opts.model_dir),
             opts,
         });
         inner.start_once().await?;
@@ -628,6 +648,17 @@ impl Engine for SglangEngine {
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         let body = client::generate_body(&request, &rid);
+        let routing = match (&self.inner.routing, request.return_routed_experts) {
+            (_, false) => None,
+            (Some(shape), true) => Some((shape, request.input_ids.len())),
+            (None, true) => {
+                return Err(EngineError::BadRequest(format!(
+                    "{}: return_routed_experts: {} is not a mixture-of-experts model",
+                    self.inner.opts.name,
+                    self.inner.opts.model_dir.display()
+                )))
+            }
+        };
         let _admitted = self.inner.admission.enter().await;
         let (status, answer) = self
             .inner
@@ -639,7 +670,7 @@ impl Engine for SglangEngine {
                 self.inner.opts.name
             )));
         }
-        client::parse_generate(&answer, self.weight_version()).map_err(|e| {
+        client::parse_generate(&answer, self.weight_version(), routing).map_err(|e| {
             EngineError::BadRequest(format!("{}: /generate answer: {e}", self.inner.opts.name))
         })
     }

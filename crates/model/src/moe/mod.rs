@@ -94,7 +94,12 @@ impl SparseMoe {
         let replayed = self.routing().replay_for(self.slot, n, self.top_k);
         let (mut top_p, top_i) = match replayed {
             Some(ids) => {
+                // A row of -1 (a token the rollout did not record) takes this router's
+                // own top-k.
                 let ids = ids.to_device(x.device());
+                let recorded = ids.ge(0).all_dim(-1, true);
+                let own = probs.topk(self.top_k, -1, true, true).1;
+                let ids = ids.where_self(&recorded, &own);
                 (probs.gather(1, &ids, false), ids)
             }
             None => probs.topk(self.top_k, -1, true, true),

@@ -30,7 +30,8 @@ impl CausalLm {
     /// (row-major over [B, T], or a paged call's tokens in order) to the experts in `ids`
     /// [N, sparse layers, k], with gate weights from this model's own router
     /// probabilities at those ids (so the router still gets a gradient). Recomputed
-    /// layers replay the same ids. `None` routes by this model's own top-k again.
+    /// layers replay the same ids; a token whose row holds -1 takes this model's own
+    /// top-k. `None` routes by this model's own top-k again.
     pub fn set_routing_replay(&self, ids: Option<Tensor>) {
         self.routing_lock().set_replay(ids);
     }

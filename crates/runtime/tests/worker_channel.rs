@@ -1,16 +1,16 @@
-//! The lean HTTP/2 channel under tonic's generated clients: unary calls (with and
-//! without the response spin, several at once), a client stream far larger than what
-//! it queues without flow control, gRPC errors passed through, and reconnection to a
-//! worker restarted on the same address.
+//! The channel `WorkerClient` gives every gRPC client of a worker: unary calls (one at a
+//! time and many at once), a client stream several times the HTTP/2 receive windows,
+//! gRPC errors passed through, a named error while the worker is down, and reconnection
+//! to a worker restarted on the same address; and the `Echo` and `IngestSamples` RPCs with
+//! the cluster token checked.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use manta_proto::cluster as cpb;
-use manta_proto::cluster::worker_client::WorkerClient;
+use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
 use manta_proto::common as pb;
-use manta_runtime::transport::{H2Channel, EAGER_BYTES};
-use manta_runtime::{serve, BearerToken, WorkerDaemon};
+use manta_runtime::{serve, AuthedChannel, BearerToken, WorkerClient, WorkerDaemon};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -40,11 +40,16 @@ async fn stop_server((stop, handle): Server) {
     handle.await.unwrap().unwrap();
 }
 
-type Rpc = WorkerClient<tonic::codegen::InterceptedService<H2Channel, BearerToken>>;
+/// hyper's HTTP/2 connection receive window, which tonic keeps: a stream past it must
+/// wait for window updates.
+const CONNECTION_WINDOW: usize = 5 * 1024 * 1024;
 
-fn client(channel: H2Channel) -> Rpc {
-    WorkerClient::with_interceptor(channel, BearerToken::new(TOKEN).unwrap())
-        .max_encoding_message_size(64 << 20)
+type Rpc = WorkerRpc<AuthedChannel>;
+
+/// The `Worker` service over `WorkerClient`'s own channel to `addr`, with `token`.
+fn client(addr: SocketAddr, token: &str) -> Rpc {
+    let worker = WorkerClient::new(&addr.to_string(), token).unwrap();
+    WorkerRpc::new(worker.channel()).max_encoding_message_size(64 << 20)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,10 +58,9 @@ async fn unary_calls_streams_errors_and_reconnects() {
     let addr = probe.local_addr().unwrap();
     drop(probe);
     let server = start_server(addr).await;
-    let channel = H2Channel::lazy(&addr.to_string(), Duration::from_secs(2)).unwrap();
-    let mut rpc = client(channel.clone());
+    let mut rpc = client(addr, TOKEN);
 
-    // Unary, one at a time, with the default spin and with none.
+    // Unary, one at a time.
     for sequence in 0..20u64 {
         let reply = rpc
             .echo(cpb::EchoRequest {
@@ -68,20 +72,6 @@ async fn unary_calls_streams_errors_and_reconnects() {
             .into_inner();
         assert_eq!((reply.sequence, reply.payload.len()), (sequence, 100));
     }
-    let mut no_spin = client(
-        H2Channel::lazy(&addr.to_string(), Duration::from_secs(2))
-            .unwrap()
-            .with_response_spin(Duration::ZERO),
-    );
-    let reply = no_spin
-        .echo(cpb::EchoRequest {
-            sequence: 9,
-            payload: vec![],
-        })
-        .await
-        .unwrap();
-    assert_eq!(reply.into_inner().sequence, 9);
-
     // Many calls in flight on one connection, each answered with its own payload.
     let calls = (0..64u64).map(|i| {
         let mut c = rpc.clone();
@@ -102,7 +92,7 @@ async fn unary_calls_streams_errors_and_reconnects() {
     got.sort_unstable();
     assert_eq!(got, (0..64).collect::<Vec<_>>());
 
-    // A client stream of ~13 MB: far past what goes out without flow control.
+    // A client stream of ~13 MB: past the receive windows, so flow control paces it.
     let samples: Vec<pb::Sample> = (0..200u64)
         .map(|i| pb::Sample {
             id: i,
@@ -113,7 +103,7 @@ async fn unary_calls_streams_errors_and_reconnects() {
         })
         .collect();
     let wire: usize = samples.iter().map(prost::Message::encoded_len).sum();
-    assert!(wire > 100 * EAGER_BYTES, "{wire}");
+    assert!(wire > 2 * CONNECTION_WINDOW, "{wire}");
     let reply = rpc
         .ingest_samples(futures::stream::iter(samples))
         .await
@@ -122,8 +112,7 @@ async fn unary_calls_streams_errors_and_reconnects() {
     assert_eq!((reply.samples, reply.tokens), (200, 2_000_000));
 
     // gRPC errors come through as statuses.
-    let mut wrong =
-        WorkerClient::with_interceptor(channel.clone(), BearerToken::new("nope").unwrap());
+    let mut wrong = client(addr, "nope");
     let status = wrong.echo(cpb::EchoRequest::default()).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unauthenticated);
 
@@ -165,5 +154,59 @@ async fn unary_calls_streams_errors_and_reconnects() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(answered, "the channel never reconnected");
+    stop_server(server).await;
+}
+
+/// The worker's `Echo` (through its echo actor) and `IngestSamples` RPCs on a plain tonic
+/// channel, with the cluster token checked.
+#[tokio::test]
+async fn echo_round_trips_and_ingest_counts_what_arrived() {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = probe.local_addr().unwrap();
+    drop(probe);
+    let server = start_server(addr).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let mut rpc = WorkerRpc::with_interceptor(channel.clone(), BearerToken::new(TOKEN).unwrap());
+
+    for sequence in [0u64, 7, 42] {
+        let reply = rpc
+            .echo(cpb::EchoRequest {
+                sequence,
+                payload: vec![sequence as u8; 3],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(reply.sequence, sequence);
+        assert_eq!(reply.payload, vec![sequence as u8; 3]);
+    }
+
+    let samples: Vec<pb::Sample> = (0..5u32)
+        .map(|i| pb::Sample {
+            id: i as u64,
+            tokens: vec![1; 10 + i as usize],
+            loss_mask: vec![1; 10 + i as usize],
+            rollout_log_probs: vec![-0.5; 4],
+            ..Default::default()
+        })
+        .collect();
+    let reply = rpc
+        .ingest_samples(futures::stream::iter(samples))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.samples, 5);
+    assert_eq!(reply.tokens, 10 + 11 + 12 + 13 + 14);
+    assert_eq!(reply.array_bytes, 4 * (2 * 60 + 5 * 4));
+
+    let mut wrong = WorkerRpc::with_interceptor(channel, BearerToken::new("nope").unwrap());
+    let err = wrong
+        .echo(cpb::EchoRequest::default())
+        .await
+        .expect_err("a wrong token must be refused");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+
     stop_server(server).await;
 }
