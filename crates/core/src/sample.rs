@@ -118,7 +118,7 @@ impl RoutedExperts {
     /// Checks the shape against a sample of `tokens` tokens; the message names the field.
     pub fn validate(&self, id: u64, tokens: usize) -> Result<(), String> {
         let per_row = (self.layers * self.top_k) as usize;
-        if per_row == 0 || self.ids.len() % per_row != 0 {
+        if per_row == 0 || !self.ids.len().is_multiple_of(per_row) {
             return Err(format!(
                 "sample {id}: routed_experts holds {} ids, not whole rows of {} layers x top-{}",
                 self.ids.len(),
