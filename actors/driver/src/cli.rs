@@ -208,6 +208,7 @@ impl TrainArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use manta_core::algo::{AdvantageEstimator, DecayStyle, KlType, TisMode};
 
     #[test]
     fn slime_loss_flags_reach_the_settings() {
@@ -234,15 +235,15 @@ mod tests {
         ])
         .unwrap();
         let s = cli.train.overrides().resolve();
-        assert_eq!(s.algo.advantage_estimator, "gspo");
+        assert_eq!(s.algo.advantage_estimator, AdvantageEstimator::Gspo);
         assert!(s.algo.use_kl_loss && s.algo.use_tis && !s.algo.use_opsm);
-        assert_eq!(s.algo.kl_loss_type, "low_var_kl");
-        assert_eq!(s.algo.tis_mode, "mask");
+        assert_eq!(s.algo.kl_loss_type, KlType::LowVarKl);
+        assert_eq!(s.algo.tis_mode, TisMode::Mask);
         assert_eq!(s.algo.entropy_coef, -0.001);
         assert_eq!(s.algo.num_steps_per_rollout, 2);
         assert_eq!(
-            (s.algo.lr_decay_style.as_str(), s.algo.min_lr),
-            ("cosine", 1e-7)
+            (s.algo.lr_decay_style, s.algo.min_lr),
+            (DecayStyle::Cosine, 1e-7)
         );
     }
 

@@ -202,12 +202,11 @@ pub fn check_true_on_policy(
     Ok(())
 }
 
-/// slime's loss and schedule flags for the trainer. The names were validated when the
-/// settings were resolved; an unknown one here falls back to slime's default.
+/// slime's loss and schedule flags for the trainer.
 pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
     let a = &settings.algo;
     let steps = a.num_steps_per_rollout.max(1);
-    let style: DecayStyle = a.lr_decay_style.parse().unwrap_or_default();
+    let style = a.lr_decay_style;
     let lr_schedule =
         (style != DecayStyle::Constant || a.lr_warmup_iters > 0).then(|| LrSchedule {
             max_lr: settings.lr,
@@ -218,17 +217,17 @@ pub fn algo_options(settings: &TrainSettings) -> AlgoOptions {
         });
     AlgoOptions {
         loss: LossOptions {
-            estimator: a.advantage_estimator.parse().unwrap_or_default(),
+            estimator: a.advantage_estimator,
             eps_clip_c: a.eps_clip_c,
             use_kl_loss: a.use_kl_loss,
             kl_loss_coef: a.kl_loss_coef,
-            kl_loss_type: a.kl_loss_type.parse().unwrap_or_default(),
+            kl_loss_type: a.kl_loss_type,
             use_unbiased_kl: a.use_unbiased_kl,
             entropy_coef: a.entropy_coef,
             use_tis: a.use_tis,
             tis_clip: a.tis_clip,
             tis_clip_low: a.tis_clip_low,
-            tis_mode: a.tis_mode.parse().unwrap_or_default(),
+            tis_mode: a.tis_mode,
             use_opsm: a.use_opsm,
             opsm_delta: a.opsm_delta,
             calculate_per_token_loss: a.calculate_per_token_loss,

@@ -535,8 +535,11 @@ mod tests {
         assert_eq!((s.save_interval, s.num_rollout), (10, 3000));
         assert_eq!((s.lr, s.weight_decay), (1e-5, 0.0));
         assert_eq!((s.adam_beta1, s.adam_beta2, s.adam_eps), (0.9, 0.999, 1e-8));
-        assert_eq!(s.algo.lr_decay_style, "cosine");
-        assert_eq!(s.algo.advantage_estimator, "grpo");
+        assert_eq!(s.algo.lr_decay_style, manta_core::algo::DecayStyle::Cosine);
+        assert_eq!(
+            s.algo.advantage_estimator,
+            manta_core::algo::AdvantageEstimator::Grpo
+        );
         assert_eq!(
             s.task_data.as_deref(),
             Some(std::path::Path::new("/data/tasks.jsonl"))

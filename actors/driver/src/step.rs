@@ -40,13 +40,10 @@ pub struct AdvantageSpec {
 }
 
 impl AdvantageSpec {
-    /// From resolved settings; an unknown estimator name is an error naming the flag.
+    /// From resolved settings.
     pub fn from_settings(algo: &manta_config::AlgoSettings) -> anyhow::Result<Self> {
         Ok(Self {
-            estimator: algo
-                .advantage_estimator
-                .parse()
-                .map_err(|e: String| anyhow::anyhow!("--advantage-estimator: {e}"))?,
+            estimator: algo.advantage_estimator,
             disable_std_normalization: algo.disable_grpo_std_normalization,
             normalize_advantages: algo.normalize_advantages,
         })

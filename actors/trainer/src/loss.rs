@@ -3,9 +3,6 @@
 //! reference, an entropy bonus, truncated importance sampling against the engine's
 //! log-probs, off-policy sequence masking, and the two aggregations.
 
-use std::fmt;
-use std::str::FromStr;
-
 use tch::{Kind, Tensor};
 
 /// Clip range of the importance ratio.
@@ -15,108 +12,7 @@ pub struct ClipRange {
     pub eps_clip_high: f64,
 }
 
-/// `--advantage-estimator`: how rewards become advantages and which policy loss applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub enum AdvantageEstimator {
-    /// Group-normalized rewards, token-level PPO-clip ratio.
-    #[default]
-    Grpo,
-    /// GRPO advantages, ratio from the sequence's mean log-ratio.
-    Gspo,
-    /// GRPO advantages, clipped ratio as a stop-gradient weight on log-probs.
-    Cispo,
-    /// Raw rewards (γ = 1, no KL reward penalty), usually with `--normalize-advantages`.
-    ReinforcePlusPlus,
-    /// Rewards minus the group mean, no std division.
-    ReinforcePlusPlusBaseline,
-}
-
-impl AdvantageEstimator {
-    pub const NAMES: &'static str =
-        "grpo, gspo, cispo, reinforce_plus_plus, reinforce_plus_plus_baseline";
-}
-
-impl FromStr for AdvantageEstimator {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "grpo" => Self::Grpo,
-            "gspo" => Self::Gspo,
-            "cispo" => Self::Cispo,
-            "reinforce_plus_plus" => Self::ReinforcePlusPlus,
-            "reinforce_plus_plus_baseline" => Self::ReinforcePlusPlusBaseline,
-            other => {
-                return Err(format!(
-                    "unknown advantage estimator {other:?}: expected one of {}",
-                    Self::NAMES
-                ))
-            }
-        })
-    }
-}
-
-impl fmt::Display for AdvantageEstimator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Grpo => "grpo",
-            Self::Gspo => "gspo",
-            Self::Cispo => "cispo",
-            Self::ReinforcePlusPlus => "reinforce_plus_plus",
-            Self::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
-        })
-    }
-}
-
-/// `--kl-loss-type`: the estimator of KL(π‖π_ref) from log-probs of sampled tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub enum KlType {
-    #[default]
-    K1,
-    K2,
-    K3,
-    /// k3 clamped to [-10, 10].
-    LowVarKl,
-}
-
-impl FromStr for KlType {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "k1" => Self::K1,
-            "k2" => Self::K2,
-            "k3" => Self::K3,
-            "low_var_kl" => Self::LowVarKl,
-            other => {
-                return Err(format!(
-                    "unknown KL loss type {other:?}: expected one of k1, k2, k3, low_var_kl"
-                ))
-            }
-        })
-    }
-}
-
-/// `--tis-mode`: what truncated importance sampling does outside `[tis_clip_low, tis_clip]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub enum TisMode {
-    /// Clamp the weight into the band (slime's `vanilla_tis_function`).
-    #[default]
-    Truncate,
-    /// Zero the token's weight (slime's `icepop_function`).
-    Mask,
-}
-
-impl FromStr for TisMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "truncate" => Ok(Self::Truncate),
-            "mask" => Ok(Self::Mask),
-            other => Err(format!(
-                "unknown TIS mode {other:?}: expected truncate or mask"
-            )),
-        }
-    }
-}
+pub use manta_core::algo::{AdvantageEstimator, KlType, TisMode};
 
 /// Everything about the loss beyond the clip range; defaults are slime's.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -3,41 +3,8 @@
 //! to `--min-lr` at the last optimizer step (`num_rollout × num_steps_per_rollout`).
 
 use std::f64::consts::PI;
-use std::fmt;
-use std::str::FromStr;
 
-/// `--lr-decay-style`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub enum DecayStyle {
-    #[default]
-    Constant,
-    Linear,
-    Cosine,
-}
-
-impl FromStr for DecayStyle {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "constant" => Ok(Self::Constant),
-            "linear" => Ok(Self::Linear),
-            "cosine" => Ok(Self::Cosine),
-            other => Err(format!(
-                "unknown LR decay style {other:?}: expected constant, linear or cosine"
-            )),
-        }
-    }
-}
-
-impl fmt::Display for DecayStyle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Constant => "constant",
-            Self::Linear => "linear",
-            Self::Cosine => "cosine",
-        })
-    }
-}
+pub use manta_core::algo::DecayStyle;
 
 /// The learning rate as a function of the optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]

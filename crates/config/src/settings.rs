@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use manta_core::algo::{AdvantageEstimator, DecayStyle, KlType, TisMode};
 use serde::{Deserialize, Serialize};
 
 use crate::checks;
@@ -144,8 +145,8 @@ pub struct TrainOverrides {
     pub wandb_run: Option<String>,
     /// How rewards become advantages, and the policy loss: grpo, gspo (sequence-level
     /// ratio), cispo, reinforce_plus_plus, reinforce_plus_plus_baseline [grpo].
-    #[arg(long)]
-    pub advantage_estimator: Option<String>,
+    #[arg(long, value_enum, hide_possible_values = true)]
+    pub advantage_estimator: Option<AdvantageEstimator>,
     /// Dual-clip bound (> 1) on the loss of negative-advantage tokens [off].
     #[arg(long)]
     pub eps_clip_c: Option<f64>,
@@ -156,8 +157,8 @@ pub struct TrainOverrides {
     #[arg(long)]
     pub kl_loss_coef: Option<f64>,
     /// KL estimator: k1, k2, k3, low_var_kl [k1].
-    #[arg(long)]
-    pub kl_loss_type: Option<String>,
+    #[arg(long, value_enum, hide_possible_values = true)]
+    pub kl_loss_type: Option<KlType>,
     /// Weight the KL estimate by the importance ratio π/π_old.
     #[arg(long, num_args = 0, default_missing_value = "true")]
     pub use_unbiased_kl: Option<bool>,
@@ -201,8 +202,8 @@ pub struct TrainOverrides {
     pub tis_clip_low: Option<f64>,
     /// truncate: clamp the TIS weight into the band; mask: zero tokens outside it
     /// (slime's icepop) [truncate].
-    #[arg(long)]
-    pub tis_mode: Option<String>,
+    #[arg(long, value_enum, hide_possible_values = true)]
+    pub tis_mode: Option<TisMode>,
     /// Off-policy sequence masking: drop negative-advantage samples whose mean
     /// log-ratio old/new exceeds --opsm-delta.
     #[arg(long, num_args = 0, default_missing_value = "true")]
@@ -223,8 +224,8 @@ pub struct TrainOverrides {
     #[arg(long)]
     pub global_batch_size: Option<usize>,
     /// LR decay over the run: constant, linear, cosine [constant].
-    #[arg(long)]
-    pub lr_decay_style: Option<String>,
+    #[arg(long, value_enum, hide_possible_values = true)]
+    pub lr_decay_style: Option<DecayStyle>,
     /// Optimizer steps of linear LR warmup from 0 [0].
     #[arg(long)]
     pub lr_warmup_iters: Option<u64>,
@@ -418,16 +419,16 @@ pub fn dynamic_sampling_filter_name(path: &str) -> Option<&'static str> {
         .find(|name| *name == short)
 }
 
-/// slime's algorithm flags, resolved. Names are slime's; enums stay strings here
-/// (validated against [`ADVANTAGE_ESTIMATORS`] etc.) and are parsed by the trainer.
+/// slime's algorithm flags, resolved. Names are slime's; the choices are
+/// [`manta_core::algo`]'s enums, as the trainer takes them.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct AlgoSettings {
-    pub advantage_estimator: String,
+    pub advantage_estimator: AdvantageEstimator,
     /// Dual-clip bound (> 1); `None` is off.
     pub eps_clip_c: Option<f64>,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
-    pub kl_loss_type: String,
+    pub kl_loss_type: KlType,
     pub use_unbiased_kl: bool,
     /// Frozen reference weights; `None` is the initial model.
     pub ref_load: Option<PathBuf>,
@@ -445,12 +446,12 @@ pub struct AlgoSettings {
     pub tis_clip: f64,
     pub tis_clip_low: f64,
     /// `truncate` (clamp the weight) or `mask` (zero tokens outside the band).
-    pub tis_mode: String,
+    pub tis_mode: TisMode,
     pub use_opsm: bool,
     pub opsm_delta: f64,
     pub calculate_per_token_loss: bool,
     pub num_steps_per_rollout: usize,
-    pub lr_decay_style: String,
+    pub lr_decay_style: DecayStyle,
     pub lr_warmup_iters: u64,
     pub min_lr: f64,
 }
@@ -460,18 +461,6 @@ const DEFAULT_ROLLOUT_BATCH_SIZE: usize = 32;
 /// The cookbook's samples per prompt.
 const DEFAULT_N_SAMPLES: usize = 16;
 
-/// Values of `--advantage-estimator`.
-pub const ADVANTAGE_ESTIMATORS: &[&str] = &[
-    "grpo",
-    "gspo",
-    "cispo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-];
-/// Values of `--kl-loss-type`.
-pub const KL_LOSS_TYPES: &[&str] = &["k1", "k2", "k3", "low_var_kl"];
-/// Values of `--tis-mode`.
-pub const TIS_MODES: &[&str] = &["truncate", "mask"];
 /// Values of `--recompute-granularity`. `selective` is Megatron's core-attention
 /// recompute: SDPA's flash kernels never store the attention matrix and recompute it in
 /// their backward pass anyway, so it recomputes no layer here.
@@ -480,8 +469,6 @@ pub const RECOMPUTE_GRANULARITIES: &[&str] = &["full", "selective"];
 pub const RECOMPUTE_METHODS: &[&str] = &["uniform", "block"];
 /// Values of `--zero-stage`.
 pub const ZERO_STAGES: &[u8] = &[2, 3];
-/// Values of `--lr-decay-style`.
-pub const LR_DECAY_STYLES: &[&str] = &["constant", "linear", "cosine"];
 
 impl TrainOverrides {
     /// `self` wins over `lower` key by key. The merge goes through the layers' serde
@@ -586,14 +573,6 @@ impl TrainOverrides {
             }
         }
         let choices = [
-            (
-                "advantage_estimator",
-                &self.advantage_estimator,
-                ADVANTAGE_ESTIMATORS,
-            ),
-            ("kl_loss_type", &self.kl_loss_type, KL_LOSS_TYPES),
-            ("tis_mode", &self.tis_mode, TIS_MODES),
-            ("lr_decay_style", &self.lr_decay_style, LR_DECAY_STYLES),
             (
                 "recompute_granularity",
                 &self.recompute_granularity,
@@ -892,11 +871,11 @@ impl TrainOverrides {
             wandb_project: self.wandb_project,
             wandb_run: self.wandb_run,
             algo: AlgoSettings {
-                advantage_estimator: self.advantage_estimator.unwrap_or_else(|| "grpo".into()),
+                advantage_estimator: self.advantage_estimator.unwrap_or_default(),
                 eps_clip_c: self.eps_clip_c,
                 use_kl_loss: self.use_kl_loss.unwrap_or(false),
                 kl_loss_coef: self.kl_loss_coef.unwrap_or(0.0),
-                kl_loss_type: self.kl_loss_type.unwrap_or_else(|| "k1".into()),
+                kl_loss_type: self.kl_loss_type.unwrap_or_default(),
                 use_unbiased_kl: self.use_unbiased_kl.unwrap_or(false),
                 ref_load: self.ref_load,
                 entropy_coef: self.entropy_coef.unwrap_or(0.0),
@@ -911,12 +890,12 @@ impl TrainOverrides {
                 use_tis: self.use_tis.unwrap_or(false),
                 tis_clip: self.tis_clip.unwrap_or(2.0),
                 tis_clip_low: self.tis_clip_low.unwrap_or(0.0),
-                tis_mode: self.tis_mode.unwrap_or_else(|| "truncate".into()),
+                tis_mode: self.tis_mode.unwrap_or_default(),
                 use_opsm: self.use_opsm.unwrap_or(false),
                 opsm_delta: self.opsm_delta.unwrap_or(1e-4),
                 calculate_per_token_loss: self.calculate_per_token_loss.unwrap_or(false),
                 num_steps_per_rollout,
-                lr_decay_style: self.lr_decay_style.unwrap_or_else(|| "constant".into()),
+                lr_decay_style: self.lr_decay_style.unwrap_or_default(),
                 lr_warmup_iters: self.lr_warmup_iters.unwrap_or(0),
                 min_lr: self.min_lr.unwrap_or(0.0),
             },

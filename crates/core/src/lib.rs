@@ -5,10 +5,12 @@
 //! is trained on by trainer actors together with its group advantage.
 
 pub mod advantage;
+pub mod algo;
 pub mod pyjson;
 pub mod sample;
 pub mod wire;
 
 pub use advantage::{group_advantages, whiten_over_tokens, AdvantageOptions};
+pub use algo::{AdvantageEstimator, DecayStyle, KlType, TisMode};
 pub use sample::{EpisodeMetadata, PrefixCacheUse, RoutedExperts, Sample, SampleStatus};
 pub use wire::WireError;
