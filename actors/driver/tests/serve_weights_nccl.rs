@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+#[path = "driver/common/mod.rs"]
 mod common;
 use common::serve::Server;
 

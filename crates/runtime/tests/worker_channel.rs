@@ -1,8 +1,7 @@
 //! The channel `WorkerClient` gives every gRPC client of a worker: unary calls (one at a
 //! time and many at once), a client stream several times the HTTP/2 receive windows,
 //! gRPC errors passed through, a named error while the worker is down, and reconnection
-//! to a worker restarted on the same address; and the `Echo` and `IngestSamples` RPCs with
-//! the cluster token checked.
+//! to a worker restarted on the same address.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -10,7 +9,7 @@ use std::time::Duration;
 use manta_proto::cluster as cpb;
 use manta_proto::cluster::worker_client::WorkerClient as WorkerRpc;
 use manta_proto::common as pb;
-use manta_runtime::{serve, AuthedChannel, BearerToken, WorkerClient, WorkerDaemon};
+use manta_runtime::{serve, AuthedChannel, WorkerClient, WorkerDaemon};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -154,59 +153,5 @@ async fn unary_calls_streams_errors_and_reconnects() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(answered, "the channel never reconnected");
-    stop_server(server).await;
-}
-
-/// The worker's `Echo` (through its echo actor) and `IngestSamples` RPCs on a plain tonic
-/// channel, with the cluster token checked.
-#[tokio::test]
-async fn echo_round_trips_and_ingest_counts_what_arrived() {
-    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = probe.local_addr().unwrap();
-    drop(probe);
-    let server = start_server(addr).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
-    let mut rpc = WorkerRpc::with_interceptor(channel.clone(), BearerToken::new(TOKEN).unwrap());
-
-    for sequence in [0u64, 7, 42] {
-        let reply = rpc
-            .echo(cpb::EchoRequest {
-                sequence,
-                payload: vec![sequence as u8; 3],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(reply.sequence, sequence);
-        assert_eq!(reply.payload, vec![sequence as u8; 3]);
-    }
-
-    let samples: Vec<pb::Sample> = (0..5u32)
-        .map(|i| pb::Sample {
-            id: i as u64,
-            tokens: vec![1; 10 + i as usize],
-            loss_mask: vec![1; 10 + i as usize],
-            rollout_log_probs: vec![-0.5; 4],
-            ..Default::default()
-        })
-        .collect();
-    let reply = rpc
-        .ingest_samples(futures::stream::iter(samples))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(reply.samples, 5);
-    assert_eq!(reply.tokens, 10 + 11 + 12 + 13 + 14);
-    assert_eq!(reply.array_bytes, 4 * (2 * 60 + 5 * 4));
-
-    let mut wrong = WorkerRpc::with_interceptor(channel, BearerToken::new("nope").unwrap());
-    let err = wrong
-        .echo(cpb::EchoRequest::default())
-        .await
-        .expect_err("a wrong token must be refused");
-    assert_eq!(err.code(), tonic::Code::Unauthenticated);
-
     stop_server(server).await;
 }

@@ -5,7 +5,7 @@
 //! driver trusting the worker's CA trains; one without it, or trusting another CA, is
 //! refused with an error that says why.
 
-mod common;
+use crate::common;
 
 use common::workers::{appending, spawn_listening, worker_command};
 use common::{free_port, free_ports, verified_versions, workspace, Worker};

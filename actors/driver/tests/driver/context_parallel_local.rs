@@ -9,7 +9,7 @@
 //! - the default local job (native engine) trains and syncs verified weights;
 //! - sizes the driver cannot run are refused by name, and `--help` explains the flag.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -2,7 +2,7 @@
 //! the weights file is torn in half, then the process aborts) leaves the previous
 //! checkpoint as `latest`, loadable, and the run resumes from it.
 
-mod common;
+use crate::common;
 
 use common::{debug_data, debug_train_args, workspace};
 use std::path::Path;

@@ -8,7 +8,7 @@
 //! NCCL ranks (`[trainer] gpus = [0, 1]`) need GPUs; here only their clear refusal
 //! without CUDA is checked.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

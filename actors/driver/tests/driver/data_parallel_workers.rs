@@ -18,7 +18,7 @@
 //!   is back and the run finishes by itself with an uninterrupted run's bits;
 //! - a bad placement is refused naming the file, the key and the value.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

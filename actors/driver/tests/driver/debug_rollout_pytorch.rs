@@ -6,7 +6,7 @@
 //! Qwen3-MoE models (transformers' `Qwen3MoeForCausalLM`) are checked the same way, with
 //! Megatron's load-balancing loss in the reference when `--moe-aux-loss-coeff` is set.
 
-mod common;
+use crate::common;
 
 use common::{debug_train_args, strings, workspace};
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! writes slime's per-step sample files; `--load-debug-rollout-data` trains from them with
 //! no engine: its rewards are the saved ones.
 
-mod common;
+use crate::common;
 
 use common::workspace;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! run evaluates every held-out task before training and after steps 2 and 4, reports
 //! `eval/` metrics at exactly those steps, and never trains on a held-out task.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! `driver generate` against Hugging Face: the real binary's greedy output on a small
 //! random Qwen3 checkpoint must equal transformers' `generate`, token for token.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -11,7 +11,7 @@
 //! - a missing shard, a shard of another step, a truncated weights file and an `--out`
 //!   that is not an export fail naming the file, and leave no export behind.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

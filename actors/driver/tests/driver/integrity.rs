@@ -4,7 +4,7 @@
 //! short for the prompts, a tampered checkpoint, the real `openreward` SDK server
 //! killed for good mid-run, and a server that accepts connections and never answers.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::net::TcpListener;

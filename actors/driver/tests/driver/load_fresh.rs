@@ -3,7 +3,7 @@
 //! and `--load` then resumes from its latest checkpoint, and `--num-rollout` is the
 //! run's total, so the resumed run trains only the steps after the checkpoint.
 
-mod common;
+use crate::common;
 
 use common::{assert_success, driver_run};
 use std::path::Path;

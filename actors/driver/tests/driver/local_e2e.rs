@@ -1,7 +1,7 @@
 //! End to end in local mode: the real `driver` binary trains the tiny model for 3
 //! steps against the built-in environment server, then resumes for a 4th.
 
-mod common;
+use crate::common;
 
 use common::{driver_ok as driver, workspace};
 use std::path::Path;

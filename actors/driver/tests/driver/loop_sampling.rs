@@ -5,7 +5,7 @@
 //! started during the previous step within the staleness bound, episodes that span a
 //! weight update going on with the new weights (partial rollouts).
 
-mod common;
+use crate::common;
 
 use common::workspace;
 use std::collections::{BTreeMap, BTreeSet};

@@ -2,7 +2,7 @@
 //! top-k, a dense layer among sparse ones, `decoder_sparse_step` 2): the real binary's
 //! greedy ids equal transformers' `generate` and its log-probs agree within 1e-3.
 
-mod common;
+use crate::common;
 
 use common::workspace;
 use std::process::Command;

@@ -4,7 +4,7 @@
 //! step → episode → turn → generate/tool_call trees, one trace per step. In remote mode
 //! the episodes run in a `worker` process and must still hang off the driver's step.
 
-mod common;
+use crate::common;
 
 use common::{workspace, Worker};
 use std::collections::{BTreeMap, HashMap};

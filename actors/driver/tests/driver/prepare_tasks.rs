@@ -2,7 +2,7 @@
 //! (`url: builtin`) and against the real `openreward` SDK server with an environment
 //! that refuses to list its tasks; then `driver --task-data` trains from the file.
 
-mod common;
+use crate::common;
 
 use common::sdk_server::SdkServer;
 use common::{python, workspace};

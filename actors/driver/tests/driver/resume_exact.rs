@@ -3,7 +3,7 @@
 //! from debug rollout data, so only trainer state (weights, AdamW moments, step count,
 //! LR schedule position) decides the outcome.
 
-mod common;
+use crate::common;
 
 use common::{debug_data, debug_train_args, driver_run, sorted_weights, strings};
 use std::path::Path;

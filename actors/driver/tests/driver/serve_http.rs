@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::Device;
 
-mod common;
+use crate::common;
 use common::serve::Server;
 
 fn tiny_assets() -> PathBuf {

@@ -6,7 +6,7 @@
 //! The tiny model is copied into each test's temp dir so the engine's command line
 //! (`--model-path <tmp>/model`) names that test alone: "no engine left" scans /proc for it.
 
-mod common;
+use crate::common;
 
 use common::Worker;
 use std::io::{BufRead, BufReader};

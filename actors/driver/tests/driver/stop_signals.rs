@@ -3,7 +3,7 @@
 //! on the built-in environment, and SIGTERM to a real `worker` in a remote run. While
 //! the run goes, `driver status` and the Prometheus endpoint answer with its facts.
 
-mod common;
+use crate::common;
 
 use common::sdk_server::SdkServer;
 use common::workers::{spawn_listening, worker_command};

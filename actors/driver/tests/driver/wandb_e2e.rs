@@ -1,7 +1,7 @@
 //! Weights & Biases: the real `driver` logs each step through the real `wandb` package
 //! (offline mode), and a missing Python or `wandb` never stops training.
 
-mod common;
+use crate::common;
 
 use common::workspace;
 use std::path::{Path, PathBuf};

@@ -14,7 +14,7 @@
 //!   the step before (version = step − 1).
 //! - Local: two in-process engines take the trainer's tensors each step.
 
-mod common;
+use crate::common;
 
 use common::workers::{appending, spawn_listening, worker_command};
 use common::{free_ports, workspace, Worker};

@@ -12,7 +12,7 @@
 //! A driver that asked rank 0 alone for ZeRO-3 weights would wait in the gather
 //! forever, so every run here has a deadline.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;
