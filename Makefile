@@ -22,6 +22,8 @@ export LD_LIBRARY_PATH = $(TORCH_LIB)$(if $(CALLER_LD_LIBRARY_PATH),:$(CALLER_LD
 export MANTA_PYTHON := $(VENV_PY)
 
 CARGO_TEST_FLAGS ?=
+# The sources of every binary target (their tests would not run: see `test`).
+BIN_SOURCES = bench/src/bin/*.rs actors/driver/src/main.rs actors/driver/src/worker_main.rs
 
 .PHONY: run test test-gpu setup build lint fmt clean-runs help
 
@@ -53,7 +55,11 @@ test: setup
 	$(VENV_PY) tools/check_layers.py
 	$(VENV_PY) tools/test_check_modules.py
 	$(VENV_PY) tools/check_modules.py
-	cargo test --workspace $(CARGO_TEST_FLAGS)
+	@# Unit tests live in the libraries: a binary's own test harness (14 of them, each a
+	@# full link) would run nothing, and no doc comment holds an example to run.
+	@if grep -lE '#\[(tokio::)?test|#\[cfg\(test\)\]' $(BIN_SOURCES); then \
+		echo "error: the files above hold unit tests, which 'make test' does not build in a binary: move them into the crate's library"; exit 1; fi
+	cargo test --workspace --lib --test '*' $(CARGO_TEST_FLAGS)
 
 # On the GPU node, with bin/tests built here by `bench/run_gpu_tests.sh build` and carried
 # there; fails when no GPU is visible.
